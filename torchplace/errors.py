@@ -1,0 +1,56 @@
+"""Exception types. Every error a user can cause is one of these, with a message that says what to do.
+
+All derive from :class:`TorchplaceError`, so ``except torchplace.TorchplaceError`` catches them all.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "TorchplaceError",
+    "TraceError",
+    "InfeasibleError",
+    "InvalidPlanError",
+    "WorkloadFormatError",
+    "TooManyIdealsError",
+    "StageError",
+]
+
+
+class TorchplaceError(Exception):
+    """Base class of every torchplace error."""
+
+
+class TraceError(TorchplaceError):
+    """The model could not be traced into a graph (names the failing module and what to try)."""
+
+
+class InfeasibleError(TorchplaceError):
+    """No placement satisfies the constraints (memory, supported devices, colocation).
+
+    Attributes:
+        min_memory_bytes: the smallest per-device memory that would make the problem feasible,
+            when it is known (``None`` otherwise).
+    """
+
+    def __init__(self, message: str, min_memory_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class InvalidPlanError(TorchplaceError, ValueError):
+    """A plan breaks coverage, memory, colocation, support or acyclicity of its stages."""
+
+
+class WorkloadFormatError(TorchplaceError, ValueError):
+    """An input file (workload JSON, plan JSON) is malformed; the message names the field."""
+
+
+class TooManyIdealsError(TorchplaceError):
+    """The graph has more ideals than the configured limit of an ideals-based solver."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class StageError(TorchplaceError, RuntimeError):
+    """A pipeline stage raised while running; the original exception is chained as ``__cause__``."""
