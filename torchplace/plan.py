@@ -1,0 +1,285 @@
+"""Plan: where every node runs, in which stage order, what it costs and how far from optimal.
+
+Solvers build plans with :meth:`Plan.build`, which evaluates the stages with the one cost model
+(:mod:`torchplace.costmodel`) and validates them, so a plan's objective is always the cost model's
+value and a plan that breaks a constraint never leaves a solver.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import networkx as nx
+
+from torchplace import costmodel
+from torchplace.costmodel import StageCost
+from torchplace.errors import InvalidPlanError, WorkloadFormatError
+from torchplace.problem import Problem
+
+__all__ = ["Stage", "Plan", "is_contiguous"]
+
+_FORMAT = "torchplace.plan/1"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A piece of the graph run by one device; stages run in plan order."""
+
+    device: str
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    """A placement and its certificate.
+
+    Attributes:
+        stages: ordered stages; every node's inputs come from its own or an earlier stage.
+        objective: cost-model value (max device load, seconds per sample, for throughput).
+        lower_bound: a proven lower bound on the optimal objective.
+        solver: name of the algorithm that produced the plan.
+        seconds: wall time the solver took.
+        status: ``"optimal"`` (proven), ``"feasible"`` (no proof) or ``"time_limit"``.
+        costs: per-device cost breakdown from the cost model.
+    """
+
+    stages: list[Stage]
+    objective: float
+    lower_bound: float
+    solver: str
+    seconds: float
+    status: str = "optimal"
+    costs: list[StageCost] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        problem: Problem,
+        stages: Sequence[Stage],
+        *,
+        solver: str,
+        seconds: float,
+        lower_bound: float,
+        status: str = "optimal",
+        meta: Mapping[str, Any] | None = None,
+    ) -> Plan:
+        """Evaluate ``stages`` with the cost model, validate them, and wrap them in a Plan."""
+        objective, costs = costmodel.evaluate_stages(problem, stages)
+        plan = cls(list(stages), objective, min(lower_bound, objective), solver, seconds, status, costs, dict(meta or {}))
+        plan.validate(problem)
+        return plan
+
+    # -- views -----------------------------------------------------------------------------------
+    @property
+    def assignment(self) -> dict[str, str]:
+        """node id -> device name."""
+        return {v: s.device for s in self.stages for v in s.nodes}
+
+    @property
+    def gap(self) -> float:
+        """Relative gap ``(objective - lower_bound) / objective`` (0 when proven optimal)."""
+        if self.objective == 0:
+            return 0.0
+        return max(0.0, (self.objective - self.lower_bound) / self.objective)
+
+    def device_map(self, problem: Problem) -> dict[str, str]:
+        """Where each module's weights live, in accelerate's ``device_map`` form.
+
+        Each parameter-holding node contributes ``module path -> device``; a module whose
+        parameter-holding descendants all share one device is reported once, at the highest
+        such level (``{"": "cpu:0"}`` when everything is on one device).
+        """
+        owners: dict[str, set[str]] = defaultdict(set)
+        for v, dev in self.assignment.items():
+            r = problem.graph.record(v)
+            if r.param_bytes > 0:
+                path = r.module
+                while True:
+                    owners[path].add(dev)
+                    if not path:
+                        break
+                    path = path.rpartition(".")[0]
+        out: dict[str, str] = {}
+
+        def visit(path: str) -> None:
+            if len(owners[path]) == 1:
+                out[path] = next(iter(owners[path]))
+                return
+            for child in sorted(c for c in owners if c and c.rpartition(".")[0] == path):
+                visit(child)
+
+        if owners:
+            visit("")
+        return out
+
+    # -- checking --------------------------------------------------------------------------------
+    def validate(self, problem: Problem) -> None:
+        """Reject a plan that misses or repeats a node, uses an unknown device, runs a node where it
+        cannot run, breaks a memory limit or colocation, breaks contiguity when the problem asks for
+        it, or whose stage order is not a topological order of the stage graph.
+
+        Raises:
+            InvalidPlanError: naming the first broken constraint and the values involved.
+        """
+        g = problem.graph
+        assignment = _check_coverage(self.stages, g)
+        devices = {d.name: d for d in problem.cluster.devices}
+        per_device: dict[str, list[str]] = defaultdict(list)
+        for v, dev in assignment.items():
+            if dev not in devices:
+                raise InvalidPlanError(f"node {v!r} is placed on unknown device {dev!r}; devices: {sorted(devices)}")
+            if math.isinf(problem.node_time(v, devices[dev])):
+                raise InvalidPlanError(
+                    f"node {v!r} cannot run on {dev!r} (kind {devices[dev].kind!r}); "
+                    f"it has times for {sorted(g.record(v).times)}"
+                )
+            per_device[dev].append(v)
+        for dev, nodes in per_device.items():
+            cap = devices[dev].memory_bytes
+            used = costmodel.memory(problem, nodes)
+            if cap is not None and used > cap:
+                raise InvalidPlanError(f"device {dev!r} needs {used} bytes but has {cap}")
+        _check_colocation(g, assignment)
+        if problem.contiguous:
+            _check_contiguity(problem, per_device)
+        _check_stage_order(self.stages, g)
+
+    # -- text and JSON -------------------------------------------------------------------------
+    def __str__(self) -> str:
+        head = (
+            f"Plan by {self.solver} ({self.status}) in {self.seconds:.3g} s: objective {self.objective:.6g}, "
+            f"lower bound {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"
+        )
+        rows = [("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load")]
+        cost_of = {c.device: c for c in self.costs}
+        for i, s in enumerate(self.stages):
+            c = cost_of.get(s.device)
+            if c is None:
+                continue
+            rows.append((str(i), s.device, str(len(s.nodes)), f"{c.compute:.6g}", f"{c.transfer_in:.6g}",
+                         f"{c.transfer_out:.6g}", _fmt_bytes(c.memory), f"{c.load:.6g}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
+        if len({s.device for s in self.stages}) < len(self.stages):
+            lines.append("(a device with several stages shows its whole load on each of its stages)")
+        return "\n".join([head, *lines])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "objective": self.objective,
+            "lower_bound": self.lower_bound,
+            "gap": self.gap,
+            "solver": self.solver,
+            "seconds": self.seconds,
+            "status": self.status,
+            "assignment": self.assignment,
+            "stages": [{"device": s.device, "nodes": list(s.nodes)} for s in self.stages],
+            "costs": [asdict(c) for c in self.costs],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        if data.get("format") != _FORMAT:
+            raise WorkloadFormatError(f"not a plan file: field 'format' is {data.get('format')!r}, expected {_FORMAT!r}")
+        try:
+            return cls(
+                stages=[Stage(s["device"], tuple(s["nodes"])) for s in data["stages"]],
+                objective=float(data["objective"]),
+                lower_bound=float(data["lower_bound"]),
+                solver=str(data["solver"]),
+                seconds=float(data["seconds"]),
+                status=str(data["status"]),
+                costs=[StageCost(**c) for c in data.get("costs", [])],
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise WorkloadFormatError(f"plan file is malformed: {e!r}") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_coverage(stages: Sequence[Stage], g: Any) -> dict[str, str]:
+    assignment: dict[str, str] = {}
+    for s in stages:
+        for v in s.nodes:
+            if v in assignment:
+                raise InvalidPlanError(f"node {v!r} is in two stages (devices {assignment[v]!r} and {s.device!r})")
+            if v not in g:
+                raise InvalidPlanError(f"plan places {v!r}, which is not a node of the graph")
+            assignment[v] = s.device
+    missing = [v for v in g if v not in assignment]
+    if missing:
+        raise InvalidPlanError(f"{len(missing)} node(s) are not placed, e.g. {missing[:5]}")
+    return assignment
+
+
+def _check_colocation(g: Any, assignment: Mapping[str, str]) -> None:
+    seen: dict[str, tuple[str, str]] = {}
+    for v, r in g.records():
+        if r.colocation is None:
+            continue
+        if r.colocation in seen and seen[r.colocation][1] != assignment[v]:
+            other, dev = seen[r.colocation]
+            raise InvalidPlanError(
+                f"colocation group {r.colocation!r} is split: {other!r} on {dev!r}, {v!r} on {assignment[v]!r}"
+            )
+        seen.setdefault(r.colocation, (v, assignment[v]))
+
+
+def is_contiguous(g: Any, nodes: set[str]) -> bool:
+    """Tarnawski Def. 3.1: no path leaves ``nodes`` and comes back."""
+    frontier = [w for v in nodes for w in g.successors(v) if w not in nodes]
+    seen = set(frontier)
+    while frontier:
+        x = frontier.pop()
+        for w in g.successors(x):
+            if w in nodes:
+                return False
+            if w not in seen:
+                seen.add(w)
+                frontier.append(w)
+    return True
+
+
+def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> None:
+    """Each device's forward part and backward part must be contiguous (Tarnawski Sec. 5.3)."""
+    g = problem.graph
+    for dev, nodes in per_device.items():
+        for backward in (False, True):
+            part = {v for v in nodes if g.record(v).backward == backward}
+            if part and not is_contiguous(g, part):
+                side = "backward" if backward else "forward"
+                raise InvalidPlanError(f"the {side} nodes on {dev!r} are not contiguous (Tarnawski Def. 3.1)")
+
+
+def _check_stage_order(stages: Sequence[Stage], g: Any) -> None:
+    stage_of = {v: i for i, s in enumerate(stages) for v in s.nodes}
+    for u, v in g.edges:
+        if stage_of[u] > stage_of[v]:
+            raise InvalidPlanError(
+                f"edge {u!r} -> {v!r} goes from stage {stage_of[u]} back to stage {stage_of[v]}: "
+                "stages must be in an order where inputs come from the same or earlier stages"
+            )
+    quotient = nx.DiGraph((stage_of[u], stage_of[v]) for u, v in g.edges if stage_of[u] != stage_of[v])
+    if not nx.is_directed_acyclic_graph(quotient):
+        raise InvalidPlanError(f"stages form a cycle: {nx.find_cycle(quotient)}")

@@ -1,0 +1,118 @@
+"""Contract a training or inference graph into the forward DAG the ideals DP works on.
+
+Tarnawski et al. 2020, App. E.1 ("DP preprocessing"):
+
+1. contract the forward nodes and the backward nodes of every colocation class separately;
+2. give every *orphaned* backward group (one whose class has no forward node) an artificial
+   forward image, and tie the images with mirrored edges: for a backward edge ``u' -> v'`` with an
+   orphaned end, add the forward edge ``image(v') -> image(u')``;
+3. contract the strongly connected components of the forward graph (a colocation-respecting
+   contiguous split keeps each of them on one device), merging their classes, and repeat.
+
+Every forward supernode then carries its backward sibling, so a contiguous set of forward
+supernodes places the matching backward nodes with it (Sec. 5.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from torchplace.errors import InvalidPlanError
+from torchplace.graph import OpGraph
+
+__all__ = ["Supernode", "Contraction", "contract"]
+
+
+@dataclass(frozen=True)
+class Supernode:
+    """A forward group and its backward sibling (either may be empty)."""
+
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """Forward supernodes in topological order and the DAG edges between them (by index)."""
+
+    nodes: tuple[Supernode, ...]
+    edges: tuple[tuple[int, int], ...]
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: str, b: str) -> bool:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return False
+        self.parent[max(ra, rb)] = min(ra, rb)
+        return True
+
+
+def _base_class(g: OpGraph, v: str) -> str:
+    c = g.record(v).colocation
+    return f"c:{c}" if c is not None else f"n:{v}"
+
+
+def _check_no_backward_to_forward(g: OpGraph) -> None:
+    for u, v in g.edges:
+        if g.record(u).backward and not g.record(v).backward:
+            raise InvalidPlanError(f"edge {u!r} -> {v!r} goes from a backward node to a forward node")
+
+
+def _forward_graph(g: OpGraph, cls: _UnionFind) -> nx.DiGraph:
+    """Forward groups (by class) with real forward edges plus mirrored edges for orphans."""
+    fg = nx.DiGraph()
+    fg.add_nodes_from(cls.find(_base_class(g, v)) for v, r in g.records() if not r.backward)
+    orphan = {cls.find(_base_class(g, v)) for v, r in g.records() if r.backward} - set(fg)
+    fg.add_nodes_from(sorted(orphan))  # artificial forward images
+    for u, v in g.edges:
+        cu, cv = cls.find(_base_class(g, u)), cls.find(_base_class(g, v))
+        if cu == cv:
+            continue
+        bu, bv = g.record(u).backward, g.record(v).backward
+        if not bu and not bv:
+            fg.add_edge(cu, cv)
+        elif bu and bv and (cu in orphan or cv in orphan):
+            fg.add_edge(cv, cu)  # mirror image of the backward edge
+    return fg
+
+
+def contract(g: OpGraph) -> Contraction:
+    """Contract ``g`` as in Tarnawski App. E.1; see the module docstring."""
+    _check_no_backward_to_forward(g)
+    cls = _UnionFind()
+    while True:
+        fg = _forward_graph(g, cls)
+        merged = False
+        for scc in nx.strongly_connected_components(fg):
+            first, *rest = sorted(scc)
+            for c in rest:
+                merged |= cls.union(first, c)
+        if not merged:
+            break
+    order_index = {v: i for i, v in enumerate(g.topological_order())}
+    fw: dict[str, list[str]] = {c: [] for c in fg}
+    bw: dict[str, list[str]] = {c: [] for c in fg}
+    for v in order_index:
+        (bw if g.record(v).backward else fw)[cls.find(_base_class(g, v))].append(v)
+    first_pos = {c: min((order_index[v] for v in fw[c] + bw[c]), default=-1) for c in fg}
+    order = list(nx.lexicographical_topological_sort(fg, key=lambda c: (first_pos[c], c)))
+    index = {c: i for i, c in enumerate(order)}
+    nodes = tuple(Supernode(tuple(fw[c]), tuple(bw[c])) for c in order)
+    edges = tuple(sorted((index[a], index[b]) for a, b in fg.edges))
+    return Contraction(nodes, edges)

@@ -1,0 +1,224 @@
+"""The ideals DP for min max-load contiguous splits (Tarnawski et al. 2020, Sec. 5.1.1, 5.3, App. E).
+
+    dp[s][I] = min over device classes c with s_c > 0, ideals I' <= I of
+               max(dp[s - e_c][I'], cost_c(I \\ I'))
+
+where ``s`` counts the devices of each class still unused (the paper's (k', l') for accelerators
+and CPUs, generalised to any number of classes of identical devices) and ``I' = I`` means "leave
+this device empty". Training graphs are handled by running the DP on the forward part with each
+forward supernode carrying its backward sibling (Sec. 5.3, App. E.1; see ``contract``).
+
+All pair costs are computed at once with numpy. For nested sets ``I' <= I`` and ``S = I \\ I'``,
+a producer ``u`` (with ``M(u) = {u} + succ(u)``) pays its transfer iff ``M(u)`` is partly in ``S``.
+Writing ``K[J, u] = |M(u) & J|`` and ``P(J) = {u : 0 < K[J, u] < |M(u)|}`` (the frontier of ``J``),
+
+    comm(I \\ I') = B(I') + sum_{u in P(I)} c_u ([K[I', u] = 0] - [K[I', u] = K[I, u]])
+
+with ``B(J) = sum_{u in P(J)} c_u``, so each pair costs O(|frontier of I|) instead of O(|V| + |E|).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from torchplace.errors import InfeasibleError
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+from torchplace.solvers.bounds import simple_lower_bound
+from torchplace.solvers.contract import Contraction, contract
+from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
+from torchplace.solvers.ordering import order_stages
+
+__all__ = ["solve", "DeviceClass", "device_classes"]
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """Identical devices: same kind, memory and transfer rule."""
+
+    kind: str
+    memory: int | None
+    pays_transfer: bool
+    devices: tuple[str, ...]
+
+
+def device_classes(problem: Problem) -> list[DeviceClass]:
+    """Group the cluster's devices into classes of identical devices, in first-seen order."""
+    groups: dict[tuple[str, int | None, bool], list[str]] = {}
+    for d in problem.cluster.devices:
+        groups.setdefault((d.kind, d.memory_bytes, d.pays_transfer), []).append(d.name)
+    return [DeviceClass(k, m, p, tuple(names)) for (k, m, p), names in groups.items()]
+
+
+class _PairCosts:
+    """Cost of every contiguous set ``I \\ I'`` on every device class, as flat arrays over pairs."""
+
+    def __init__(self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass]):
+        self.problem, self.con, self.ideals = problem, con, ideals
+        n_ideals = len(ideals)
+        self.owner = np.repeat(np.arange(n_ideals), np.diff(ideals.sub_indptr))  # I of each pair
+        self.sub = ideals.sub_index  # I' of each pair
+        x = ideals.membership.astype(np.float64)
+        self.comm = self._comm()
+        self.costs = [self._class_cost(c, x) for c in classes]
+
+    def _super_sum(self, values: dict[str, float]) -> np.ndarray:
+        return np.array([math.fsum(values[v] for v in s.members) for s in self.con.nodes])
+
+    def _diff(self, x: np.ndarray, per_super: np.ndarray) -> np.ndarray:
+        prefix = x @ per_super
+        return prefix[self.owner] - prefix[self.sub]
+
+    def _class_cost(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
+        g = self.problem.graph
+        t = self._super_sum({v: (r.times.get(c.kind, 0.0)) for v, r in g.records()})
+        bad = self._super_sum({v: float(c.kind not in r.times) for v, r in g.records()})
+        cost = self._diff(x, t)
+        if c.pays_transfer:
+            cost = cost + self.comm
+        infeasible = self._diff(x, bad) > 0.5
+        if c.memory is not None:
+            mem = self._super_sum({v: float(r.param_bytes + r.temp_bytes) for v, r in g.records()})
+            infeasible |= self._diff(x, mem) > c.memory
+        cost[infeasible] = math.inf
+        cost[self.owner == self.sub] = 0.0  # an empty device costs nothing
+        return cost
+
+    def _frontier_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """K (ideals x producers), |M(u)| and c_u for producers with a transfer cost."""
+        g, p = self.problem.graph, self.problem
+        super_of = {v: i for i, s in enumerate(self.con.nodes) for v in s.members}
+        producers = [u for u in g if p.transfer_time(u) > 0 and any(True for _ in g.successors(u))]
+        w = np.zeros((len(self.con.nodes), len(producers)), dtype=np.float32)
+        size = np.zeros(len(producers), dtype=np.int32)
+        for j, u in enumerate(producers):
+            for m in (u, *g.successors(u)):
+                w[super_of[m], j] += 1
+                size[j] += 1
+        k = np.rint(self.ideals.membership.astype(np.float32) @ w).astype(np.int32)
+        c = np.array([p.transfer_time(u) for u in producers], dtype=np.float64)
+        return k, size, c
+
+    def _comm(self) -> np.ndarray:
+        k, size, c = self._frontier_counts()
+        partial = (k > 0) & (k < size)
+        b = partial.astype(np.float64) @ c
+        out = np.empty(self.sub.size, dtype=np.float64)
+        indptr = self.ideals.sub_indptr
+        for i in range(len(self.ideals)):
+            lo, hi = indptr[i], indptr[i + 1]
+            subs = self.sub[lo:hi]
+            f = np.flatnonzero(partial[i])
+            ks = k[np.ix_(subs, f)]
+            out[lo:hi] = b[subs] + ((ks == 0).astype(np.float64) - (ks == k[i, f])) @ c[f]
+        return out
+
+
+def _states(counts: Sequence[int]) -> list[tuple[int, ...]]:
+    return sorted(itertools.product(*(range(n + 1) for n in counts)), key=sum)
+
+
+def _run_dp(pc: _PairCosts, counts: Sequence[int]) -> dict[tuple[int, ...], np.ndarray]:
+    n = len(pc.ideals)
+    starts = pc.ideals.sub_indptr[:-1]
+    full = tuple(counts)
+    dp: dict[tuple[int, ...], np.ndarray] = {}
+    for s in _states(counts):
+        if not any(s):
+            dp[s] = np.full(n, math.inf)
+            dp[s][0] = 0.0
+            continue
+        best = np.full(n, math.inf)
+        for c, cost in enumerate(pc.costs):
+            if s[c] == 0:
+                continue
+            prev = dp[s[:c] + (s[c] - 1,) + s[c + 1:]]
+            if s == full:  # only the whole graph matters in the last state
+                lo, hi = pc.ideals.sub_indptr[-2], pc.ideals.sub_indptr[-1]
+                best[-1] = min(best[-1], np.maximum(prev[pc.sub[lo:hi]], cost[lo:hi]).min())
+            else:
+                best = np.minimum(best, np.minimum.reduceat(np.maximum(prev[pc.sub], cost), starts))
+        dp[s] = best
+    return dp
+
+
+def _backtrack(pc: _PairCosts, dp: dict[tuple[int, ...], np.ndarray], counts: Sequence[int]):
+    """Pieces (class index, forward-supernode indices) from the first to the last."""
+    s, i = tuple(counts), len(pc.ideals) - 1
+    target = dp[s][i]
+    pieces: list[tuple[int, list[int]]] = []
+    while i != 0:
+        lo, hi = pc.ideals.sub_indptr[i], pc.ideals.sub_indptr[i + 1]
+        for c, cost in enumerate(pc.costs):
+            if s[c] == 0:
+                continue
+            prev_s = s[:c] + (s[c] - 1,) + s[c + 1:]
+            cand = np.maximum(dp[prev_s][pc.sub[lo:hi]], cost[lo:hi])
+            hits = np.flatnonzero(cand <= target)
+            if hits.size:
+                j = int(pc.sub[lo + hits[0]])
+                if j != i:
+                    diff = pc.ideals.membership[i] & ~pc.ideals.membership[j]
+                    pieces.append((c, np.flatnonzero(diff).tolist()))
+                s, i = prev_s, j
+                break
+        else:  # pragma: no cover - dp values always come from some candidate
+            raise AssertionError("DP backtrack found no candidate")
+    return pieces[::-1]
+
+
+def _pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) -> list[Stage]:
+    used = [0] * len(classes)
+    stages: list[Stage] = []
+    for c, supers in pieces:
+        device = classes[c].devices[used[c]]
+        used[c] += 1
+        fw = tuple(v for i in supers for v in con.nodes[i].forward)
+        bw = tuple(v for i in supers for v in con.nodes[i].backward)
+        stages += [Stage(device, part) for part in (fw, bw) if part]
+    return stages
+
+
+def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT) -> Plan:
+    """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
+
+    Args:
+        problem: a throughput problem; devices are grouped into classes of identical devices.
+        ideal_limit: stop with TooManyIdealsError past this many ideals.
+
+    Returns:
+        A Plan whose objective is the optimal max-load among contiguous splits (status
+        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds`.
+
+    Raises:
+        TooManyIdealsError: if the forward graph has more than ``ideal_limit`` ideals.
+        InfeasibleError: if no contiguous split fits (memory, supported devices).
+    """
+    t0 = time.perf_counter()
+    con = contract(problem.graph)
+    ideals = enumerate_ideals(len(con.nodes), con.edges, ideal_limit)
+    classes = device_classes(problem)
+    counts = [len(c.devices) for c in classes]
+    pc = _PairCosts(problem, con, ideals, classes)
+    dp = _run_dp(pc, counts)
+    best = float(dp[tuple(counts)][-1])
+    if math.isinf(best):
+        raise InfeasibleError(
+            "no contiguous split fits the devices' memory and supported operators; "
+            "add devices, raise max_memory, or allow CPU placement"
+        )
+    stages = order_stages(problem.graph, _pieces_to_stages(con, classes, _backtrack(pc, dp, counts)))
+    plan = Plan.build(
+        problem, stages, solver="dp", seconds=time.perf_counter() - t0,
+        lower_bound=simple_lower_bound(problem), status="optimal",
+        meta={"ideals": len(ideals), "ideal_pairs": ideals.pairs, "dp_value": best, "contiguous": True},
+    )
+    if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
+        raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
+    plan.seconds = time.perf_counter() - t0
+    return plan

@@ -1,0 +1,115 @@
+"""Ideals (downward-closed sets) of a DAG, and which ideals contain which.
+
+Tarnawski et al. 2020, Sec. 5.1.1, Def. 5.1: ``I`` is an ideal if ``v in I`` and ``(u, v) in E``
+imply ``u in I``. Every contiguous set is ``I \\ I'`` for ideals ``I' <= I`` (Fact 5.2), so the
+pairs ``(I, I')`` enumerate the contiguous sets a device may hold.
+
+Ideals are Python ints used as bitsets over nodes ``0..n-1``; they are listed level by level
+(by size), so every proper sub-ideal of an ideal comes before it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from torchplace.errors import TooManyIdealsError
+
+__all__ = ["Ideals", "enumerate_ideals", "DEFAULT_IDEAL_LIMIT"]
+
+DEFAULT_IDEAL_LIMIT = 20_000
+
+
+@dataclass(frozen=True)
+class Ideals:
+    """All ideals of a DAG.
+
+    Attributes:
+        sets: bitsets, ordered by size; ``sets[0]`` is empty and ``sets[-1]`` is everything.
+        membership: bool matrix ``(len(sets), n)``.
+        sub_indptr, sub_index: CSR lists of sub-ideals: the ideals ``J <= sets[i]`` (``i`` itself
+            included, last) are ``sub_index[sub_indptr[i]:sub_indptr[i+1]]``.
+    """
+
+    sets: list[int]
+    membership: np.ndarray
+    sub_indptr: np.ndarray
+    sub_index: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+    @property
+    def pairs(self) -> int:
+        return int(self.sub_index.size)
+
+
+def _levels(n: int, preds: Sequence[int], limit: int) -> tuple[list[int], list[list[int]]]:
+    """Grow ideals one node at a time; return them and each ideal's immediate sub-ideals."""
+    sets = [0]
+    index = {0: 0}
+    immediate: list[list[int]] = [[]]
+    level = [0]
+    while level:
+        nxt: list[int] = []
+        for ideal in level:
+            me = index[ideal]
+            for v in range(n):
+                bit = 1 << v
+                if ideal & bit or preds[v] & ~ideal:
+                    continue
+                grown = ideal | bit
+                j = index.get(grown)
+                if j is None:
+                    j = index[grown] = len(sets)
+                    if j >= limit:
+                        raise TooManyIdealsError(
+                            f"the graph has more than {limit} ideals, too many for the exact DP; raise "
+                            "ideal_limit=, coarsen the graph (granularity='module' with leaf_modules=), "
+                            "or use a heuristic solver",
+                            limit,
+                        )
+                    sets.append(grown)
+                    immediate.append([])
+                    nxt.append(grown)
+                immediate[j].append(me)
+        level = nxt
+    return sets, immediate
+
+
+def _closure(immediate: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Transitive, reflexive closure of the immediate-sub relation, as CSR (self last)."""
+    below: list[int] = []
+    indptr = [0]
+    chunks: list[np.ndarray] = []
+    for i, subs in enumerate(immediate):
+        mask = 0
+        for j in subs:
+            mask |= below[j] | (1 << j)
+        below.append(mask)
+        nbytes = (i + 8) // 8
+        bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
+        idx = np.flatnonzero(bits).astype(np.int32)
+        chunks.append(np.append(idx, np.int32(i)))
+        indptr.append(indptr[-1] + idx.size + 1)
+    return np.asarray(indptr, dtype=np.int64), np.concatenate(chunks)
+
+
+def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT) -> Ideals:
+    """All ideals of the DAG on nodes ``0..n-1`` with ``edges``.
+
+    Raises:
+        TooManyIdealsError: if there are more than ``limit`` ideals.
+    """
+    preds = [0] * n
+    for u, v in edges:
+        preds[v] |= 1 << u
+    sets, immediate = _levels(n, preds, limit)
+    membership = np.zeros((len(sets), n), dtype=bool)
+    for i, s in enumerate(sets):
+        if s:
+            bits = np.unpackbits(np.frombuffer(s.to_bytes((n + 7) // 8, "little"), dtype=np.uint8), bitorder="little")
+            membership[i] = bits[:n].astype(bool)
+    indptr, index = _closure(immediate)
+    return Ideals(sets, membership, indptr, index)
