@@ -1,0 +1,135 @@
+"""Small example models for tests, benchmarks and the CLI (``torchplace plan MODEL``).
+
+Every builder returns ``(model, example_inputs)`` with the model in eval mode, its weights drawn
+from a seeded generator, and ``example_inputs`` a tuple ready for ``model(*example_inputs)``.
+
+Example:
+    >>> model, inputs = build("mlp", batch=2)
+    >>> model(*inputs).shape
+    torch.Size([2, 10])
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["MLP", "ResidualBlock", "ResidualCNN", "NAMES", "build"]
+
+Built = tuple[nn.Module, tuple[Any, ...]]
+
+
+class MLP(nn.Module):
+    """A stack of Linear + ReLU layers ending in a Linear classifier."""
+
+    def __init__(self, d_in: int = 32, hidden: int = 64, d_out: int = 10, depth: int = 3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = d_in
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, d_out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ResidualBlock(nn.Module):
+    """conv-bn-relu-conv-bn plus a skip connection (a 1x1 conv when the width changes)."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = nn.Identity() if c_in == c_out else nn.Conv2d(c_in, c_out, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + self.skip(x))
+
+
+class ResidualCNN(nn.Module):
+    """A tiny ResNet-like image classifier: stem, residual blocks, global pooling, classifier."""
+
+    def __init__(self, channels: tuple[int, ...] = (8, 16, 16), n_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels[0], 3, padding=1), nn.ReLU())
+        blocks = [ResidualBlock(a, b) for a, b in zip(channels, channels[1:])]
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels[-1], n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(self.pool(y), 1))
+
+
+def _mlp(batch: int) -> Built:
+    return MLP(), (torch.randn(batch, 32),)
+
+
+def _resnet(batch: int) -> Built:
+    return ResidualCNN(), (torch.randn(batch, 3, 16, 16),)
+
+
+def _transformer(batch: int) -> Built:
+    """A 2-layer ``nn.TransformerEncoder`` (d_model 32), nested tensors off so fx can trace it."""
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    return model, (torch.randn(batch, 8, 32),)
+
+
+def _gpt2(batch: int) -> Built:
+    """A 2-layer GPT-2 from a config (random weights, no download), ``use_cache=False``."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise ImportError(
+            "the 'gpt2' example model needs transformers: pip install torchplace[examples]"
+        ) from e
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, use_cache=False,
+        bos_token_id=127, eos_token_id=127,
+    )
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (batch, 16))
+    return model, (ids,)
+
+
+_BUILDERS: dict[str, Callable[[int], Built]] = {
+    "mlp": _mlp,
+    "resnet": _resnet,
+    "transformer": _transformer,
+    "gpt2": _gpt2,
+}
+NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def build(name: str, batch: int = 2, seed: int = 0) -> Built:
+    """Build an example model by name.
+
+    Args:
+        name: one of :data:`NAMES` (``"mlp"``, ``"resnet"``, ``"transformer"``, ``"gpt2"``).
+        batch: batch size of the example inputs.
+        seed: seed of the weights and inputs (the same seed gives the same model and inputs).
+
+    Returns:
+        ``(model, example_inputs)``, the model in eval mode.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the valid ones).
+        ImportError: for ``"gpt2"`` when transformers is not installed.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown example model {name!r}; choose one of {list(NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, inputs = _BUILDERS[name](batch)
+    return model.eval(), inputs

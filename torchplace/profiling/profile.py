@@ -1,0 +1,169 @@
+"""Measure the time of every OpGraph node on each device kind of this machine.
+
+The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times each
+compute node (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). After ``warmup``
+untimed runs, ``repeats`` timed runs give a median per fx node; an OpGraph node's time is the sum
+of its fx nodes' medians. Times are seconds for one call on the example inputs (so "per sample"
+in :class:`~torchplace.graph.NodeRecord` means per batch of the example's size).
+
+Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from tqdm.auto import tqdm
+
+from torchplace.graph import OpGraph
+from torchplace.profiling.estimate import estimate_times
+from torchplace.profiling.trace import Traced, is_compute
+
+__all__ = ["profile", "present_kinds"]
+
+
+class _CpuTimer:
+    """Wall-clock timer; ``elapsed()`` returns seconds per fx node name."""
+
+    def __init__(self) -> None:
+        self._t: dict[str, float] = {}
+
+    def start(self) -> int:
+        return time.perf_counter_ns()
+
+    def stop(self, name: str, token: int) -> None:
+        self._t[name] = (time.perf_counter_ns() - token) * 1e-9
+
+    def elapsed(self) -> dict[str, float]:
+        return dict(self._t)
+
+
+class _CudaTimer:
+    """CUDA-event timer; ``elapsed()`` synchronizes, then returns seconds per fx node name."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, tuple[Any, Any]] = {}
+
+    def start(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, name: str, token: Any) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events[name] = (token, end)
+
+    def elapsed(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {n: s.elapsed_time(e) * 1e-3 for n, (s, e) in self._events.items()}
+
+
+class _TimingInterpreter(fx.Interpreter):
+    """Runs the graph, timing each compute node with ``timer``."""
+
+    def __init__(self, gm: fx.GraphModule, timer: _CpuTimer | _CudaTimer) -> None:
+        super().__init__(gm)
+        self.timer = timer
+
+    def run_node(self, n: fx.Node) -> Any:
+        if not is_compute(n):
+            return super().run_node(n)
+        token = self.timer.start()
+        out = super().run_node(n)
+        self.timer.stop(n.name, token)
+        return out
+
+
+def present_kinds() -> set[str]:
+    """Device kinds this machine can measure: ``"cpu"``, plus ``"cuda"`` when a GPU is visible."""
+    return {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
+
+
+def _on_device(
+    gm: fx.GraphModule, inputs: tuple[Any, ...], kind: str
+) -> tuple[fx.GraphModule, tuple[Any, ...]]:
+    """A copy of ``gm`` and the inputs on the first device of ``kind`` (``gm`` itself for cpu)."""
+    if kind == "cpu":
+        return gm, inputs
+    device = torch.device(f"{kind}:0")
+    moved = pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, inputs)
+    return copy.deepcopy(gm).to(device), moved
+
+
+def _measure(
+    traced: Traced, example_inputs: Sequence[Any], kind: str, warmup: int, repeats: int, progress: bool
+) -> dict[str, float]:
+    """Median seconds per compute fx node over ``repeats`` runs after ``warmup`` runs."""
+    gm, inputs = _on_device(traced.gm, traced.flat_inputs(example_inputs), kind)
+    samples: dict[str, list[float]] = {}
+    bar = tqdm(range(warmup + repeats), desc=f"profiling on {kind}", disable=not progress, leave=False)
+    with torch.no_grad():
+        for i in bar:
+            timer = _CudaTimer() if kind == "cuda" else _CpuTimer()
+            _TimingInterpreter(gm, timer).run(*inputs)
+            if i >= warmup:
+                for name, t in timer.elapsed().items():
+                    samples.setdefault(name, []).append(t)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _node_times(graph: OpGraph, fx_times: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per OpGraph node: the sum over its fx nodes."""
+    return {node_id: sum(fx_times[n] for n in r.fx_nodes) for node_id, r in graph.records()}
+
+
+def _with_times(graph: OpGraph, times: Mapping[str, Mapping[str, float]]) -> OpGraph:
+    """A new OpGraph like ``graph`` whose records carry ``times[kind][node_id]`` for every kind."""
+    out = OpGraph(meta=graph.meta)
+    for node_id, record in graph.records():
+        filled = {**record.times, **{kind: t[node_id] for kind, t in times.items()}}
+        out.add_node(node_id, replace(record, times=filled))
+    for u, v in graph.edges:
+        out.add_edge(u, v)
+    return out
+
+
+def profile(
+    traced: Traced,
+    example_inputs: Sequence[Any],
+    *,
+    kinds: Iterable[str] = ("cpu",),
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+) -> OpGraph:
+    """Time every node of ``traced.graph`` on each device kind.
+
+    Args:
+        traced: the output of :func:`torchplace.profiling.trace` (model in eval mode).
+        example_inputs: the inputs to time with (normally those it was traced with).
+        kinds: device kinds to fill in. Kinds present here (:func:`present_kinds`) are measured;
+            the others are estimated with :func:`torchplace.profiling.estimate.estimate_times`.
+        warmup: untimed runs before measuring.
+        repeats: timed runs; each fx node's time is the median over them.
+        progress: show a tqdm bar over the runs.
+
+    Returns:
+        A new :class:`OpGraph` with the same nodes, edges and meta, and ``times`` filled in.
+
+    Raises:
+        ValueError: for ``repeats < 1``, ``warmup < 0``, or an absent kind with no device spec.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    present = present_kinds()
+    times: dict[str, dict[str, float]] = {}
+    for kind in dict.fromkeys(kinds):
+        if kind in present:
+            fx_times = _measure(traced, example_inputs, kind, warmup, repeats, progress)
+            times[kind] = _node_times(traced.graph, fx_times)
+        else:
+            times[kind] = estimate_times(traced, example_inputs, kind)
+    return _with_times(traced.graph, times)
