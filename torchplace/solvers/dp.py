@@ -58,14 +58,19 @@ def device_classes(problem: Problem) -> list[DeviceClass]:
 class _PairCosts:
     """Cost of every contiguous set ``I \\ I'`` on every device class, as flat arrays over pairs."""
 
-    def __init__(self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass]):
+    def __init__(
+        self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], measure: str = "load"
+    ):
         self.problem, self.con, self.ideals = problem, con, ideals
         n_ideals = len(ideals)
         self.owner = np.repeat(np.arange(n_ideals), np.diff(ideals.sub_indptr))  # I of each pair
         self.sub = ideals.sub_index  # I' of each pair
         x = ideals.membership.astype(np.float64)
-        self.comm = self._comm()
-        self.costs = [self._class_cost(c, x) for c in classes]
+        if measure == "load":
+            self.comm = self._comm()
+            self.costs = [self._class_cost(c, x) for c in classes]
+        else:  # "memory": the bytes each piece needs, ignoring memory limits
+            self.costs = [self._class_memory(c, x) for c in classes]
 
     def _super_sum(self, values: dict[str, float]) -> np.ndarray:
         return np.array([math.fsum(values[v] for v in s.members) for s in self.con.nodes])
@@ -74,19 +79,30 @@ class _PairCosts:
         prefix = x @ per_super
         return prefix[self.owner] - prefix[self.sub]
 
-    def _class_cost(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
+    def _memory(self, x: np.ndarray) -> np.ndarray:
         g = self.problem.graph
-        t = self._super_sum({v: (r.times.get(c.kind, 0.0)) for v, r in g.records()})
-        bad = self._super_sum({v: float(c.kind not in r.times) for v, r in g.records()})
+        return self._diff(x, self._super_sum({v: float(r.param_bytes + r.temp_bytes) for v, r in g.records()}))
+
+    def _unsupported(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
+        bad = self._super_sum({v: float(c.kind not in r.times) for v, r in self.problem.graph.records()})
+        return self._diff(x, bad) > 0.5
+
+    def _class_cost(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
+        t = self._super_sum({v: (r.times.get(c.kind, 0.0)) for v, r in self.problem.graph.records()})
         cost = self._diff(x, t)
         if c.pays_transfer:
             cost = cost + self.comm
-        infeasible = self._diff(x, bad) > 0.5
+        infeasible = self._unsupported(c, x)
         if c.memory is not None:
-            mem = self._super_sum({v: float(r.param_bytes + r.temp_bytes) for v, r in g.records()})
-            infeasible |= self._diff(x, mem) > c.memory
+            infeasible |= self._memory(x) > c.memory
         cost[infeasible] = math.inf
         cost[self.owner == self.sub] = 0.0  # an empty device costs nothing
+        return cost
+
+    def _class_memory(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
+        cost = self._memory(x) if c.memory is not None else np.zeros(self.sub.size)
+        cost[self._unsupported(c, x)] = math.inf
+        cost[self.owner == self.sub] = 0.0
         return cost
 
     def _frontier_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -184,6 +200,29 @@ def _pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) 
     return stages
 
 
+def _infeasible(
+    problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], counts: Sequence[int]
+) -> InfeasibleError:
+    """The error for a problem with no feasible split, stating the smallest memory that would fit.
+
+    The smallest per-device memory is itself a min-max contiguous split, with each piece's bytes as
+    its cost; the same DP finds it.
+    """
+    need = float(_run_dp(_PairCosts(problem, con, ideals, classes, measure="memory"), counts)[tuple(counts)][-1])
+    caps = sorted({c.memory for c in classes if c.memory is not None})
+    if math.isinf(need):
+        return InfeasibleError(
+            "some operators cannot run on any of the given devices (no measured time for their kind); "
+            "add a device of a kind that can run them, e.g. 'cpu'"
+        )
+    return InfeasibleError(
+        f"the model does not fit: the best contiguous split needs {int(need)} bytes "
+        f"({need / 2**30:.3f} GiB) on its fullest device, but the memory-limited devices have {caps} bytes; "
+        f"raise max_memory to at least {int(need)} bytes per device or add devices",
+        min_memory_bytes=int(need),
+    )
+
+
 def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT) -> Plan:
     """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
 
@@ -208,10 +247,7 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT) -> Plan:
     dp = _run_dp(pc, counts)
     best = float(dp[tuple(counts)][-1])
     if math.isinf(best):
-        raise InfeasibleError(
-            "no contiguous split fits the devices' memory and supported operators; "
-            "add devices, raise max_memory, or allow CPU placement"
-        )
+        raise _infeasible(problem, con, ideals, classes, counts)
     stages = order_stages(problem.graph, _pieces_to_stages(con, classes, _backtrack(pc, dp, counts)))
     plan = Plan.build(
         problem, stages, solver="dp", seconds=time.perf_counter() - t0,
