@@ -52,8 +52,9 @@ def _node_record(nd: Mapping[str, Any], where: str) -> tuple[str, NodeRecord]:
     if "id" not in nd or isinstance(nd["id"], bool) or not isinstance(nd["id"], (int, str)):
         raise WorkloadFormatError(f"{where}.id: expected an integer or string id, got {nd.get('id')!r}")
     times = {"cpu": _number(nd, "cpuLatency", where)}
+    accel = _number(nd, "fpgaLatency", where)  # checked even where unused: a bad field is a bad file
     if _flag(nd, "supportedOnFpga", where):
-        times["accel"] = _number(nd, "fpgaLatency", where)
+        times["accel"] = accel
     color = nd.get("colorClass")
     node_id = str(nd["id"])
     return node_id, NodeRecord(

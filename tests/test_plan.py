@@ -1,0 +1,101 @@
+"""Plan validation, cost-model consistency, JSON, printing and device maps."""
+from __future__ import annotations
+
+import pytest
+
+from torchplace import costmodel
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InvalidPlanError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+from torchplace.solvers import dp
+from torchplace.solvers.bounds import simple_lower_bound
+
+
+def _problem(contiguous=True, mem=None):
+    """a -> b -> c and a -> c; b is colocated with c; c has 8 parameter bytes."""
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", module="enc", param_bytes=4, times={"accel": 1.0, "cpu": 4.0}, transfer_time=0.25))
+    g.add_node("b", NodeRecord("b", module="dec.0", times={"accel": 2.0, "cpu": 5.0}, transfer_time=0.5, colocation="k"))
+    g.add_node("c", NodeRecord("c", module="dec.1", param_bytes=8, times={"accel": 3.0}, colocation="k"))
+    for u, v in [("a", "b"), ("b", "c"), ("a", "c")]:
+        g.add_edge(u, v)
+    devices = (Device("acc0", "meta", "accel", mem), Device("acc1", "meta", "accel", mem), Device("cpu0", "cpu", "cpu"))
+    return Problem(g, Cluster(devices), contiguous=contiguous)
+
+
+def test_cost_model_counts_each_tensor_once_per_side():
+    p = _problem()
+    costs = {c.device: c for c in costmodel.evaluate_stages(p, [Stage("acc0", ("a",)), Stage("acc1", ("b", "c"))])[1]}
+    # a's output goes to b and c on acc1: paid once out of acc0, once into acc1
+    assert costs["acc0"].transfer_out == 0.25 and costs["acc0"].transfer_in == 0
+    assert costs["acc1"].transfer_in == 0.25 and costs["acc1"].transfer_out == 0
+    assert costs["acc1"].load == 5.25
+    # the CPU pays no transfers
+    cpu = costmodel.device_cost(p, {"a"}, p.cluster.device("cpu0"))
+    assert (cpu.transfer_in, cpu.transfer_out, cpu.load) == (0, 0, 4.0)
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([Stage("acc0", ("a", "b"))], "not placed"),
+        ([Stage("acc0", ("a", "b", "c")), Stage("acc1", ("a",))], "two stages"),
+        ([Stage("gpu9", ("a", "b", "c"))], "unknown device"),
+        ([Stage("acc0", ("a",)), Stage("cpu0", ("b", "c"))], "cannot run on 'cpu0'"),
+        ([Stage("acc0", ("a", "b")), Stage("acc1", ("c",))], "colocation group 'k' is split"),
+        ([Stage("acc1", ("b", "c")), Stage("acc0", ("a",))], "goes from stage 1 back to stage 0"),
+        ([Stage("acc0", ("a", "x"))], "not a node of the graph"),
+    ],
+)
+def test_validate_rejects(stages, message):
+    plan = Plan(stages, 0.0, 0.0, "test", 0.0)
+    with pytest.raises(InvalidPlanError, match=message):
+        plan.validate(_problem())
+
+
+def test_validate_rejects_memory_overflow():
+    plan = Plan([Stage("acc0", ("a", "b", "c"))], 0.0, 0.0, "test", 0.0)
+    with pytest.raises(InvalidPlanError, match="needs 12 bytes but has 10"):
+        plan.validate(_problem(mem=10))
+
+
+def test_validate_rejects_non_contiguous_when_asked():
+    g = OpGraph()
+    for n in "xyz":
+        g.add_node(n, NodeRecord(n, times={"cpu": 1.0}))
+    g.add_edge("x", "y")
+    g.add_edge("y", "z")
+    cluster = Cluster((Device("cpu0", "cpu", "cpu"), Device("cpu1", "cpu", "cpu")))
+    plan = Plan([Stage("cpu0", ("x",)), Stage("cpu1", ("y",)), Stage("cpu0", ("z",))], 0.0, 0.0, "t", 0.0)
+    with pytest.raises(InvalidPlanError, match="not contiguous"):
+        plan.validate(Problem(g, cluster))
+    plan.validate(Problem(g, cluster, contiguous=False))  # fine as non-contiguous
+
+
+def test_solver_plan_round_trips_and_prints(tmp_path):
+    p = _problem()
+    plan = dp.solve(p)
+    assert plan.objective == costmodel.evaluate(p, plan)
+    assert plan.lower_bound == simple_lower_bound(p) <= plan.objective
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again.stages == plan.stages and again.objective == plan.objective and again.costs == plan.costs
+    text = str(plan)
+    for word in ("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load", "lower bound", "gap"):
+        assert word in text
+
+
+def test_simple_lower_bound_is_max_of_largest_group_and_average():
+    p = _problem()
+    # groups: a (min 1.0), {b, c} (only accel runs c: 5.0); total 6.0 over 3 devices = 2.0
+    assert simple_lower_bound(p) == 5.0
+
+
+def test_device_map_in_accelerate_form():
+    p = _problem()
+    plan = Plan([Stage("acc0", ("a",)), Stage("acc1", ("b", "c"))], 0.0, 0.0, "t", 0.0)
+    assert plan.device_map(p) == {"enc": "acc0", "dec": "acc1"}
+    whole = Plan([Stage("acc0", ("a", "b", "c"))], 0.0, 0.0, "t", 0.0)
+    assert whole.device_map(p) == {"": "acc0"}
