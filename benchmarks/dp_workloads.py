@@ -1,0 +1,69 @@
+"""Ideals DP on the 12 published dnn-partitioning workloads, beside the authors' C++ times.
+
+Run:  python benchmarks/dp_workloads.py [--repeats 3]
+
+Prints one markdown row per workload: nodes, forward ideals after contraction, ideal pairs, the
+optimum found, the published optimum, our seconds (best of --repeats, reading the file included)
+and the authors' single-threaded C++ DP's seconds on this machine kind (shared/workloads/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import psutil
+
+from torchplace.solvers import dp
+from torchplace.workloads import read_dnn_partitioning
+
+ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "dnn-partitioning" / "throughput"
+
+# (published optimum, authors' C++ DP seconds on this 2-core machine kind; None = "under 1 s")
+WORKLOADS = {
+    "OperatorGraphs/bert_l-3_inference.json": (27.9186, 3.0),
+    "OperatorGraphs/bert_l-6_inference.json": (29.5795, 3.6),
+    "OperatorGraphs/bert_l-12_inference.json": (147.478, 15.0),
+    "OperatorGraphs/resnet50_inference.json": (124.349, 0.5),
+    "OperatorGraphs/bert_l-3_training.json": (65.3031, 7.8),
+    "OperatorGraphs/bert_l-6_training.json": (72.865, 19.0),
+    "OperatorGraphs/bert_L-12_training.json": (437.998, 34.0),
+    "OperatorGraphs/resnet50_training.json": (255.194, 0.3),
+    "LayerGraphs/bert24_inference.json": (17.7899, None),
+    "LayerGraphs/bert24_training.json": (41.7458, None),
+    "LayerGraphs/resnet50_inference.json": (33.7747, None),
+    "LayerGraphs/resnet50_training.json": (78.6318, None),
+}
+
+
+def run(name: str, repeats: int) -> tuple[int, dict, float, float]:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        problem = read_dnn_partitioning(ROOT / name)
+        plan = dp.solve(problem)
+        best = min(best, time.perf_counter() - t0)
+    return len(problem.graph), plan.meta, plan.objective, best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"# DP on dnn-partitioning workloads — {date.today()}, {platform.processor() or platform.machine()}, "
+          f"{psutil.cpu_count()} cores, Python {platform.python_version()}\n")
+    print("| workload | nodes | ideals | ideal pairs | optimum | published | match | seconds | C++ seconds | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (published, cpp) in WORKLOADS.items():
+        nodes, meta, obj, secs = run(name, args.repeats)
+        match = "yes" if abs(obj - published) <= 1e-4 * published else "NO"
+        cpp_s = f"{cpp:.1f}" if cpp is not None else "< 1"
+        speed = f"{cpp / secs:.1f}x" if cpp is not None else "-"
+        print(f"| {name} | {nodes} | {meta['ideals']} | {meta['ideal_pairs']} | {obj:.6g} | {published} | {match} "
+              f"| {secs:.3f} | {cpp_s} | {speed} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
