@@ -80,10 +80,15 @@ def _resnet(batch: int) -> Built:
 
 
 def _transformer(batch: int) -> Built:
-    """A 2-layer ``nn.TransformerEncoder`` (d_model 32), nested tensors off so fx can trace it."""
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    """A 2-layer ``nn.TransformerEncoder`` (d_model 32) on ``(seq=8, batch, 32)`` inputs.
+
+    ``batch_first=False`` (torch's default) keeps the model off the fused inference "fast path"
+    (``torch._transformer_encoder_layer_fwd``), which eval mode under ``no_grad`` would otherwise
+    take: a traced graph runs the standard ops and could not match its bits.
+    """
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=False)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    return model, (torch.randn(batch, 8, 32),)
+    return model, (torch.randn(8, batch, 32),)
 
 
 def _gpt2(batch: int) -> Built:

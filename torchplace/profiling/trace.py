@@ -16,6 +16,11 @@ concerns and get no node. **Node ids are fx node names**: the name of the node's
 graph order). Each parameter/buffer is counted once (by storage), on the first node in topological
 order that reads it; model tensors that no node reads (e.g. BatchNorm's ``num_batches_tracked`` in
 eval mode) are reported in ``graph.meta["unattributed_param_bytes"]``.
+
+Caveat: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` with ``batch_first=True`` take
+a fused "fast path" in eval mode under ``no_grad``. Tracing never captures it, so the traced module
+matches the model run with grad enabled (or with ``torch.backends.mha.set_fastpath_enabled(False)``)
+bitwise, but not the fast path.
 """
 from __future__ import annotations
 
