@@ -1,0 +1,118 @@
+"""Scatter a batch into micro-batches and gather the micro-batch outputs.
+
+Rules (as in torchgpipe's ``microbatch.scatter``/``gather``):
+
+* Scatter: every tensor leaf of ``(args, kwargs)`` with at least one dimension is split along
+  dim 0 with ``torch.tensor_split`` (views, no copy); all such tensors must have the same size in
+  dim 0 (the batch). Other leaves (0-dim tensors, numbers, None, ...) go unchanged to every
+  micro-batch. When the batch is smaller than the requested number of micro-batches, the number
+  is clamped to the batch size and a ``RuntimeWarning`` says so; with no batched tensor there is
+  one micro-batch.
+* Gather: the outputs of the micro-batches, in micro-batch order, are combined leaf by leaf
+  (``torch.utils._pytree``): tensor leaves are concatenated along dim 0; non-tensor leaves are
+  taken from the first micro-batch. A 0-dim tensor leaf cannot be concatenated and raises.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["gather", "scatter"]
+
+
+def _batch_size(leaves: Sequence[Any]) -> int | None:
+    """The common dim-0 size of the batched tensor leaves, or None when there is none.
+
+    Raises:
+        ValueError: if batched tensors disagree on their dim-0 size.
+    """
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"tensor inputs have different sizes along dim 0 ({sorted(sizes)}); micro-batching "
+            "splits every tensor input along dim 0 as the batch dimension; use microbatches=1"
+        )
+    return sizes.pop() if sizes else None
+
+
+def scatter(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Split the tensor inputs along dim 0 into micro-batches.
+
+    Args:
+        args: positional model arguments.
+        kwargs: keyword model arguments.
+        microbatches: requested number of micro-batches (at least 1).
+
+    Returns:
+        ``[(args_i, kwargs_i), ...]``, one pair per micro-batch, in batch order.
+
+    Raises:
+        ValueError: if ``microbatches < 1`` or batched tensors disagree on dim 0.
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be at least 1 (got {microbatches})")
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    batch = _batch_size(leaves)
+    if batch is None or microbatches == 1:
+        return [(tuple(args), dict(kwargs))]
+    if microbatches > batch:
+        warnings.warn(
+            f"{microbatches} micro-batches requested for a batch of {batch}; using {batch}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        microbatches = batch
+    columns = [_split_leaf(leaf, microbatches) for leaf in leaves]
+    return [tree_unflatten([col[i] for col in columns], spec) for i in range(microbatches)]
+
+
+def _split_leaf(leaf: Any, chunks: int) -> Sequence[Any]:
+    """``chunks`` views of a batched tensor, or the leaf repeated."""
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+        return leaf.tensor_split(chunks)
+    return [leaf] * chunks
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Combine micro-batch outputs into the output of the whole batch.
+
+    Args:
+        outputs: one output pytree per micro-batch, in micro-batch order, all of one structure.
+
+    Returns:
+        The first output's structure with tensor leaves concatenated along dim 0.
+
+    Raises:
+        ValueError: if a tensor leaf is 0-dim while there are several micro-batches, or the
+            micro-batch outputs differ in structure.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    flats = [tree_flatten(out) for out in outputs]
+    spec = flats[0][1]
+    if any(other != spec for _, other in flats[1:]):
+        raise ValueError("micro-batch outputs differ in structure; use microbatches=1")
+    columns = zip(*(leaves for leaves, _ in flats))
+    return tree_unflatten([_gather_leaf(i, list(col)) for i, col in enumerate(columns)], spec)
+
+
+def _gather_leaf(position: int, column: list[Any]) -> Any:
+    """Concatenate one tensor leaf over micro-batches; keep the first value otherwise."""
+    first = column[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim() == 0:
+        raise ValueError(
+            f"output leaf {position} is a 0-dim tensor and cannot be concatenated over "
+            "micro-batches (is it a reduction over the batch?); use microbatches=1"
+        )
+    for leaf in column:
+        if leaf.is_cuda:
+            leaf.record_stream(torch.cuda.current_stream(leaf.device))
+    return torch.cat(column, dim=0)

@@ -1,0 +1,396 @@
+"""Run split stages as a pipeline of micro-batches on worker threads.
+
+How it works (one :meth:`PipelineExecutor.run` call):
+
+* The batch is scattered into micro-batches (:func:`torchplace.runtime.microbatch.scatter`);
+  each becomes a message whose *carry* is ``{name: value}`` of the model inputs that some stage or
+  the output reads.
+* Consecutive stages on one worker form a *segment* (:func:`~torchplace.runtime.schedule.segments`).
+  Segment ``j`` reads messages from queue ``j`` and writes them to queue ``j + 1``. Queue 0 (the
+  micro-batches) and the last queue (the results) are unbounded; the queues between segments are
+  ``queue.Queue(maxsize=queue_size)``, which bounds the micro-batches in flight.
+* One daemon thread per distinct worker key is started for the call and ends with it. A worker
+  processes its (micro-batch, segment) pairs in the order of
+  :func:`~torchplace.runtime.schedule.worker_orders` (the GPipe clock restricted to the worker);
+  the executor decides no order itself. Each stage moves its inputs to its device, runs, adds its
+  outputs to the carry and drops the values no later stage or the output needs; after the last
+  stage the worker assembles the micro-batch's output.
+* The caller's thread collects the outputs in micro-batch order and gathers them
+  (:func:`~torchplace.runtime.microbatch.gather`: tensor leaves concatenated along dim 0,
+  non-tensor leaves from the first micro-batch).
+* Failure: a stage that raises records a :class:`~torchplace.errors.StageError` (chained ``from``
+  the original) and sets a shared stop event. Every queue get/put polls with a timeout and checks
+  the event, so the other workers stop and the caller re-raises the error; nothing waits forever.
+  A worker busy inside a long stage finishes that stage in the background (it is a daemon thread).
+* Autograd: the caller's grad mode and inference mode (both thread-local in torch) are applied in
+  every worker.
+* CUDA: each worker uses one ``torch.cuda.Stream`` per CUDA device; after a segment the worker
+  records an event and sends it with the message; the consumer's stream waits on events of its
+  own device and the consumer's thread synchronizes on the others before copying; tensors used on
+  another stream are marked with ``record_stream``. Copies to CUDA are ``non_blocking``; copies to
+  the CPU are blocking (a non-blocking device-to-host copy could be read before it lands).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from torchplace.errors import StageError
+from torchplace.runtime.microbatch import gather, scatter
+from torchplace.runtime.schedule import segments, worker_orders
+from torchplace.runtime.split import StageModule
+
+__all__ = ["PipelineExecutor"]
+
+_POLL_S = 0.05
+"""Seconds a queue get/put waits before checking the stop event again."""
+
+_JOIN_S = 2.0
+"""Seconds the caller waits for each worker thread to end after a run."""
+
+
+@dataclass
+class _Message:
+    """One micro-batch in flight: its carry, its CUDA events, and finally its output."""
+
+    microbatch: int
+    carry: dict[str, Any]
+    events: list[tuple[torch.device, Any]] = field(default_factory=list)
+    output: Any = None
+
+
+class _Stopped(Exception):
+    """Raised inside a worker when the run's stop event is set."""
+
+
+@dataclass
+class _RunState:
+    """The shared state of one run: queues, stop event, first error, observed order."""
+
+    queues: list[queue.Queue]
+    grad_enabled: bool
+    inference_mode: bool
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    trace: list[tuple[str, int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, error: BaseException) -> None:
+        """Keep the first error and tell everyone to stop."""
+        with self.lock:
+            if self.error is None:
+                self.error = error
+        self.stop.set()
+
+
+def _get(q: queue.Queue, stop: threading.Event) -> Any:
+    """``q.get()`` that gives up with :class:`_Stopped` once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+    raise _Stopped
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """``q.put(item)`` that gives up with :class:`_Stopped` once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return
+        except queue.Full:
+            continue
+    raise _Stopped
+
+
+def _normalize_device(device: str | torch.device) -> torch.device:
+    """``torch.device`` with an explicit index for CUDA (``"cuda"`` -> ``cuda:<current>``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _move_module(module: torch.nn.Module, device: torch.device, memo: dict[int, Any]) -> None:
+    """Move a stage's parameters and buffers to ``device`` without touching shared containers.
+
+    Tensors already on ``device`` are kept as they are (same objects). Others are replaced by
+    copies; ``memo`` (keyed by the original tensor's id) makes a tensor used twice on one device,
+    e.g. a tied weight, one copy.
+    """
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None and param.device != device:
+                if id(param) not in memo:
+                    moved = param.detach().to(device)
+                    memo[id(param)] = torch.nn.Parameter(moved, param.requires_grad)
+                sub._parameters[name] = memo[id(param)]
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = memo.setdefault(id(buf), buf.to(device))
+
+
+def _to_device(value: Any, device: torch.device, stream: Any) -> Any:
+    """Move every tensor in ``value`` to ``device`` (see the module docstring for CUDA rules)."""
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device:
+            if stream is not None:
+                tensor.record_stream(stream)
+            return tensor
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return tensor.to(device, non_blocking=device.type == "cuda")
+
+    return tree_map_only(torch.Tensor, move, value)
+
+
+def _wait_for_producers(events: Sequence[tuple[torch.device, Any]], device: torch.device,
+                        stream: Any) -> None:
+    """Order this stage after the CUDA work that produced its inputs."""
+    for event_device, event in events:
+        if stream is not None and event_device == device:
+            stream.wait_event(event)
+        else:
+            event.synchronize()
+
+
+def _stream_context(stream: Any) -> ContextManager[Any]:
+    """``torch.cuda.stream(stream)`` for a CUDA stream, a no-op for None."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+@contextmanager
+def _autograd_mode(grad_enabled: bool, inference_mode: bool) -> Iterator[None]:
+    """Apply the caller's thread-local autograd modes in a worker thread."""
+    with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
+        yield
+
+
+def _drop_schedule(stages: Sequence[StageModule], output_names: Sequence[str]) -> list[list[str]]:
+    """For each stage, the carried names that no later stage and not the output reads."""
+    last_use: dict[str, int] = {}
+    for index, stage in enumerate(stages):
+        for name in stage.inputs:
+            last_use[name] = index
+    keep = set(output_names)
+    drops: list[list[str]] = [[] for _ in stages]
+    for name, index in last_use.items():
+        if name not in keep:
+            drops[index].append(name)
+    return drops
+
+
+class PipelineExecutor:
+    """Run a model's stages as a GPipe forward pipeline of micro-batches on worker threads.
+
+    Args:
+        stages: the stages from :func:`~torchplace.runtime.split.split_stages`, in order.
+        stage_devices: the torch device string of each stage (``"cpu"``, ``"cuda:0"``); the
+            stage's parameters and buffers are moved there at construction (the original model is
+            left untouched; tensors already there are shared).
+        stage_workers: the worker key of each stage (e.g. ``"cpu:0"``, ``"cpu:1"``, ``"cuda:0"``).
+            One thread per distinct key; stages sharing a key run serially on its thread. Two CPU
+            keys are two logical CPU devices whose stages overlap in time.
+        assemble_output: a :class:`~torchplace.runtime.graph_io.GraphIO` of the split model: it
+            binds the call's arguments to input names (``bind_inputs``), lists the names the
+            output reads (``output_names``) and, called with ``{name: value}``, builds the output.
+        queue_size: the capacity of each queue between segments (at least 1).
+
+    Raises:
+        ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
+
+    Attributes:
+        last_trace: ``(worker, microbatch, stage)`` in the order stages ran in the last
+            :meth:`run` (appended by the workers as they finish each stage).
+    """
+
+    def __init__(
+        self,
+        stages: list[StageModule],
+        stage_devices: list[str],
+        stage_workers: list[str],
+        assemble_output: Any,
+        queue_size: int = 2,
+    ) -> None:
+        _check_arguments(stages, stage_devices, stage_workers, queue_size)
+        self.stages = list(stages)
+        self.devices = [_normalize_device(d) for d in stage_devices]
+        self.workers = list(stage_workers)
+        self.assemble_output = assemble_output
+        self.queue_size = queue_size
+        self._segments = segments(self.workers)
+        self._drops = _drop_schedule(self.stages, assemble_output.output_names)
+        self._needed = {n for s in self.stages for n in s.inputs} | set(assemble_output.output_names)
+        self._streams = self._make_streams()
+        self.last_trace: list[tuple[str, int, int]] = []
+        memo: dict[tuple[torch.device, int], Any] = {}
+        for stage, device in zip(self.stages, self.devices):
+            _move_module(stage, device, memo.setdefault(device, {}))
+
+    def _make_streams(self) -> dict[tuple[str, torch.device], Any]:
+        """One CUDA stream per (worker, CUDA device) pair."""
+        return {
+            (worker, device): torch.cuda.Stream(device)
+            for worker, device in zip(self.workers, self.devices)
+            if device.type == "cuda"
+        }
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int) -> Any:
+        """Compute the model on ``(args, kwargs)`` through the pipeline.
+
+        Args:
+            args: positional model arguments.
+            kwargs: keyword model arguments.
+            microbatches: number of micro-batches (1: no split; more than the batch size: clamped
+                to the batch size with a ``RuntimeWarning``).
+
+        Returns:
+            The model's output; with several micro-batches every tensor leaf is the concatenation
+            of the micro-batches' leaves along dim 0.
+
+        Raises:
+            StageError: if a stage raised; ``__cause__`` is the original exception.
+            ValueError: if the inputs cannot be split into micro-batches.
+        """
+        chunks = scatter(args, kwargs, microbatches)
+        state = self._start_state(chunks)
+        orders = worker_orders(len(chunks), [worker for worker, _ in self._segments])
+        threads = [
+            threading.Thread(
+                target=self._work, args=(state, worker, order), name=f"torchplace-{worker}",
+                daemon=True,
+            )
+            for worker, order in orders.items()
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            outputs = self._collect(state, len(chunks), threads)
+        finally:
+            state.stop.set()
+            for thread in threads:
+                thread.join(timeout=_JOIN_S)
+            self.last_trace = list(state.trace)
+        return gather(outputs)
+
+    def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
+        """Create the run's queues and put every micro-batch into the first one."""
+        inner = [queue.Queue(maxsize=self.queue_size) for _ in self._segments[1:]]
+        queues: list[queue.Queue] = [queue.Queue(), *inner, queue.Queue()]
+        state = _RunState(queues, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        for index, (args, kwargs) in enumerate(chunks):
+            bound = self.assemble_output.bind_inputs(args, kwargs)
+            carry = {name: value for name, value in bound.items() if name in self._needed}
+            queues[0].put(_Message(index, carry))
+        return state
+
+    def _collect(self, state: _RunState, count: int, threads: Sequence[threading.Thread]) -> list:
+        """Wait for the ``count`` outputs in micro-batch order; re-raise a worker's error."""
+        results: list[Any] = []
+        last = state.queues[-1]
+        while len(results) < count:
+            if state.error is not None:
+                raise state.error
+            try:
+                message = last.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not any(t.is_alive() for t in threads) and last.empty() and state.error is None:
+                    raise RuntimeError("pipeline workers ended without producing every output")
+                continue
+            _wait_for_producers(message.events, torch.device("cpu"), None)
+            results.append(message.output)
+        return results
+
+    def _work(self, state: _RunState, worker: str, order: Sequence[tuple[int, int]]) -> None:
+        """A worker thread: run ``order``'s (micro-batch, segment) pairs, then end."""
+        try:
+            with _autograd_mode(state.grad_enabled, state.inference_mode):
+                for microbatch, segment in order:
+                    message = _get(state.queues[segment], state.stop)
+                    if message.microbatch != microbatch:
+                        raise RuntimeError(
+                            f"worker {worker} expected micro-batch {microbatch} for segment "
+                            f"{segment}, got {message.microbatch}"
+                        )
+                    self._run_segment(state, worker, segment, message)
+                    _put(state.queues[segment + 1], message, state.stop)
+        except _Stopped:
+            return
+        except StageError as error:
+            state.fail(error)
+        except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
+            wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            state.fail(wrapped)
+
+    def _run_segment(self, state: _RunState, worker: str, segment: int, message: _Message) -> None:
+        """Run one segment's stages on a message; assemble the output after the last stage."""
+        stages = self._segments[segment][1]
+        for index in stages:
+            self._run_stage(state, worker, index, message)
+        for device in {self.devices[i] for i in stages if self.devices[i].type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(self._streams[(worker, device)])
+            message.events.append((device, event))
+        if stages[-1] == len(self.stages) - 1:
+            message.output = self._assemble(worker, message)
+            message.carry = {}
+
+    def _run_stage(self, state: _RunState, worker: str, index: int, message: _Message) -> None:
+        """Run stage ``index`` on ``message``'s carry and update the carry in place."""
+        stage, device = self.stages[index], self.devices[index]
+        stream = self._streams.get((worker, device))
+        carry = message.carry
+        try:
+            _wait_for_producers(message.events, device, stream)
+            with _stream_context(stream):
+                for name in stage.inputs:
+                    carry[name] = _to_device(carry[name], device, stream)
+                outputs = stage(*(carry[name] for name in stage.inputs))
+        except Exception as error:
+            raise StageError(
+                f"stage {index} on {worker} failed on micro-batch {message.microbatch}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        carry.update(zip(stage.outputs, outputs))
+        for name in self._drops[index]:
+            carry.pop(name, None)
+        state.trace.append((worker, message.microbatch, index))
+
+    def _assemble(self, worker: str, message: _Message) -> Any:
+        """Build one micro-batch's output from its carry."""
+        try:
+            return self.assemble_output(message.carry)
+        except Exception as error:
+            raise StageError(
+                f"assembling the output of micro-batch {message.microbatch} on {worker} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+
+def _check_arguments(
+    stages: Sequence[StageModule],
+    stage_devices: Sequence[str],
+    stage_workers: Sequence[str],
+    queue_size: int,
+) -> None:
+    """Raise ValueError for per-stage lists of different lengths or a queue size below 1."""
+    if not len(stages) == len(stage_devices) == len(stage_workers):
+        raise ValueError(
+            "stages, stage_devices and stage_workers need one entry per stage (stages: "
+            f"{len(stages)}, stage_devices: {len(stage_devices)}, "
+            f"stage_workers: {len(stage_workers)})"
+        )
+    if not stages:
+        raise ValueError("a pipeline needs at least one stage")
+    if queue_size < 1:
+        raise ValueError(f"queue_size must be at least 1 (got {queue_size})")
