@@ -176,6 +176,13 @@ def test_untraceable_model_raises_trace_error() -> None:
     assert info.value.__cause__ is not None
 
 
+def test_auto_reports_both_methods() -> None:
+    model, x = Gated().eval(), torch.randn(2, 4)
+    with pytest.raises(TraceError, match="leaf_modules=\\(Gate,\\)") as info:
+        trace(model, (x,), method="auto")
+    assert "fx failed in gate" in str(info.value) and "export failed" in str(info.value)
+
+
 def test_leaf_module_makes_untraceable_model_traceable() -> None:
     model, x = Gated().eval(), torch.randn(2, 4)
     traced = trace(model, (x,), method="fx", leaf_modules=(Gate,))

@@ -10,12 +10,14 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MLP", "ResidualBlock", "ResidualCNN", "NAMES", "build"]
+__all__ = ["MLP", "NAMES", "ResidualBlock", "ResidualCNN", "build"]
 
 Built = tuple[nn.Module, tuple[Any, ...]]
 
@@ -61,7 +63,7 @@ class ResidualCNN(nn.Module):
     def __init__(self, channels: tuple[int, ...] = (8, 16, 16), n_classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, channels[0], 3, padding=1), nn.ReLU())
-        blocks = [ResidualBlock(a, b) for a, b in zip(channels, channels[1:])]
+        blocks = [ResidualBlock(a, b) for a, b in itertools.pairwise(channels)]
         self.blocks = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(channels[-1], n_classes)

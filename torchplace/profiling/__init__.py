@@ -4,12 +4,12 @@ from torchplace.profiling.profile import present_kinds, profile
 from torchplace.profiling.trace import TensorInfo, Traced, trace
 
 __all__ = [
-    "trace",
-    "profile",
-    "Traced",
-    "TensorInfo",
-    "estimate_times",
-    "DeviceSpec",
     "DEVICE_SPECS",
+    "DeviceSpec",
+    "TensorInfo",
+    "Traced",
+    "estimate_times",
     "present_kinds",
+    "profile",
+    "trace",
 ]

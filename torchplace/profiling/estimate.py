@@ -12,17 +12,17 @@ placements when no device is present to measure, not a measurement.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils import _pytree as pytree
 
 from torchplace.profiling.trace import Traced, is_compute, tensor_bytes
 
-__all__ = ["DeviceSpec", "DEVICE_SPECS", "NodeCost", "node_costs", "estimate_times"]
+__all__ = ["DEVICE_SPECS", "DeviceSpec", "NodeCost", "estimate_times", "node_costs"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class _CostCounter(fx.Interpreter):
         return out
 
 
-def _module_bytes(gm: fx.GraphModule, n: fx.Node) -> int:
+def _module_bytes(gm: nn.Module, n: fx.Node) -> int:
     """Bytes of a called module's parameters and buffers (0 for other nodes)."""
     if n.op != "call_module":
         return 0

@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -25,7 +26,7 @@ from torchplace.graph import OpGraph
 from torchplace.profiling.estimate import estimate_times
 from torchplace.profiling.trace import Traced, is_compute
 
-__all__ = ["profile", "present_kinds"]
+__all__ = ["present_kinds", "profile"]
 
 
 class _CpuTimer:

@@ -24,8 +24,9 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import networkx as nx
 import torch
@@ -35,7 +36,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import TraceError
 from torchplace.graph import NodeRecord, OpGraph
 
-__all__ = ["Traced", "TensorInfo", "trace", "flat_inputs", "is_compute", "tensor_bytes"]
+__all__ = ["TensorInfo", "Traced", "flat_inputs", "is_compute", "tensor_bytes", "trace"]
 
 _METHODS = ("auto", "fx", "export")
 _GRANULARITIES = ("operator", "module")
@@ -150,7 +151,8 @@ class _CaptureFailure(Exception):
     """One capture method failed, inside module ``path`` of class ``cls``."""
 
     def __init__(self, method: str, path: str, cls: str, error: Exception) -> None:
-        super().__init__(f"{method} failed in {path or '<root>'} ({cls}): {type(error).__name__}: {error}")
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(f"{method} failed in {path or '<root>'} ({cls}): {type(error).__name__}: {first_line}")
         self.method, self.path, self.cls, self.error = method, path, cls, error
 
 
@@ -290,7 +292,7 @@ def _group_by_leaf(gm: fx.GraphModule, model: nn.Module, is_leaf: Callable[[str]
 def _group_edges(groups: Sequence[_Group]) -> set[tuple[int, int]]:
     """Index pairs (i, j): some node of group j uses a node of group i."""
     owner = {n: i for i, g in enumerate(groups) for n in g.nodes}
-    edges = set()
+    edges: set[tuple[int, int]] = set()
     for j, g in enumerate(groups):
         for n in g.nodes:
             edges.update((owner[a], j) for a in n.all_input_nodes if a in owner and owner[a] != j)
@@ -322,7 +324,7 @@ _Key = tuple[int, int, int]
 
 def _storage_key(t: torch.Tensor) -> _Key:
     """Identity of a tensor's memory: tied weights share it."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel() * t.element_size())
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel() * t.element_size()))
 
 
 def _params_used(node: fx.Node, gm: fx.GraphModule) -> Iterator[torch.Tensor]:
