@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-import torch.fx as fx
-import torch.nn as nn
+from torch import fx, nn
 
 from torchplace.errors import InvalidPlanError, StageError
 from torchplace.runtime import (
@@ -262,7 +262,11 @@ def test_pipeline_equals_model_bitwise(name: str, num_stages: int) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_microbatched_equals_full_batch(name: str) -> None:
-    """Records whether micro-batching changes the bits for these models (see the report)."""
+    """Micro-batching is exact per chunk but not bitwise equal to the full batch in general.
+
+    CPU GEMM/conv kernels block differently for different batch sizes, so e.g. the MLP with
+    chunks of 2 rows differs from the 8-row batch by ~3e-8; only closeness is asserted here.
+    """
     model, x = MODELS[name]()
     gm = fx.symbolic_trace(model.eval())
     with torch.no_grad():
@@ -339,7 +343,7 @@ def test_exported_graph_with_pytree_inputs_and_outputs() -> None:
     with torch.no_grad():
         expected = model(x, y, bias=bias)
         for microbatches in (1, 3):
-            out = run_guarded(lambda: executor.run((x, y), {"bias": bias}, microbatches))
+            out = run_guarded(partial(executor.run, (x, y), {"bias": bias}, microbatches))
             assert out.keys() == expected.keys()
             assert torch.equal(out["out"], expected["out"])
             assert torch.equal(out["pair"][0], expected["pair"][0])

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import map_arg
@@ -78,6 +78,8 @@ class GraphIO:
     def _flatten_pytree_inputs(self, values: Mapping[str, Any]) -> list[Any]:
         """Flatten bound arguments with the exported in_spec, like the generated ``forward``."""
         info = self._pytree_info
+        if info is None:
+            raise TypeError("the graph has no pytree input spec")
         in_spec = info.in_spec
         names = [a for a in info.orig_args if a != "self"]
         if in_spec.type is tuple and in_spec.num_children == 2:

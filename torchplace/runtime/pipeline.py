@@ -35,9 +35,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -135,7 +135,9 @@ def _move_module(module: torch.nn.Module, device: torch.device, memo: dict[int, 
                 sub._parameters[name] = memo[id(param)]
         for name, buf in sub._buffers.items():
             if buf is not None and buf.device != device:
-                sub._buffers[name] = memo.setdefault(id(buf), buf.to(device))
+                if id(buf) not in memo:
+                    memo[id(buf)] = buf.to(device)
+                sub._buffers[name] = memo[id(buf)]
 
 
 def _to_device(value: Any, device: torch.device, stream: Any) -> Any:
@@ -163,7 +165,7 @@ def _wait_for_producers(events: Sequence[tuple[torch.device, Any]], device: torc
             event.synchronize()
 
 
-def _stream_context(stream: Any) -> ContextManager[Any]:
+def _stream_context(stream: Any) -> AbstractContextManager[Any]:
     """``torch.cuda.stream(stream)`` for a CUDA stream, a no-op for None."""
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
@@ -232,7 +234,7 @@ class PipelineExecutor:
         self._needed = {n for s in self.stages for n in s.inputs} | set(assemble_output.output_names)
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
-        memo: dict[tuple[torch.device, int], Any] = {}
+        memo: dict[torch.device, dict[int, Any]] = {}
         for stage, device in zip(self.stages, self.devices):
             _move_module(stage, device, memo.setdefault(device, {}))
 
@@ -284,7 +286,7 @@ class PipelineExecutor:
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""
-        inner = [queue.Queue(maxsize=self.queue_size) for _ in self._segments[1:]]
+        inner: list[queue.Queue] = [queue.Queue(maxsize=self.queue_size) for _ in self._segments[1:]]
         queues: list[queue.Queue] = [queue.Queue(), *inner, queue.Queue()]
         state = _RunState(queues, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         for index, (args, kwargs) in enumerate(chunks):

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from torchplace.errors import InvalidPlanError
 
@@ -178,7 +178,7 @@ def stage_interfaces(
         elif node.op == "output":
             for s in node.all_input_nodes:
                 _mark_needed(s, num_stages, stage_of, needed_after)
-    by_order = lambda nodes: tuple(sorted(nodes, key=order.__getitem__))  # noqa: E731
+    by_order = lambda nodes: tuple(sorted(nodes, key=order.__getitem__))
     return [
         StageInterface(tuple(members[s]), by_order(reads[s]), by_order(needed_after[s]))
         for s in range(num_stages)
