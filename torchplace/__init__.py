@@ -1,1 +1,55 @@
-"""torchplace: decide where every part of a model runs, prove how good that is, and run it there."""
+"""torchplace: decide where every part of a model runs, prove how good that is, and run it there.
+
+    import torchplace
+    placed = torchplace.place(model, ["cuda:0", "cpu"], example_inputs=(x,))
+    y = placed(x)
+    print(placed.plan)
+"""
+from torchplace.devices import Cluster, Device, make_cluster, parse_memory
+from torchplace.errors import (
+    InfeasibleError,
+    InvalidPlanError,
+    StageError,
+    TooManyIdealsError,
+    TorchplaceError,
+    TraceError,
+    WorkloadFormatError,
+)
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+
+__version__ = "0.1.0"
+
+_LAZY = {"place", "placed", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from torchplace import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'torchplace' has no attribute {name!r}")
+
+
+__all__ = [
+    "place",
+    "placed",
+    "PlacedModule",
+    "Plan",
+    "Stage",
+    "Problem",
+    "OpGraph",
+    "NodeRecord",
+    "Device",
+    "Cluster",
+    "make_cluster",
+    "parse_memory",
+    "TorchplaceError",
+    "TraceError",
+    "InfeasibleError",
+    "InvalidPlanError",
+    "WorkloadFormatError",
+    "TooManyIdealsError",
+    "StageError",
+]

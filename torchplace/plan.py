@@ -149,9 +149,12 @@ class Plan:
 
     # -- text and JSON -------------------------------------------------------------------------
     def __str__(self) -> str:
+        status = self.status
+        if status == "optimal" and self.meta.get("contiguous"):
+            status = "proven optimal among contiguous splits"
         head = (
-            f"Plan by {self.solver} ({self.status}) in {self.seconds:.3g} s: objective {self.objective:.6g}, "
-            f"lower bound {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"
+            f"Plan by {self.solver} ({status}) in {self.seconds:.3g} s: objective {self.objective:.6g}; "
+            f"lower bound for any split {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"
         )
         rows = [("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load")]
         cost_of = {c.device: c for c in self.costs}

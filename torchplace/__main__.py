@@ -1,0 +1,5 @@
+import sys
+
+from torchplace.cli import main
+
+sys.exit(main())

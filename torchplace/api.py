@@ -1,0 +1,174 @@
+"""``place()``: trace -> profile -> solve -> split -> wrap, in one call.
+
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_inputs=(x,))
+    y = placed(x)          # same outputs as model(x), pipelined over the devices
+    print(placed.plan)     # which stage went where, predicted time per sample, lower bound, gap
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from torchplace import solvers
+from torchplace.devices import Cluster, Device, make_cluster
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+from torchplace.profiling import Traced, profile, trace
+from torchplace.runtime import GraphIO, PipelineExecutor, split_stages
+
+__all__ = ["place", "PlacedModule", "placed"]
+
+
+class PlacedModule(nn.Module):
+    """A model split into stages on several devices; calling it runs the stages as a pipeline.
+
+    Attributes:
+        plan: the :class:`~torchplace.plan.Plan` being run.
+        problem: the measured problem the plan was solved for.
+        microbatches: how many micro-batches each call's batch is split into (dim 0).
+        stages: the stage modules, in plan order (their parameters live on their devices).
+    """
+
+    def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1) -> None:
+        super().__init__()
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self.plan, self.problem, self.microbatches = plan, problem, microbatches
+        stage_of = {
+            fx_name: i
+            for i, stage in enumerate(plan.stages)
+            for v in stage.nodes
+            for fx_name in problem.graph.record(v).fx_nodes
+        }
+        self.stages = nn.ModuleList(split_stages(traced.gm, stage_of, len(plan.stages)))
+        devices = [problem.cluster.device(s.device) for s in plan.stages]
+        self._executor = PipelineExecutor(
+            list(self.stages), [d.torch_device for d in devices], [d.name for d in devices], GraphIO(traced.gm)
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._executor.run(args, kwargs, self.microbatches)
+
+    def device_map(self) -> dict[str, str]:
+        """Where each module's weights live, in accelerate's ``device_map`` form."""
+        return self.plan.device_map(self.problem)
+
+    def extra_repr(self) -> str:
+        devices = " -> ".join(s.device for s in self.plan.stages)
+        return f"stages: {devices}; microbatches={self.microbatches}; objective={self.plan.objective:.4g} s/sample"
+
+
+def place(
+    model: nn.Module,
+    devices: Union[Sequence[Union[str, Device]], Cluster],
+    example_inputs: Sequence[Any],
+    *,
+    objective: str = "throughput",
+    microbatches: int = 4,
+    granularity: str = "operator",
+    leaf_modules: Iterable[type] = (),
+    max_memory: Mapping[str, Union[int, str]] | None = None,
+    solver: str = "auto",
+    trace_method: str = "auto",
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+) -> PlacedModule:
+    """Place ``model`` on ``devices`` and return a module that runs it there.
+
+    The model is put in eval mode (placement is for inference), traced with torch.fx (or
+    torch.export for models fx cannot trace), every operator is timed on each device kind present
+    (and estimated for kinds that are not), the optimal contiguous split for pipelined throughput
+    is solved for (Tarnawski et al. 2020, Sec. 5.1.1), and the traced graph is split into stages.
+
+    Args:
+        model: the model to place.
+        devices: device strings (``"cuda:0"``, ``"cpu"``, logical CPUs ``"cpu:0"``, ``"cpu:1"``),
+            :class:`Device` objects, or a ready :class:`Cluster`.
+        example_inputs: positional inputs of one representative call (batch on dim 0).
+        objective: ``"throughput"`` (min time per sample of the pipeline).
+        microbatches: micro-batches each call's batch is split into.
+        granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
+        leaf_modules: module classes to keep whole (like accelerate's ``no_split_module_classes``).
+        max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
+        solver: a name from :data:`torchplace.solvers.SOLVERS`, or ``"auto"``.
+        trace_method: ``"auto"``, ``"fx"`` or ``"export"``.
+        warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
+        progress: show a progress bar while profiling.
+
+    Returns:
+        A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
+        ``model(*example_inputs)``.
+
+    Raises:
+        ValueError: unknown device or an objective other than ``"throughput"``.
+        TraceError: the model cannot be traced (the message says what to try).
+        InfeasibleError: the model does not fit; ``min_memory_bytes`` is the smallest per-device
+            memory that would.
+    """
+    if objective != "throughput":
+        raise ValueError(f"objective must be 'throughput' (pipelined time per sample), got {objective!r}")
+    cluster = devices if isinstance(devices, Cluster) else make_cluster(devices, max_memory)
+    example_inputs = tuple(example_inputs)
+    model.eval()
+    with torch.no_grad():
+        traced = trace(model, example_inputs, granularity=granularity, leaf_modules=leaf_modules, method=trace_method)
+        kinds = sorted({d.kind for d in cluster.devices})
+        graph = profile(traced, example_inputs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
+    problem = Problem(graph, cluster, objective="throughput", mode="inference")
+    plan = solvers.solve(problem, method=solver)
+    return PlacedModule(traced, problem, plan, microbatches)
+
+
+class _LazyPlaced(nn.Module):
+    """Holds a model and places it on its first call, using that call's inputs as examples."""
+
+    def __init__(self, module: nn.Module, devices: Any, options: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._devices, self._options = devices, dict(options)
+        self.placed: PlacedModule | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.placed is None:
+            if kwargs:
+                raise TypeError(
+                    f"the first call of a @placed model is traced with positional inputs only; got keyword "
+                    f"arguments {sorted(kwargs)}: call it positionally, or use torchplace.place() with example_inputs"
+                )
+            self.placed = place(self.module, self._devices, args, **self._options)
+        return self.placed(*args, **kwargs)
+
+    @property
+    def plan(self) -> Plan:
+        if self.placed is None:
+            raise AttributeError("the model is placed on its first call; call it once before reading .plan")
+        return self.placed.plan
+
+
+def placed(devices: Any, **options: Any):
+    """Class decorator: instances are placed on ``devices`` at their first call.
+
+    Example:
+        >>> @torchplace.placed(devices=["cpu:0", "cpu:1"], microbatches=2)   # doctest: +SKIP
+        ... class Net(nn.Module): ...
+        >>> net = Net(); y = net(x); print(net.plan)                          # doctest: +SKIP
+
+    ``Net(...)`` returns a wrapper module holding the real instance as ``.module``; the
+    undecorated class is ``Net.__wrapped__``. Options are those of :func:`place`.
+    """
+
+    def decorate(cls: type[nn.Module]):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@placed decorates nn.Module classes, got {cls!r}")
+
+        @functools.wraps(cls, updated=())
+        def construct(*args: Any, **kwargs: Any) -> _LazyPlaced:
+            return _LazyPlaced(cls(*args, **kwargs), devices, options)
+
+        return construct
+
+    return decorate
