@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from torchplace.graph import OpGraph
 from torchplace.profiling.estimate import estimate_times
-from torchplace.profiling.trace import Traced, is_compute
+from torchplace.profiling.fxutil import is_compute
+from torchplace.profiling.trace import Traced
 
 __all__ = ["present_kinds", "profile"]
 

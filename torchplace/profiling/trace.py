@@ -24,38 +24,28 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import OpGraph
+from torchplace.profiling.fxutil import (
+    TensorInfo,
+    flat_inputs,
+    is_compute,
+    tensor_bytes,
+)
+from torchplace.profiling.opgraph import build_opgraph
 
 __all__ = ["TensorInfo", "Traced", "flat_inputs", "is_compute", "tensor_bytes", "trace"]
 
 _METHODS = ("auto", "fx", "export")
 _GRANULARITIES = ("operator", "module")
-_COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shapes and sizes of one fx node's outputs, stored in ``node.meta["torchplace"]``.
-
-    Attributes:
-        shapes: shape of each output tensor (pytree leaves of the output, in order).
-        dtypes: dtype name of each output tensor.
-        output_bytes: sum of ``numel * element_size`` over the output tensors.
-    """
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    output_bytes: int
 
 
 @dataclass(frozen=True)
@@ -77,29 +67,6 @@ class Traced:
     def flat_inputs(self, example_inputs: Sequence[Any]) -> tuple[Any, ...]:
         """The values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
         return flat_inputs(self.gm, example_inputs)
-
-
-def flat_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """Arguments for :meth:`torch.fx.Interpreter.run` on ``gm``: one value per placeholder.
-
-    An exported module flattens ``(args, kwargs)`` into its placeholders; an fx module takes the
-    positional arguments as they are.
-    """
-    if getattr(gm, "_in_spec", None) is not None:
-        return tuple(pytree.tree_leaves((tuple(example_inputs), {})))
-    return tuple(example_inputs)
-
-
-def is_compute(node: fx.Node) -> bool:
-    """Whether an fx node becomes (part of) an OpGraph node."""
-    return node.op in _COMPUTE_OPS
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor among the pytree leaves of ``value``."""
-    return sum(
-        t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
-    )
 
 
 # -- capture -----------------------------------------------------------------------------------
@@ -213,213 +180,6 @@ def _record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         _ShapeRecorder(gm).run(*flat_inputs(gm, example_inputs))
 
 
-# -- grouping -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Group:
-    """fx nodes that form one OpGraph node; ``label`` is the leaf module path or the node name."""
-
-    nodes: tuple[fx.Node, ...]
-    label: str
-    module: str
-    op: str
-
-
-def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    """``"call_function:aten.addmm.default"``, ``"call_method:view"``, ``"call_module:Linear"``."""
-    if node.op == "call_module":
-        return f"call_module:{type(gm.get_submodule(str(node.target))).__name__}"
-    if node.op == "call_method":
-        return f"call_method:{node.target}"
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"call_function:{target}"
-    return f"call_function:{fx.node._get_qualified_name(target)}"  # type: ignore[arg-type]
-
-
-def _module_of(node: fx.Node) -> str:
-    """Innermost module path of a node: the call_module target or the last nn_module_stack entry."""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else ""
-
-
-def _leaf_path(node: fx.Node, is_leaf: Callable[[str], bool]) -> str | None:
-    """Outermost module on the node's nn_module_stack that is a leaf (``None`` if none is)."""
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-        if is_leaf(str(path)):
-            return str(path)
-    return None
-
-
-def _leaf_predicate(
-    model: nn.Module, leaf_types: tuple[type, ...], module_level: bool
-) -> Callable[[str], bool]:
-    """Whether the module at a path is a leaf: a ``leaf_types`` instance, or childless at module level."""
-
-    def is_leaf(path: str) -> bool:
-        try:
-            m = model.get_submodule(path)
-        except AttributeError:
-            return False
-        return isinstance(m, leaf_types) or (module_level and not any(True for _ in m.children()))
-
-    return is_leaf
-
-
-def _singleton(node: fx.Node, gm: fx.GraphModule) -> _Group:
-    return _Group((node,), node.name, _module_of(node), _op_name(node, gm))
-
-
-def _group_by_leaf(gm: fx.GraphModule, model: nn.Module, is_leaf: Callable[[str], bool]) -> list[_Group]:
-    """One group per leaf-module instance (ordered by first node); other nodes alone."""
-    buckets: dict[tuple[str, str], list[fx.Node]] = {}
-    for node in filter(is_compute, gm.graph.nodes):
-        path = _leaf_path(node, is_leaf) if node.op != "call_module" else None
-        key = ("node", node.name) if path is None else ("leaf", path)
-        buckets.setdefault(key, []).append(node)
-    groups = []
-    for (kind, path), nodes in buckets.items():
-        if kind == "node":
-            groups.append(_singleton(nodes[0], gm))
-        else:
-            cls = type(model.get_submodule(path)).__name__
-            groups.append(_Group(tuple(nodes), path or "<root>", path, f"call_module:{cls}"))
-    return groups
-
-
-# -- OpGraph ------------------------------------------------------------------------------------
-def _group_edges(groups: Sequence[_Group]) -> set[tuple[int, int]]:
-    """Index pairs (i, j): some node of group j uses a node of group i."""
-    owner = {n: i for i, g in enumerate(groups) for n in g.nodes}
-    edges: set[tuple[int, int]] = set()
-    for j, g in enumerate(groups):
-        for n in g.nodes:
-            edges.update((owner[a], j) for a in n.all_input_nodes if a in owner and owner[a] != j)
-    return edges
-
-
-def _merge_cycles(groups: list[_Group]) -> list[_Group]:
-    """Merge groups on a common cycle (strongly connected components) so the group graph is a DAG."""
-    g = nx.DiGraph(_group_edges(groups))
-    g.add_nodes_from(range(len(groups)))
-    comps = [sorted(c) for c in nx.strongly_connected_components(g)]
-    if all(len(c) == 1 for c in comps):
-        return groups
-    position = {n: k for k, n in enumerate(groups[0].nodes[0].graph.nodes)}
-    merged = []
-    for comp in comps:
-        parts = [groups[i] for i in comp]
-        if len(parts) == 1:
-            merged.append(parts[0])
-            continue
-        nodes = tuple(sorted((n for p in parts for n in p.nodes), key=position.__getitem__))
-        label = "+".join(p.label for p in parts)
-        merged.append(_Group(nodes, label, parts[0].module, "group:" + "+".join(p.op for p in parts)))
-    return sorted(merged, key=lambda grp: position[grp.nodes[0]])
-
-
-_Key = tuple[int, int, int]
-
-
-def _storage_key(t: torch.Tensor) -> _Key:
-    """Identity of a tensor's memory: tied weights share it."""
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel() * t.element_size()))
-
-
-def _params_used(node: fx.Node, gm: fx.GraphModule) -> Iterator[torch.Tensor]:
-    """Parameters/buffers a node reads: its get_attr inputs, or a called module's tensors."""
-    if node.op == "call_module":
-        sub = gm.get_submodule(str(node.target))
-        yield from sub.parameters()
-        yield from sub.buffers()
-    for a in node.all_input_nodes:
-        if a.op == "get_attr":
-            value = _fetch_attr(gm, str(a.target))
-            if isinstance(value, torch.Tensor):
-                yield value
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
-def _escaping_bytes(group: _Group) -> int:
-    """Bytes of the group's outputs read outside it (by another node or the graph output)."""
-    inside = set(group.nodes)
-    return sum(
-        n.meta["torchplace"].output_bytes for n in group.nodes if any(u not in inside for u in n.users)
-    )
-
-
-def _record(group: _Group, param_bytes: int) -> NodeRecord:
-    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes."""
-    out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
-    temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
-    return NodeRecord(
-        name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
-        module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp,
-    )
-
-
-def _attribute_params(
-    groups: Sequence[_Group], order: Sequence[int], gm: fx.GraphModule
-) -> tuple[dict[int, int], set[_Key]]:
-    """Bytes of parameters per group, each tensor counted on its first group in ``order``."""
-    seen: set[_Key] = set()
-    per_group: dict[int, int] = {}
-    for i in order:
-        total = 0
-        for n in groups[i].nodes:
-            for t in _params_used(n, gm):
-                key = _storage_key(t)
-                if key not in seen:
-                    seen.add(key)
-                    total += key[2]
-        per_group[i] = total
-    return per_group, seen
-
-
-def _unattributed_bytes(model: nn.Module, seen: set[_Key]) -> int:
-    """Bytes of the model's parameters and buffers that no node reads."""
-    keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    return sum(k[2] for k in keys - seen)
-
-
-def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], method: str) -> OpGraph:
-    """Nodes, edges, parameter attribution and meta of the OpGraph."""
-    edges = _group_edges(groups)
-    index_graph = nx.DiGraph(edges)
-    index_graph.add_nodes_from(range(len(groups)))
-    order = list(nx.lexicographical_topological_sort(index_graph, key=lambda i: i))
-    params, seen = _attribute_params(groups, order, gm)
-    nodes = list(gm.graph.nodes)
-    graph = OpGraph(meta={
-        "method": method,
-        "inputs": [n.name for n in nodes if n.op == "placeholder"],
-        "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
-        "unattributed_param_bytes": _unattributed_bytes(model, seen),
-    })
-    ids = [g.nodes[0].name for g in groups]
-    for i, g in enumerate(groups):
-        graph.add_node(ids[i], _record(g, params[i]))
-    for i, j in sorted(edges):
-        graph.add_edge(ids[i], ids[j])
-    return graph
-
-
-def _groups(
-    gm: fx.GraphModule, model: nn.Module, leaf_types: tuple[type, ...], module_level: bool, method: str
-) -> list[_Group]:
-    """fx graphs already have leaves as call_module nodes; exported graphs are grouped by leaf."""
-    if method == "fx" or not (module_level or leaf_types):
-        return [_singleton(n, gm) for n in gm.graph.nodes if is_compute(n)]
-    return _merge_cycles(_group_by_leaf(gm, model, _leaf_predicate(model, leaf_types, module_level)))
-
-
 def trace(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -460,5 +220,5 @@ def trace(
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
     gm, used = _capture(model, tuple(example_inputs), method, leaf_types, module_level)
     _record_shapes(gm, example_inputs)
-    groups = _groups(gm, model, leaf_types, module_level, used)
-    return Traced(gm=gm, graph=_build_opgraph(gm, model, groups, used), method=used)
+    graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used)
+    return Traced(gm=gm, graph=graph, method=used)
