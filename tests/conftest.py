@@ -17,3 +17,19 @@ def workloads_dir() -> Path:
     if not WORKLOADS.is_dir():
         pytest.fail(f"shared workloads not found at {WORKLOADS}: clone the project next to ../shared")
     return WORKLOADS
+
+
+@pytest.fixture
+def mha_fastpath_off():
+    """Run references on PyTorch's ordinary attention path.
+
+    In eval mode under ``no_grad``, ``nn.MultiheadAttention`` takes a fused "fast path" kernel that
+    a traced graph (decomposed ops) does not contain; it agrees with the ordinary path only to
+    float rounding. Traced and placed models are bitwise equal to the ordinary path.
+    """
+    import torch
+
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    yield
+    torch.backends.mha.set_fastpath_enabled(before)

@@ -145,7 +145,7 @@ class _LazyPlaced(nn.Module):
     @property
     def plan(self) -> Plan:
         if self.placed is None:
-            raise AttributeError("the model is placed on its first call; call it once before reading .plan")
+            raise RuntimeError("the model is placed on its first call; call it once before reading .plan")
         return self.placed.plan
 
 

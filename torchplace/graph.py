@@ -35,8 +35,10 @@ class NodeRecord:
         param_bytes: bytes of parameters and buffers that live with this node (counted once).
         output_bytes: bytes of the node's output tensors (what a transfer moves).
         temp_bytes: bytes of working memory the node needs on its device while its stage runs.
-        times: seconds per sample on each device kind (``"cpu"``, ``"cuda"``, ``"accel"``, ...).
-            A kind that is absent means the node cannot run on that kind.
+        times: seconds on each device kind (``"cpu"``, ``"cuda"``, ``"accel"``, ...) for the graph's
+            unit of work: one sample in workload files, one call on the example inputs for profiled
+            models (transfers are sized from the same inputs, so the units agree). A kind that is
+            absent means the node cannot run on that kind.
         transfer_time: seconds to move the output across a device boundary when it is given
             directly (workload files); ``None`` means the cluster's links decide from bytes.
         colocation: nodes with the same non-``None`` value must share a device.

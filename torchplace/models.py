@@ -82,15 +82,17 @@ def _resnet(batch: int) -> Built:
 
 
 def _transformer(batch: int) -> Built:
-    """A 2-layer ``nn.TransformerEncoder`` (d_model 32) on ``(seq=8, batch, 32)`` inputs.
+    """A 2-layer ``nn.TransformerEncoder`` (d_model 32), batch first: inputs ``(batch, seq=8, 32)``.
 
-    ``batch_first=False`` (torch's default) keeps the model off the fused inference "fast path"
-    (``torch._transformer_encoder_layer_fwd``), which eval mode under ``no_grad`` would otherwise
-    take: a traced graph runs the standard ops and could not match its bits.
+    The SiLU activation keeps the layers off torch's fused inference "fast path"
+    (``torch._transformer_encoder_layer_fwd``, taken in eval mode under ``no_grad`` for relu/gelu),
+    which a traced graph does not reproduce bit for bit.
     """
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=False)
+    layer = nn.TransformerEncoderLayer(
+        d_model=32, nhead=4, dim_feedforward=64, batch_first=True, activation=nn.functional.silu
+    )
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    return model, (torch.randn(8, batch, 32),)
+    return model, (torch.randn(batch, 8, 32),)
 
 
 def _gpt2(batch: int) -> Built:
@@ -117,6 +119,15 @@ _BUILDERS: dict[str, Callable[[int], Built]] = {
     "gpt2": _gpt2,
 }
 NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def leaf_modules_for(name: str) -> tuple[type, ...]:
+    """The block classes to keep whole at ``granularity="module"`` for an example model."""
+    if name == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return (GPT2Block,)
+    return {"resnet": (ResidualBlock,), "transformer": (nn.TransformerEncoderLayer,)}.get(name, ())
 
 
 def build(name: str, batch: int = 2, seed: int = 0) -> Built:

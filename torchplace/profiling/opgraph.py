@@ -223,10 +223,103 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
 def _groups(
     gm: fx.GraphModule, model: nn.Module, leaf_types: tuple[type, ...], module_level: bool, method: str
 ) -> list[_Group]:
-    """fx graphs already have leaves as call_module nodes; exported graphs are grouped by leaf."""
+    """fx graphs already have leaves as call_module nodes; exported graphs are grouped by leaf.
+    Then shape-only computations and dead-end checks are folded into their neighbours."""
     if method == "fx" or not (module_level or leaf_types):
-        return [_singleton(n, gm) for n in gm.graph.nodes if is_compute(n)]
-    return _merge_cycles(_group_by_leaf(gm, model, _leaf_predicate(model, leaf_types, module_level)))
+        groups = [_singleton(n, gm) for n in gm.graph.nodes if is_compute(n)]
+    else:
+        groups = _merge_cycles(_group_by_leaf(gm, model, _leaf_predicate(model, leaf_types, module_level)))
+    return _fold_into_neighbours(groups)
+
+
+# -- folding ------------------------------------------------------------------------------------
+def _returns_tensor(node: fx.Node) -> bool:
+    info = node.meta.get("torchplace")
+    return info is not None and len(info.shapes) > 0
+
+
+def _data_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """fx nodes whose tensor output depends on the values of the model's inputs (not only shapes)."""
+    dependent: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or is_compute(n):
+            reads_data = n.op == "placeholder" or any(a in dependent for a in n.all_input_nodes)
+            if reads_data and _returns_tensor(n):
+                dependent.add(n)
+    return dependent
+
+
+def _fold_roots(groups: Sequence[_Group], dependent: set[fx.Node]) -> list[int]:
+    """For each group, the index of the group it is folded into (itself if kept).
+
+    Groups are visited in a topological order ``pos``; every kept group is a *root*.
+
+    1. Forward: a group nobody consumes that feeds no model output (export's guards and metadata
+       asserts) joins its last producer; one without producers joins the first group.
+    2. Backward (reverse topological order): a group that computes only from shapes and constants
+       (attention masks, position ids) joins the earliest root among its consumers.
+    3. See :func:`_fold_isolated`.
+
+    Every edge then goes from a root of smaller ``pos`` to one of larger ``pos``, so the folded
+    graph is still a DAG: a folded group picked the earliest of its consumers' roots, and the
+    roots it could reach later all come after it.
+    """
+    edges = _group_edges(groups)
+    g = nx.DiGraph(edges)
+    g.add_nodes_from(range(len(groups)))
+    order = list(nx.lexicographical_topological_sort(g, key=lambda i: i))
+    pos = {v: k for k, v in enumerate(order)}
+    parent = list(range(len(groups)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    outputs = {a for n in groups[0].nodes[0].graph.nodes if n.op == "output" for a in n.all_input_nodes}
+    for i in order:
+        if g.out_degree(i) == 0 and not any(n in outputs for n in groups[i].nodes) and len(groups) > 1:
+            preds = [find(p) for p in g.predecessors(i)]
+            parent[i] = max(preds, key=pos.__getitem__) if preds else find(order[0] if order[0] != i else order[1])
+    for i in reversed(order):
+        if parent[i] == i and g.out_degree(i) and not any(n in dependent for n in groups[i].nodes):
+            roots = {find(c) for c in g.successors(i)} - {i}
+            if roots:
+                parent[i] = min(roots, key=pos.__getitem__)
+    _fold_isolated(g, order, find, parent, outputs, groups)
+    return [find(i) for i in range(len(groups))]
+
+
+def _fold_isolated(g: nx.DiGraph, order: list[int], find: Callable[[int], int], parent: list[int],
+                   outputs: set[fx.Node], groups: Sequence[_Group]) -> None:
+    """3. A root with no edge to any other root (a shape-only chain that ends in an assert) joins
+    the first root: with no edges it cannot close a cycle, and alone it would double the ideals."""
+    linked = {find(i) for u, v in g.edges if find(u) != find(v) for i in (u, v)}
+    roots = [i for i in order if find(i) == i]
+    for r in roots[1:]:
+        if r not in linked and not any(n in outputs for i in range(len(groups)) if find(i) == r for n in groups[i].nodes):
+            parent[r] = roots[0]
+
+
+def _fold_into_neighbours(groups: list[_Group]) -> list[_Group]:
+    """Merge shape-only and dead-end groups into a neighbour (see :func:`_fold_roots`).
+
+    These nodes cost next to nothing, but each independent one multiplies the number of ideals
+    (contiguous splits) the exact solver must consider; GPT-2's mask computation alone makes
+    tens of thousands. The kept group gives the merged node its label, module and op.
+    """
+    if len(groups) < 2:
+        return groups
+    roots = _fold_roots(groups, _data_dependent(groups[0].nodes[0].graph))
+    members: dict[int, list[int]] = {}
+    for i, r in enumerate(roots):
+        members.setdefault(r, []).append(i)
+    position = {n: k for k, n in enumerate(groups[0].nodes[0].graph.nodes)}
+    merged = []
+    for r, parts in members.items():
+        nodes = tuple(sorted((n for i in parts for n in groups[i].nodes), key=position.__getitem__))
+        merged.append(_Group(nodes, groups[r].label, groups[r].module, groups[r].op))
+    return sorted(merged, key=lambda grp: position[grp.nodes[0]])
 
 
 def build_opgraph(

@@ -106,10 +106,25 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
+def _batch_dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Mark dim 0 of every tensor input dynamic, so the graph runs on any batch (micro-batch) size."""
+
+    def spec(leaf: Any) -> Any:
+        return {0: torch.export.Dim.DYNAMIC} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
+
+    return tuple(pytree.tree_map(spec, x) for x in example_inputs)
+
+
 def _export_capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
-    """``torch.export`` (non-strict) then ``.module()``; failures as :class:`_CaptureFailure`."""
+    """``torch.export`` (non-strict, dynamic batch dim) then ``.module()``; failures as _CaptureFailure.
+
+    Without a dynamic batch dimension the exported graph bakes the example batch size into its
+    reshapes and guards, and fails on every other batch size, micro-batches included.
+    """
+    example_inputs = tuple(example_inputs)
     try:
-        return torch.export.export(model, tuple(example_inputs), strict=False).module()
+        ep = torch.export.export(model, example_inputs, dynamic_shapes=_batch_dynamic_shapes(example_inputs), strict=False)
+        return ep.module()
     except Exception as e:
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
 

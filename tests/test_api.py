@@ -1,0 +1,149 @@
+"""place(): placed models give the original outputs on 1, 2 and 3 logical devices; errors are clear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import torchplace
+from torchplace.errors import InfeasibleError, StageError, TraceError
+from torchplace.models import build, leaf_modules_for
+from torchplace.runtime.microbatch import gather, scatter
+
+pytestmark = pytest.mark.usefixtures("mha_fastpath_off")
+
+DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
+
+
+def _tensors(out):
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _assert_bitwise(a, b):
+    xs, ys = _tensors(a), _tensors(b)
+    assert len(xs) == len(ys) > 0
+    for x, y in zip(xs, ys):
+        assert torch.equal(x, y), f"max difference {(x - y).abs().max()}"
+
+
+@pytest.fixture(scope="module")
+def placed_models():
+    """Place each example model once per device count (profiling is the slow part)."""
+    cache = {}
+
+    def get(name, n, granularity="operator"):
+        key = (name, n, granularity)
+        if key not in cache:
+            model, inputs = build(name, batch=8)
+            leaves = leaf_modules_for(name) if granularity == "module" else ()
+            placed = torchplace.place(model, DEVICES[n], inputs, microbatches=4, granularity=granularity,
+                                      leaf_modules=leaves, progress=False, repeats=2, warmup=1)
+            cache[key] = (model, inputs, placed)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("name, granularity", [
+    ("mlp", "operator"), ("resnet", "operator"), ("transformer", "operator"),
+    ("gpt2", "operator"), ("gpt2", "module"),
+])
+def test_placed_outputs_equal_the_original(placed_models, name, granularity, n):
+    model, inputs, placed = placed_models(name, n, granularity)
+    assert len({s.device for s in placed.plan.stages}) <= n
+    placed.plan.validate(placed.problem)
+    with torch.no_grad():
+        placed.microbatches = 1
+        _assert_bitwise(placed(*inputs), model(*inputs))  # one input batch, no split
+        placed.microbatches = 4
+        out = placed(*inputs)
+        # micro-batched: bitwise equal to the model on the same micro-batches ...
+        _assert_bitwise(out, gather([model(*a, **k) for a, k in scatter(inputs, {}, 4)]))
+        # ... and equal up to float rounding of the batch-size-dependent kernels on the whole batch
+        for x, y in zip(_tensors(out), _tensors(model(*inputs))):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_placed_module_accepts_other_batch_sizes(placed_models):
+    model, inputs, placed = placed_models("gpt2", 2)
+    ids = inputs[0][:3]
+    placed.microbatches = 3
+    with torch.no_grad():
+        _assert_bitwise(placed(ids), gather([model(c) for c in ids.tensor_split(3)]))
+
+
+def test_plan_objective_is_the_cost_model_value(placed_models):
+    from torchplace import costmodel
+
+    _, _, placed = placed_models("resnet", 3)
+    assert placed.plan.objective == costmodel.evaluate(placed.problem, placed.plan)
+    assert placed.plan.lower_bound <= placed.plan.objective
+    assert "lower bound" in str(placed.plan)
+
+
+def test_device_map_covers_every_parameter_holding_module(placed_models):
+    model, _, placed = placed_models("mlp", 2)
+    dm = placed.device_map()
+    assert set(dm.values()) <= {"cpu:0", "cpu:1"}
+    for name, _ in model.named_parameters():
+        module = name.rpartition(".")[0]
+        assert any(module == k or module.startswith(k + ".") or k == "" for k in dm), module
+
+
+def test_unknown_device_lists_valid_ones():
+    model, inputs = build("mlp")
+    with pytest.raises(ValueError, match="unknown device 'gpu7'.*valid devices"):
+        torchplace.place(model, ["gpu7"], inputs, progress=False)
+
+
+def test_infeasible_memory_states_the_smallest_memory_that_fits():
+    model, inputs = build("mlp", batch=4)
+    with pytest.raises(InfeasibleError) as e:
+        torchplace.place(model, ["cpu:0", "cpu:1"], inputs, max_memory={"cpu:0": 100, "cpu:1": 100}, progress=False)
+    need = e.value.min_memory_bytes
+    assert need is not None and need > 100
+    assert str(need) in str(e.value)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], inputs, max_memory={"cpu:0": need, "cpu:1": need},
+                              progress=False)
+    assert max(c.memory for c in placed.plan.costs) <= need
+
+
+class _Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: neither fx nor export can trace it
+            return x * 2
+        return x
+
+
+def test_untraceable_model_raises_trace_error():
+    with pytest.raises(TraceError, match="leaf_modules|export"):
+        torchplace.place(_Branchy(), ["cpu:0"], (torch.randn(2, 3),), progress=False)
+
+
+def test_stage_failure_names_the_stage(placed_models):
+    _, inputs, placed = placed_models("mlp", 2)
+    with pytest.raises(StageError, match=r"stage \d on cpu:\d failed"):
+        placed(torch.randn(8, 5))  # wrong feature size
+
+
+def test_objective_other_than_throughput_is_refused():
+    model, inputs = build("mlp")
+    with pytest.raises(ValueError, match="throughput"):
+        torchplace.place(model, ["cpu:0"], inputs, objective="speed", progress=False)
+
+
+def test_placed_decorator_places_on_first_call():
+    from torchplace.models import MLP
+
+    Placed = torchplace.placed(devices=["cpu:0", "cpu:1"], microbatches=2, progress=False)(MLP)
+    net = Placed()
+    with pytest.raises(RuntimeError, match="first call"):
+        net.plan
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        y = net(x)
+        _assert_bitwise(y, gather([net.module(c) for c in x.tensor_split(2)]))
+    assert len(net.plan.stages) >= 1
+    assert Placed.__wrapped__ is MLP

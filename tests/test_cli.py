@@ -1,0 +1,53 @@
+"""The torchplace command."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchplace.cli import main
+
+from .conftest import DNN
+
+BERT24 = str(DNN / "LayerGraphs/bert24_inference.json")
+
+
+def test_solve_json(capsys, workloads_dir):
+    assert main(["solve", BERT24, "--method", "dp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["objective"] == pytest.approx(17.7899, rel=1e-4)
+    assert out["lower_bound"] <= out["objective"]
+    assert out["status"] == "optimal"
+    assert out["seconds"] >= 0
+    assert len(out["assignment"]) == 32 and set(out["assignment"].values()) <= {f"acc{i}" for i in range(6)} | {"cpu0"}
+
+
+def test_solve_table_save_and_show(tmp_path, capsys, workloads_dir):
+    path = tmp_path / "plan.json"
+    assert main(["solve", BERT24, "-o", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "stage" in table and "acc0" in table
+    assert main(["show", str(path)]) == 0
+    assert capsys.readouterr().out == table
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nodes": [], "edges": [], "maxFPGAs": "x"}')
+    assert main(["solve", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchplace: error:") and "maxFPGAs" in err
+
+
+def test_plan_example_model(capsys):
+    assert main(["plan", "mlp", "--devices", "cpu:0", "cpu:1", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan by dp" in out and "device_map" in out
+
+
+def test_python_dash_m(workloads_dir):
+    r = subprocess.run([sys.executable, "-m", "torchplace", "solve", BERT24, "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["objective"] == pytest.approx(17.7899, rel=1e-4)
