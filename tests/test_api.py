@@ -123,7 +123,7 @@ def test_untraceable_model_raises_trace_error():
 
 
 def test_stage_failure_names_the_stage(placed_models):
-    _, inputs, placed = placed_models("mlp", 2)
+    _, _, placed = placed_models("mlp", 2)
     with pytest.raises(StageError, match=r"stage \d on cpu:\d failed"):
         placed(torch.randn(8, 5))  # wrong feature size
 
@@ -140,7 +140,7 @@ def test_placed_decorator_places_on_first_call():
     Placed = torchplace.placed(devices=["cpu:0", "cpu:1"], microbatches=2, progress=False)(MLP)
     net = Placed()
     with pytest.raises(RuntimeError, match="first call"):
-        net.plan
+        _ = net.plan
     x = torch.randn(4, 32)
     with torch.no_grad():
         y = net(x)

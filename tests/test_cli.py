@@ -48,6 +48,6 @@ def test_plan_example_model(capsys):
 
 
 def test_python_dash_m(workloads_dir):
-    r = subprocess.run([sys.executable, "-m", "torchplace", "solve", BERT24, "--json"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "torchplace", "solve", BERT24, "--json"], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["objective"] == pytest.approx(17.7899, rel=1e-4)

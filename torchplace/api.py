@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Mapping, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from torchplace.problem import Problem
 from torchplace.profiling import Traced, profile, trace
 from torchplace.runtime import GraphIO, PipelineExecutor, split_stages
 
-__all__ = ["place", "PlacedModule", "placed"]
+__all__ = ["PlacedModule", "place", "placed"]
 
 
 class PlacedModule(nn.Module):
@@ -43,10 +44,11 @@ class PlacedModule(nn.Module):
             for v in stage.nodes
             for fx_name in problem.graph.record(v).fx_nodes
         }
-        self.stages = nn.ModuleList(split_stages(traced.gm, stage_of, len(plan.stages)))
+        stages = split_stages(traced.gm, stage_of, len(plan.stages))
+        self.stages = nn.ModuleList(stages)
         devices = [problem.cluster.device(s.device) for s in plan.stages]
         self._executor = PipelineExecutor(
-            list(self.stages), [d.torch_device for d in devices], [d.name for d in devices], GraphIO(traced.gm)
+            stages, [d.torch_device for d in devices], [d.name for d in devices], GraphIO(traced.gm)
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -63,14 +65,14 @@ class PlacedModule(nn.Module):
 
 def place(
     model: nn.Module,
-    devices: Union[Sequence[Union[str, Device]], Cluster],
+    devices: Sequence[str | Device] | Cluster,
     example_inputs: Sequence[Any],
     *,
     objective: str = "throughput",
     microbatches: int = 4,
     granularity: str = "operator",
     leaf_modules: Iterable[type] = (),
-    max_memory: Mapping[str, Union[int, str]] | None = None,
+    max_memory: Mapping[str, int | str] | None = None,
     solver: str = "auto",
     trace_method: str = "auto",
     warmup: int = 2,

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Collection, Iterable, Protocol, Sequence
+from typing import Protocol
 
 from torchplace.devices import Device
 from torchplace.problem import Problem
 
-__all__ = ["StageCost", "StageLike", "device_cost", "transfers", "memory", "evaluate_stages", "evaluate"]
+__all__ = ["StageCost", "StageLike", "device_cost", "evaluate", "evaluate_stages", "memory", "transfers"]
 
 
 class StageLike(Protocol):
-    device: str
-    nodes: tuple[str, ...]
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def nodes(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)

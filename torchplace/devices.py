@@ -9,12 +9,12 @@ bandwidth`` for each tensor crossing its boundary.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
 
 import psutil
 
-__all__ = ["Device", "Cluster", "parse_memory", "discover_devices", "make_cluster"]
+__all__ = ["Cluster", "Device", "discover_devices", "make_cluster", "parse_memory"]
 
 # PCIe 3.0 x16 effective host<->device bandwidth; replaced by a measurement where one is made.
 DEFAULT_LINK_BANDWIDTH = 12e9  # bytes / s
@@ -27,7 +27,7 @@ _UNITS = {
 }
 
 
-def parse_memory(value: Union[int, float, str]) -> int:
+def parse_memory(value: float | str) -> int:
     """Bytes from an int or a string like ``"20GiB"``, ``"512MB"``, ``"1.5 GB"`` (accelerate's form).
 
     Raises:
@@ -127,8 +127,8 @@ _LOGICAL_CPU = re.compile(r"cpu:(\d+)")
 
 
 def make_cluster(
-    devices: Sequence[Union[str, Device]],
-    max_memory: Mapping[str, Union[int, str]] | None = None,
+    devices: Sequence[str | Device],
+    max_memory: Mapping[str, int | str] | None = None,
     bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     latency: float = DEFAULT_LINK_LATENCY,
 ) -> Cluster:

@@ -5,13 +5,13 @@ All derive from :class:`TorchplaceError`, so ``except torchplace.TorchplaceError
 from __future__ import annotations
 
 __all__ = [
-    "TorchplaceError",
-    "TraceError",
     "InfeasibleError",
     "InvalidPlanError",
-    "WorkloadFormatError",
-    "TooManyIdealsError",
     "StageError",
+    "TooManyIdealsError",
+    "TorchplaceError",
+    "TraceError",
+    "WorkloadFormatError",
 ]
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import networkx as nx
 
@@ -129,8 +130,7 @@ class OpGraph:
         return self.nx.nodes[node_id]["record"]
 
     def records(self) -> Iterator[tuple[str, NodeRecord]]:
-        for n, data in self.nx.nodes(data="record"):
-            yield n, data
+        yield from self.nx.nodes(data="record")
 
     def successors(self, node_id: str) -> Iterator[str]:
         return self.nx.successors(node_id)

@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from torchplace import costmodel
 from torchplace.costmodel import StageCost
 from torchplace.errors import InvalidPlanError, WorkloadFormatError
 from torchplace.problem import Problem
 
-__all__ = ["Stage", "Plan", "is_contiguous"]
+__all__ = ["Plan", "Stage", "is_contiguous"]
 
 _FORMAT = "torchplace.plan/1"
 

@@ -7,7 +7,7 @@ from typing import Literal
 from torchplace.devices import Cluster, Device
 from torchplace.graph import OpGraph
 
-__all__ = ["Problem", "Objective", "Mode"]
+__all__ = ["Mode", "Objective", "Problem"]
 
 Objective = Literal["throughput", "latency"]
 Mode = Literal["inference", "training"]

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from torchplace.devices import Cluster, Device
 from torchplace.errors import WorkloadFormatError
@@ -128,8 +129,8 @@ def read_dnn_partitioning(path: str | Path) -> Problem:
         raise WorkloadFormatError(f"{path}: {e}") from None
     devices = [Device(f"acc{i}", "meta", "accel", mem) for i in range(k)]
     devices += [Device(f"cpu{i}", "cpu", "cpu", None) for i in range(l_)]
-    mode = "training" if any(r.backward for _, r in g.records()) else "inference"
-    return Problem(g, Cluster(tuple(devices)), objective="throughput", mode=mode)
+    training = any(r.backward for _, r in g.records())
+    return Problem(g, Cluster(tuple(devices)), objective="throughput", mode="training" if training else "inference")
 
 
 def read_expert_split(path: str | Path, problem: Problem) -> dict[str, str]:

@@ -10,7 +10,8 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torchplace.plan import Plan
 from torchplace.problem import Problem

@@ -21,7 +21,7 @@ import networkx as nx
 from torchplace.errors import InvalidPlanError
 from torchplace.graph import OpGraph
 
-__all__ = ["Supernode", "Contraction", "contract"]
+__all__ = ["Contraction", "Supernode", "contract"]
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from torchplace.solvers.contract import Contraction, contract
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.ordering import order_stages
 
-__all__ = ["solve", "DeviceClass", "device_classes"]
+__all__ = ["DeviceClass", "device_classes", "solve"]
 
 
 @dataclass(frozen=True)

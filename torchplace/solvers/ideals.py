@@ -9,14 +9,14 @@ Ideals are Python ints used as bitsets over nodes ``0..n-1``; they are listed le
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from torchplace.errors import TooManyIdealsError
 
-__all__ = ["Ideals", "enumerate_ideals", "DEFAULT_IDEAL_LIMIT"]
+__all__ = ["DEFAULT_IDEAL_LIMIT", "Ideals", "enumerate_ideals"]
 
 DEFAULT_IDEAL_LIMIT = 20_000
 

@@ -1,7 +1,7 @@
 """Order the pieces of a placement into stages that can run one after another."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 
