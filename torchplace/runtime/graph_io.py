@@ -83,7 +83,8 @@ class GraphIO:
         in_spec = info.in_spec
         names = [a for a in info.orig_args if a != "self"]
         if in_spec.type is tuple and in_spec.num_children == 2:
-            keyword_names = set(in_spec.children_specs[1].context)
+            kwargs_spec = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
+            keyword_names = set(kwargs_spec.context)
             positional = [values[a] for a in names if a not in keyword_names]
             keywords = {a: values[a] for a in names if a in keyword_names}
             return fx_pytree.tree_flatten_spec((positional, keywords), in_spec)
