@@ -99,3 +99,40 @@ def test_too_many_ideals_raises_a_clear_error():
 def test_plan_is_deterministic(workloads_dir):
     problem = read_dnn_partitioning(DNN / "OperatorGraphs/bert_l-3_inference.json")
     assert dp.solve(problem).stages == dp.solve(problem).stages
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_dpl_is_valid_and_never_better_than_dp(problem):
+    try:
+        exact = dp.solve(problem)
+    except InfeasibleError:
+        return  # DPL searches a subset of the same splits: infeasible too, or a valid plan
+    try:
+        linear = dp.solve(problem, linearize=True)
+    except InfeasibleError:
+        return
+    assert linear.objective >= exact.objective - 1e-9
+    assert linear.objective == costmodel.evaluate(problem, linear)
+    assert linear.status == "feasible" and linear.solver == "dpl"
+    assert linear.meta["ideals"] <= len(problem.graph) + 1  # a chain: one ideal per (super)node, plus empty
+
+
+@pytest.mark.parametrize("name", ["OperatorGraphs/bert_l-3_inference.json", "OperatorGraphs/resnet50_training.json"])
+def test_dpl_on_published_workloads(name, workloads_dir):
+    """Tarnawski Sec. 6: DPL loses nothing on these two."""
+    problem = read_dnn_partitioning(DNN / name)
+    linear = dp.solve(problem, linearize=True)
+    assert linear.objective == pytest.approx(PUBLISHED[name][0], rel=1e-4)
+
+
+def test_auto_falls_back_to_dpl_past_the_ideal_limit():
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for i in range(16):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": float(i + 1)}))
+    problem = Problem(g, Cluster((Device("cpu0", "cpu", "cpu"), Device("cpu1", "cpu", "cpu"))))
+    plan = solve(problem, ideal_limit=1000)
+    assert plan.solver == "dpl" and plan.status == "feasible"
+    assert plan.objective == costmodel.evaluate(problem, plan) <= sum(range(1, 17))

@@ -10,9 +10,11 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+from torchplace.errors import TooManyIdealsError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers import dp
@@ -21,19 +23,25 @@ __all__ = ["SOLVERS", "solve"]
 
 SOLVERS: dict[str, Callable[..., Plan]] = {
     "dp": dp.solve,
+    "dpl": functools.partial(dp.solve, linearize=True),
 }
 
 
 def solve(problem: Problem, method: str = "auto", **opts: Any) -> Plan:
     """Solve ``problem`` with ``method`` (a key of :data:`SOLVERS`, or ``"auto"``).
 
-    ``"auto"`` picks the ideals DP, the exact method for contiguous throughput problems.
+    ``"auto"`` runs the exact ideals DP and, if the graph has too many ideals for it, the DP over
+    one linearization (DPL), whose plan is marked ``"feasible"`` rather than proven optimal.
 
     Raises:
         ValueError: for an unknown method (the message lists the known ones).
     """
     if method == "auto":
-        method = "dp"
+        try:
+            return dp.solve(problem, **opts)
+        except TooManyIdealsError:
+            opts.pop("ideal_limit", None)
+            return SOLVERS["dpl"](problem, **opts)
     if method not in SOLVERS:
         raise ValueError(f"unknown solver {method!r}; choose one of {['auto', *SOLVERS]}")
     return SOLVERS[method](problem, **opts)
