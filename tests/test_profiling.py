@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError
+from torchplace.fxutil import is_compute
 from torchplace.models import NAMES, ResidualBlock, build
 from torchplace.profiling import DEVICE_SPECS, Traced, estimate_times, profile, trace
-from torchplace.profiling.trace import is_compute
 
 pytestmark = pytest.mark.usefixtures("mha_fastpath_off")
 

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchplace.profiling.fxutil import is_compute, tensor_bytes
+from torchplace.fxutil import is_compute, tensor_bytes
 from torchplace.profiling.trace import Traced
 
 __all__ = ["DEVICE_SPECS", "DeviceSpec", "NodeCost", "estimate_times", "node_costs"]

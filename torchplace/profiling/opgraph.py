@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx, nn
 
+from torchplace.fxutil import fetch_attr, is_compute
 from torchplace.graph import NodeRecord, OpGraph
-from torchplace.profiling.fxutil import is_compute
 
 __all__ = ["build_opgraph"]
 
@@ -144,16 +143,9 @@ def _params_used(node: fx.Node, gm: fx.GraphModule) -> Iterator[torch.Tensor]:
         yield from sub.buffers()
     for a in node.all_input_nodes:
         if a.op == "get_attr":
-            value = _fetch_attr(gm, str(a.target))
+            value = fetch_attr(gm, str(a.target))
             if isinstance(value, torch.Tensor):
                 yield value
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def _escaping_bytes(group: _Group) -> int:

@@ -22,9 +22,9 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
+from torchplace.fxutil import is_compute
 from torchplace.graph import OpGraph
 from torchplace.profiling.estimate import estimate_times
-from torchplace.profiling.fxutil import is_compute
 from torchplace.profiling.trace import Traced
 
 __all__ = ["present_kinds", "profile"]

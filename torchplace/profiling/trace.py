@@ -33,16 +33,11 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError
+from torchplace.fxutil import TensorInfo, flat_inputs, tensor_bytes
 from torchplace.graph import OpGraph
-from torchplace.profiling.fxutil import (
-    TensorInfo,
-    flat_inputs,
-    is_compute,
-    tensor_bytes,
-)
 from torchplace.profiling.opgraph import build_opgraph
 
-__all__ = ["TensorInfo", "Traced", "flat_inputs", "is_compute", "tensor_bytes", "trace"]
+__all__ = ["Traced", "trace"]
 
 _METHODS = ("auto", "fx", "export")
 _GRANULARITIES = ("operator", "module")

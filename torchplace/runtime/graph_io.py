@@ -12,11 +12,12 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import fx
 from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import map_arg
+
+from torchplace.fxutil import fetch_attr
 
 __all__ = ["GraphIO"]
 
@@ -48,7 +49,7 @@ class GraphIO:
         self.output_names: tuple[str, ...] = tuple(
             n.name for n in graph.nodes if n in used and n.op != "get_attr"
         )
-        self._constants = {n.name: _fetch_attr(gm, n.target) for n in used if n.op == "get_attr"}
+        self._constants = {n.name: fetch_attr(gm, str(n.target)) for n in used if n.op == "get_attr"}
         codegen = graph._codegen
         self._pytree_info = codegen.pytree_info if isinstance(codegen, _PyTreeCodeGen) else None
         self._codegen = codegen
@@ -121,10 +122,3 @@ def _placeholder_value(node: fx.Node, values: Mapping[str, Any]) -> Any:
         return node.args[0]
     raise TypeError(f"no value for model input {target!r}")
 
-
-def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    """``module.a.b.c`` for ``target == "a.b.c"``."""
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

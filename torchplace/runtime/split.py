@@ -26,9 +26,9 @@ import torch
 from torch import fx
 
 from torchplace.errors import InvalidPlanError
+from torchplace.fxutil import COMPUTE_OPS
 
 __all__ = [
-    "COMPUTE_OPS",
     "StageInterface",
     "StageModule",
     "build_stage",
@@ -38,8 +38,6 @@ __all__ = [
     "validate_assignment",
 ]
 
-COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
-"""fx node ops that a plan assigns to stages."""
 
 
 class StageModule(fx.GraphModule):

@@ -1,4 +1,4 @@
-"""Small fx helpers shared by tracing, profiling and estimation."""
+"""Small fx helpers shared by profiling (tracing, timing, estimates) and the runtime (splitting)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["TensorInfo", "flat_inputs", "is_compute", "tensor_bytes"]
+__all__ = ["COMPUTE_OPS", "TensorInfo", "fetch_attr", "flat_inputs", "is_compute", "tensor_bytes"]
 
-_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
+"""fx node ops that become OpGraph nodes and that a plan assigns to stages."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,16 @@ def flat_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Any,
 
 
 def is_compute(node: fx.Node) -> bool:
-    """Whether an fx node becomes (part of) an OpGraph node."""
-    return node.op in _COMPUTE_OPS
+    """Whether an fx node becomes (part of) an OpGraph node and is placed in a stage."""
+    return node.op in COMPUTE_OPS
+
+
+def fetch_attr(module: nn.Module, target: str) -> Any:
+    """``module.a.b.c`` for the get_attr target ``"a.b.c"``."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def tensor_bytes(value: Any) -> int:
