@@ -96,3 +96,17 @@ def test_cycle_is_reported():
     g.add_edge("b", "a")
     with pytest.raises(ValueError, match="not a DAG"):
         g.check_dag()
+
+
+def test_expert_split_costs_what_the_paper_says(workloads_dir):
+    """An independent check of the cost model: the human expert split of BERT-24 has max-load
+    20.084 (Tarnawski et al. 2020, Sec. 6 / shared workloads README)."""
+    from torchplace import costmodel
+    from torchplace.plan import Stage
+    from torchplace.workloads import read_expert_split
+
+    problem = read_dnn_partitioning(DNN / "LayerGraphs/bert24_inference.json")
+    assignment = read_expert_split(DNN.parent / "bert24_inference_expert.json", problem)
+    assert set(assignment) == set(problem.graph)
+    stages = [Stage(d, tuple(v for v in problem.graph if assignment[v] == d)) for d in sorted(set(assignment.values()))]
+    assert costmodel.evaluate_stages(problem, stages)[0] == pytest.approx(20.084, rel=1e-4)

@@ -99,3 +99,10 @@ def test_device_map_in_accelerate_form():
     assert plan.device_map(p) == {"enc": "acc0", "dec": "acc1"}
     whole = Plan([Stage("acc0", ("a", "b", "c"))], 0.0, 0.0, "t", 0.0)
     assert whole.device_map(p) == {"": "acc0"}
+
+
+def test_a_bound_above_the_objective_is_a_bug_not_clamped():
+    p = _problem()
+    stages = dp.solve(p).stages
+    with pytest.raises(AssertionError, match="lower bound .* exceeds the objective"):
+        Plan.build(p, stages, solver="broken", seconds=0.0, lower_bound=1e9)

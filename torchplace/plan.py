@@ -67,9 +67,17 @@ class Plan:
         status: str = "optimal",
         meta: Mapping[str, Any] | None = None,
     ) -> Plan:
-        """Evaluate ``stages`` with the cost model, validate them, and wrap them in a Plan."""
+        """Evaluate ``stages`` with the cost model, validate them, and wrap them in a Plan.
+
+        Raises:
+            InvalidPlanError: if the stages break a constraint (see :meth:`validate`).
+            AssertionError: if ``lower_bound`` exceeds the plan's objective: a bound that a
+                feasible plan beats is no bound, and the solver that claimed it has a bug.
+        """
         objective, costs = costmodel.evaluate_stages(problem, stages)
-        plan = cls(list(stages), objective, min(lower_bound, objective), solver, seconds, status, costs, dict(meta or {}))
+        if lower_bound > objective * (1 + 1e-9) + 1e-12:
+            raise AssertionError(f"{solver}: lower bound {lower_bound} exceeds the objective {objective} of its own plan")
+        plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs, dict(meta or {}))
         plan.validate(problem)
         return plan
 

@@ -3,8 +3,8 @@
 The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times each
 compute node (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). After ``warmup``
 untimed runs, ``repeats`` timed runs give a median per fx node; an OpGraph node's time is the sum
-of its fx nodes' medians. Times are seconds for one call on the example inputs (so "per sample"
-in :class:`~torchplace.graph.NodeRecord` means per batch of the example's size).
+of its fx nodes' medians. Times are seconds for one call on the example inputs, the unit of
+work of a profiled graph (see :class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
 """
