@@ -106,6 +106,15 @@ class Cluster:
         """Seconds to move ``nbytes`` between host memory and an accelerator."""
         return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
+    def link_time(self, nbytes: int, src: str, dst: str) -> float:
+        """Seconds to move ``nbytes`` from device ``src`` to device ``dst`` (0 on one device).
+
+        The pair's own bandwidth when ``pair_bandwidth`` gives one, else the cluster's.
+        """
+        if src == dst or nbytes <= 0:
+            return 0.0
+        return self.latency + nbytes / self.pair_bandwidth.get((src, dst), self.bandwidth)
+
 
 def _cuda_count() -> int:
     import torch  # profiling-side only; solvers never reach here

@@ -54,3 +54,17 @@ class TooManyIdealsError(TorchplaceError):
 
 class StageError(TorchplaceError, RuntimeError):
     """A pipeline stage raised while running; the original exception is chained as ``__cause__``."""
+
+
+class SolverLimitError(TorchplaceError):
+    """A solver stopped at its time limit before it found any feasible plan.
+
+    Attributes:
+        time_limit: the limit in seconds.
+        bound: the best proven lower bound at the stop (``None`` if none was proven).
+    """
+
+    def __init__(self, message: str, time_limit: float | None, bound: float | None = None) -> None:
+        super().__init__(message)
+        self.time_limit = time_limit
+        self.bound = bound

@@ -42,6 +42,9 @@ class NodeRecord:
             absent means the node cannot run on that kind.
         transfer_time: seconds to move the output across a device boundary when it is given
             directly (workload files); ``None`` means the cluster's links decide from bytes.
+        link_times: seconds to move the output from one device to another, keyed ``"src->dst"``
+            by device name, when a workload gives them per device pair (MOIRAI's ``p^comm``);
+            pairs not listed fall back to ``transfer_time`` or the cluster's links.
         colocation: nodes with the same non-``None`` value must share a device.
         backward: ``True`` for backward-pass nodes of a training graph.
     """
@@ -55,6 +58,7 @@ class NodeRecord:
     temp_bytes: int = 0
     times: Mapping[str, float] = field(default_factory=dict)
     transfer_time: float | None = None
+    link_times: Mapping[str, float] = field(default_factory=dict)
     colocation: str | None = None
     backward: bool = False
 
@@ -66,6 +70,7 @@ class NodeRecord:
         d = asdict(self)
         d["fx_nodes"] = list(self.fx_nodes)
         d["times"] = dict(self.times)
+        d["link_times"] = dict(self.link_times)
         return d
 
     @classmethod
@@ -73,6 +78,7 @@ class NodeRecord:
         d = dict(d)
         d["fx_nodes"] = tuple(d.get("fx_nodes", ()))
         d["times"] = {str(k): float(v) for k, v in d.get("times", {}).items()}
+        d["link_times"] = {str(k): float(v) for k, v in d.get("link_times", {}).items()}
         return cls(**d)
 
 

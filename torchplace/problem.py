@@ -45,6 +45,26 @@ class Problem:
         r = self.graph.record(node)
         return r.transfer_time if r.transfer_time is not None else self.cluster.transfer_time(r.output_bytes)
 
+    def link_time(self, node: str, src: Device, dst: Device) -> float:
+        """Seconds to move ``node``'s output from ``src`` to ``dst`` (latency objective).
+
+        In order: 0 on one device; the node's own per-pair time (``NodeRecord.link_times``); its
+        per-side ``transfer_time`` paid by each end that pays transfers (the host-memory model of
+        Tarnawski Sec. 3, so accelerator to accelerator pays twice, CPU to CPU nothing); else the
+        cluster's link for the output's bytes when either end pays transfers.
+        """
+        if src.name == dst.name:
+            return 0.0
+        r = self.graph.record(node)
+        pair = f"{src.name}->{dst.name}"
+        if pair in r.link_times:
+            return r.link_times[pair]
+        if r.transfer_time is not None:
+            return r.transfer_time * (src.pays_transfer + dst.pays_transfer)
+        if not (src.pays_transfer or dst.pays_transfer):
+            return 0.0
+        return self.cluster.link_time(r.output_bytes, src.name, dst.name)
+
     def node_time(self, node: str, device: Device) -> float:
         """Seconds ``node`` takes on ``device`` (``inf`` if it cannot run there)."""
         return self.graph.record(node).time_on(device.kind)

@@ -1,0 +1,81 @@
+"""The latency event simulation (costmodel.simulate): exact schedules on small cases."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from torchplace import costmodel
+from torchplace.devices import Cluster, Device
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+
+
+def _diamond(link: float = 2.0) -> Problem:
+    """a -> (b, c) -> d; every node 1 s on 'gpu'; every cross-device move ``link`` s."""
+    g = OpGraph()
+    for v, t in zip("abcd", (1.0, 3.0, 3.0, 1.0)):
+        g.add_node(v, NodeRecord(v, times={"gpu": t}, link_times={"g0->g1": link, "g1->g0": link}))
+    for u, v in ("ab", "ac", "bd", "cd"):
+        g.add_edge(u, v)
+    devs = (Device("g0", "meta", "gpu", None), Device("g1", "meta", "gpu", None))
+    return Problem(g, Cluster(devs), objective="latency")
+
+
+def test_one_device_runs_nodes_back_to_back() -> None:
+    p = _diamond()
+    s = costmodel.simulate(p, [Stage("g0", tuple("abcd"))])
+    assert s.start == {"a": 0, "b": 1, "c": 4, "d": 7}
+    assert s.makespan == 8 and s.transfers == []
+
+
+def test_branches_on_two_devices_overlap_after_the_transfer() -> None:
+    p = _diamond(link=0.5)
+    s = costmodel.simulate(p, [Stage("g0", ("a", "b")), Stage("g1", ("c",)), Stage("g0", ("d",))])
+    # c waits for a's output (0.5 s), runs 1.5..4.5, its output reaches g0 at 5.0; b ran 1..4.
+    assert s.start == {"a": 0, "b": 1, "c": 1.5, "d": 5.0}
+    assert s.makespan == 6.0
+    assert [(t.node, t.src, t.dst, t.start, t.finish) for t in s.transfers] == [
+        ("a", "g0", "g1", 1.0, 1.5), ("c", "g1", "g0", 4.5, 5.0)]
+
+
+def test_slow_link_makes_splitting_worse_and_plan_build_uses_simulation() -> None:
+    p = dataclasses.replace(_diamond(link=5.0), contiguous=False)
+    split = Plan.build(p, [Stage("g0", ("a", "b")), Stage("g1", ("c",)), Stage("g0", ("d",))],
+                       solver="hand", seconds=0, lower_bound=0, status="feasible")
+    single = Plan.build(p, [Stage("g0", tuple("abcd"))], solver="hand", seconds=0, lower_bound=0)
+    assert (split.objective, single.objective) == (15.0, 8.0)  # c: 6..9, back at 14, d: 14..15
+    assert costmodel.evaluate(p, split) == 15.0
+
+
+def test_transfers_out_of_one_device_serialize() -> None:
+    g = OpGraph()
+    g.add_node("s", NodeRecord("s", times={"gpu": 1.0}, link_times={"g0->g1": 2.0, "g0->g2": 2.0}))
+    for v in ("x", "y"):
+        g.add_node(v, NodeRecord(v, times={"gpu": 1.0}))
+        g.add_edge("s", v)
+    devs = tuple(Device(f"g{i}", "meta", "gpu", None) for i in range(3))
+    p = Problem(g, Cluster(devs), objective="latency")
+    s = costmodel.simulate(p, [Stage("g0", ("s",)), Stage("g1", ("x",)), Stage("g2", ("y",))])
+    assert [(t.dst, t.start) for t in s.transfers] == [("g1", 1.0), ("g2", 3.0)]
+    assert s.makespan == 6.0
+
+
+def test_per_side_transfer_time_is_paid_by_each_accelerator_end() -> None:
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", times={"accel": 1.0, "cpu": 1.0}, transfer_time=2.0))
+    g.add_node("b", NodeRecord("b", times={"accel": 1.0, "cpu": 1.0}))
+    g.add_edge("a", "b")
+    devs = (Device("acc0", "meta", "accel", None), Device("acc1", "meta", "accel", None),
+            Device("cpu0", "cpu", "cpu", None), Device("cpu1", "cpu", "cpu", None))
+    p = Problem(g, Cluster(devs), objective="latency")
+    lat = {pair: costmodel.simulate(p, [Stage(pair[0], ("a",)), Stage(pair[1], ("b",))]).makespan
+           for pair in [("acc0", "acc1"), ("acc0", "cpu0"), ("cpu0", "cpu1")]}
+    assert lat == {("acc0", "acc1"): 6.0, ("acc0", "cpu0"): 4.0, ("cpu0", "cpu1"): 2.0}
+
+
+def test_device_order_that_waits_on_itself_is_reported() -> None:
+    p = _diamond()
+    with pytest.raises(ValueError, match="deadlocks"):
+        costmodel.simulate(p, [Stage("g0", ("d",)), Stage("g0", tuple("abc"))])
