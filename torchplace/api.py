@@ -18,18 +18,23 @@ from torchplace.devices import Cluster, Device, make_cluster
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, profile, trace
-from torchplace.runtime import GraphIO, PipelineExecutor, split_stages
+from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, split_stages
 
 __all__ = ["PlacedModule", "place", "placed"]
 
 
 class PlacedModule(nn.Module):
-    """A model split into stages on several devices; calling it runs the stages as a pipeline.
+    """A model split into stages on several devices.
+
+    For the throughput objective a call runs the stages as a pipeline of micro-batches; for the
+    latency objective it runs one sample with every device's stages on its own worker, each stage
+    as soon as its inputs exist (:class:`~torchplace.runtime.LatencyExecutor`).
 
     Attributes:
         plan: the :class:`~torchplace.plan.Plan` being run.
         problem: the measured problem the plan was solved for.
-        microbatches: how many micro-batches each call's batch is split into (dim 0).
+        microbatches: how many micro-batches each call's batch is split into (dim 0; always 1
+            for the latency objective).
         stages: the stage modules, in plan order (their parameters live on their devices).
     """
 
@@ -47,11 +52,17 @@ class PlacedModule(nn.Module):
         stages = split_stages(traced.gm, stage_of, len(plan.stages))
         self.stages = nn.ModuleList(stages)
         devices = [problem.cluster.device(s.device) for s in plan.stages]
-        self._executor = PipelineExecutor(
-            stages, [d.torch_device for d in devices], [d.name for d in devices], GraphIO(traced.gm)
-        )
+        torch_devices, workers = [d.torch_device for d in devices], [d.name for d in devices]
+        self._executor: PipelineExecutor | LatencyExecutor
+        if problem.objective == "latency":
+            self.microbatches = 1
+            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm))
+        else:
+            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self._executor, LatencyExecutor):
+            return self._executor.run(args, kwargs)
         return self._executor.run(args, kwargs, self.microbatches)
 
     def device_map(self) -> dict[str, str]:
@@ -60,6 +71,8 @@ class PlacedModule(nn.Module):
 
     def extra_repr(self) -> str:
         devices = " -> ".join(s.device for s in self.plan.stages)
+        if self.problem.objective == "latency":
+            return f"stages: {devices}; latency mode; objective={self.plan.objective:.4g} s"
         return f"stages: {devices}; microbatches={self.microbatches}; objective={self.plan.objective:.4g} s/sample"
 
 

@@ -34,15 +34,21 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from torchplace.errors import StageError
+from torchplace.runtime.devices import (
+    autograd_mode,
+    move_module,
+    normalize_device,
+    stream_context,
+    to_device,
+    wait_for_producers,
+)
 from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.split import StageModule
@@ -111,72 +117,6 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
     raise _Stopped
 
 
-def _normalize_device(device: str | torch.device) -> torch.device:
-    """``torch.device`` with an explicit index for CUDA (``"cuda"`` -> ``cuda:<current>``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _move_module(module: torch.nn.Module, device: torch.device, memo: dict[int, Any]) -> None:
-    """Move a stage's parameters and buffers to ``device`` without touching shared containers.
-
-    Tensors already on ``device`` are kept as they are (same objects). Others are replaced by
-    copies; ``memo`` (keyed by the original tensor's id) makes a tensor used twice on one device,
-    e.g. a tied weight, one copy.
-    """
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None and param.device != device:
-                if id(param) not in memo:
-                    moved = param.detach().to(device)
-                    memo[id(param)] = torch.nn.Parameter(moved, param.requires_grad)
-                sub._parameters[name] = memo[id(param)]
-        for name, buf in sub._buffers.items():
-            if buf is not None and buf.device != device:
-                if id(buf) not in memo:
-                    memo[id(buf)] = buf.to(device)
-                sub._buffers[name] = memo[id(buf)]
-
-
-def _to_device(value: Any, device: torch.device, stream: Any) -> Any:
-    """Move every tensor in ``value`` to ``device`` (see the module docstring for CUDA rules)."""
-
-    def move(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == device:
-            if stream is not None:
-                tensor.record_stream(stream)
-            return tensor
-        if tensor.is_cuda:
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
-        return tensor.to(device, non_blocking=device.type == "cuda")
-
-    return tree_map_only(torch.Tensor, move, value)
-
-
-def _wait_for_producers(events: Sequence[tuple[torch.device, Any]], device: torch.device,
-                        stream: Any) -> None:
-    """Order this stage after the CUDA work that produced its inputs."""
-    for event_device, event in events:
-        if stream is not None and event_device == device:
-            stream.wait_event(event)
-        else:
-            event.synchronize()
-
-
-def _stream_context(stream: Any) -> AbstractContextManager[Any]:
-    """``torch.cuda.stream(stream)`` for a CUDA stream, a no-op for None."""
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
-@contextmanager
-def _autograd_mode(grad_enabled: bool, inference_mode: bool) -> Iterator[None]:
-    """Apply the caller's thread-local autograd modes in a worker thread."""
-    with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
-        yield
-
-
 def _drop_schedule(stages: Sequence[StageModule], output_names: Sequence[str]) -> list[list[str]]:
     """For each stage, the carried names that no later stage and not the output reads."""
     last_use: dict[str, int] = {}
@@ -225,7 +165,7 @@ class PipelineExecutor:
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
         self.stages = list(stages)
-        self.devices = [_normalize_device(d) for d in stage_devices]
+        self.devices = [normalize_device(d) for d in stage_devices]
         self.workers = list(stage_workers)
         self.assemble_output = assemble_output
         self.queue_size = queue_size
@@ -236,7 +176,7 @@ class PipelineExecutor:
         self.last_trace: list[tuple[str, int, int]] = []
         memo: dict[torch.device, dict[int, Any]] = {}
         for stage, device in zip(self.stages, self.devices):
-            _move_module(stage, device, memo.setdefault(device, {}))
+            move_module(stage, device, memo.setdefault(device, {}))
 
     def _make_streams(self) -> dict[tuple[str, torch.device], Any]:
         """One CUDA stream per (worker, CUDA device) pair."""
@@ -308,14 +248,14 @@ class PipelineExecutor:
                 if not any(t.is_alive() for t in threads) and last.empty() and state.error is None:
                     raise RuntimeError("pipeline workers ended without producing every output")
                 continue
-            _wait_for_producers(message.events, torch.device("cpu"), None)
+            wait_for_producers(message.events, torch.device("cpu"), None)
             results.append(message.output)
         return results
 
     def _work(self, state: _RunState, worker: str, order: Sequence[tuple[int, int]]) -> None:
         """A worker thread: run ``order``'s (micro-batch, segment) pairs, then end."""
         try:
-            with _autograd_mode(state.grad_enabled, state.inference_mode):
+            with autograd_mode(state.grad_enabled, state.inference_mode):
                 for microbatch, segment in order:
                     message = _get(state.queues[segment], state.stop)
                     if message.microbatch != microbatch:
@@ -353,10 +293,10 @@ class PipelineExecutor:
         stream = self._streams.get((worker, device))
         carry = message.carry
         try:
-            _wait_for_producers(message.events, device, stream)
-            with _stream_context(stream):
+            wait_for_producers(message.events, device, stream)
+            with stream_context(stream):
                 for name in stage.inputs:
-                    carry[name] = _to_device(carry[name], device, stream)
+                    carry[name] = to_device(carry[name], device, stream)
                 outputs = stage(*(carry[name] for name in stage.inputs))
         except Exception as error:
             raise StageError(

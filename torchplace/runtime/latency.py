@@ -1,0 +1,227 @@
+"""Run one sample with every device working at once: the latency-mode executor.
+
+How it works (one :meth:`LatencyExecutor.run` call):
+
+* A *board* holds every value by name: first the model inputs, then each stage's outputs as the
+  stage finishes. One daemon thread per worker key (a device) runs that worker's stages in plan
+  order; a stage starts as soon as every input it reads is on the board. Stages on different
+  workers therefore overlap whenever the plan's data flow allows it (MOIRAI Sec. III-D,
+  Baechi Sec. 4.2: "an operator runs as soon as its inputs arrive"), and a worker's order is the
+  order the plan (and the cost model's simulation) gives it.
+* The plan's stage order sends every edge to the same or a later stage, so a worker never waits
+  for a value that its own later stage produces: the run cannot deadlock.
+* CUDA: each worker runs its stages on its own stream per CUDA device and records an event after
+  each stage; a consumer on the same device waits on the event in its stream, others synchronize
+  on it (:mod:`torchplace.runtime.devices`).
+* A value is dropped from the board once every stage that reads it has taken it (model outputs
+  stay until the end).
+* Failure: a stage that raises records a :class:`~torchplace.errors.StageError` (chained from the
+  original) and stops every worker; waits poll a stop event, so nothing waits forever.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchplace.errors import StageError
+from torchplace.runtime.devices import (
+    autograd_mode,
+    move_module,
+    normalize_device,
+    stream_context,
+    to_device,
+    wait_for_producers,
+)
+from torchplace.runtime.split import StageModule
+
+__all__ = ["LatencyExecutor", "StageSpan"]
+
+_POLL_S = 0.05
+"""Seconds a wait for a value blocks before checking the stop event again."""
+
+_JOIN_S = 2.0
+"""Seconds the caller waits for each worker thread to end after a run."""
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """When a stage ran in the last :meth:`LatencyExecutor.run` (``time.perf_counter`` seconds)."""
+
+    stage: int
+    worker: str
+    start: float
+    finish: float
+
+
+class _Stopped(Exception):
+    """Raised inside a worker when the run's stop event is set."""
+
+
+@dataclass
+class _Board:
+    """Values by name, with the CUDA event that produced each, and the run's stop/error state."""
+
+    values: dict[str, Any]
+    readers: dict[str, int]
+    keep: frozenset[str]
+    events: dict[str, list[tuple[torch.device, Any]]] = field(default_factory=dict)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    spans: list[StageSpan] = field(default_factory=list)
+
+    def wait_for(self, names: Sequence[str]) -> None:
+        with self.cond:
+            while not all(n in self.values for n in names):
+                if self.stop.is_set():
+                    raise _Stopped
+                self.cond.wait(_POLL_S)
+
+    def take(self, names: Sequence[str]) -> tuple[list[Any], list[tuple[torch.device, Any]]]:
+        """The values of ``names`` and their events; a value no later stage reads is dropped."""
+        with self.cond:
+            values = [self.values[n] for n in names]
+            events = [e for n in names for e in self.events.get(n, [])]
+            for n in names:
+                self.readers[n] -= 1
+                if self.readers[n] == 0 and n not in self.keep:
+                    del self.values[n]
+            return values, events
+
+    def publish(self, items: Mapping[str, Any], events: list[tuple[torch.device, Any]]) -> None:
+        with self.cond:
+            self.values.update(items)
+            for name in items:
+                self.events[name] = events
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.stop.set()
+            self.cond.notify_all()
+
+
+class LatencyExecutor:
+    """Run a model's stages for one sample, each device's stages on its own worker thread.
+
+    Args:
+        stages: the stages from :func:`~torchplace.runtime.split.split_stages`, in plan order.
+        stage_devices: the torch device of each stage; parameters are moved there at construction
+            (the original model is left untouched).
+        stage_workers: the worker key of each stage (the plan's device name): stages sharing a key
+            run one after another, in plan order, on its thread.
+        graph_io: a :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
+
+    Attributes:
+        last_spans: when each stage ran in the last :meth:`run`, in finishing order.
+    """
+
+    def __init__(
+        self,
+        stages: list[StageModule],
+        stage_devices: list[str],
+        stage_workers: list[str],
+        graph_io: Any,
+    ) -> None:
+        if not len(stages) == len(stage_devices) == len(stage_workers):
+            raise ValueError(
+                f"stages, stage_devices and stage_workers need one entry per stage (stages: {len(stages)}, "
+                f"stage_devices: {len(stage_devices)}, stage_workers: {len(stage_workers)})"
+            )
+        if not stages:
+            raise ValueError("a latency executor needs at least one stage")
+        self.stages = list(stages)
+        self.devices = [normalize_device(d) for d in stage_devices]
+        self.workers = list(stage_workers)
+        self.graph_io = graph_io
+        self._order: dict[str, list[int]] = {}
+        for index, worker in enumerate(self.workers):
+            self._order.setdefault(worker, []).append(index)
+        self._streams = {
+            (w, d): torch.cuda.Stream(d) for w, d in zip(self.workers, self.devices) if d.type == "cuda"
+        }
+        self._readers: dict[str, int] = {}
+        for stage in self.stages:
+            for name in stage.inputs:
+                self._readers[name] = self._readers.get(name, 0) + 1
+        self.last_spans: list[StageSpan] = []
+        memo: dict[torch.device, dict[int, Any]] = {}
+        for stage, device in zip(self.stages, self.devices):
+            move_module(stage, device, memo.setdefault(device, {}))
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """Compute the model on ``(args, kwargs)``; returns what the model returns.
+
+        Raises:
+            StageError: if a stage raised; ``__cause__`` is the original exception.
+        """
+        board = _Board(dict(self.graph_io.bind_inputs(args, kwargs)), dict(self._readers),
+                       frozenset(self.graph_io.output_names))
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        threads = [
+            threading.Thread(target=self._work, args=(board, w, order, grad, inference),
+                             name=f"torchplace-latency-{w}", daemon=True)
+            for w, order in self._order.items()
+        ]
+        for t in threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                if board.error is not None:
+                    raise board.error
+                for t in threads:
+                    t.join(timeout=_POLL_S)
+            if board.error is not None:
+                raise board.error
+            names = list(self.graph_io.output_names)
+            for name in names:
+                wait_for_producers(board.events.get(name, []), torch.device("cpu"), None)
+            return self.graph_io({n: board.values[n] for n in names})
+        finally:
+            board.stop.set()
+            for t in threads:
+                t.join(timeout=_JOIN_S)
+            self.last_spans = list(board.spans)
+
+    def _work(self, board: _Board, worker: str, order: Sequence[int], grad: bool, inference: bool) -> None:
+        try:
+            with autograd_mode(grad, inference):
+                for index in order:
+                    self._run_stage(board, worker, index)
+        except _Stopped:
+            return
+        except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
+            if not isinstance(error, StageError):
+                wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
+                wrapped.__cause__ = error
+                error = wrapped
+            board.fail(error)
+
+    def _run_stage(self, board: _Board, worker: str, index: int) -> None:
+        stage, device = self.stages[index], self.devices[index]
+        stream = self._streams.get((worker, device))
+        board.wait_for(stage.inputs)
+        start = time.perf_counter()
+        try:
+            inputs, events = board.take(stage.inputs)
+            wait_for_producers(events, device, stream)
+            with stream_context(stream):
+                moved = [to_device(v, device, stream) for v in inputs]
+                outputs = stage(*moved)
+        except Exception as error:
+            raise StageError(f"stage {index} on {worker} failed: {type(error).__name__}: {error}") from error
+        made: list[tuple[torch.device, Any]] = []
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            made = [(device, event)]
+        board.publish(dict(zip(stage.outputs, outputs)), made)
+        with board.cond:
+            board.spans.append(StageSpan(index, worker, start, time.perf_counter()))
