@@ -82,6 +82,8 @@ def place(
     example_inputs: Sequence[Any],
     *,
     objective: str = "throughput",
+    contiguous: bool = True,
+    time_limit: float | None = None,
     microbatches: int = 4,
     granularity: str = "operator",
     leaf_modules: Iterable[type] = (),
@@ -96,16 +98,22 @@ def place(
 
     The model is put in eval mode (placement is for inference), traced with torch.fx (or
     torch.export for models fx cannot trace), every operator is timed on each device kind present
-    (and estimated for kinds that are not), the optimal contiguous split for pipelined throughput
-    is solved for (Tarnawski et al. 2020, Sec. 5.1.1), and the traced graph is split into stages.
+    (and estimated for kinds that are not), a placement is solved for, and the traced graph is
+    split into stages. For throughput the default solver is the optimal contiguous split for a
+    pipeline (Tarnawski et al. 2020, Sec. 5.1.1); for latency it is the MOIRAI MILP when it solves
+    within the time limit, else Baechi's list schedulers (see :func:`torchplace.solvers.solve`).
 
     Args:
         model: the model to place.
         devices: device strings (``"cuda:0"``, ``"cpu"``, logical CPUs ``"cpu:0"``, ``"cpu:1"``),
             :class:`Device` objects, or a ready :class:`Cluster`.
         example_inputs: positional inputs of one representative call (batch on dim 0).
-        objective: ``"throughput"`` (min time per sample of the pipeline).
-        microbatches: micro-batches each call's batch is split into.
+        objective: ``"throughput"`` (min time per sample of a pipeline of micro-batches) or
+            ``"latency"`` (min time of one sample; devices run independent branches at once).
+        contiguous: whether each device must hold one contiguous piece (throughput only; with
+            ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
+        time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
+        microbatches: micro-batches each call's batch is split into (throughput only).
         granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
         leaf_modules: module classes to keep whole (like accelerate's ``no_split_module_classes``).
         max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
@@ -119,13 +127,16 @@ def place(
         ``model(*example_inputs)``.
 
     Raises:
-        ValueError: unknown device or an objective other than ``"throughput"``.
+        ValueError: unknown device or objective.
         TraceError: the model cannot be traced (the message says what to try).
         InfeasibleError: the model does not fit; ``min_memory_bytes`` is the smallest per-device
             memory that would.
     """
-    if objective != "throughput":
-        raise ValueError(f"objective must be 'throughput' (pipelined time per sample), got {objective!r}")
+    if objective not in ("throughput", "latency"):
+        raise ValueError(
+            f"objective must be 'throughput' (pipelined time per sample) or 'latency' (time of one sample), "
+            f"got {objective!r}"
+        )
     cluster = devices if isinstance(devices, Cluster) else make_cluster(devices, max_memory)
     example_inputs = tuple(example_inputs)
     model.eval()
@@ -133,8 +144,9 @@ def place(
         traced = trace(model, example_inputs, granularity=granularity, leaf_modules=leaf_modules, method=trace_method)
         kinds = sorted({d.kind for d in cluster.devices})
         graph = profile(traced, example_inputs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
-    problem = Problem(graph, cluster, objective="throughput", mode="inference")
-    plan = solvers.solve(problem, method=solver)
+    problem = Problem(graph, cluster, objective=objective, mode="inference",  # type: ignore[arg-type]
+                      contiguous=contiguous and objective == "throughput")
+    plan = solvers.solve(problem, method=solver, time_limit=time_limit)
     return PlacedModule(traced, problem, plan, microbatches)
 
 

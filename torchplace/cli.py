@@ -1,6 +1,8 @@
 """The ``torchplace`` command (also ``python -m torchplace``).
 
-    torchplace solve WORKLOAD.json [--method dp] [--json]    solve a dnn-partitioning workload
+    torchplace solve WORKLOAD [--method M] [--noncontiguous] [--objective latency]
+                     [--time-limit S] [--bounds mip] [--json]   solve a workload file
+    torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
     torchplace show PLAN.json                                 print a saved plan
     torchplace demo                                           the end-to-end demo
@@ -17,13 +19,27 @@ from torchplace.errors import TorchplaceError
 __all__ = ["main"]
 
 
+def _read_workload(path: str, objective: str | None, noncontiguous: bool):  # -> Problem
+    """A dnn-partitioning JSON (throughput by default) or a MOIRAI CSV (latency)."""
+    import dataclasses
+
+    from torchplace.workloads import read_dnn_partitioning, read_moirai_csv
+
+    problem = read_moirai_csv(path) if path.lower().endswith(".csv") else read_dnn_partitioning(path)
+    changes: dict[str, object] = {}
+    if objective is not None:
+        changes["objective"] = objective
+    if noncontiguous or (objective or problem.objective) == "latency":
+        changes["contiguous"] = False
+    return dataclasses.replace(problem, **changes) if changes else problem
+
+
 def _solve(args: argparse.Namespace) -> int:
     from torchplace import solvers
-    from torchplace.workloads import read_dnn_partitioning
 
-    problem = read_dnn_partitioning(args.workload)
-    opts = {"ideal_limit": args.ideal_limit} if args.ideal_limit else {}
-    plan = solvers.solve(problem, method=args.method, **opts)
+    problem = _read_workload(args.workload, args.objective, args.noncontiguous)
+    opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
+    plan = solvers.solve(problem, method=args.method, time_limit=args.time_limit, **opts)
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -35,6 +51,16 @@ def _solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _methods(args: argparse.Namespace) -> int:
+    from torchplace.solvers import METHODS
+
+    width = max(map(len, METHODS))
+    print(f"{'auto'.ljust(width)}  both        picks by objective and size; reports the best proven bound")
+    for name, spec in METHODS.items():
+        print(f"{name.ljust(width)}  {spec.objective.ljust(10)}  {spec.summary}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torchplace
     from torchplace.models import build, leaf_modules_for
@@ -43,6 +69,8 @@ def _plan(args: argparse.Namespace) -> int:
     placed = torchplace.place(
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
+        objective=args.objective or "throughput", contiguous=not args.noncontiguous, solver=args.method,
+        time_limit=args.time_limit,
     )
     print(placed.plan)
     print("device_map:", json.dumps(placed.device_map(), indent=1))
@@ -64,14 +92,25 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(quick=args.quick)
 
 
+def _add_solver_options(s: argparse.ArgumentParser, methods: list[str]) -> None:
+    s.add_argument("--method", default="auto", choices=["auto", *methods],
+                   help="solver (see `torchplace methods`); default: auto")
+    s.add_argument("--objective", choices=["throughput", "latency"], default=None,
+                   help="throughput (pipelined time per sample) or latency (one sample)")
+    s.add_argument("--noncontiguous", action="store_true", help="let a device hold several pieces (Tarnawski 5.2)")
+    s.add_argument("--time-limit", type=float, default=None, metavar="S", help="seconds for MILPs and searches")
+
+
 def _parser() -> argparse.ArgumentParser:
-    from torchplace.solvers import SOLVERS
+    from torchplace.solvers import METHODS
 
     ap = argparse.ArgumentParser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("solve", help="solve a dnn-partitioning workload JSON")
+    s = sub.add_parser("solve", help="solve a workload: dnn-partitioning JSON or MOIRAI CSV")
     s.add_argument("workload")
-    s.add_argument("--method", default="auto", choices=["auto", *SOLVERS])
+    _add_solver_options(s, list(METHODS))
+    s.add_argument("--bounds", choices=["combinatorial", "mip"], default="combinatorial",
+                   help="with --method auto: also compute Archer's MIP lower bounds")
     s.add_argument("--json", action="store_true", help="print objective, lower_bound, gap, status, assignment, seconds")
     s.add_argument("--ideal-limit", type=int, default=None)
     s.add_argument("-o", "--output", help="also save the plan as JSON here")
@@ -82,8 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
+    _add_solver_options(p, list(METHODS))
     p.add_argument("-o", "--output", help="also save the plan as JSON here")
     p.set_defaults(func=_plan)
+    m = sub.add_parser("methods", help="list the solvers and what each optimises")
+    m.set_defaults(func=_methods)
     w = sub.add_parser("show", help="print a saved plan")
     w.add_argument("plan")
     w.set_defaults(func=_show)

@@ -1,47 +1,110 @@
 """Solvers: every algorithm behind one contract, ``solve(problem, **opts) -> Plan``.
 
 Solvers see only a Problem and return a validated Plan whose objective is the cost model's value
-(:mod:`torchplace.costmodel`). They never import torch.
+(:mod:`torchplace.costmodel`). They never import torch. Methods are imported on first use, so
+``import torchplace.solvers`` stays light (Pyomo loads only for the MILPs).
 
 Example:
     >>> from torchplace.solvers import solve
-    >>> plan = solve(problem)                  # doctest: +SKIP
-    >>> plan = solve(problem, method="dp")     # doctest: +SKIP
+    >>> plan = solve(problem)                                  # doctest: +SKIP
+    >>> plan = solve(problem, method="ip", time_limit=60)      # doctest: +SKIP
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torchplace.errors import TooManyIdealsError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers import dp
+from torchplace.solvers.auto import solve_auto
 
-__all__ = ["SOLVERS", "solve"]
+__all__ = ["METHODS", "SOLVERS", "Method", "solve"]
 
-SOLVERS: dict[str, Callable[..., Plan]] = {
-    "dp": dp.solve,
-    "dpl": functools.partial(dp.solve, linearize=True),
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A registered solver: where it lives, which objective it optimises, and what it proves."""
+
+    target: str
+    objective: str
+    summary: str
+
+    def load(self) -> Callable[..., Plan]:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+METHODS: dict[str, Method] = {
+    "dp": Method("torchplace.solvers.dp:solve", "throughput",
+                 "ideals DP, optimal contiguous split (Tarnawski 5.1.1)"),
+    "dpl": Method("torchplace.solvers.dp:solve_linearized", "throughput",
+                  "DP over one DFS linearization (Tarnawski 5.1.2)"),
+    "slicegraph": Method("torchplace.solvers.slicegraph:solve", "throughput",
+                         "SliceGraph over random topological orders (Archer 4)"),
+    "brkga": Method("torchplace.solvers.slicegraph:solve_brkga", "throughput",
+                    "BRKGA search over orders, decoded by SliceGraph (Archer C.1)"),
+    "ip": Method("torchplace.solvers.milp.maxload:solve", "throughput",
+                 "max-load MILP, contiguous or not (Tarnawski App. C)"),
+    "mtpp": Method("torchplace.solvers.milp.mtpp:solve", "throughput",
+                   "exact MTPP MIP for identical accelerators (Archer 3.1)"),
+    "latency-ip": Method("torchplace.solvers.milp.latency:solve", "latency",
+                         "latency MILP with atomic accelerator subgraphs (Tarnawski App. A)"),
+    "moirai": Method("torchplace.solvers.milp.moirai:solve", "latency",
+                     "heterogeneous latency MILP (MOIRAI III-D)"),
+    "m-topo": Method("torchplace.solvers.schedulers:m_topo", "latency", "Baechi m-TOPO"),
+    "m-etf": Method("torchplace.solvers.schedulers:m_etf", "latency", "Baechi m-ETF"),
+    "m-sct": Method("torchplace.solvers.schedulers:m_sct", "latency", "Baechi m-SCT"),
 }
+"""Every method by name (``"auto"`` is not one of them: it chooses among them)."""
 
 
-def solve(problem: Problem, method: str = "auto", **opts: Any) -> Plan:
-    """Solve ``problem`` with ``method`` (a key of :data:`SOLVERS`, or ``"auto"``).
+class _Solvers(Mapping[str, Callable[..., Plan]]):
+    """``name -> solve function``, importing each method's module on first access."""
 
-    ``"auto"`` runs the exact ideals DP and, if the graph has too many ideals for it, the DP over
-    one linearization (DPL), whose plan is marked ``"feasible"`` rather than proven optimal.
+    def __getitem__(self, name: str) -> Callable[..., Plan]:
+        return METHODS[name].load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(METHODS)
+
+    def __len__(self) -> int:
+        return len(METHODS)
+
+
+SOLVERS: Mapping[str, Callable[..., Plan]] = _Solvers()
+
+
+def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
+    """Run method ``name``, passing only the options its function takes (``None`` ones dropped)."""
+    fn = SOLVERS[name]
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kept = {k: v for k, v in opts.items() if v is not None and (takes_all or k in params)}
+    return fn(problem, **kept)
+
+
+def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = None, **opts: Any) -> Plan:
+    """Solve ``problem`` with ``method`` (a key of :data:`METHODS`, or ``"auto"``).
+
+    ``"auto"`` (:func:`torchplace.solvers.auto.solve_auto`) picks by objective and size and
+    reports the best lower bound it proved. ``time_limit`` (seconds) goes to every method that
+    takes one; other options go to the method when it takes them.
 
     Raises:
-        ValueError: for an unknown method (the message lists the known ones).
+        ValueError: for an unknown method (the message lists the known ones) or a method that
+            optimises the other objective.
     """
     if method == "auto":
-        try:
-            return dp.solve(problem, **opts)
-        except TooManyIdealsError:
-            opts.pop("ideal_limit", None)
-            return SOLVERS["dpl"](problem, **opts)
-    if method not in SOLVERS:
-        raise ValueError(f"unknown solver {method!r}; choose one of {['auto', *SOLVERS]}")
-    return SOLVERS[method](problem, **opts)
+        return solve_auto(problem, time_limit=time_limit, **opts)
+    if method not in METHODS:
+        raise ValueError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
+    if METHODS[method].objective != problem.objective:
+        others = [m for m, spec in METHODS.items() if spec.objective == problem.objective]
+        raise ValueError(
+            f"method {method!r} optimises {METHODS[method].objective}, but the problem's objective is "
+            f"{problem.objective!r}; use one of {['auto', *others]}"
+        )
+    return call_method(method, problem, time_limit=time_limit, **opts)

@@ -34,7 +34,7 @@ from torchplace.solvers.contract import Contraction, contract
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.ordering import order_stages
 
-__all__ = ["DeviceClass", "device_classes", "solve"]
+__all__ = ["DeviceClass", "device_classes", "solve", "solve_linearized"]
 
 
 @dataclass(frozen=True)
@@ -296,3 +296,8 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
         raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
     plan.seconds = time.perf_counter() - t0
     return plan
+
+
+def solve_linearized(problem: Problem) -> Plan:
+    """DPL (Tarnawski Sec. 5.1.2): :func:`solve` over the splits of one DFS topological order."""
+    return solve(problem, linearize=True)

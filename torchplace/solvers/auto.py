@@ -1,0 +1,159 @@
+"""``method="auto"``: choose solvers by objective and size, keep the best plan and the best bound.
+
+Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
+
+1. the ideals DP when the graph's ideals are few enough (optimal among contiguous splits), else
+   SliceGraph over random topological orders followed by BRKGA, within the time budget;
+2. when the problem allows non-contiguous splits, that plan is the incumbent of the max-load MILP
+   (Tarnawski App. C), which runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
+3. the lower bound is the best proven one: combinatorial (Archer Lemma 3.3) always, the MILP's
+   bound when it ran, and with ``bounds="mip"`` also Archer's three-superblock and
+   guess-the-bottleneck bounds (Sec. 3.2-3.3) within the time budget.
+
+Latency (MOIRAI Sec. III-D; Baechi Sec. 2): m-SCT and m-ETF always; the MOIRAI MILP within
+``time_limit`` on graphs of at most ``milp_nodes`` nodes; the best plan wins, and the bound is the
+best of the combinatorial latency bound and the MILP's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+from torchplace.errors import InfeasibleError, SolverLimitError, TooManyIdealsError
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+
+__all__ = ["DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
+
+DEFAULT_TIME_LIMIT = 30.0
+"""Seconds ``auto`` gives its MILPs and searches when the caller sets no limit."""
+
+MILP_NODES = 60
+"""Largest graph (nodes) on which ``auto`` tries a MILP: beyond it HiGHS rarely beats the heuristics."""
+
+
+def _best(plans: list[Plan], bounds: list[float], tried: dict[str, Any], t0: float) -> Plan:
+    best = min(plans, key=lambda p: p.objective)
+    bound = min(max([best.lower_bound, *bounds]), best.objective)
+    status = best.status
+    if bound >= best.objective * (1 - 1e-9) and status != "optimal":
+        status = "optimal"  # a bound proved it, even if the plan's own solver could not
+    meta = {**best.meta, "auto": tried}
+    return dataclasses.replace(best, lower_bound=bound, status=status, seconds=time.perf_counter() - t0, meta=meta)
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.perf_counter())
+
+
+def solve_auto(
+    problem: Problem,
+    *,
+    time_limit: float | None = None,
+    bounds: str = "combinatorial",
+    milp_nodes: int = MILP_NODES,
+    **opts: Any,
+) -> Plan:
+    """The best plan ``auto`` finds for ``problem`` and the best lower bound it proves.
+
+    Args:
+        time_limit: seconds for the searches and MILPs (default :data:`DEFAULT_TIME_LIMIT`); the
+            exact DP is not interrupted.
+        bounds: ``"combinatorial"`` or ``"mip"`` (also Archer's MIP-based bounds, throughput).
+        milp_nodes: largest graph on which a MILP is tried.
+        opts: passed to the DP (e.g. ``ideal_limit``).
+
+    Raises:
+        InfeasibleError: if no method finds a plan that fits.
+        ValueError: for an unknown ``bounds`` value.
+    """
+    if bounds not in ("combinatorial", "mip"):
+        raise ValueError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
+    t0 = time.perf_counter()
+    deadline = t0 + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    if problem.objective == "latency":
+        return _latency(problem, deadline, milp_nodes, t0)
+    return _throughput(problem, deadline, bounds, milp_nodes, t0, opts)
+
+
+def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int, t0: float,
+                opts: dict[str, Any]) -> Plan:
+    from torchplace.solvers import call_method
+
+    tried: dict[str, Any] = {}
+    contiguous = dataclasses.replace(problem, contiguous=True)
+    try:
+        first = call_method("dp", contiguous, **opts)
+    except TooManyIdealsError as e:
+        tried["dp"] = f"skipped: more than {e.limit} ideals"
+        first = call_method("slicegraph", contiguous, time_limit=_remaining(deadline) / 2)
+        tried["slicegraph"] = first.objective
+        try:
+            search = call_method("brkga", contiguous, time_limit=_remaining(deadline))
+            tried["brkga"] = search.objective
+            first = min(first, search, key=lambda p: p.objective)
+        except InfeasibleError:
+            pass
+    tried[first.solver] = first.objective
+    plans = [first if problem.contiguous else _rebuild(problem, first)]
+    proven: list[float] = []
+    if not problem.contiguous and len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
+        try:
+            ip = call_method("ip", problem, time_limit=_remaining(deadline), warm_start=plans[0])
+            tried["ip"] = ip.objective
+            plans.append(ip)
+            proven.append(ip.lower_bound)
+        except SolverLimitError as e:
+            tried["ip"] = "no incumbent within the time limit"
+            if e.bound is not None:
+                proven.append(e.bound)
+    if bounds == "mip" and _remaining(deadline) > 0:
+        from torchplace.solvers.milp import bounds as mip_bounds
+
+        for name in ("three_superblock_bound", "guess_the_bottleneck_bound"):
+            if _remaining(deadline) <= 0:
+                break
+            value = getattr(mip_bounds, name)(problem, time_limit=_remaining(deadline))
+            tried[name] = value
+            proven.append(value)
+    return _best(plans, proven, tried, t0)
+
+
+def _rebuild(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` re-evaluated under ``problem`` (a contiguous plan is a valid non-contiguous one)."""
+    return Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds,
+                      lower_bound=plan.lower_bound, status="feasible", meta=plan.meta)
+
+
+def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> Plan:
+    from torchplace.solvers import call_method
+
+    tried: dict[str, Any] = {}
+    plans: list[Plan] = []
+    proven: list[float] = []
+    for name in ("m-sct", "m-etf"):
+        try:
+            plan = call_method(name, problem)
+        except InfeasibleError as e:
+            tried[name] = f"infeasible: {e}"
+            continue
+        tried[name] = plan.objective
+        plans.append(plan)
+    if len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
+        try:
+            plan = call_method("moirai", problem, time_limit=_remaining(deadline))
+            tried["moirai"] = plan.objective
+            plans.append(plan)
+            proven.append(plan.lower_bound)
+        except SolverLimitError as e:
+            tried["moirai"] = "no incumbent within the time limit"
+            if e.bound is not None:
+                proven.append(e.bound)
+        except InfeasibleError:
+            if not plans:
+                raise
+    if not plans:
+        raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
+    return _best(plans, [b for b in proven if math.isfinite(b)], tried, t0)
