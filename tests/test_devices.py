@@ -1,9 +1,20 @@
 """Device strings, memory sizes and discovery."""
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 
-from torchplace.devices import make_cluster, parse_memory
+from torchplace.devices import (
+    Cluster,
+    Device,
+    Link,
+    make_cluster,
+    parse_bandwidth,
+    parse_memory,
+    parse_seconds,
+)
 
 
 @pytest.mark.parametrize(
@@ -41,3 +52,59 @@ def test_max_memory_for_unknown_device():
 def test_duplicate_device():
     with pytest.raises(ValueError, match="unique"):
         make_cluster(["cpu:0", "cpu:0"])
+
+
+@pytest.mark.parametrize("text, bps", [(5, 5.0), ("25GB/s", 25e9), ("100 MiB/s", 100 * 2**20), (1.5e9, 1.5e9)])
+def test_parse_bandwidth(text, bps):
+    assert parse_bandwidth(text) == bps
+
+
+@pytest.mark.parametrize("bad", [0, -1, "25GB", "fast/s", True, float("nan")])
+def test_parse_bandwidth_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_bandwidth(bad)
+
+
+@pytest.mark.parametrize("text, s", [(0, 0.0), ("20us", 2e-5), ("3ms", 3e-3), ("0.5 s", 0.5), ("7ns", 7e-9), (1e-5, 1e-5)])
+def test_parse_seconds(text, s):
+    assert parse_seconds(text) == s
+
+
+@pytest.mark.parametrize("bad", [-1, "5 minutes", "-3ms", float("inf"), None])
+def test_parse_seconds_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_seconds(bad)
+
+
+def _two() -> tuple[Device, ...]:
+    return (Device("a", "meta", "accel"), Device("b", "meta", "accel"))
+
+
+def test_cluster_keeps_the_old_constructor_and_pair_bandwidth():
+    c = Cluster(_two(), bandwidth=10.0, latency=1.0, pair_bandwidth={("a", "b"): 5.0})
+    assert c.link_time(10, "a", "b") == 1.0 + 2.0
+    assert c.link_time(10, "b", "a") == 1.0 + 1.0
+    assert c.transfer_time(10) == 2.0 and c.topology == "mesh" and c.links == {}
+    assert c.link("a", "b") == Link(5.0, 1.0)
+
+
+def test_cluster_copies_keep_their_routes():
+    c = Cluster(_two(), topology="graph", links={("a", "b"): Link(2.0, 0.5), ("b", "a"): Link(4.0, 0.5)})
+    assert pickle.loads(pickle.dumps(c)).link("b", "a") == Link(4.0, 0.5)
+    d = dataclasses.replace(c, links={("a", "b"): Link(8.0, 0.5), ("b", "a"): Link(4.0, 0.5)})
+    assert d.link("a", "b") == Link(8.0, 0.5) and c.link("a", "b") == Link(2.0, 0.5)
+    assert d != c and pickle.loads(pickle.dumps(c)) == c
+
+
+def test_cluster_rejects_bad_defaults_and_topology():
+    with pytest.raises(ValueError, match="topology"):
+        Cluster(_two(), topology="ring")
+    with pytest.raises(ValueError, match="bandwidth"):
+        Cluster(_two(), bandwidth=0)
+    with pytest.raises(ValueError, match="time"):
+        Cluster(_two(), latency=-1e-6)
+
+
+def test_link_of_unknown_device_is_a_key_error():
+    with pytest.raises(KeyError, match="no device named 'z'"):
+        Cluster(_two()).link_time(8, "a", "z")

@@ -5,26 +5,58 @@ Device strings follow torch (``"cpu"``, ``"cuda:0"``), plus *logical* CPU device
 overlap. A device of kind ``"cpu"`` pays no transfer cost (the CPU reads host RAM directly), as in
 the cost model of Tarnawski et al. 2020, Sec. 3; every other kind pays ``latency + bytes /
 bandwidth`` for each tensor crossing its boundary.
+
+Links between devices (MOIRAI, Sec. III-A and III-C) are directed: ``links[(src, dst)]`` gives a
+:class:`Link` (bandwidth in bytes/s, latency in s), so up- and downlink may differ. With
+``topology="mesh"`` every pair is directly connected and a pair without an entry uses the
+cluster's default ``bandwidth`` / ``latency``. With ``topology="graph"`` the entries are the only
+direct links; any other pair communicates over the *widest path* of the link graph: the path whose
+slowest hop is fastest, since "the bandwidth of a multi-hop path depends on the minimum bandwidth
+on the path" (MOIRAI Sec. III-C), taking the sum of the hops' latencies (ties between equally wide
+paths go to the smallest total latency). A file format for clusters is read by
+:func:`load_cluster` and written by :meth:`Cluster.save`.
 """
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
+import networkx as nx
 import psutil
 
-__all__ = ["Cluster", "Device", "discover_devices", "make_cluster", "parse_memory"]
+from torchplace.errors import WorkloadFormatError
+
+__all__ = [
+    "Cluster",
+    "Device",
+    "Link",
+    "Topology",
+    "discover_devices",
+    "load_cluster",
+    "make_cluster",
+    "parse_bandwidth",
+    "parse_memory",
+    "parse_seconds",
+]
 
 # PCIe 3.0 x16 effective host<->device bandwidth; replaced by a measurement where one is made.
 DEFAULT_LINK_BANDWIDTH = 12e9  # bytes / s
 DEFAULT_LINK_LATENCY = 10e-6  # s
+
+Topology = Literal["mesh", "graph"]
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}  # divisors: 20 / 1e6 rounds to 2e-05
 
 
 def parse_memory(value: float | str) -> int:
@@ -44,6 +76,38 @@ def parse_memory(value: float | str) -> int:
             f"e.g. '20GiB', '512MB' (units: {', '.join(u for u in _UNITS if u)})"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_bandwidth(value: float | str) -> float:
+    """Bytes/s from a positive number or a string like ``"25GB/s"``, ``"100 MiB/s"``.
+
+    Raises:
+        ValueError: for a bandwidth that is not positive or a string without ``/s``.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.endswith("/s"):
+            raise ValueError(f"cannot read bandwidth {value!r}: use bytes/s or e.g. '25GB/s', '100MiB/s'")
+        value = float(parse_memory(text[:-2]))
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"bandwidth must be a positive number of bytes/s, got {value!r}")
+    return float(value)
+
+
+def parse_seconds(value: float | str) -> float:
+    """Seconds from a non-negative number or a string like ``"5us"``, ``"2ms"``, ``"0.1 s"``.
+
+    Raises:
+        ValueError: for a negative or unreadable time.
+    """
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", value)
+        if not m or m.group(2) not in _PER_SECOND:
+            raise ValueError(f"cannot read time {value!r}: use seconds or e.g. '5us', '2ms' (units: s, ms, us, ns)")
+        value = float(m.group(1)) / _PER_SECOND[m.group(2)]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or math.isinf(value):
+        raise ValueError(f"time must be a non-negative number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -69,18 +133,60 @@ class Device:
 
 
 @dataclass(frozen=True)
+class Link:
+    """A directed link: ``bandwidth`` bytes/s and ``latency`` s; ``None`` takes the cluster's default."""
+
+    bandwidth: float | None = None
+    latency: float | None = None
+
+    def time(self, nbytes: int) -> float:
+        """Seconds to move ``nbytes`` over this (resolved) link; 0 for nothing to move."""
+        if self.bandwidth is None or self.latency is None:
+            raise ValueError("an unresolved Link has no time: use Cluster.link(src, dst)")
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Route:
+    link: Link  # resolved: bandwidth = slowest hop, latency = sum of hops
+    path: tuple[str, ...]  # device names from src to dst
+    explicit: bool  # built from given links (False: the mesh default)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Devices plus the links between them.
 
     Every non-CPU device talks to host memory over a link of ``bandwidth`` bytes/s and
-    ``latency`` s (a PCIe bus in the model of Tarnawski et al. 2020, Sec. 3).
-    ``pair_bandwidth`` may override the bandwidth of a specific (src, dst) pair.
+    ``latency`` s (a PCIe bus in the model of Tarnawski et al. 2020, Sec. 3); that default is what
+    :meth:`transfer_time` (throughput objective) uses. :meth:`link_time` (latency objective) uses
+    the per-pair links described in the module docstring.
+
+    Attributes:
+        devices: the devices, names unique.
+        bandwidth, latency: default link (bytes/s, s).
+        pair_bandwidth: legacy per-pair bandwidth: ``{(src, dst): bw}`` is the same as
+            ``links={(src, dst): Link(bw)}`` (latency = the default).
+        links: directed direct links ``{(src, dst): Link}``; a pair may not be in both mappings.
+        topology: ``"mesh"`` (unlisted pairs use the default link) or ``"graph"`` (unlisted pairs
+            use the widest path over the listed links).
+
+    The route of every pair is computed once, at construction; treat the mappings as immutable.
+
+    Raises:
+        ValueError: for repeated device names, a link naming an unknown device or joining a device
+            to itself, a non-positive bandwidth, a negative latency, or (``topology="graph"``)
+            two devices with no path between them (the message names the pair).
+        TypeError: for a ``links`` value that is not a :class:`Link`.
     """
 
     devices: tuple[Device, ...]
     bandwidth: float = DEFAULT_LINK_BANDWIDTH
     latency: float = DEFAULT_LINK_LATENCY
     pair_bandwidth: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    topology: Topology = "mesh"
+    _routes: dict[tuple[str, str], _Route] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.devices]
@@ -88,6 +194,44 @@ class Cluster:
             raise ValueError(f"device names must be unique, got {names}")
         if not self.devices:
             raise ValueError("a cluster needs at least one device")
+        if self.topology not in ("mesh", "graph"):
+            raise ValueError(f"topology must be 'mesh' or 'graph', got {self.topology!r}")
+        parse_bandwidth(self.bandwidth)
+        parse_seconds(self.latency)
+        direct = self._direct_links(set(names))
+        routes = {p: _Route(link, p, True) for p, link in direct.items()}
+        if self.topology == "graph":
+            routes = {**_widest_routes(names, direct), **routes}
+            missing = next(((s, d) for s in names for d in names if s != d and (s, d) not in routes), None)
+            if missing is not None:
+                raise ValueError(
+                    f"no path from device {missing[0]!r} to {missing[1]!r} over the links of this "
+                    f"topology='graph' cluster: add a link between them (or a chain of links), "
+                    f"or use topology='mesh' so that unlisted pairs use the default link"
+                )
+        object.__setattr__(self, "_routes", routes)
+
+    def _direct_links(self, names: set[str]) -> dict[tuple[str, str], Link]:
+        """The given direct links with defaults filled in, validated."""
+        both = set(self.pair_bandwidth) & set(self.links)
+        if both:
+            raise ValueError(f"pairs {sorted(both)} are in both pair_bandwidth and links: give each pair once")
+        given = {**{p: Link(bw) for p, bw in self.pair_bandwidth.items()}, **self.links}
+        out: dict[tuple[str, str], Link] = {}
+        for pair, link in given.items():
+            if not (isinstance(pair, tuple) and len(pair) == 2 and set(pair) <= names):
+                raise ValueError(f"link {pair!r} must be a (src, dst) pair of device names {sorted(names)}")
+            if pair[0] == pair[1]:
+                raise ValueError(f"link {pair!r} joins a device to itself (a device needs no link to itself)")
+            if not isinstance(link, Link):
+                raise TypeError(f"link {pair!r} must be a Link(bandwidth, latency), got {link!r}")
+            bw = self.bandwidth if link.bandwidth is None else link.bandwidth
+            lat = self.latency if link.latency is None else link.latency
+            try:
+                out[pair] = Link(parse_bandwidth(bw), parse_seconds(lat))
+            except ValueError as e:
+                raise ValueError(f"link {pair!r}: {e}") from None
+        return out
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -102,6 +246,31 @@ class Cluster:
     def names(self) -> list[str]:
         return [d.name for d in self.devices]
 
+    def _route(self, src: str, dst: str) -> _Route:
+        route = self._routes.get((src, dst))
+        if route is not None:
+            return route
+        self.device(src), self.device(dst)  # KeyError naming an unknown device
+        if src == dst:
+            return _Route(Link(math.inf, 0.0), (src,), False)
+        return _Route(Link(float(self.bandwidth), float(self.latency)), (src, dst), False)
+
+    def link(self, src: str, dst: str) -> Link:
+        """The resolved link a transfer from ``src`` to ``dst`` uses (bandwidth and latency set).
+
+        Raises:
+            KeyError: for an unknown device name.
+        """
+        return self._route(src, dst).link
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        """The devices a transfer from ``src`` to ``dst`` passes, both ends included."""
+        return self._route(src, dst).path
+
+    def has_explicit_link(self, src: str, dst: str) -> bool:
+        """Whether the pair's route comes from given links (direct or multi-hop), not the default."""
+        return src != dst and self._route(src, dst).explicit
+
     def transfer_time(self, nbytes: int) -> float:
         """Seconds to move ``nbytes`` between host memory and an accelerator."""
         return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
@@ -109,11 +278,239 @@ class Cluster:
     def link_time(self, nbytes: int, src: str, dst: str) -> float:
         """Seconds to move ``nbytes`` from device ``src`` to device ``dst`` (0 on one device).
 
-        The pair's own bandwidth when ``pair_bandwidth`` gives one, else the cluster's.
+        ``latency + nbytes / bandwidth`` of :meth:`link`: the pair's direct link, the default link
+        (``topology="mesh"``) or the widest path (``topology="graph"``).
         """
         if src == dst or nbytes <= 0:
             return 0.0
-        return self.latency + nbytes / self.pair_bandwidth.get((src, dst), self.bandwidth)
+        return self.link(src, dst).time(nbytes)
+
+    # -- cluster files -----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict in the cluster file format (see :func:`load_cluster`)."""
+        given = {**{p: Link(bw) for p, bw in self.pair_bandwidth.items()}, **self.links}
+        order = {n: i for i, n in enumerate(self.names)}
+        links: list[dict[str, Any]] = []
+        for (s, d), link in sorted(given.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]])):
+            mirrored = given.get((d, s)) == link
+            if mirrored and order[d] < order[s]:
+                continue  # written once, with bidirectional: true, from the first device's side
+            entry: dict[str, Any] = {"src": s, "dst": d}
+            entry.update({k: v for k, v in (("bandwidth", link.bandwidth), ("latency", link.latency)) if v is not None})
+            links.append({**entry, "bidirectional": mirrored})
+        return {
+            "format": _FORMAT,
+            "bandwidth": self.bandwidth,
+            "latency": self.latency,
+            "topology": self.topology,
+            "devices": [
+                {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes}
+                for d in self.devices
+            ],
+            "links": links,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "cluster") -> Cluster:
+        """The cluster a cluster-file dict describes (see :func:`load_cluster`).
+
+        Raises:
+            WorkloadFormatError: naming ``source`` and the malformed field.
+        """
+        return _cluster_from_json(data, source)
+
+    def save(self, path: str | Path) -> None:
+        """Write the cluster file (JSON; YAML for a ``.yaml``/``.yml`` path, needs PyYAML)."""
+        path = Path(path)
+        if path.suffix.lower() in (".yaml", ".yml"):
+            path.write_text(_yaml(path).safe_dump(self.to_json(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link]) -> dict[tuple[str, str], _Route]:
+    """Widest path (max bottleneck bandwidth), ties to the least total latency, for every pair.
+
+    MOIRAI Sec. III-C: a multi-hop path's bandwidth is its minimum hop bandwidth. Adding links in
+    decreasing bandwidth order, a pair first becomes reachable when the links added so far have
+    bandwidth >= its widest-path width ``W``; every path in that subgraph has bottleneck exactly
+    ``W``, so the least-latency path there (Dijkstra) is the widest path with the least latency.
+    """
+    g = nx.DiGraph()
+    g.add_nodes_from(names)
+    routes: dict[tuple[str, str], _Route] = {}
+    for width in sorted({link.bandwidth for link in direct.values() if link.bandwidth is not None}, reverse=True):
+        g.add_edges_from((s, d, {"latency": link.latency}) for (s, d), link in direct.items() if link.bandwidth == width)
+        for s in names:
+            dist, paths = nx.single_source_dijkstra(g, s, weight="latency")
+            for d, p in paths.items():
+                if d != s and (s, d) not in routes:
+                    routes[(s, d)] = _Route(Link(width, float(dist[d])), tuple(p), True)
+    return routes
+
+
+# -- cluster files ---------------------------------------------------------------------------------
+_FORMAT = "torchplace.cluster/1"
+_TOP_KEYS = {"format", "description", "bandwidth", "latency", "topology", "devices", "links"}
+_DEVICE_KEYS = {"name", "kind", "torch_device", "memory", "description"}
+_LINK_KEYS = {"src", "dst", "bandwidth", "latency", "bidirectional", "description"}
+_REQUIRED = object()  # a _value default: the field must be present and not null
+
+
+def _fields(obj: Any, allowed: set[str], required: tuple[str, ...], where: str, source: str) -> dict[str, Any]:
+    """``obj`` as a dict, checked for unknown and missing keys."""
+    if not isinstance(obj, Mapping):
+        raise WorkloadFormatError(f"{source}: {where}: expected an object, got {obj!r}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise WorkloadFormatError(f"{source}: {where}: unknown field {unknown[0]!r} (fields: {sorted(allowed)})")
+    for key in required:
+        if key not in obj:
+            raise WorkloadFormatError(f"{source}: {where}: missing field {key!r}")
+    return dict(obj)
+
+
+def _value(parse: Any, obj: Mapping[str, Any], key: str, default: Any, where: str, source: str) -> Any:
+    """``parse(obj[key])`` (``default`` when absent or null), a parse error naming the field and file."""
+    if obj.get(key) is None and default is not _REQUIRED:
+        return default
+    try:
+        return parse(obj[key])
+    except (ValueError, TypeError) as e:
+        raise WorkloadFormatError(f"{source}: {where}.{key}: {e}") from None
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _device_from_json(obj: Any, where: str, source: str) -> Device:
+    d = _fields(obj, _DEVICE_KEYS, ("name", "kind"), where, source)
+    return Device(
+        name=_value(_text, d, "name", _REQUIRED, where, source),
+        torch_device=_value(_text, d, "torch_device", "meta", where, source),
+        kind=_value(_text, d, "kind", _REQUIRED, where, source),
+        memory_bytes=_value(parse_memory, d, "memory", None, where, source),
+    )
+
+
+def _links_from_json(items: Any, names: set[str], source: str) -> dict[tuple[str, str], Link]:
+    if not isinstance(items, list):
+        raise WorkloadFormatError(f"{source}: links: expected a list of links, got {items!r}")
+    out: dict[tuple[str, str], Link] = {}
+    given_at: dict[tuple[str, str], int] = {}
+    for i, obj in enumerate(items):
+        where = f"links[{i}]"
+        e = _fields(obj, _LINK_KEYS, ("src", "dst"), where, source)
+        for end in ("src", "dst"):
+            if e[end] not in names:
+                raise WorkloadFormatError(f"{source}: {where}.{end}: {e[end]!r} is not a device; devices: {sorted(names)}")
+        if e["src"] == e["dst"]:
+            raise WorkloadFormatError(f"{source}: {where}: src and dst are both {e['src']!r}")
+        link = Link(_value(parse_bandwidth, e, "bandwidth", None, where, source),
+                    _value(parse_seconds, e, "latency", None, where, source))
+        pairs = [(e["src"], e["dst"])]
+        if _value(_flag, e, "bidirectional", True, where, source):
+            pairs.append((e["dst"], e["src"]))
+        for pair in pairs:
+            if pair in out:
+                raise WorkloadFormatError(
+                    f"{source}: {where}: link {pair[0]} -> {pair[1]} is already given by links[{given_at[pair]}] "
+                    f"(for different up- and downlinks give two links with bidirectional: false)"
+                )
+            out[pair], given_at[pair] = link, i
+    return out
+
+
+def _cluster_from_json(data: Any, source: str) -> Cluster:
+    top = _fields(data, _TOP_KEYS, ("devices",), "top level", source)
+    if top.get("format", _FORMAT) != _FORMAT:
+        raise WorkloadFormatError(f"{source}: format: {top['format']!r} is not {_FORMAT!r}")
+    if not isinstance(top["devices"], list) or not top["devices"]:
+        raise WorkloadFormatError(f"{source}: devices: expected a non-empty list of devices, got {top['devices']!r}")
+    devices = tuple(_device_from_json(obj, f"devices[{i}]", source) for i, obj in enumerate(top["devices"]))
+    names = [d.name for d in devices]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise WorkloadFormatError(f"{source}: devices: the name {dup!r} is used twice; names must be unique")
+    topology = top.get("topology", "mesh")
+    if topology not in ("mesh", "graph"):
+        raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {topology!r}")
+    links = _links_from_json(top.get("links", []), set(names), source)
+    try:
+        return Cluster(
+            devices,
+            bandwidth=_value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source),
+            latency=_value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source),
+            links=links,
+            topology=topology,
+        )
+    except ValueError as e:
+        raise WorkloadFormatError(f"{source}: links: {e}") from e
+
+
+def _yaml(path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise WorkloadFormatError(
+            f"{path}: reading or writing YAML cluster files needs PyYAML (pip install pyyaml); "
+            f"or use a .json file"
+        ) from None
+    return yaml
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file: JSON, or YAML (``.yaml``/``.yml``) when PyYAML is installed.
+
+    The file holds one object (``[]`` marks an optional field; any object may also carry a
+    ``"description"`` string; any other unknown field is an error, to catch typos)::
+
+        {"format": ["torchplace.cluster/1"],
+         "bandwidth": [bytes/s or "25GB/s"; default 12e9], "latency": [s or "5us"; default 1e-5],
+         "topology": ["mesh" (default) | "graph"],
+         "devices": [{"name": str, "kind": str, "torch_device": [str; default "meta"],
+                      "memory": [bytes or "16GiB"; null/absent = unlimited]}, ...],
+         "links": [[{"src": name, "dst": name, "bandwidth": [..; default: top level],
+                     "latency": [..; default: top level], "bidirectional": [bool; default true]}, ...]]}
+
+    Links are directed; ``bidirectional: true`` also sets ``dst -> src`` to the same values, and
+    a directed pair given twice is an error (give up- and downlink as two one-way links). The
+    topologies are described in the module docstring.
+
+    Example:
+        >>> cluster = load_cluster("examples/clusters/edge-devices.json")  # doctest: +SKIP
+        >>> cluster.path("camera-pi", "edge-server")  # doctest: +SKIP
+        ('camera-pi', 'jetson-nano', 'jetson-orin', 'edge-server')
+
+    Raises:
+        WorkloadFormatError: naming the file and the field that is missing or malformed.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise WorkloadFormatError(f"cannot read cluster file {path}: {e}") from e
+    if path.suffix.lower() in (".yaml", ".yml"):
+        yaml = _yaml(path)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise WorkloadFormatError(f"{path}: not valid YAML: {e}") from e
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkloadFormatError(f"{path}: not valid JSON: {e}") from e
+    return Cluster.from_json(data, source=str(path))
 
 
 def _cuda_count() -> int:

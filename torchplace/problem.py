@@ -51,7 +51,8 @@ class Problem:
         In order: 0 on one device; the node's own per-pair time (``NodeRecord.link_times``); its
         per-side ``transfer_time`` paid by each end that pays transfers (the host-memory model of
         Tarnawski Sec. 3, so accelerator to accelerator pays twice, CPU to CPU nothing); else the
-        cluster's link for the output's bytes when either end pays transfers.
+        cluster's link for the output's bytes when either end pays transfers or the cluster lists a
+        link between them (two CPU-kind boxes on a network).
         """
         if src.name == dst.name:
             return 0.0
@@ -61,8 +62,8 @@ class Problem:
             return r.link_times[pair]
         if r.transfer_time is not None:
             return r.transfer_time * (src.pays_transfer + dst.pays_transfer)
-        if not (src.pays_transfer or dst.pays_transfer):
-            return 0.0
+        if not (src.pays_transfer or dst.pays_transfer or self.cluster.has_explicit_link(src.name, dst.name)):
+            return 0.0  # logical CPUs share host memory
         return self.cluster.link_time(r.output_bytes, src.name, dst.name)
 
     def node_time(self, node: str, device: Device) -> float:
