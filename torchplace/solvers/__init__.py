@@ -54,9 +54,9 @@ METHODS: dict[str, Method] = {
                          "latency MILP with atomic accelerator subgraphs (Tarnawski App. A)"),
     "moirai": Method("torchplace.solvers.milp.moirai:solve", "latency",
                      "heterogeneous latency MILP (MOIRAI III-D)"),
-    "m-topo": Method("torchplace.solvers.schedulers:m_topo", "latency", "Baechi m-TOPO"),
-    "m-etf": Method("torchplace.solvers.schedulers:m_etf", "latency", "Baechi m-ETF"),
-    "m-sct": Method("torchplace.solvers.schedulers:m_sct", "latency", "Baechi m-SCT"),
+    "m-topo": Method("torchplace.solvers.baechi:m_topo", "latency", "Baechi m-TOPO"),
+    "m-etf": Method("torchplace.solvers.baechi:m_etf", "latency", "Baechi m-ETF"),
+    "m-sct": Method("torchplace.solvers.baechi:m_sct", "latency", "Baechi m-SCT"),
 }
 """Every method by name (``"auto"`` is not one of them: it chooses among them)."""
 
