@@ -89,6 +89,7 @@ def place(
     leaf_modules: Iterable[type] = (),
     max_memory: Mapping[str, int | str] | None = None,
     solver: str = "auto",
+    fuse: bool | None = None,
     trace_method: str = "auto",
     warmup: int = 2,
     repeats: int = 5,
@@ -117,7 +118,12 @@ def place(
         granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
         leaf_modules: module classes to keep whole (like accelerate's ``no_split_module_classes``).
         max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
-        solver: a name from :data:`torchplace.solvers.SOLVERS`, or ``"auto"``.
+        solver: a name from :data:`torchplace.solvers.METHODS`, or ``"auto"``.
+        fuse: solve on a coarsened graph (MOIRAI fusion rules + Baechi co-placement,
+            :func:`torchplace.fusion.coarsen`) and expand the plan back to every operator. Fusion
+            makes big graphs tractable but can cost objective, since groups cannot be split; the
+            default (``None``) fuses only graphs of more than :data:`FUSE_ABOVE` nodes for
+            throughput, or more than the MILP's size limit for latency.
         trace_method: ``"auto"``, ``"fx"`` or ``"export"``.
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
@@ -146,8 +152,27 @@ def place(
         graph = profile(traced, example_inputs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
     problem = Problem(graph, cluster, objective=objective, mode="inference",  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput")
-    plan = solvers.solve(problem, method=solver, time_limit=time_limit)
+    plan = _solve(problem, solver, time_limit, fuse)
     return PlacedModule(traced, problem, plan, microbatches)
+
+
+FUSE_ABOVE = 1000
+"""Throughput graphs with more nodes than this are coarsened before solving when ``fuse=None``."""
+
+
+def _solve(problem: Problem, solver: str, time_limit: float | None, fuse: bool | None) -> Plan:
+    """Solve ``problem``, on its coarsened graph when ``fuse`` says so (see :func:`place`)."""
+    from torchplace.fusion import coarsen
+    from torchplace.solvers.auto import MILP_NODES
+    from torchplace.solvers.bounds import combinatorial_lower_bound
+
+    if fuse is None:
+        fuse = len(problem.graph) > (MILP_NODES if problem.objective == "latency" else FUSE_ABOVE)
+    if not fuse:
+        return solvers.solve(problem, method=solver, time_limit=time_limit)
+    coarse = coarsen(problem.graph, devices=len(problem.cluster))
+    plan = solvers.solve(coarse.coarse_problem(problem), method=solver, time_limit=time_limit)
+    return coarse.expand_plan(plan, problem, lower_bound=combinatorial_lower_bound(problem))
 
 
 class _LazyPlaced(nn.Module):

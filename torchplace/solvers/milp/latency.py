@@ -1,0 +1,343 @@
+"""The latency Integer Program of Tarnawski et al. 2020 (Sec. 4, App. A, Fig. 5; App. A.1, Fig. 6).
+
+Tarnawski's model of one sample (App. A, "Computation model"): an accelerator subgraph ``S`` is
+invoked atomically — once every input (an output of a node outside ``S`` with an edge into ``S``)
+is in host DRAM, its inputs move in (``c_u`` each), all of ``S`` runs, and its outputs move out
+(``c_u`` each). Index 0 is "all CPU cores together": a CPU node runs as soon as its predecessors'
+outputs are in DRAM, in parallel with any other CPU node (the paper assumes at least width(G)
+cores). With up to ``q`` subgraph slots per accelerator (App. A.1), a node ``v`` goes to slot
+``j`` (``x_vj``) or to the CPUs (``x_v0``), and
+
+    (1)  sum_j x_vj + x_v0 = 1
+    (3*) sum_v m_v sum_{j in slots(i)} x_vj <= M_i                    (accelerators with a cap)
+    (4)  CommIn_uj >= x_vj - x_uj,  (5) CommOut_uj >= x_uj - x_vj      for (u, v) in E
+    (6)  SubgraphStart_j >= Latency_u - H (1 - CommIn_uj)              (Lemma A.1 big-M form)
+    (7)  SubgraphFinish_j = SubgraphStart_j + sum_u c_u CommIn_uj + sum_v p_v(j) x_vj
+                                            + sum_u c_u CommOut_uj
+    (8)  Latency_v >= p_v^cpu x_v0,  (9) Latency_v >= p_v^cpu x_v0 + Latency_u  for (u, v) in E
+    (10) Latency_v >= SubgraphFinish_j - H (1 - x_vj)                  (Lemma A.1 big-M form)
+    (11) z_vj >= x_vj, (12) z_vj <= z_uj, (13) z_vj <= x_vj - x_uj + 1  (slot j contiguous)
+    (14) SubgraphStart_j >= SubgraphFinish_{j-1}                       (slots of one accelerator)
+    TotalLatency >= Latency_v;  minimise TotalLatency.
+
+Colocation is per device (App. A.1): equal ``x_v0`` and equal slot sums per accelerator.
+Generalisation: accelerators of different kinds use their own times ``p_v(j)`` (the kind of the
+slot's device); a node a kind cannot run has ``x_vj = 0``, a node without a CPU time (or a cluster
+without CPUs) has ``x_v0 = 0``. The big-M ``H`` is the sum of every node's largest time plus
+every producer's transfer counted once out and once into each slot it can feed: no chain of
+subgraph windows and CPU nodes is longer, so ``H`` bounds every Latency of a tight solution.
+
+Valid inequalities (not in the paper): ``Latency_v`` is at least the longest path ending at ``v``
+with each node at its least time, in Tarnawski's model as in any other (a slot's window holds all
+of its compute); this lifts the LP bound from near zero to the critical path.
+
+Symmetry breaking (valid: every solution maps to one that meets it with the same objective):
+the slots of one accelerator are filled in order (an empty slot before a used one can be moved to
+the end, (14) still holds); and of two identical accelerators (same kind and memory) the first
+holds a node earlier in topological order than any node of the second (relabel identical devices
+by their first node; empty devices last).
+
+**This is not the cost model.** torchplace's latency objective is :func:`costmodel.simulate`
+(node-level, eager, one transfer per (producer, destination device), ports that serialize). The
+plan built here is evaluated by the simulation; the IP's own value goes to ``meta["ip_latency"]``
+and its proven bound (a bound for Tarnawski's model only) to ``meta["ip_bound"]``; the plan's
+lower bound is :func:`~torchplace.solvers.bounds.latency_lower_bound`. When the cluster has at
+least width(G) CPU devices, no colocation binds two CPU nodes, every move costs at most ``c_u`` per
+end that pays transfers (so it is with ``transfer_time`` and no ``link_times`` or pair bandwidths)
+and no transfer in the simulation waits for a port, the simulated makespan is at most the IP's TotalLatency: the IP's times are then a
+schedule the simulation could run, and it runs the earliest one. With ports that bind it can be
+larger: Tarnawski's DRAM hub sends one output to any number of readers at once, the simulation
+sends it to one device after another (see ``tests/test_milp_latency.py``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyomo.environ as pyo
+
+from torchplace.devices import Device
+from torchplace.errors import InfeasibleError
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+from torchplace.solvers.bounds import latency_lower_bound
+from torchplace.solvers.milp.highs import solve_model
+from torchplace.solvers.ordering import order_stages
+
+__all__ = ["build", "extract", "solve"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Nodes in topological order, accelerators (``q`` slots each, slot ``j`` on ``accels[j // q]``)
+    and CPU devices (together Tarnawski's index 0)."""
+
+    nodes: tuple[str, ...]
+    accels: tuple[Device, ...]
+    cpus: tuple[Device, ...]
+    q: int
+
+
+def _layout(problem: Problem, q: int) -> _Layout:
+    devs = problem.cluster.devices
+    return _Layout(tuple(problem.graph.topological_order()), tuple(d for d in devs if d.pays_transfer),
+                   tuple(d for d in devs if not d.pays_transfer), q)
+
+
+def _check(problem: Problem, q: int) -> None:
+    if problem.objective != "latency":
+        raise ValueError(
+            f"the latency IP minimises the latency of one sample, but the problem's objective is "
+            f"{problem.objective!r}; solve dataclasses.replace(problem, objective='latency')"
+        )
+    if q < 1:
+        raise ValueError(f"q (subgraphs per accelerator) must be at least 1, got {q}")
+    cpus = [d.name for d in problem.cluster.devices if not d.pays_transfer]
+    if problem.contiguous and (q > 1 or cpus):
+        why = f"q={q} gives an accelerator several subgraphs" if q > 1 else f"the CPUs {cpus} form one pool"
+        raise ValueError(
+            f"the problem asks for one contiguous set per device, but in Tarnawski's latency IP {why} "
+            "(App. A: only each accelerator subgraph is contiguous); "
+            "solve dataclasses.replace(problem, contiguous=False)"
+        )
+    nowhere = [v for v, r in problem.graph.records()
+               if all(math.isinf(problem.node_time(v, d)) for d in problem.cluster.devices)]
+    if nowhere:
+        raise InfeasibleError(f"nodes {nowhere[:5]} cannot run on any device of the cluster (no time for its kinds)")
+
+
+def _big_m(problem: Problem, lay: _Layout) -> float:
+    """A horizon no tight Latency exceeds: every duration of every subgraph window and CPU node."""
+    g, n_slots = problem.graph, len(lay.accels) * lay.q
+    devices = lay.accels + lay.cpus[:1]
+    work = math.fsum(max((t for d in devices if math.isfinite(t := problem.node_time(v, d))), default=0.0)
+                     for v in lay.nodes)
+    moves = math.fsum(problem.transfer_time(u) * (1 + min(n_slots, sum(1 for _ in g.successors(u))))
+                      for u in lay.nodes if any(True for _ in g.successors(u)))
+    return work + moves + 1.0
+
+
+def _heads(problem: Problem, lay: _Layout) -> dict[str, float]:
+    """Per node, the longest path ending at it with each node at its least time on the cluster."""
+    devices = lay.accels + lay.cpus
+    head: dict[str, float] = {}
+    for v in lay.nodes:
+        least = min((problem.node_time(v, d) for d in devices), default=math.inf)
+        head[v] = _finite(least) + max((head[u] for u in problem.graph.predecessors(v)), default=0.0)
+    return head
+
+
+def _symmetric_pairs(lay: _Layout) -> list[int]:
+    """Accelerators ``a`` identical to accelerator ``a - 1`` (same kind and memory)."""
+    return [a for a in range(1, len(lay.accels))
+            if (lay.accels[a].kind, lay.accels[a].memory_bytes) == (lay.accels[a - 1].kind, lay.accels[a - 1].memory_bytes)]
+
+
+def build(problem: Problem, *, q: int = 1) -> pyo.ConcreteModel:
+    """The IP of Tarnawski Fig. 6 (Fig. 5 when ``q == 1``) for ``problem`` (see the module docstring).
+
+    Raises:
+        ValueError: for a non-latency objective, ``q < 1``, or a contiguous problem the IP cannot honour.
+        InfeasibleError: if some node can run on no device of the cluster.
+    """
+    _check(problem, q)
+    g, lay = problem.graph, _layout(problem, q)
+    order = {v: t for t, v in enumerate(lay.nodes)}
+    slots = range(len(lay.accels) * q)
+    dev = {j: lay.accels[j // q] for j in slots}
+    groups: dict[str, str] = {}
+    rep = {v: groups.setdefault(r.colocation, v) for v, r in g.records() if r.colocation is not None}
+    capped_cpus = [d.memory_bytes for d in lay.cpus if d.memory_bytes is not None]
+    sym = _symmetric_pairs(lay)
+    head = _heads(problem, lay)
+
+    m = pyo.ConcreteModel(name=f"tarnawski-latency-q{q}")
+    # -- Sets
+    m.V = pyo.Set(initialize=lay.nodes, ordered=True, doc="nodes, topological order")
+    m.E = pyo.Set(initialize=sorted(g.edges, key=lambda e: (order[e[0]], order[e[1]])), dimen=2, doc="edges")
+    m.P = pyo.Set(initialize=[u for u in lay.nodes if any(True for _ in g.successors(u))], doc="producers")
+    m.A = pyo.Set(initialize=range(len(lay.accels)), doc="accelerators")
+    m.J = pyo.Set(initialize=slots, doc="subgraph slots; slot j is on accelerator j // q")
+    m.A_MEM = pyo.Set(initialize=[a for a in m.A if lay.accels[a].memory_bytes is not None], doc="capped accelerators")
+    m.J_NEXT = pyo.Set(initialize=[j for j in slots if j % q], doc="slots after another slot of their accelerator")
+    m.COLO = pyo.Set(initialize=[v for v in lay.nodes if v in rep and rep[v] != v], doc="colocated, not the group's first")
+    m.A_SYM = pyo.Set(initialize=sym, doc="accelerators identical to the one before")
+    m.A_PRE = pyo.Set(initialize=sorted({a - 1 for a in sym}), doc="accelerators with an identical successor")
+    # -- Params
+    m.q = pyo.Param(initialize=q, doc="slots per accelerator")
+    m.H = pyo.Param(initialize=_big_m(problem, lay), doc="big-M horizon of Lemma A.1")
+    m.c = pyo.Param(m.V, initialize={v: problem.transfer_time(v) for v in lay.nodes}, doc="per-side transfer c_v")
+    m.p = pyo.Param(m.V, m.J, initialize={(v, j): _finite(problem.node_time(v, dev[j])) for v in lay.nodes for j in slots},
+                    default=0.0, doc="time of v on slot j's accelerator")
+    m.p_cpu = pyo.Param(m.V, initialize={v: _finite(g.record(v).time_on("cpu")) for v in lay.nodes}, doc="CPU time")
+    m.mem = pyo.Param(m.V, initialize={v: g.record(v).param_bytes + g.record(v).temp_bytes for v in lay.nodes}, doc="m_v")
+    m.M = pyo.Param(m.A_MEM, initialize={a: lay.accels[a].memory_bytes for a in m.A_MEM}, doc="accelerator memory")
+    # -- Vars
+    m.x = pyo.Var(m.V, m.J, domain=pyo.Binary, doc="v in slot j",
+                  bounds=lambda m, v, j: (0, 1 if math.isfinite(problem.node_time(v, dev[j])) else 0))
+    m.x_cpu = pyo.Var(m.V, domain=pyo.Binary, doc="v on the CPUs (x_v0)",
+                      bounds=lambda m, v: (0, 1 if lay.cpus and "cpu" in g.record(v).times else 0))
+    m.z = pyo.Var(m.V, m.J, bounds=(0, 1), doc="contiguity witness of Lemma A.1")
+    m.comm_in = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves into slot j")
+    m.comm_out = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves out of slot j")
+    m.latency = pyo.Var(m.V, bounds=lambda m, v: (head[v], None), doc="v's output is in DRAM (bounded by its head path)")
+    m.start = pyo.Var(m.J, domain=pyo.NonNegativeReals, doc="SubgraphStart_j")
+    m.finish = pyo.Var(m.J, domain=pyo.NonNegativeReals, doc="SubgraphFinish_j")
+    m.total = pyo.Var(domain=pyo.NonNegativeReals, doc="TotalLatency")
+    m.used = pyo.Var(m.J, bounds=(0, 1), doc="slot j holds a node (symmetry breaking)")
+    m.prefix = pyo.Var(m.V, m.A_PRE, domain=pyo.NonNegativeReals, doc="nodes up to v on accelerator a")
+    # -- Objective
+    m.obj = pyo.Objective(expr=m.total, sense=pyo.minimize)
+    # -- Constraints
+    on = _on_accel  # sum of v's slots on accelerator a
+    m.assign = pyo.Constraint(m.V, rule=lambda m, v: sum(m.x[v, j] for j in m.J) + m.x_cpu[v] == 1)  # (1)
+    m.memory = pyo.Constraint(m.A_MEM, rule=lambda m, a: sum(m.mem[v] * on(m, v, a) for v in m.V) <= m.M[a])  # (3*)
+    m.cpu_memory = pyo.Constraint(  # conservative: the CPU nodes fit on any one capped CPU device
+        rule=lambda m: sum(m.mem[v] * m.x_cpu[v] for v in m.V) <= min(capped_cpus) if capped_cpus else pyo.Constraint.Skip)
+    m.in_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_in[u, j] >= m.x[v, j] - m.x[u, j])  # (4)
+    m.out_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_out[u, j] >= m.x[u, j] - m.x[v, j])  # (5)
+    m.total_def = pyo.Constraint(m.V, rule=lambda m, v: m.total >= m.latency[v])
+    m.start_after_inputs = pyo.Constraint(  # (6)
+        m.P, m.J, rule=lambda m, u, j: m.start[j] >= m.latency[u] - m.H * (1 - m.comm_in[u, j]))
+    m.window = pyo.Constraint(m.J, rule=lambda m, j: m.finish[j] == m.start[j] + sum(  # (7)
+        m.c[u] * (m.comm_in[u, j] + m.comm_out[u, j]) for u in m.P) + sum(m.p[v, j] * m.x[v, j] for v in m.V))
+    m.cpu_time = pyo.Constraint(m.V, rule=lambda m, v: m.latency[v] >= m.p_cpu[v] * m.x_cpu[v])  # (8)
+    m.cpu_after_inputs = pyo.Constraint(  # (9)
+        m.E, rule=lambda m, u, v: m.latency[v] >= m.p_cpu[v] * m.x_cpu[v] + m.latency[u])
+    m.after_slot = pyo.Constraint(  # (10)
+        m.V, m.J, rule=lambda m, v, j: m.latency[v] >= m.finish[j] - m.H * (1 - m.x[v, j]))
+    m.z_above = pyo.Constraint(m.V, m.J, rule=lambda m, v, j: m.z[v, j] >= m.x[v, j])  # (11)
+    m.z_falls = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.z[v, j] <= m.z[u, j])  # (12)
+    m.z_cut = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.z[v, j] <= m.x[v, j] - m.x[u, j] + 1)  # (13)
+    m.slot_order = pyo.Constraint(m.J_NEXT, rule=lambda m, j: m.start[j] >= m.finish[j - 1])  # (14)
+    m.colocate_cpu = pyo.Constraint(m.COLO, rule=lambda m, v: m.x_cpu[v] == m.x_cpu[rep[v]])
+    m.colocate_accel = pyo.Constraint(m.COLO, m.A, rule=lambda m, v, a: on(m, v, a) == on(m, rep[v], a))
+    m.used_has_node = pyo.Constraint(
+        m.J, rule=lambda m, j: m.used[j] <= sum(m.x[v, j] for v in m.V) if (j + 1) % q else pyo.Constraint.Skip)
+    m.slots_in_order = pyo.Constraint(m.V, m.J_NEXT, rule=lambda m, v, j: m.x[v, j] <= m.used[j - 1])
+    m.prefix_def = pyo.Constraint(m.V, m.A_PRE, rule=lambda m, v, a: m.prefix[v, a] == on(m, v, a) + (
+        m.prefix[m.V.prev(v), a] if v != m.V.first() else 0))
+    m.devices_in_order = pyo.Constraint(m.V, m.A_SYM, rule=lambda m, v, a: on(m, v, a) <= (
+        m.prefix[m.V.prev(v), a - 1] if v != m.V.first() else 0))
+    return m
+
+
+def _finite(t: float) -> float:
+    return t if math.isfinite(t) else 0.0
+
+
+def _on_accel(m: pyo.ConcreteModel, v: str, a: int) -> Any:
+    q = pyo.value(m.q)
+    return sum(m.x[v, j] for j in range(a * q, (a + 1) * q))
+
+
+def _cpu_schedule(problem: Problem, lay: _Layout, starts: dict[str, float]) -> list[tuple[float, float, str, str]]:
+    """List-schedule the CPU nodes on the CPU devices in order of their IP start times, each on the
+    CPU free earliest (a colocated node on its group's CPU): (start, finish, device, node)."""
+    g = problem.graph
+    free = {d.name: 0.0 for d in lay.cpus}
+    group_cpu: dict[str, str] = {}
+    out = []
+    topo = {v: t for t, v in enumerate(lay.nodes)}
+    for v in sorted(starts, key=lambda v: (starts[v], topo[v])):
+        color = g.record(v).colocation
+        cpu = group_cpu.get(color) if color is not None else None
+        if cpu is None:
+            cpu = min(free, key=free.__getitem__)  # first such CPU on ties
+        if color is not None:
+            group_cpu[color] = cpu
+        begin = max(free[cpu], starts[v])
+        free[cpu] = begin + g.record(v).time_on("cpu")
+        out.append((starts[v], free[cpu], cpu, v))
+    return out
+
+
+def _merge_adjacent(stages: list[Stage], topo: dict[str, int]) -> list[Stage]:
+    """Join neighbouring stages of one device when that keeps its run order (topological inside)."""
+    out: list[Stage] = []
+    for s in stages:
+        if out and out[-1].device == s.device and max(topo[v] for v in out[-1].nodes) < min(topo[v] for v in s.nodes):
+            out[-1] = Stage(s.device, out[-1].nodes + s.nodes)
+        else:
+            out.append(s)
+    return out
+
+
+def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
+    """Stages of a solved model: each used slot a stage on its accelerator, CPU nodes list-scheduled
+    on the CPU devices; ordered by the IP's SubgraphStart / CPU start times (ties made valid by
+    :func:`order_stages`), neighbouring stages of one device joined where the run order allows."""
+    lay = _layout(problem, int(pyo.value(model.q)))
+    topo = {v: t for t, v in enumerate(lay.nodes)}
+    units: list[tuple[float, float, int, Stage]] = []
+    for j in model.J:
+        nodes = tuple(v for v in lay.nodes if pyo.value(model.x[v, j]) > 0.5)
+        if nodes:
+            stage = Stage(lay.accels[j // lay.q].name, nodes)
+            units.append((pyo.value(model.start[j]), pyo.value(model.finish[j]), topo[nodes[0]], stage))
+    cpu_nodes = [v for v in lay.nodes if pyo.value(model.x_cpu[v]) > 0.5]
+    starts = {v: pyo.value(model.latency[v]) - pyo.value(model.p_cpu[v]) for v in cpu_nodes}
+    for begin, end, cpu, v in _cpu_schedule(problem, lay, starts):
+        units.append((begin, end, topo[v], Stage(cpu, (v,))))
+    units.sort(key=lambda u: u[:3])
+    return _merge_adjacent(order_stages(problem.graph, [u[3] for u in units]), topo)
+
+
+def _size(model: pyo.ConcreteModel) -> tuple[int, int]:
+    rows = sum(1 for _ in model.component_data_objects(pyo.Constraint, active=True))
+    cols = sum(1 for v in model.component_data_objects(pyo.Var) if not (v.lb == v.ub == 0))
+    return rows, cols
+
+
+def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_gap: float = 1e-6) -> Plan:
+    """Minimise latency with Tarnawski's IP (App. A; App. A.1 for ``q > 1``) and return its plan.
+
+    Args:
+        problem: a latency problem; ``contiguous`` must be ``False`` unless ``q == 1`` and the
+            cluster has no CPU device (CPU nodes form a pool, and slots of one accelerator are
+            separate subgraphs). Training graphs need ``q >= 2`` for a device to hold a forward and
+            a backward subgraph.
+        q: contiguous subgraphs per accelerator (App. A.1).
+        time_limit: seconds HiGHS may run; mip_gap: its relative gap.
+
+    Returns:
+        A Plan whose objective is the cost model's simulated latency; its status is ``"feasible"``
+        (the IP is optimal for Tarnawski's model, not for the simulation) or ``"time_limit"``, or
+        ``"optimal"`` when the objective meets its lower bound, :func:`latency_lower_bound`. ``meta`` holds ``ip_latency`` (TotalLatency),
+        ``ip_bound`` (proven for Tarnawski's model only), ``ip_status``, ``q``, ``rows``, ``cols``.
+
+    Raises:
+        ValueError: see :func:`build`.
+        InfeasibleError: if no placement meets memory, colocation and contiguity.
+        SolverLimitError: if the time limit passed before any placement was found.
+    """
+    t0 = time.perf_counter()
+    model = build(problem, q=q)
+    try:
+        res = solve_model(model, name=f"latency IP (Tarnawski App. A, q={q})", time_limit=time_limit, mip_gap=mip_gap)
+    except InfeasibleError as e:
+        raise _infeasible(problem, q) from e
+    stages = extract(model, problem)
+    rows, cols = _size(model)
+    meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
+            "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
+    plan = Plan.build(problem, stages, solver="milp-latency", seconds=time.perf_counter() - t0,
+                      lower_bound=latency_lower_bound(problem),
+                      status="time_limit" if res.status == "time_limit" else "feasible", meta=meta)
+    if plan.objective <= plan.lower_bound * (1 + 1e-9):
+        plan.status = "optimal"  # the simulation bound proves it, whatever the IP's status
+    return plan
+
+
+def _infeasible(problem: Problem, q: int) -> InfeasibleError:
+    g = problem.graph
+    accel_only = sum(r.param_bytes + r.temp_bytes for v, r in g.records()
+                     if "cpu" not in r.times or all(d.pays_transfer for d in problem.cluster.devices))
+    caps = [d.memory_bytes for d in problem.cluster.devices if d.pays_transfer]
+    return InfeasibleError(
+        f"latency IP (q={q}): no placement meets memory, colocation and contiguity; nodes that must go to an "
+        f"accelerator need {accel_only} bytes, the accelerators hold {caps} bytes; raise max_memory, add "
+        "devices, or raise q (more subgraphs per accelerator relax contiguity)"
+    )
