@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MLP", "NAMES", "ResidualBlock", "ResidualCNN", "build"]
+__all__ = ["MLP", "NAMES", "InceptionBlock", "InceptionCNN", "ResidualBlock", "ResidualCNN", "build"]
 
 Built = tuple[nn.Module, tuple[Any, ...]]
 
@@ -73,12 +73,52 @@ class ResidualCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(y), 1))
 
 
+class InceptionBlock(nn.Module):
+    """Four parallel branches (1x1; 1x1->3x3; 1x1->5x5; pool->1x1) concatenated on channels.
+
+    The branches are independent until the concatenation: the shape of GoogLeNet's Inception
+    module (Szegedy et al. 2015), which a latency placement can run on several devices at once.
+    """
+
+    def __init__(self, c_in: int, c_branch: int) -> None:
+        super().__init__()
+
+        def conv(a: int, b: int, k: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(a, b, k, padding=k // 2), nn.BatchNorm2d(b), nn.ReLU())
+
+        self.b1 = conv(c_in, c_branch, 1)
+        self.b3 = nn.Sequential(conv(c_in, c_branch, 1), conv(c_branch, c_branch, 3))
+        self.b5 = nn.Sequential(conv(c_in, c_branch, 1), conv(c_branch, c_branch, 5))
+        self.bp = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), conv(c_in, c_branch, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], dim=1)
+
+
+class InceptionCNN(nn.Module):
+    """A small Inception-style classifier: stem, two inception blocks, pooling, classifier."""
+
+    def __init__(self, width: int = 16, n_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(InceptionBlock(width, width), InceptionBlock(4 * width, width))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4 * width, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
 def _mlp(batch: int) -> Built:
     return MLP(), (torch.randn(batch, 32),)
 
 
 def _resnet(batch: int) -> Built:
     return ResidualCNN(), (torch.randn(batch, 3, 16, 16),)
+
+
+def _inception(batch: int) -> Built:
+    return InceptionCNN(), (torch.randn(batch, 3, 32, 32),)
 
 
 def _transformer(batch: int) -> Built:
@@ -112,11 +152,28 @@ def _gpt2(batch: int) -> Built:
     return model, (ids,)
 
 
+def _bert(batch: int) -> Built:
+    """A 2-layer BERT encoder from a config (random weights, no download)."""
+    try:
+        from transformers import BertConfig, BertModel
+    except ImportError as e:
+        raise ImportError("the 'bert' example model needs transformers: pip install torchplace[examples]") from e
+    config = BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=64, attn_implementation="eager",
+    )
+    model = BertModel(config, add_pooling_layer=False)
+    ids = torch.randint(0, config.vocab_size, (batch, 16))
+    return model, (ids,)
+
+
 _BUILDERS: dict[str, Callable[[int], Built]] = {
     "mlp": _mlp,
     "resnet": _resnet,
+    "inception": _inception,
     "transformer": _transformer,
     "gpt2": _gpt2,
+    "bert": _bert,
 }
 NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -127,14 +184,23 @@ def leaf_modules_for(name: str) -> tuple[type, ...]:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return (GPT2Block,)
-    return {"resnet": (ResidualBlock,), "transformer": (nn.TransformerEncoderLayer,)}.get(name, ())
+    if name == "bert":
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        return (BertLayer,)
+    return {
+        "resnet": (ResidualBlock,),
+        "inception": (InceptionBlock,),
+        "transformer": (nn.TransformerEncoderLayer,),
+    }.get(name, ())
 
 
 def build(name: str, batch: int = 2, seed: int = 0) -> Built:
     """Build an example model by name.
 
     Args:
-        name: one of :data:`NAMES` (``"mlp"``, ``"resnet"``, ``"transformer"``, ``"gpt2"``).
+        name: one of :data:`NAMES` (``"mlp"``, ``"resnet"``, ``"inception"``, ``"transformer"``,
+            ``"gpt2"``, ``"bert"``).
         batch: batch size of the example inputs.
         seed: seed of the weights and inputs (the same seed gives the same model and inputs).
 
@@ -143,7 +209,7 @@ def build(name: str, batch: int = 2, seed: int = 0) -> Built:
 
     Raises:
         ValueError: for an unknown name (the message lists the valid ones).
-        ImportError: for ``"gpt2"`` when transformers is not installed.
+        ImportError: for ``"gpt2"`` and ``"bert"`` when transformers is not installed.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown example model {name!r}; choose one of {list(NAMES)}")

@@ -1,0 +1,229 @@
+"""SliceGraph and BRKGA: equal to the DP over all orders, exact pruning, published workloads, limits, errors."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchplace import costmodel
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.problem import Problem
+from torchplace.solvers import dp, slicegraph
+from torchplace.solvers.contract import contract
+from torchplace.workloads import read_dnn_partitioning
+
+from .conftest import DNN
+from .graphs import problems
+from .test_dp import PUBLISHED
+
+
+def _all_orders(problem: Problem) -> list[list[str]]:
+    """Every topological order of the contracted graph, as node orders."""
+    con = contract(problem.graph)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(con.nodes)))
+    dag.add_edges_from(con.edges)
+    return [[v for i in order for v in con.nodes[i].members] for order in nx.all_topological_sorts(dag)]
+
+
+def _layered(n: int, seed: int, k: int = 4, cpu: bool = False, memory: int | None = None) -> Problem:
+    """A layered branching DAG (width 8, edges to the next 1-3 layers) with random costs."""
+    rnd = random.Random(seed)
+    g = OpGraph()
+    for v in range(n):
+        t = rnd.uniform(1, 10)
+        g.add_node(str(v), NodeRecord(str(v), param_bytes=rnd.randint(1, 10), times={"accel": t, "cpu": 4 * t},
+                                      transfer_time=rnd.uniform(0, 3)))
+    for v in range(n - 8):
+        for _ in range(rnd.randint(1, 3)):
+            g.add_edge(str(v), str(min(n - 1, (v // 8 + rnd.randint(1, 3)) * 8 + rnd.randrange(8))))
+    devices = [Device(f"acc{i}", "meta", "accel", memory) for i in range(k)]
+    return Problem(g, Cluster(tuple(devices + ([Device("cpu0", "cpu", "cpu")] if cpu else []))))
+
+
+# Every contiguous split is a segmentation of some topological order of the contracted graph (lay
+# the pieces out in chain order), so the best over all orders is the ideals DP's optimum.
+def _check_all_orders_reach_the_dp_optimum(problem: Problem) -> None:
+    try:
+        exact = dp.solve(problem).objective
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
+        return
+    plan = slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
+    assert plan.objective == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.status == "feasible" and plan.lower_bound <= plan.objective + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_all_orders_reach_the_dp_optimum(problem):
+    _check_all_orders_reach_the_dp_optimum(problem)
+
+
+@st.composite
+def training_problems(draw, max_forward: int = 4) -> Problem:
+    """A random forward DAG, mirrored backward nodes colocated with their forward node (some orphaned)."""
+    n = draw(st.integers(1, max_forward))
+    g = OpGraph()
+
+    def node(name: str, backward: bool, color: str | None) -> None:
+        times = {"cpu": float(draw(st.integers(1, 20)))}
+        if draw(st.integers(0, 5)) > 0:
+            times["accel"] = float(draw(st.integers(0, 10)))
+        g.add_node(name, NodeRecord(name, param_bytes=draw(st.integers(0, 3)), times=times, backward=backward,
+                                    transfer_time=float(draw(st.integers(0, 6))), colocation=color))
+
+    for i in range(n):
+        node(f"f{i}", False, f"c{i}")
+    for i in range(n):
+        node(f"b{i}", True, None if draw(st.integers(0, 3)) == 0 else f"c{i}")
+    for u, v in itertools.combinations(range(n), 2):
+        if draw(st.booleans()):
+            g.add_edge(f"f{u}", f"f{v}")
+            g.add_edge(f"b{v}", f"b{u}")
+    for i in range(n):
+        if i == n - 1 or draw(st.booleans()):
+            g.add_edge(f"f{i}", f"b{i}")  # stashed activation / loss
+    k, cpus = draw(st.integers(0, 2)), draw(st.integers(0, 2))
+    devices = [Device(f"acc{i}", "meta", "accel", draw(st.integers(2, 12))) for i in range(k)]
+    devices += [Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus if k + cpus else 1)]
+    return Problem(g, Cluster(tuple(devices)), mode="training")
+
+
+@settings(max_examples=60, deadline=None)
+@given(training_problems())
+def test_all_orders_reach_the_dp_optimum_in_training(problem):
+    _check_all_orders_reach_the_dp_optimum(problem)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_one_order_is_a_valid_split_no_better_than_dp(problem):
+    order = problem.graph.topological_order()
+    try:
+        plan = slicegraph.slice_graph(problem, order)
+    except InfeasibleError:
+        return
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.objective >= dp.solve(problem).objective - 1e-9
+
+
+@pytest.mark.parametrize(("seed", "k", "cpu", "memory"), [(0, 3, False, None), (1, 3, True, None), (2, 3, True, 300),
+                                                     (3, 4, True, 200)])
+def test_pruned_slicing_is_exact(seed, k, cpu, memory):
+    """Scanning only starts with compute <= T loses nothing at or below T (module docstring)."""
+    problem = _layered(300, seed, k=k, cpu=cpu, memory=memory)
+    inst = slicegraph._prepare(problem)
+    order = slicegraph._kahn(inst, np.random.default_rng(seed).random(inst.n).tolist())
+    full = slicegraph._slice(inst, order)  # window bound grown from 0: no pruning
+    grown = slicegraph._slice(inst, order, guess=slicegraph.simple_lower_bound(problem))
+    at = slicegraph._slice(inst, order, bound=full.value)
+    below = slicegraph._slice(inst, order, bound=0.9 * full.value)
+    assert math.isfinite(full.value) and full.exact
+    assert grown.value == pytest.approx(full.value, rel=1e-12) and grown.exact
+    assert at.value == pytest.approx(full.value, rel=1e-12) and at.exact
+    assert not below.exact and below.value >= full.value * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_workloads_near_optimum(name, workloads_dir):
+    """Measured: 8 random orders and BRKGA 8x4 reach the published optimum on all 12 (worst 1.0002)."""
+    problem = read_dnn_partitioning(DNN / name)
+    optimum = PUBLISHED[name][0]
+    for plan in (slicegraph.solve(problem, random_orders=8), slicegraph.solve_brkga(problem, population=8, generations=4)):
+        assert optimum * (1 - 1e-4) <= plan.objective <= optimum * 1.001
+        assert plan.objective == costmodel.evaluate(problem, plan)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_brkga_never_worse_than_the_first_random_order(seed):
+    problem = _layered(400, seed, k=4, cpu=True)
+    first = slicegraph.solve(problem, seed=seed, random_orders=1)
+    plan = slicegraph.solve_brkga(problem, seed=seed, population=8, generations=3)
+    assert plan.objective <= first.objective
+    assert plan.meta["history"][0][2] == pytest.approx(first.objective)
+    values = [h[2] for h in plan.meta["history"]]
+    assert values == sorted(values, reverse=True) and plan.meta["generations"] == 3
+
+
+def test_search_is_deterministic():
+    problem = _layered(200, 0, k=3, cpu=True)
+    assert slicegraph.solve(problem, random_orders=4).stages == slicegraph.solve(problem, random_orders=4).stages
+    a, b = (slicegraph.solve_brkga(problem, population=6, generations=2) for _ in range(2))
+    assert a.stages == b.stages
+
+
+@pytest.mark.parametrize("method", ["solve", "solve_brkga"])
+def test_time_limit_is_honoured(method):
+    problem = _layered(3000, 1, k=8)
+    opts = {"random_orders": 10**6} if method == "solve" else {"population": 50, "generations": 10**4}
+    plan = getattr(slicegraph, method)(problem, time_limit=0.5, **opts)
+    assert plan.meta["timed_out"] and plan.seconds < 0.5 + 2.0  # the first order always completes
+    assert plan.objective == costmodel.evaluate(problem, plan)
+
+
+def test_interrupt_returns_the_best_plan_so_far(monkeypatch):
+    problem = _layered(100, 2, k=2)
+    calls, real = [0], slicegraph._slice
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(slicegraph, "_slice", interrupted)
+    plan = slicegraph.solve(problem, random_orders=10)
+    assert plan.meta["interrupted"] and plan.meta["orders"] == 2
+
+
+def test_infeasible_memory_raises_with_the_memory_that_fits():
+    g = OpGraph()
+    for i in range(5):
+        g.add_node(str(i), NodeRecord(str(i), param_bytes=1, times={"accel": 1.0}, transfer_time=0.5))
+        if i:
+            g.add_edge(str(i - 1), str(i))
+    problem = Problem(g, Cluster(tuple(Device(f"acc{i}", "meta", "accel", 2) for i in range(2))))
+    for solve in (slicegraph.solve, slicegraph.solve_brkga):
+        with pytest.raises(InfeasibleError, match="fits once every device has 3 bytes"):
+            solve(problem)
+    with pytest.raises(InfeasibleError):
+        slicegraph.slice_graph(problem, [str(i) for i in range(5)])
+
+
+def test_operator_no_device_can_run_raises():
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", times={"cpu": 1.0}))
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", None),)))
+    with pytest.raises(InfeasibleError, match=r"\['a'\].*cannot run on any device kind"):
+        slicegraph.solve(problem)
+
+
+def test_bad_arguments_raise():
+    problem = _layered(20, 0)
+    with pytest.raises(ValueError, match="every node"):
+        slicegraph.slice_graph(problem, ["0", "1"])
+    with pytest.raises(ValueError, match="elite"):
+        slicegraph.solve_brkga(problem, elite=0.6, mutants=0.5)
+
+
+def test_chain_has_one_order_and_matches_dp():
+    g = OpGraph()
+    for i, t in enumerate([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]):
+        g.add_node(str(i), NodeRecord(str(i), times={"accel": t, "cpu": 3 * t}, transfer_time=0.5))
+        if i:
+            g.add_edge(str(i - 1), str(i))
+    problem = Problem(g, Cluster((Device("a0", "meta", "accel"), Device("a1", "meta", "accel"), Device("c", "cpu", "cpu"))))
+    plan = slicegraph.slice_graph(problem, [str(i) for i in range(8)])
+    assert plan.objective == pytest.approx(dp.solve(problem).objective)
+    assert math.isfinite(plan.lower_bound) and plan.solver == "slicegraph"
