@@ -128,7 +128,7 @@ def test_stage_failure_names_the_stage(placed_models):
         placed(torch.randn(8, 5))  # wrong feature size
 
 
-def test_objective_other_than_throughput_is_refused():
+def test_unknown_objective_is_refused():
     model, inputs = build("mlp")
     with pytest.raises(ValueError, match="throughput"):
         torchplace.place(model, ["cpu:0"], inputs, objective="speed", progress=False)
@@ -147,3 +147,56 @@ def test_placed_decorator_places_on_first_call():
         _assert_bitwise(y, gather([net.module(c) for c in x.tensor_split(2)]))
     assert len(net.plan.stages) >= 1
     assert Placed.__wrapped__ is MLP
+
+
+# -- latency mode and non-contiguous splits --------------------------------------------------------
+@pytest.mark.parametrize("name", ["inception", "resnet", "transformer", "bert"])
+def test_latency_placement_gives_the_original_outputs(name):
+    model, inputs = build(name, batch=2)
+    placed = torchplace.place(model, DEVICES[2], inputs, objective="latency", time_limit=5,
+                              progress=False, repeats=2, warmup=1)
+    plan, problem = placed.plan, placed.problem
+    assert problem.objective == "latency" and placed.microbatches == 1
+    assert plan.objective == torchplace.costmodel.evaluate(problem, plan)
+    assert 0 < plan.lower_bound <= plan.objective
+    assert set(plan.meta["auto"]) >= {"m-sct", "m-etf"}
+    with torch.no_grad():
+        _assert_bitwise(placed(*inputs), model(*inputs))
+    assert {s.worker for s in placed._executor.last_spans} <= set(DEVICES[2])
+
+
+def test_latency_placement_runs_branches_on_both_devices():
+    model, inputs = build("inception", batch=2)
+    placed = torchplace.place(model, DEVICES[2], inputs, objective="latency", solver="m-etf",
+                              progress=False, repeats=2, warmup=1)
+    assert {s.device for s in placed.plan.stages} == set(DEVICES[2])
+    with torch.no_grad():
+        _assert_bitwise(placed(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_noncontiguous_placement_gives_the_original_outputs(name):
+    model, inputs = build(name, batch=4)
+    placed = torchplace.place(model, DEVICES[2], inputs, contiguous=False, solver="ip", time_limit=10,
+                              microbatches=2, progress=False, repeats=2, warmup=1)
+    assert not placed.problem.contiguous and placed.plan.solver == "maxload-ip"
+    placed.plan.validate(placed.problem)
+    with torch.no_grad():
+        _assert_bitwise(placed(*inputs), gather([model(*a, **k) for a, k in scatter(inputs, {}, 2)]))
+
+
+def test_fused_placement_expands_to_every_operator_and_gives_the_original_outputs():
+    model, inputs = build("transformer", batch=4)
+    placed = torchplace.place(model, DEVICES[3], inputs, fuse=True, microbatches=1, progress=False,
+                              repeats=2, warmup=1)
+    assert placed.plan.solver.endswith("+coarsen")
+    assert sum(len(s.nodes) for s in placed.plan.stages) == len(placed.problem.graph)
+    with torch.no_grad():
+        _assert_bitwise(placed(*inputs), model(*inputs))
+
+
+def test_latency_placement_that_does_not_fit_raises_infeasible():
+    model, inputs = build("mlp")
+    with pytest.raises(InfeasibleError):
+        torchplace.place(model, DEVICES[2], inputs, objective="latency", max_memory={"cpu:0": 1, "cpu:1": 1},
+                         progress=False, repeats=1, warmup=0)
