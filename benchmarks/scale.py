@@ -24,7 +24,7 @@ from torchplace.errors import TooManyIdealsError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers import SOLVERS, slicegraph
+from torchplace.solvers import SOLVERS, brkga, slicegraph
 
 DPL_MAX_NODES = 5000  # DPL's pair matrices grow as n^2 (3.2 GB of floats at 20k nodes)
 
@@ -56,7 +56,7 @@ def cluster(k: int, cpu: bool) -> Cluster:
 def methods(args: argparse.Namespace) -> dict[str, Callable[[Problem], Plan]]:
     return {
         "slicegraph (1 order)": lambda p: slicegraph.solve(p, random_orders=1, seed=args.seed),
-        f"brkga ({args.population}x{args.generations}, <= {args.brkga_seconds:g} s)": lambda p: slicegraph.solve_brkga(
+        f"brkga ({args.population}x{args.generations}, <= {args.brkga_seconds:g} s)": lambda p: brkga.solve(
             p, seed=args.seed, population=args.population, generations=args.generations,
             time_limit=args.brkga_seconds),
         "dpl": SOLVERS["dpl"],

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchplace import costmodel
-from torchplace.devices import Cluster, Device, Link, load_cluster
+from torchplace.clusterfile import load_cluster
+from torchplace.devices import Cluster, Device, Link
 from torchplace.errors import WorkloadFormatError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Stage

@@ -16,7 +16,7 @@ from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
-from torchplace.solvers import dp, slicegraph
+from torchplace.solvers import brkga, dp, slicegraph
 from torchplace.solvers.contract import contract
 from torchplace.workloads import read_dnn_partitioning
 
@@ -140,7 +140,7 @@ def test_published_workloads_near_optimum(name, workloads_dir):
     """Measured: 8 random orders and BRKGA 8x4 reach the published optimum on all 12 (worst 1.0002)."""
     problem = read_dnn_partitioning(DNN / name)
     optimum = PUBLISHED[name][0]
-    for plan in (slicegraph.solve(problem, random_orders=8), slicegraph.solve_brkga(problem, population=8, generations=4)):
+    for plan in (slicegraph.solve(problem, random_orders=8), brkga.solve(problem, population=8, generations=4)):
         assert optimum * (1 - 1e-4) <= plan.objective <= optimum * 1.001
         assert plan.objective == costmodel.evaluate(problem, plan)
 
@@ -149,7 +149,7 @@ def test_published_workloads_near_optimum(name, workloads_dir):
 def test_brkga_never_worse_than_the_first_random_order(seed):
     problem = _layered(400, seed, k=4, cpu=True)
     first = slicegraph.solve(problem, seed=seed, random_orders=1)
-    plan = slicegraph.solve_brkga(problem, seed=seed, population=8, generations=3)
+    plan = brkga.solve(problem, seed=seed, population=8, generations=3)
     assert plan.objective <= first.objective
     assert plan.meta["history"][0][2] == pytest.approx(first.objective)
     values = [h[2] for h in plan.meta["history"]]
@@ -159,15 +159,15 @@ def test_brkga_never_worse_than_the_first_random_order(seed):
 def test_search_is_deterministic():
     problem = _layered(200, 0, k=3, cpu=True)
     assert slicegraph.solve(problem, random_orders=4).stages == slicegraph.solve(problem, random_orders=4).stages
-    a, b = (slicegraph.solve_brkga(problem, population=6, generations=2) for _ in range(2))
+    a, b = (brkga.solve(problem, population=6, generations=2) for _ in range(2))
     assert a.stages == b.stages
 
 
-@pytest.mark.parametrize("method", ["solve", "solve_brkga"])
+@pytest.mark.parametrize("method", ["slicegraph", "brkga"])
 def test_time_limit_is_honoured(method):
     problem = _layered(3000, 1, k=8)
-    opts = {"random_orders": 10**6} if method == "solve" else {"population": 50, "generations": 10**4}
-    plan = getattr(slicegraph, method)(problem, time_limit=0.5, **opts)
+    opts = {"random_orders": 10**6} if method == "slicegraph" else {"population": 50, "generations": 10**4}
+    plan = {"slicegraph": slicegraph.solve, "brkga": brkga.solve}[method](problem, time_limit=0.5, **opts)
     assert plan.meta["timed_out"] and plan.seconds < 0.5 + 2.0  # the first order always completes
     assert plan.objective == costmodel.evaluate(problem, plan)
 
@@ -194,7 +194,7 @@ def test_infeasible_memory_raises_with_the_memory_that_fits():
         if i:
             g.add_edge(str(i - 1), str(i))
     problem = Problem(g, Cluster(tuple(Device(f"acc{i}", "meta", "accel", 2) for i in range(2))))
-    for solve in (slicegraph.solve, slicegraph.solve_brkga):
+    for solve in (slicegraph.solve, brkga.solve):
         with pytest.raises(InfeasibleError, match="fits once every device has 3 bytes"):
             solve(problem)
     with pytest.raises(InfeasibleError):
@@ -214,7 +214,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="every node"):
         slicegraph.slice_graph(problem, ["0", "1"])
     with pytest.raises(ValueError, match="elite"):
-        slicegraph.solve_brkga(problem, elite=0.6, mutants=0.5)
+        brkga.solve(problem, elite=0.6, mutants=0.5)
 
 
 def test_chain_has_one_order_and_matches_dp():

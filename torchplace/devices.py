@@ -13,12 +13,11 @@ cluster's default ``bandwidth`` / ``latency``. With ``topology="graph"`` the ent
 direct links; any other pair communicates over the *widest path* of the link graph: the path whose
 slowest hop is fastest, since "the bandwidth of a multi-hop path depends on the minimum bandwidth
 on the path" (MOIRAI Sec. III-C), taking the sum of the hops' latencies (ties between equally wide
-paths go to the smallest total latency). A file format for clusters is read by
-:func:`load_cluster` and written by :meth:`Cluster.save`.
+paths go to the smallest total latency). Cluster files (JSON/YAML) are read and written by
+:mod:`torchplace.clusterfile` (:func:`~torchplace.clusterfile.load_cluster`, :meth:`Cluster.save`).
 """
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import re
@@ -30,15 +29,12 @@ from typing import Any, Literal
 import networkx as nx
 import psutil
 
-from torchplace.errors import WorkloadFormatError
-
 __all__ = [
     "Cluster",
     "Device",
     "Link",
     "Topology",
     "discover_devices",
-    "load_cluster",
     "make_cluster",
     "parse_bandwidth",
     "parse_memory",
@@ -285,47 +281,29 @@ class Cluster:
             return 0.0
         return self.link(src, dst).time(nbytes)
 
-    # -- cluster files -----------------------------------------------------------------------------
+    # -- cluster files: torchplace.clusterfile ----------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict in the cluster file format (see :func:`load_cluster`)."""
-        given = {**{p: Link(bw) for p, bw in self.pair_bandwidth.items()}, **self.links}
-        order = {n: i for i, n in enumerate(self.names)}
-        links: list[dict[str, Any]] = []
-        for (s, d), link in sorted(given.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]])):
-            mirrored = given.get((d, s)) == link
-            if mirrored and order[d] < order[s]:
-                continue  # written once, with bidirectional: true, from the first device's side
-            entry: dict[str, Any] = {"src": s, "dst": d}
-            entry.update({k: v for k, v in (("bandwidth", link.bandwidth), ("latency", link.latency)) if v is not None})
-            links.append({**entry, "bidirectional": mirrored})
-        return {
-            "format": _FORMAT,
-            "bandwidth": self.bandwidth,
-            "latency": self.latency,
-            "topology": self.topology,
-            "devices": [
-                {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes}
-                for d in self.devices
-            ],
-            "links": links,
-        }
+        """A JSON-able dict in the cluster file format (:func:`torchplace.clusterfile.cluster_to_json`)."""
+        from torchplace.clusterfile import cluster_to_json
+
+        return cluster_to_json(self)
 
     @classmethod
     def from_json(cls, data: Any, source: str = "cluster") -> Cluster:
-        """The cluster a cluster-file dict describes (see :func:`load_cluster`).
+        """The cluster a cluster-file dict describes (:func:`torchplace.clusterfile.cluster_from_json`).
 
         Raises:
             WorkloadFormatError: naming ``source`` and the malformed field.
         """
-        return _cluster_from_json(data, source)
+        from torchplace.clusterfile import cluster_from_json
+
+        return cluster_from_json(data, source)
 
     def save(self, path: str | Path) -> None:
-        """Write the cluster file (JSON; YAML for a ``.yaml``/``.yml`` path, needs PyYAML)."""
-        path = Path(path)
-        if path.suffix.lower() in (".yaml", ".yml"):
-            path.write_text(_yaml(path).safe_dump(self.to_json(), sort_keys=False))
-        else:
-            path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write the cluster file (:func:`torchplace.clusterfile.save_cluster`)."""
+        from torchplace.clusterfile import save_cluster
+
+        save_cluster(self, path)
 
 
 def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link]) -> dict[tuple[str, str], _Route]:
@@ -347,170 +325,6 @@ def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link])
                 if d != s and (s, d) not in routes:
                     routes[(s, d)] = _Route(Link(width, float(dist[d])), tuple(p), True)
     return routes
-
-
-# -- cluster files ---------------------------------------------------------------------------------
-_FORMAT = "torchplace.cluster/1"
-_TOP_KEYS = {"format", "description", "bandwidth", "latency", "topology", "devices", "links"}
-_DEVICE_KEYS = {"name", "kind", "torch_device", "memory", "description"}
-_LINK_KEYS = {"src", "dst", "bandwidth", "latency", "bidirectional", "description"}
-_REQUIRED = object()  # a _value default: the field must be present and not null
-
-
-def _fields(obj: Any, allowed: set[str], required: tuple[str, ...], where: str, source: str) -> dict[str, Any]:
-    """``obj`` as a dict, checked for unknown and missing keys."""
-    if not isinstance(obj, Mapping):
-        raise WorkloadFormatError(f"{source}: {where}: expected an object, got {obj!r}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise WorkloadFormatError(f"{source}: {where}: unknown field {unknown[0]!r} (fields: {sorted(allowed)})")
-    for key in required:
-        if key not in obj:
-            raise WorkloadFormatError(f"{source}: {where}: missing field {key!r}")
-    return dict(obj)
-
-
-def _value(parse: Any, obj: Mapping[str, Any], key: str, default: Any, where: str, source: str) -> Any:
-    """``parse(obj[key])`` (``default`` when absent or null), a parse error naming the field and file."""
-    if obj.get(key) is None and default is not _REQUIRED:
-        return default
-    try:
-        return parse(obj[key])
-    except (ValueError, TypeError) as e:
-        raise WorkloadFormatError(f"{source}: {where}.{key}: {e}") from None
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty string, got {value!r}")
-    return value
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _device_from_json(obj: Any, where: str, source: str) -> Device:
-    d = _fields(obj, _DEVICE_KEYS, ("name", "kind"), where, source)
-    return Device(
-        name=_value(_text, d, "name", _REQUIRED, where, source),
-        torch_device=_value(_text, d, "torch_device", "meta", where, source),
-        kind=_value(_text, d, "kind", _REQUIRED, where, source),
-        memory_bytes=_value(parse_memory, d, "memory", None, where, source),
-    )
-
-
-def _links_from_json(items: Any, names: set[str], source: str) -> dict[tuple[str, str], Link]:
-    if not isinstance(items, list):
-        raise WorkloadFormatError(f"{source}: links: expected a list of links, got {items!r}")
-    out: dict[tuple[str, str], Link] = {}
-    given_at: dict[tuple[str, str], int] = {}
-    for i, obj in enumerate(items):
-        where = f"links[{i}]"
-        e = _fields(obj, _LINK_KEYS, ("src", "dst"), where, source)
-        for end in ("src", "dst"):
-            if e[end] not in names:
-                raise WorkloadFormatError(f"{source}: {where}.{end}: {e[end]!r} is not a device; devices: {sorted(names)}")
-        if e["src"] == e["dst"]:
-            raise WorkloadFormatError(f"{source}: {where}: src and dst are both {e['src']!r}")
-        link = Link(_value(parse_bandwidth, e, "bandwidth", None, where, source),
-                    _value(parse_seconds, e, "latency", None, where, source))
-        pairs = [(e["src"], e["dst"])]
-        if _value(_flag, e, "bidirectional", True, where, source):
-            pairs.append((e["dst"], e["src"]))
-        for pair in pairs:
-            if pair in out:
-                raise WorkloadFormatError(
-                    f"{source}: {where}: link {pair[0]} -> {pair[1]} is already given by links[{given_at[pair]}] "
-                    f"(for different up- and downlinks give two links with bidirectional: false)"
-                )
-            out[pair], given_at[pair] = link, i
-    return out
-
-
-def _cluster_from_json(data: Any, source: str) -> Cluster:
-    top = _fields(data, _TOP_KEYS, ("devices",), "top level", source)
-    if top.get("format", _FORMAT) != _FORMAT:
-        raise WorkloadFormatError(f"{source}: format: {top['format']!r} is not {_FORMAT!r}")
-    if not isinstance(top["devices"], list) or not top["devices"]:
-        raise WorkloadFormatError(f"{source}: devices: expected a non-empty list of devices, got {top['devices']!r}")
-    devices = tuple(_device_from_json(obj, f"devices[{i}]", source) for i, obj in enumerate(top["devices"]))
-    names = [d.name for d in devices]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise WorkloadFormatError(f"{source}: devices: the name {dup!r} is used twice; names must be unique")
-    topology = top.get("topology", "mesh")
-    if topology not in ("mesh", "graph"):
-        raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {topology!r}")
-    links = _links_from_json(top.get("links", []), set(names), source)
-    try:
-        return Cluster(
-            devices,
-            bandwidth=_value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source),
-            latency=_value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source),
-            links=links,
-            topology=topology,
-        )
-    except ValueError as e:
-        raise WorkloadFormatError(f"{source}: links: {e}") from e
-
-
-def _yaml(path: Path) -> Any:
-    try:
-        import yaml
-    except ImportError:
-        raise WorkloadFormatError(
-            f"{path}: reading or writing YAML cluster files needs PyYAML (pip install pyyaml); "
-            f"or use a .json file"
-        ) from None
-    return yaml
-
-
-def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster file: JSON, or YAML (``.yaml``/``.yml``) when PyYAML is installed.
-
-    The file holds one object (``[]`` marks an optional field; any object may also carry a
-    ``"description"`` string; any other unknown field is an error, to catch typos)::
-
-        {"format": ["torchplace.cluster/1"],
-         "bandwidth": [bytes/s or "25GB/s"; default 12e9], "latency": [s or "5us"; default 1e-5],
-         "topology": ["mesh" (default) | "graph"],
-         "devices": [{"name": str, "kind": str, "torch_device": [str; default "meta"],
-                      "memory": [bytes or "16GiB"; null/absent = unlimited]}, ...],
-         "links": [[{"src": name, "dst": name, "bandwidth": [..; default: top level],
-                     "latency": [..; default: top level], "bidirectional": [bool; default true]}, ...]]}
-
-    Links are directed; ``bidirectional: true`` also sets ``dst -> src`` to the same values, and
-    a directed pair given twice is an error (give up- and downlink as two one-way links). The
-    topologies are described in the module docstring.
-
-    Example:
-        >>> cluster = load_cluster("examples/clusters/edge-devices.json")  # doctest: +SKIP
-        >>> cluster.path("camera-pi", "edge-server")  # doctest: +SKIP
-        ('camera-pi', 'jetson-nano', 'jetson-orin', 'edge-server')
-
-    Raises:
-        WorkloadFormatError: naming the file and the field that is missing or malformed.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise WorkloadFormatError(f"cannot read cluster file {path}: {e}") from e
-    if path.suffix.lower() in (".yaml", ".yml"):
-        yaml = _yaml(path)
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise WorkloadFormatError(f"{path}: not valid YAML: {e}") from e
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise WorkloadFormatError(f"{path}: not valid JSON: {e}") from e
-    return Cluster.from_json(data, source=str(path))
 
 
 def _cuda_count() -> int:

@@ -44,7 +44,7 @@ METHODS: dict[str, Method] = {
                   "DP over one DFS linearization (Tarnawski 5.1.2)"),
     "slicegraph": Method("torchplace.solvers.slicegraph:solve", "throughput",
                          "SliceGraph over random topological orders (Archer 4)"),
-    "brkga": Method("torchplace.solvers.slicegraph:solve_brkga", "throughput",
+    "brkga": Method("torchplace.solvers.brkga:solve", "throughput",
                     "BRKGA search over orders, decoded by SliceGraph (Archer C.1)"),
     "ip": Method("torchplace.solvers.milp.maxload:solve", "throughput",
                  "max-load MILP, contiguous or not (Tarnawski App. C)"),

@@ -34,7 +34,7 @@ from torchplace.solvers.contract import Contraction, contract
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.ordering import order_stages
 
-__all__ = ["DeviceClass", "device_classes", "solve", "solve_linearized"]
+__all__ = ["DeviceClass", "device_classes", "pieces_to_stages", "solve", "solve_linearized"]
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,13 @@ def _backtrack(pc: _PairCosts, dp: dict[tuple[int, ...], np.ndarray], counts: Se
     return pieces[::-1]
 
 
-def _pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) -> list[Stage]:
+def pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) -> list[Stage]:
+    """Stages from pieces ``(class index, supernode indices)``, first to last.
+
+    Each piece takes the next unused device of its class and becomes a forward stage and, for
+    training graphs, a backward stage (the supernodes' backward siblings, Tarnawski App. E.1).
+    Stage order is not yet the execution order: pass the result to ``order_stages``.
+    """
     used = [0] * len(classes)
     stages: list[Stage] = []
     for c, supers in pieces:
@@ -286,7 +292,7 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     best = float(dp[tuple(counts)][-1])
     if math.isinf(best):
         raise _infeasible(problem, con, ideals, classes, counts)
-    stages = order_stages(problem.graph, _pieces_to_stages(con, classes, _backtrack(pc, dp, counts)))
+    stages = order_stages(problem.graph, pieces_to_stages(con, classes, _backtrack(pc, dp, counts)))
     plan = Plan.build(
         problem, stages, solver="dpl" if linearize else "dp", seconds=time.perf_counter() - t0,
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",

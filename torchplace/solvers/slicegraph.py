@@ -1,4 +1,4 @@
-"""SliceGraph and BRKGA: optimal slicing of topological orders, and a search over orders.
+"""SliceGraph: optimal slicing of topological orders, and a random search over orders.
 
 Archer et al. 2024 (papers/archer2024-pipeline-bounds.txt), Sec. 4: a segmentation of a
 topological order into consecutive blocks is a contiguous split whose blocks run as a chain of
@@ -26,10 +26,11 @@ difference, which is monotone in the start. With a bound ``T`` only starts whose
 ``T`` are scanned; every value ``<= T`` is then still exact (its witnessing split only uses such
 segments), so the order's optimum is exact whenever it is ``<= T``. The first order starts with
 ``T`` = the simple lower bound, doubles it while no split is found, and repeats once with ``T`` =
-the value found (now exact); later orders use the best objective so far (BRKGA: the elite
-threshold) and are abandoned cheaply when they cannot beat it. Per row the costs of all window
-starts are one numpy expression per class and the max/min over starts one expression over all
-states: O(n * window) segment costs per class, O(n^2) at worst (no pruning), never more.
+the value found (now exact); later orders use the best objective so far (BRKGA,
+:mod:`torchplace.solvers.brkga`: the elite threshold) and are abandoned cheaply when they cannot
+beat it. Per row the costs of all window starts are one numpy expression per class and the
+max/min over starts one expression over all states: O(n * window) segment costs per class,
+O(n^2) at worst (no pruning), never more.
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, contract
-from torchplace.solvers.dp import DeviceClass, _pieces_to_stages, device_classes
+from torchplace.solvers.dp import DeviceClass, device_classes, pieces_to_stages
 from torchplace.solvers.ordering import order_stages
 
-__all__ = ["slice_graph", "solve", "solve_brkga"]
+__all__ = ["Search", "progress_bar", "slice_graph", "solve"]
 
 _TOL = 1e-9
 
@@ -318,11 +319,20 @@ def _slice(inst: _Instance, order: np.ndarray, *, bound: float = math.inf, guess
 # -- searching over orders (Sec. 4.2, App. C.1) ---------------------------------------------------
 
 
-class _Search:
+class Search:
     """Slices orders one by one and keeps the best split; stops at the deadline.
 
     The first order is always sliced completely (a plan is needed); later ones are abandoned when
-    the deadline passes (``timed_out``). Orders already seen are answered from a cache.
+    the deadline passes (``timed_out``). Orders already seen are answered from a cache. Searches
+    over orders (:func:`solve`, :func:`torchplace.solvers.brkga.solve`) propose orders with
+    :meth:`order`, score them with :meth:`evaluate`, and finish with :meth:`plan`.
+
+    Args:
+        problem: a throughput problem.
+        time_limit: seconds from construction (preparation included); ``None`` for no limit.
+
+    Raises:
+        ValueError: for a latency problem or negative node times.
     """
 
     def __init__(self, problem: Problem, time_limit: float | None):
@@ -336,6 +346,15 @@ class _Search:
         self.evaluated, self.timed_out = 0, False
         self.history: list[list[float]] = []  # [orders sliced, seconds, objective] at each improvement
         self.cache: dict[bytes, float] = {}
+
+    @property
+    def n(self) -> int:
+        """Supernodes of the contracted graph: the length of an order (and of a priority vector)."""
+        return self.inst.n
+
+    def order(self, priority: Sequence[float]) -> np.ndarray:
+        """The supernode order of Kahn's algorithm taking the ready supernode of highest ``priority``."""
+        return _kahn(self.inst, priority)
 
     def evaluate(self, order: np.ndarray, bound: float = math.inf) -> float:
         """Objective of the best split of ``order`` (an upper bound on it when it exceeds ``bound``)."""
@@ -361,9 +380,16 @@ class _Search:
         return res.value
 
     def plan(self, solver: str, interrupted: bool, meta: dict[str, Any]) -> Plan:
+        """The best split found as a Plan (status ``"feasible"``, the simple lower bound).
+
+        ``meta`` adds to the search's own (``orders``, ``history``, ``interrupted``, ``timed_out``).
+
+        Raises:
+            InfeasibleError: if no evaluated order has a split that fits (what would make one fit).
+        """
         if self.best_pieces is None:
             raise _infeasible(self.problem, self.inst, self.first_order, self.evaluated)
-        stages = order_stages(self.problem.graph, _pieces_to_stages(self.inst.con, self.inst.classes, self.best_pieces))
+        stages = order_stages(self.problem.graph, pieces_to_stages(self.inst.con, self.inst.classes, self.best_pieces))
         seconds = time.monotonic() - self.t0
         plan = Plan.build(
             self.problem, stages, solver=solver, seconds=seconds, lower_bound=simple_lower_bound(self.problem),
@@ -378,6 +404,7 @@ class _Search:
         return plan
 
     def done(self) -> bool:
+        """Whether the search should stop: the deadline has passed (or an order was cut off by it)."""
         return self.timed_out or (self.deadline is not None and time.monotonic() > self.deadline)
 
 
@@ -406,7 +433,8 @@ def _infeasible(problem: Problem, inst: _Instance, order: np.ndarray | None, sea
     )
 
 
-def _progress(progress: bool | None, total: int, desc: str) -> tqdm:
+def progress_bar(progress: bool | None, total: int, desc: str) -> tqdm:
+    """A tqdm bar counting orders; ``progress=None`` shows it when stderr is a terminal."""
     disable = not sys.stderr.isatty() if progress is None else not progress
     return tqdm(total=total, desc=desc, unit="order", disable=disable, leave=False)
 
@@ -427,7 +455,7 @@ def slice_graph(problem: Problem, order: Sequence[str]) -> Plan:
     Raises:
         InfeasibleError: if no segmentation fits (memory, devices that can run the operators).
     """
-    search = _Search(problem, None)
+    search = Search(problem, None)
     inst = search.inst
     search.evaluate(_supernode_order(problem, inst, order))
     return search.plan("slicegraph", False, {})
@@ -456,7 +484,7 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
     Raises:
         InfeasibleError: if no searched order has a split that fits.
     """
-    search = _Search(problem, time_limit)
+    search = Search(problem, time_limit)
     inst = search.inst
     given = [list(o) for o in orders]
     rng = np.random.default_rng(seed)
@@ -468,7 +496,7 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
             yield _kahn(inst, rng.random(inst.n).tolist())
 
     interrupted = False
-    with _progress(progress, len(given) + random_orders, "slicegraph") as bar:
+    with progress_bar(progress, len(given) + random_orders, "slicegraph") as bar:
         try:
             for order in candidates():
                 search.evaluate(order)
@@ -481,87 +509,3 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
                 raise
             interrupted = True
     return search.plan("slicegraph", interrupted, {"seed": seed})
-
-
-def _count(x: float, population: int, name: str) -> int:
-    if not 0 < x < 1:
-        raise ValueError(f"{name} is a fraction of the population in (0, 1), got {x!r}")
-    return max(1, round(x * population))
-
-
-def solve_brkga(problem: Problem, *, seed: int = 0, population: int = 20, generations: int = 20,
-                elite: float = 0.2, mutants: float = 0.15, rho: float = 0.7, time_limit: float | None = None,
-                progress: bool | None = None) -> Plan:
-    """BRKGA over node priorities decoded by Kahn + SliceGraph (Archer Sec. 4.2, Algorithm 2, App. C.1).
-
-    Each generation keeps the elite chromosomes, adds random mutants, and fills the rest with
-    offspring of one elite and one non-elite parent, each key taken from the elite parent with
-    probability ``rho``. The first chromosome is the first random order of :func:`solve` with the
-    same seed, so the result is never worse than that order's.
-
-    Args:
-        problem: a throughput problem.
-        seed: seeds ``numpy.random.default_rng``.
-        population, generations: chromosomes per generation, generations after the first.
-        elite, mutants: fractions of the population (at least one chromosome each).
-        rho: probability of inheriting a key from the elite parent.
-        time_limit: seconds; the first chromosome is always decoded.
-        progress: show a tqdm bar (default: when stderr is a terminal).
-
-    Returns:
-        A Plan (status ``"feasible"``, simple lower bound); ``meta`` as :func:`solve`, plus
-        ``generations`` completed.
-
-    Raises:
-        InfeasibleError: if no decoded order has a split that fits.
-        ValueError: for fractions that leave no room for offspring.
-    """
-    n_elite, n_mut = _count(elite, population, "elite"), _count(mutants, population, "mutants")
-    if n_elite + n_mut >= population or not 0 <= rho <= 1:
-        raise ValueError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "
-                         f"{population}, rho={rho}")
-    search = _Search(problem, time_limit)
-    inst = search.inst
-    rng = np.random.default_rng(seed)
-    keys = rng.random((population, inst.n))
-    fitness = np.full(population, math.inf)
-    done, interrupted = 0, False
-    with _progress(progress, population * (generations + 1), "brkga") as bar:
-        try:
-            for gen in range(generations + 1):
-                if gen:
-                    keys, fitness = _next_generation(rng, keys, fitness, n_elite, n_mut, rho)
-                for r in range(n_elite if gen else 0, population):
-                    threshold = np.partition(fitness, n_elite - 1)[n_elite - 1]  # an elite's worst
-                    fitness[r] = search.evaluate(_kahn(inst, keys[r].tolist()), bound=threshold)
-                    bar.update()
-                    if search.done():
-                        break
-                else:
-                    done = gen
-                    continue
-                break
-        except KeyboardInterrupt:
-            if search.best_pieces is None:
-                raise
-            interrupted = True
-    meta = {"seed": seed, "generations": done, "population": population, "elite": n_elite, "mutants": n_mut, "rho": rho}
-    return search.plan("brkga", interrupted, meta)
-
-
-def _next_generation(rng: np.random.Generator, keys: np.ndarray, fitness: np.ndarray, n_elite: int, n_mut: int,
-                     rho: float) -> tuple[np.ndarray, np.ndarray]:
-    """Elites kept (with their fitness), then mutants, then biased crossover offspring (unevaluated)."""
-    rank = np.argsort(fitness, kind="stable")
-    elite, rest = rank[:n_elite], rank[n_elite:]
-    pop, n = keys.shape
-    new = np.empty_like(keys)
-    new[:n_elite] = keys[elite]
-    new[n_elite:n_elite + n_mut] = rng.random((n_mut, n))
-    n_off = pop - n_elite - n_mut
-    mothers, fathers = rng.choice(elite, n_off), rng.choice(rest, n_off)
-    take = rng.random((n_off, n)) < rho
-    new[n_elite + n_mut:] = np.where(take, keys[mothers], keys[fathers])
-    new_fitness = np.full(pop, math.inf)
-    new_fitness[:n_elite] = fitness[elite]
-    return new, new_fitness
