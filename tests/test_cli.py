@@ -51,3 +51,18 @@ def test_python_dash_m(workloads_dir):
     r = subprocess.run([sys.executable, "-m", "torchplace", "solve", BERT24, "--json"], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["objective"] == pytest.approx(17.7899, rel=1e-4)
+
+
+def test_moirai_example_is_proven_optimal_from_the_command_line(capsys, workloads_dir):
+    csv = str(workloads_dir / "moirai" / "example-1__instances.csv")
+    assert main(["solve", csv, "--method", "moirai", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["objective"], out["lower_bound"], out["status"]) == (30.0, 30.0, "optimal")
+
+
+def test_methods_lists_every_solver(capsys):
+    from torchplace.solvers import METHODS
+
+    assert main(["methods"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert listed == {"auto", *METHODS}

@@ -79,3 +79,12 @@ def test_device_order_that_waits_on_itself_is_reported() -> None:
     p = _diamond()
     with pytest.raises(ValueError, match="deadlocks"):
         costmodel.simulate(p, [Stage("g0", ("d",)), Stage("g0", tuple("abc"))])
+
+
+def test_bounds_round_up_only_when_every_objective_is_an_integer() -> None:
+    from torchplace.solvers.bounds import integral_objective, round_up_bound
+
+    p = _diamond(link=2.0)
+    assert integral_objective(p) and round_up_bound(p, 29.9999991) == 30.0 and round_up_bound(p, 29.0000004) == 29.0
+    q = _diamond(link=0.5)
+    assert not integral_objective(q) and round_up_bound(q, 29.9999991) == 29.9999991

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from torchplace.problem import Problem
 
-__all__ = ["combinatorial_lower_bound", "latency_lower_bound", "simple_lower_bound"]
+__all__ = ["combinatorial_lower_bound", "integral_objective", "latency_lower_bound", "round_up_bound", "simple_lower_bound"]
 
 
 def simple_lower_bound(problem: Problem) -> float:
@@ -54,3 +54,39 @@ def latency_lower_bound(problem: Problem) -> float:
 def combinatorial_lower_bound(problem: Problem) -> float:
     """The combinatorial bound for ``problem``'s objective (max-load or latency)."""
     return latency_lower_bound(problem) if problem.objective == "latency" else simple_lower_bound(problem)
+
+
+def _integer(x: float) -> bool:
+    return math.isinf(x) or float(x).is_integer()
+
+
+def integral_objective(problem: Problem) -> bool:
+    """Whether every plan's objective is an integer: all the durations the cost model adds are.
+
+    Node times, per-side transfer times and per-pair link times must be integers (or ``inf``),
+    and no output may be priced by the cluster's links (a node with successors and output bytes
+    but neither ``transfer_time`` nor ``link_times``). Max-load is then a sum of integers, and the
+    simulated makespan a max of sums of integers.
+    """
+    g = problem.graph
+    for v, r in g.records():
+        if not all(_integer(t) for t in r.times.values()) or not all(_integer(t) for t in r.link_times.values()):
+            return False
+        if r.transfer_time is not None:
+            if not _integer(r.transfer_time):
+                return False
+        elif r.output_bytes > 0 and next(iter(g.successors(v)), None) is not None:
+            return False
+    return True
+
+
+def round_up_bound(problem: Problem, bound: float) -> float:
+    """``bound`` rounded up to an integer when every objective is an integer (:func:`integral_objective`).
+
+    A MILP's bound carries the solver's feasibility tolerance (29.9999991 for a proven 30); every
+    plan's objective is an integer at least ``bound``, hence at least ``ceil(bound - 1e-6)``. The
+    1e-6 keeps a bound that is itself an integer plus round-off from jumping to the next integer.
+    """
+    if math.isfinite(bound) and integral_objective(problem):
+        return float(math.ceil(bound - 1e-6))
+    return bound
