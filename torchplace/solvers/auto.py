@@ -24,6 +24,7 @@ from typing import Any
 from torchplace.errors import InfeasibleError, SolverLimitError, TooManyIdealsError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
+from torchplace.solvers.bounds import round_up_bound
 
 __all__ = ["DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
 
@@ -34,9 +35,12 @@ MILP_NODES = 60
 """Largest graph (nodes) on which ``auto`` tries a MILP: beyond it HiGHS rarely beats the heuristics."""
 
 
-def _best(plans: list[Plan], bounds: list[float], tried: dict[str, Any], t0: float) -> Plan:
+def _best(problem: Problem, plans: list[Plan], bounds: list[float], tried: dict[str, Any], t0: float) -> Plan:
     best = min(plans, key=lambda p: p.objective)
-    bound = min(max([best.lower_bound, *bounds]), best.objective)
+    bound = round_up_bound(problem, max([best.lower_bound, *bounds]))
+    if bound > best.objective * (1 + 1e-6) + 1e-12:
+        raise AssertionError(f"auto: bound {bound} exceeds the best plan's objective {best.objective}: {tried}")
+    bound = min(bound, best.objective)  # solver tolerance only
     status = best.status
     if bound >= best.objective * (1 - 1e-9) and status != "optimal":
         status = "optimal"  # a bound proved it, even if the plan's own solver could not
@@ -118,7 +122,7 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
             value = getattr(mip_bounds, name)(problem, time_limit=_remaining(deadline))
             tried[name] = value
             proven.append(value)
-    return _best(plans, proven, tried, t0)
+    return _best(problem, plans, proven, tried, t0)
 
 
 def _rebuild(problem: Problem, plan: Plan) -> Plan:
@@ -156,4 +160,4 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
                 raise
     if not plans:
         raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
-    return _best(plans, [b for b in proven if math.isfinite(b)], tried, t0)
+    return _best(problem, plans, [b for b in proven if math.isfinite(b)], tried, t0)
