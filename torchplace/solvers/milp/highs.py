@@ -45,6 +45,7 @@ def solve_model(
     time_limit: float | None = None,
     mip_gap: float = 1e-6,
     verbose: bool = False,
+    warm_start: bool = False,
 ) -> MilpResult:
     """Minimise ``model`` with HiGHS and load the incumbent into its variables.
 
@@ -53,6 +54,7 @@ def solve_model(
         time_limit: seconds HiGHS may run (``None``: no limit).
         mip_gap: relative gap at which the incumbent counts as optimal.
         verbose: stream HiGHS's log.
+        warm_start: start from the values already in the model's variables (an incumbent).
 
     Raises:
         InfeasibleError: if HiGHS proves the model infeasible.
@@ -64,6 +66,7 @@ def solve_model(
     solver.config.load_solution = False
     solver.config.mip_gap = mip_gap
     solver.config.stream_solver = verbose
+    solver.config.warmstart = warm_start
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
     t0 = time.perf_counter()

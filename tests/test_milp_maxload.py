@@ -1,0 +1,312 @@
+"""The max-load IP (Tarnawski App. C) and the MTPP MIP (Archer Sec. 3.1) against brute force and the DP."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import replace
+
+import pyomo.environ as pyo
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchplace import costmodel
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan, Stage, is_contiguous
+from torchplace.problem import Problem
+from torchplace.solvers import dp
+from torchplace.solvers.milp import maxload, mtpp
+from torchplace.workloads import read_dnn_partitioning
+
+from .conftest import DNN
+from .graphs import problems
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def brute_force(problem: Problem, *, contiguous: bool) -> float:
+    """Min max-load over every assignment that keeps colocation, support and memory; with
+    ``contiguous``, each device's forward part and backward part contiguous (Def. 3.1, Sec. 5.3)."""
+    g, devices = problem.graph, problem.cluster.devices
+    nodes = list(g)
+    best = math.inf
+    for choice in itertools.product(devices, repeat=len(nodes)):
+        assign = dict(zip(nodes, choice))
+        if any(math.isinf(problem.node_time(v, d)) for v, d in assign.items()):
+            continue
+        groups: dict[str, set[str]] = {}
+        for v, r in g.records():
+            if r.colocation is not None:
+                groups.setdefault(r.colocation, set()).add(assign[v].name)
+        if any(len(s) > 1 for s in groups.values()):
+            continue
+        held = {d.name: [v for v in nodes if assign[v] is d] for d in devices}
+        if any(d.memory_bytes is not None and costmodel.memory(problem, held[d.name]) > d.memory_bytes for d in devices):
+            continue
+        if contiguous and not all(
+            is_contiguous(g, part) for vs in held.values()
+            for part in ({v for v in vs if not g.record(v).backward}, {v for v in vs if g.record(v).backward}) if part
+        ):
+            continue
+        stages = [Stage(name, tuple(vs)) for name, vs in held.items() if vs]
+        best = min(best, costmodel.evaluate_stages(problem, stages)[0])
+    return best
+
+
+def _solve_or_inf(solver, problem, **opts) -> Plan | None:
+    try:
+        return solver(problem, **opts)
+    except InfeasibleError:
+        return None
+
+
+def _check(plan: Plan, problem: Problem) -> None:
+    """The plan validates and its objective is the cost model's and (proven optimal) the MILP's."""
+    plan.validate(problem)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.lower_bound <= plan.objective * (1 + 1e-9)
+    if plan.status == "optimal":
+        assert plan.objective == pytest.approx(plan.meta["milp_objective"], rel=1e-6, abs=1e-9)
+
+
+# -- max-load IP --------------------------------------------------------------------------------
+@FAST
+@given(problems(max_nodes=5))
+def test_contiguous_ip_matches_brute_force_and_is_at_most_dp(problem):
+    expected = brute_force(problem, contiguous=True)
+    plan = _solve_or_inf(maxload.solve, problem, contiguous=True)
+    if plan is None:
+        assert math.isinf(expected)
+        return
+    _check(plan, problem)
+    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    dp_plan = _solve_or_inf(dp.solve, problem)
+    assert dp_plan is None or plan.objective <= dp_plan.objective * (1 + 1e-6) + 1e-9
+
+
+@FAST
+@given(problems(max_nodes=5))
+def test_noncontiguous_ip_matches_brute_force(problem):
+    expected = brute_force(problem, contiguous=False)
+    plan = _solve_or_inf(maxload.solve, problem, contiguous=False)
+    if plan is None:
+        assert math.isinf(expected)
+        return
+    loose = replace(problem, contiguous=False)
+    _check(plan, loose)
+    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert plan.lower_bound == pytest.approx(plan.objective, rel=1e-6, abs=1e-9)  # the IP's proof
+
+
+@FAST
+@given(problems(max_nodes=7), st.sampled_from(["index", "load", "none"]))
+def test_noncontiguous_is_at_most_contiguous_under_every_symmetry_rule(problem, symmetry):
+    plans = [_solve_or_inf(maxload.solve, problem, contiguous=c, symmetry=symmetry) for c in (True, False)]
+    if plans[0] is None:
+        return
+    assert plans[1] is not None
+    assert plans[1].objective <= plans[0].objective * (1 + 1e-6) + 1e-9
+    assert plans[0].objective == pytest.approx(maxload.solve(problem, contiguous=True, symmetry="none").objective, rel=1e-6)
+
+
+def test_contiguous_ip_can_beat_the_dp():
+    """Two contiguous sets may feed each other (1 -> 4 and 2 -> 5); the DP's chains of ideals
+    cannot express that split, which the validator accepts as contiguous (Def. 3.1)."""
+    g = OpGraph()
+    for i, t in enumerate([1, 1, 1, 1, 1, 1]):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": t}, colocation="k" if i in (1, 3, 5) else None))
+    g.add_edge("1", "4")
+    g.add_edge("2", "5")
+    problem = Problem(g, Cluster((Device("cpu0", "cpu", "cpu"), Device("cpu1", "cpu", "cpu"))))
+    plan = maxload.solve(problem, contiguous=True)
+    _check(plan, problem)
+    assert plan.objective == 3.0
+    assert dp.solve(problem).objective == 4.0
+    assert mtpp.solve(problem).objective == 4.0
+    assert len(plan.stages) == 3  # one device holds two stages, the other sits between them
+
+
+def _training_problem() -> Problem:
+    """f0 -> f1 -> f2 -> loss -> b2 -> b1 -> b0 with (f_i, b_i) colocated, plus f_i -> b_i."""
+    g = OpGraph()
+    times = {"f0": 3, "f1": 1, "f2": 2, "loss": 1, "b2": 4, "b1": 2, "b0": 5}
+    for v, t in times.items():
+        color = v[1] if v != "loss" else None
+        g.add_node(v, NodeRecord(v, times={"accel": t, "cpu": 4 * t}, transfer_time=0.5, colocation=color,
+                                 backward=v.startswith("b"), param_bytes=1))
+    for u, v in [("f0", "f1"), ("f1", "f2"), ("f2", "loss"), ("loss", "b2"), ("b2", "b1"), ("b1", "b0"),
+                 ("f0", "b0"), ("f1", "b1"), ("f2", "b2")]:
+        g.add_edge(u, v)
+    devices = (Device("acc0", "meta", "accel", 4), Device("acc1", "meta", "accel", 4), Device("cpu0", "cpu", "cpu"))
+    return Problem(g, Cluster(devices), mode="training")
+
+
+def test_training_graph_contiguity_is_per_part():
+    problem = _training_problem()
+    plan = maxload.solve(problem, contiguous=True)
+    _check(plan, problem)
+    assert plan.objective == pytest.approx(brute_force(problem, contiguous=True))
+    assert plan.objective == pytest.approx(dp.solve(problem).objective)
+    loose = maxload.solve(problem, contiguous=False)
+    assert loose.objective == pytest.approx(brute_force(problem, contiguous=False))
+    assert all(not any(problem.graph.record(v).backward for v in s.nodes)
+               or all(problem.graph.record(v).backward for v in s.nodes) for s in loose.stages)
+
+
+@FAST
+@given(problems(max_nodes=7), st.randoms(use_true_random=False))
+def test_stages_from_any_assignment_run_in_order(problem, rng):
+    """Every assignment becomes stages whose order sends every edge forward (Sec. 5.2)."""
+    g, names = problem.graph, problem.cluster.names
+    assignment = {v: rng.choice(names) for v in g}
+    stages = maxload.stages_from_assignment(problem, assignment)
+    stage_of = {v: i for i, s in enumerate(stages) for v in s.nodes}
+    assert sorted(stage_of) == sorted(g)
+    assert all(stage_of[u] <= stage_of[v] for u, v in g.edges)
+    assert all(assignment[v] == s.device for s in stages for v in s.nodes)
+
+
+def test_stages_from_a_chain_split_are_one_per_device():
+    problem = _training_problem()
+    plan = dp.solve(problem)
+    stages = maxload.stages_from_assignment(problem, plan.assignment)
+    assert len(stages) == len(plan.stages)
+
+
+def _violated(m: pyo.ConcreteModel, tol: float = 1e-9) -> list[str]:
+    bad = []
+    for c in m.component_data_objects(pyo.Constraint, active=True):
+        body = pyo.value(c.body)
+        if (c.lower is not None and body < pyo.value(c.lower) - tol) or (c.upper is not None and body > pyo.value(c.upper) + tol):
+            bad.append(c.name)
+    return bad
+
+
+@FAST
+@given(problems(max_nodes=6), st.sampled_from(["index", "load", "none"]), st.booleans())
+def test_warm_start_values_are_feasible(problem, symmetry, contiguous):
+    """The MIP start from a DP plan satisfies every constraint (after relabelling devices)."""
+    dp_plan = _solve_or_inf(dp.solve, problem)
+    if dp_plan is None:
+        return
+    m = maxload.build(problem, contiguous=contiguous, symmetry=symmetry)
+    maxload.initialize(m, problem, dp_plan.assignment, symmetry)
+    assert _violated(m) == []
+    assert pyo.value(m.max_load) == pytest.approx(dp_plan.objective, rel=1e-9)
+    warm = maxload.solve(problem, contiguous=contiguous, symmetry=symmetry, warm_start=dp_plan)
+    assert warm.objective <= dp_plan.objective * (1 + 1e-6) + 1e-9
+
+
+def test_unit_that_fits_nowhere_is_infeasible():
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", times={"accel": 1.0}, param_bytes=10))
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 5), Device("cpu0", "cpu", "cpu"))))
+    with pytest.raises(InfeasibleError, match="raise max_memory to at least 10 bytes"):
+        maxload.solve(problem)
+
+
+def test_time_limit_holds_on_an_operator_graph(workloads_dir):
+    """BERT-6 operators non-contiguous (about a minute to prove optimal here): HiGHS stops at the limit
+    with a valid plan and a proven bound."""
+    problem = replace(read_dnn_partitioning(DNN / "OperatorGraphs/bert_l-6_inference.json"), contiguous=False)
+    t0 = time.perf_counter()
+    maxload.build(problem, contiguous=False)
+    build = time.perf_counter() - t0
+    assert build < 2.0
+    t0 = time.perf_counter()
+    plan = maxload.solve(problem, time_limit=3)
+    total = time.perf_counter() - t0
+    assert plan.status == "time_limit"
+    assert plan.meta["solve_seconds"] <= 3 + 1.5  # HiGHS checks its clock between nodes; a loaded machine adds more
+    assert total <= 3 + 1.5 + 2 * build + 1.0  # plus the build, extraction and validation
+    _check(plan, problem)
+    assert plan.lower_bound <= plan.objective
+
+
+def test_noncontiguous_ip_reproduces_table_1_on_bert3(workloads_dir):
+    """Tarnawski Table 1: the best non-contiguous split of BERT-3 inference is 21.91 (contiguous 27.92)."""
+    problem = read_dnn_partitioning(DNN / "OperatorGraphs/bert_l-3_inference.json")
+    plan = maxload.solve(problem, contiguous=False, time_limit=120)
+    _check(plan, replace(problem, contiguous=False))
+    assert plan.status == "optimal"
+    assert plan.objective == pytest.approx(21.91, abs=5e-3)
+    assert plan.lower_bound == pytest.approx(plan.objective, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "contiguous", "expected"), [
+    ("LayerGraphs/bert24_inference.json", True, 17.7899),  # the DP's optimum (Table 1)
+    ("OperatorGraphs/bert_l-3_training.json", False, 54.21),  # Table 1, non-contiguous
+    ("OperatorGraphs/bert_l-6_inference.json", False, 28.33),  # Table 1, non-contiguous
+])
+def test_ip_reproduces_published_optima(name, contiguous, expected, workloads_dir):
+    problem = read_dnn_partitioning(DNN / name)
+    plan = maxload.solve(problem, contiguous=contiguous, time_limit=600)
+    _check(plan, replace(problem, contiguous=contiguous))
+    assert plan.status == "optimal"
+    assert plan.objective == pytest.approx(expected, abs=5e-3)
+
+
+# -- MTPP MIP ------------------------------------------------------------------------------------
+@FAST
+@given(problems(max_nodes=7))
+def test_mtpp_equals_dp(problem):
+    """Acyclic-quotient splits are the DP's chains of ideals, on any mix of device classes."""
+    expected = _solve_or_inf(dp.solve, problem)
+    plan = _solve_or_inf(mtpp.solve, problem)
+    assert (expected is None) == (plan is None)
+    if plan is None:
+        return
+    _check(plan, problem)
+    assert plan.objective == pytest.approx(expected.objective, rel=1e-6, abs=1e-9)
+    assert len({s.device for s in plan.stages}) == len(plan.stages)
+
+
+def _homogeneous(n: int, rng: random.Random) -> Problem:
+    g = OpGraph()
+    for i in range(n):
+        g.add_node(str(i), NodeRecord(str(i), times={"accel": float(rng.randint(1, 6))},
+                                      transfer_time=float(rng.randint(0, 2)), param_bytes=1))
+    for u, v in itertools.combinations(range(n), 2):
+        if rng.random() < 0.4:
+            g.add_edge(str(u), str(v))
+    return Problem(g, Cluster(tuple(Device(f"acc{i}", "meta", "accel", n) for i in range(rng.randint(1, 3)))))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mtpp_is_at_least_noncontiguous_on_homogeneous_devices(seed):
+    problem = _homogeneous(6, random.Random(seed))
+    chain = mtpp.solve(problem)
+    assert chain.objective == pytest.approx(dp.solve(problem).objective, rel=1e-6)
+    assert maxload.solve(problem, contiguous=False).objective <= chain.objective * (1 + 1e-6)
+
+
+def test_noncontiguous_beats_mtpp_when_devices_feed_each_other():
+    """Archer's MTPP requires an acyclic quotient graph (Sec. 2.2); the non-contiguous optimum
+    need not have one (Tarnawski Fig. 1b), so it can be strictly better."""
+    g = OpGraph()
+    for v, t, c in [("0", 6, 0), ("1", 2, 2), ("2", 2, 0), ("3", 2, 2), ("4", 5, 0), ("5", 4, 2)]:
+        g.add_node(v, NodeRecord(v, times={"accel": float(t)}, transfer_time=float(c)))
+    for u, v in [("0", "1"), ("0", "3"), ("1", "4"), ("3", "4"), ("4", "5")]:
+        g.add_edge(u, v)
+    problem = Problem(g, Cluster(tuple(Device(f"acc{i}", "meta", "accel") for i in range(2))))
+    assert mtpp.solve(problem).objective == pytest.approx(13.0)
+    loose = maxload.solve(problem, contiguous=False)
+    assert loose.objective == pytest.approx(11.0) == brute_force(problem, contiguous=False)
+
+
+def test_mtpp_reproduces_the_published_layer_graph_optimum(workloads_dir):
+    problem = read_dnn_partitioning(DNN / "LayerGraphs/bert24_inference.json")
+    plan = mtpp.solve(problem)
+    _check(plan, problem)
+    assert plan.status == "optimal"
+    assert plan.objective == pytest.approx(17.7899, rel=1e-4)
+
+
+def test_mtpp_rejects_training_graphs():
+    with pytest.raises(ValueError, match="inference"):
+        mtpp.solve(_training_problem())

@@ -1,0 +1,433 @@
+"""The max-load integer program (Tarnawski et al. 2020, App. C, Fig. 7), contiguous or not.
+
+    min MaxLoad
+    s.t. sum_i x[u,i] = 1                                   every unit on one device      (15)
+         {v : x[v,i] = 1} contiguous (optional)             Lemma A.1, (11)-(13)          (16)
+         sum_u m_u x[u,i] <= M_i                            devices with a memory limit   (17)
+         CommIn[p,i]  >= x[w,i] - x[p,i]   (p -> w)         input tensor p enters i       (18)
+         CommOut[p,i] >= x[p,i] - x[w,i]   (p -> w)         output tensor p leaves i      (19)
+         MaxLoad >= sum_u t_u(i) x[u,i] + sum_p c_p (CommIn[p,i] + CommOut[p,i])  paying (20)
+         MaxLoad >= sum_u t_u(i) x[u,i]                     CPUs: no transfer cost        (21)
+
+The IP's value is exactly the cost model's (:mod:`torchplace.costmodel`): each producer ``p`` is
+paid at most once per side of a device however many consumers it has there, because ``CommIn`` and
+``CommOut`` are indexed by producer, not by edge (App. A, the text under Fig. 5).
+
+Generalisations of Fig. 7, each following the cost model:
+
+* devices of any kind: a device that pays transfers (``Device.pays_transfer``) gets (20), a CPU gets
+  (21); a memory limit is enforced on every device that has one, CPUs included (17);
+* a unit is a colocation group (or a single node): one ``x`` per unit and device, which is the
+  paper's ``x[u,i] = x[v,i]`` for colocated ``u, v`` (App. A, "Non-pipelined model-parallel
+  training") with the equalities substituted; a unit that cannot run on a device (no time for its
+  kind) or does not fit its memory has no ``x`` there (fixed to 0);
+* contiguity (16), when asked for, holds per device and separately for its forward and its backward
+  nodes (Sec. 5.3), as :func:`torchplace.plan.Plan.validate` checks. A path that starts at a
+  backward node stays backward, and one between forward nodes stays forward, so Lemma A.1 is applied
+  to the forward-induced and the backward-induced subgraph with one ``z`` per node and device.
+
+Symmetry (devices of one class, i.e. same kind, memory and transfer rule, are
+interchangeable, and branch-and-bound may explore every relabelling of a solution):
+
+* ``"none"`` (default): HiGHS detects the permutation symmetry of identical devices itself
+  (option ``mip_detect_symmetry``, on by default); on BERT-3/6 and BERT-24 the explicit rules
+  below made it slower.
+* ``"index"``: within a class ``d_1, ..., d_r``, a unit may go on ``d_j`` only if
+  ``d_{j-1}`` holds a unit of smaller index (units are in topological order):
+  ``x[u, d_j] <= F[u-1, d_{j-1}]`` with prefix sums ``F[u, d] = F[u-1, d] + x[u, d]``.
+  Valid: sort any solution's non-empty devices of the class by their smallest unit, empty ones last.
+* ``"load"``: ``Load[d_1] >= Load[d_2] >= ...``. Valid: sort the class's devices by load.
+
+Note on contiguity: (16) asks each device's set to be contiguous (Def. 3.1), which is weaker than
+the DP's chains of ideals (an acyclic quotient graph over devices): two contiguous sets may feed each
+other (``a -> b`` and ``b' -> a'`` with ``{a, a'}`` and ``{b, b'}`` on two devices). Such a split
+validates (a device may hold several stages), so the contiguous IP's optimum is at most the DP's and
+may be lower; :mod:`torchplace.solvers.milp.mtpp` is the exact MIP of the DP's search space.
+
+Non-contiguous plans: any assignment runs as a pipeline of stages (Sec. 5.2, "virtual devices"):
+:func:`stages_from_assignment` cuts each device's nodes into pieces whose stage order is acyclic.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import pyomo.environ as pyo
+
+from torchplace import costmodel
+from torchplace.errors import InfeasibleError, InvalidPlanError
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+from torchplace.solvers.bounds import simple_lower_bound
+from torchplace.solvers.dp import device_classes
+from torchplace.solvers.milp.highs import MilpResult, solve_model
+
+__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment"]
+
+SYMMETRY = ("none", "index", "load")
+
+
+@dataclass(frozen=True)
+class Units:
+    """What the IP assigns: colocation groups and single nodes, in topological order.
+
+    Attributes:
+        nodes: every node in the graph's topological order.
+        members: node ids of each unit; unit ``i`` starts before unit ``i + 1`` in ``nodes``.
+        of: node id -> unit index.
+        time: ``time[i][d]`` seconds of unit ``i`` on device index ``d`` (``inf``: cannot run).
+        memory: bytes of each unit (parameters plus working memory).
+        allowed: ``(unit, device index)`` pairs where the unit can run and fits alone.
+        fanout: producer node -> the other units reading its output, for producers whose transfer
+            costs time.
+    """
+
+    nodes: tuple[str, ...]
+    members: tuple[tuple[str, ...], ...]
+    of: Mapping[str, int]
+    time: tuple[tuple[float, ...], ...]
+    memory: tuple[int, ...]
+    allowed: frozenset[tuple[int, int]]
+    fanout: Mapping[str, tuple[int, ...]]
+
+    def x_or_zero(self, m: pyo.ConcreteModel, u: int, d: int) -> pyo.Var | int:
+        """``m.x[u, d]``, or 0 where the unit cannot go."""
+        return m.x[u, d] if (u, d) in self.allowed else 0
+
+
+def assignment_units(problem: Problem) -> Units:
+    """Group ``problem``'s nodes into :class:`Units` and tabulate their costs per device.
+
+    Raises:
+        InfeasibleError: if some unit can run on no device (no time for any present kind, or too
+            big for every device that could run it).
+    """
+    g, devices = problem.graph, problem.cluster.devices
+    nodes = tuple(g.topological_order())
+    first: dict[str, int] = {}
+    of: dict[str, int] = {}
+    groups: list[list[str]] = []
+    for v in nodes:
+        key = g.record(v).colocation
+        key = f"c:{key}" if key is not None else f"n:{v}"
+        if key not in first:
+            first[key] = len(groups)
+            groups.append([])
+        of[v] = first[key]
+        groups[first[key]].append(v)
+    times = tuple(tuple(math.fsum(problem.node_time(v, d) for v in grp) for d in devices) for grp in groups)
+    memory = tuple(sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in grp) for grp in groups)
+    allowed = frozenset(
+        (u, i) for u in range(len(groups)) for i, d in enumerate(devices)
+        if math.isfinite(times[u][i]) and (d.memory_bytes is None or memory[u] <= d.memory_bytes)
+    )
+    for u, grp in enumerate(groups):
+        if any((u, i) in allowed for i in range(len(devices))):
+            continue
+        if not any(math.isfinite(t) for t in times[u]):
+            raise InfeasibleError(
+                f"nodes {grp[:5]} (one colocation group) can run on none of the device kinds "
+                f"{sorted({d.kind for d in devices})}: add a device of a kind that can run them, e.g. 'cpu'")
+        raise InfeasibleError(
+            f"nodes {grp[:5]} (one colocation group) need {memory[u]} bytes, more than any device that can run "
+            f"them has: raise max_memory to at least {memory[u]} bytes", min_memory_bytes=memory[u])
+    fanout = {
+        p: tuple(sorted({of[w] for w in g.successors(p)} - {of[p]}))
+        for p in nodes if problem.transfer_time(p) > 0
+    }
+    fanout = {p: ws for p, ws in fanout.items() if ws}
+    return Units(nodes, tuple(tuple(grp) for grp in groups), of, times, memory, allowed, fanout)
+
+
+def row(expr: object, what: str) -> object:
+    """A constraint expression, or Feasible for one that no variable is left in; a constant
+    infeasible one raises InfeasibleError naming ``what``."""
+    if expr is True:
+        return pyo.Constraint.Feasible
+    if expr is False:
+        raise InfeasibleError(f"{what} cannot be met by any placement")
+    return expr
+
+
+def _device_loads(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
+    """``m.device_load[d]``: (20) for devices that pay transfers, (21) for the others."""
+    pays = [d.pays_transfer for d in problem.cluster.devices]
+
+    def load(m, d):
+        work = sum(units.time[u][d] * m.x[u, d] for u in m.U if (u, d) in units.allowed)
+        if not pays[d]:
+            return work
+        return work + sum(m.c[p] * (m.cin[p, d] + m.cout[p, d]) for p in m.P)
+
+    m.device_load = pyo.Expression(m.D, rule=load)
+
+
+def _contiguity(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
+    """Lemma A.1 (11)-(13) on the forward-induced and the backward-induced subgraph, per device."""
+    g = problem.graph
+    back = {v: g.record(v).backward for v in units.nodes}
+    if any(back[u] and not back[v] for u, v in g.edges):
+        raise InvalidPlanError("an edge goes from a backward node to a forward node; contiguity is undefined")
+    m.E = pyo.Set(dimen=2, initialize=sorted((u, v) for u, v in g.edges if back[u] == back[v]))
+    m.z = pyo.Var(m.V, m.D, bounds=(0, 1))  # some node of v's part on d is reachable from v
+    m.cont_above = pyo.Constraint(  # (11)
+        m.V, m.D, rule=lambda m, v, d: m.z[v, d] >= m.x[units.of[v], d] if (units.of[v], d) in units.allowed
+        else pyo.Constraint.Skip)
+    m.cont_down = pyo.Constraint(m.E, m.D, rule=lambda m, u, v, d: m.z[v, d] <= m.z[u, d])  # (12)
+    m.cont_leave = pyo.Constraint(  # (13): once the path has left d's set it cannot reach it again
+        m.E, m.D, rule=lambda m, u, v, d: m.z[v, d] <= units.x_or_zero(m, units.of[v], d) - m.x[units.of[u], d] + 1
+        if units.of[u] != units.of[v] and (units.of[u], d) in units.allowed else pyo.Constraint.Skip)
+
+
+def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -> None:
+    """Order interchangeable devices (see the module docstring)."""
+    index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
+    pairs = [
+        (index[a], index[b])
+        for c in device_classes(problem) for a, b in zip(c.devices, c.devices[1:])
+    ]
+    m.SYM = pyo.Set(dimen=2, initialize=pairs)  # (earlier, later) devices of one class
+    if rule == "load":
+        m.sym_load = pyo.Constraint(m.SYM, rule=lambda m, a, b: m.device_load[a] >= m.device_load[b])
+    elif rule == "index":
+        m.PRE = pyo.Set(initialize=sorted({a for a, _ in pairs}))
+        m.F = pyo.Var(m.U, m.PRE, bounds=(0, None))  # units up to u on device d
+        m.sym_prefix = pyo.Constraint(
+            m.U, m.PRE, rule=lambda m, u, d: m.F[u, d] == (m.F[u - 1, d] if u else 0) + units.x_or_zero(m, u, d))
+        m.sym_first = pyo.Constraint(
+            m.U, m.SYM, rule=lambda m, u, a, b: (m.x[u, b] <= (m.F[u - 1, a] if u else 0))
+            if (u, b) in units.allowed else pyo.Constraint.Skip)
+    elif rule != "none":
+        raise ValueError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
+
+
+def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "none") -> pyo.ConcreteModel:
+    """The max-load IP of Fig. 7 for ``problem`` (see the module docstring).
+
+    Args:
+        contiguous: add (16); ``None`` takes ``problem.contiguous``.
+        symmetry: ``"none"``, ``"index"`` or ``"load"`` (module docstring).
+
+    Raises:
+        InfeasibleError: if some unit fits on no device.
+    """
+    contiguous = problem.contiguous if contiguous is None else contiguous
+    units = assignment_units(problem)
+    devices = problem.cluster.devices
+    pays = [d for d, dev in enumerate(devices) if dev.pays_transfer]
+    m = pyo.ConcreteModel(name="max-load IP")
+    m.units = units
+    # Sets
+    m.U = pyo.Set(initialize=range(len(units.members)))  # units, topological
+    m.D = pyo.Set(initialize=range(len(devices)))  # devices, cluster order
+    m.V = pyo.Set(initialize=units.nodes)  # nodes
+    m.A = pyo.Set(dimen=2, initialize=sorted(units.allowed))  # (unit, device) that may be chosen
+    m.P = pyo.Set(initialize=list(units.fanout))  # producers whose transfer costs time
+    m.PD = pyo.Set(dimen=2, initialize=[(p, d) for p in units.fanout for d in pays])  # (producer, paying device)
+    m.IN = pyo.Set(dimen=3, initialize=[  # (p, consumer unit w, d): p may enter d because of w
+        (p, w, d) for p, ws in units.fanout.items() for w in ws for d in pays if (w, d) in units.allowed])
+    m.OUT = pyo.Set(dimen=3, initialize=[  # (p, w, d): p may leave d towards w
+        (p, w, d) for p, ws in units.fanout.items() for w in ws for d in pays if (units.of[p], d) in units.allowed])
+    m.MEM = pyo.Set(initialize=[d for d, dev in enumerate(devices) if dev.memory_bytes is not None])
+    # Params
+    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) for p in units.fanout})  # transfer seconds
+    m.cap = pyo.Param(m.MEM, initialize={d: devices[d].memory_bytes for d in m.MEM})  # bytes
+    # Vars
+    m.x = pyo.Var(m.A, domain=pyo.Binary)  # unit u on device d
+    m.cin = pyo.Var(m.PD, bounds=(0, 1))  # CommIn: p's output is read on d but made elsewhere
+    m.cout = pyo.Var(m.PD, bounds=(0, 1))  # CommOut: p's output is made on d and read elsewhere
+    m.max_load = pyo.Var(bounds=(0, None))  # MaxLoad
+    _device_loads(m, units, problem)
+    # Objective
+    m.obj = pyo.Objective(expr=m.max_load, sense=pyo.minimize)
+    # Constraints
+    m.assign = pyo.Constraint(m.U, rule=lambda m, u: sum(m.x[u, d] for d in m.D if (u, d) in units.allowed) == 1)
+    m.memory = pyo.Constraint(  # (17)
+        m.MEM, rule=lambda m, d: row(sum(units.memory[u] * m.x[u, d] for u in m.U if (u, d) in units.allowed) <= m.cap[d],
+                                     f"the memory of {devices[d].name}"))
+    m.comm_in = pyo.Constraint(  # (18)
+        m.IN, rule=lambda m, p, w, d: m.cin[p, d] >= m.x[w, d] - units.x_or_zero(m, units.of[p], d))
+    m.comm_out = pyo.Constraint(  # (19)
+        m.OUT, rule=lambda m, p, w, d: m.cout[p, d] >= m.x[units.of[p], d] - units.x_or_zero(m, w, d))
+    m.bottleneck = pyo.Constraint(m.D, rule=lambda m, d: m.max_load >= m.device_load[d])  # (20), (21)
+    if contiguous:
+        _contiguity(m, units, problem)
+    _symmetry(m, units, problem, symmetry)
+    return m
+
+
+def model_size(m: pyo.ConcreteModel) -> tuple[int, int]:
+    """(rows, columns) of a built model."""
+    rows = sum(1 for _ in m.component_data_objects(pyo.Constraint, active=True))
+    cols = sum(1 for _ in m.component_data_objects(pyo.Var))
+    return rows, cols
+
+
+def extract(m: pyo.ConcreteModel, problem: Problem) -> dict[str, str]:
+    """node id -> device name from the solved model's ``x``."""
+    units: Units = m.units
+    names = problem.cluster.names
+    device_of = {u: names[d] for u, d in m.A if pyo.value(m.x[u, d]) > 0.5}
+    return {v: device_of[units.of[v]] for v in units.nodes}
+
+
+def stages_from_assignment(problem: Problem, assignment: Mapping[str, str]) -> list[Stage]:
+    """Cut each device's nodes into stages whose order sends every edge forward (Sec. 5.2).
+
+    Forward and backward nodes go to separate stages. Repeatedly, for each (device, part) the
+    largest *ready* piece is its unplaced nodes whose unplaced ancestors are all in the piece
+    (found in one topological walk); a piece that is all of its (device, part) is taken first,
+    else the largest piece (ties: the earliest node). When the (device, part) sets have an acyclic
+    quotient graph (every contiguous split from the DP or :mod:`mtpp`) this gives one stage each;
+    otherwise a set is cut where it must wait for another device.
+    """
+    g = problem.graph
+    order = g.topological_order()
+    pos = {v: i for i, v in enumerate(order)}
+    remaining: dict[tuple[str, bool], list[str]] = {}
+    for v in order:
+        remaining.setdefault((assignment[v], g.record(v).backward), []).append(v)
+    placed: set[str] = set()
+    stages: list[Stage] = []
+    while remaining:
+        best: tuple[tuple[int, int], tuple[str, bool], list[str]] | None = None
+        for key, todo in remaining.items():
+            piece: set[str] = set()
+            for v in todo:
+                if all(u in placed or u in piece for u in g.predecessors(v)):
+                    piece.add(v)
+            if piece:
+                ready = [v for v in todo if v in piece]
+                rank = (int(len(ready) == len(todo)), len(ready))
+                if best is None or (rank, -pos[ready[0]]) > (best[0], -pos[best[2][0]]):
+                    best = (rank, key, ready)
+        assert best is not None, "the earliest unplaced node is always ready"
+        _, key, ready = best
+        stages.append(Stage(key[0], tuple(ready)))
+        placed.update(ready)
+        remaining[key] = [v for v in remaining[key] if v not in placed]
+        if not remaining[key]:
+            del remaining[key]
+    return stages
+
+
+def _bound_for_plan(result: MilpResult, objective: float) -> float:
+    """HiGHS's proven bound, clipped to the plan's objective when it exceeds it by rounding only."""
+    if result.bound > objective and result.bound <= objective * (1 + 1e-7) + 1e-9:
+        return objective  # integrality tolerance (x = 1 - 1e-9) shifts the bound by rounding only
+    return result.bound
+
+
+def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, str], symmetry: str) -> None:
+    """Set every variable of ``m`` to the values of ``assignment`` (a MIP start).
+
+    Devices of one class are relabelled to satisfy the symmetry rule first. Contiguity's ``z`` is
+    the proof's "some node of the set is reachable" (App. A, Lemma A.1, "only if").
+    """
+    units: Units = m.units
+    devices = problem.cluster.devices
+    index = {d.name: i for i, d in enumerate(devices)}
+    dev_of = {units.of[v]: index[assignment[v]] for v in units.nodes}
+    dev_of = _relabel(dev_of, problem, symmetry, units)
+    for (u, d) in m.A:
+        m.x[u, d].value = float(dev_of[u] == d)
+    for p, d in m.PD:
+        m.cin[p, d].value = float(any(dev_of[w] == d for w in units.fanout[p]) and dev_of[units.of[p]] != d)
+        m.cout[p, d].value = float(dev_of[units.of[p]] == d and any(dev_of[w] != d for w in units.fanout[p]))
+    if hasattr(m, "z"):
+        g = problem.graph
+        for v in reversed(units.nodes):
+            for d in m.D:
+                here = dev_of[units.of[v]] == d
+                m.z[v, d].value = float(here or any(m.z[w, d].value for w in g.successors(v)
+                                                    if g.record(w).backward == g.record(v).backward))
+    if hasattr(m, "F"):
+        for d in m.PRE:
+            total = 0.0
+            for u in m.U:
+                total += float(dev_of[u] == d)
+                m.F[u, d].value = total
+    m.max_load.value = max(pyo.value(m.device_load[d]) for d in m.D)
+
+
+def _relabel(dev_of: dict[int, int], problem: Problem, symmetry: str, units: Units) -> dict[int, int]:
+    """Permute the devices of each class so that ``dev_of`` meets the symmetry rule."""
+    devices = problem.cluster.devices
+    index = {d.name: i for i, d in enumerate(devices)}
+    held: dict[int, list[int]] = {}
+    for u in sorted(dev_of):
+        held.setdefault(dev_of[u], []).append(u)
+    mapping: dict[int, int] = {}
+    for c in device_classes(problem):
+        members = [index[n] for n in c.devices]
+        if symmetry == "index":
+            ranked = sorted(members, key=lambda d: (held[d][0] if d in held else math.inf, d))
+        elif symmetry == "load":
+            nodes = {d: {v for u in held.get(d, []) for v in units.members[u]} for d in members}
+            load = {d: costmodel.device_cost(problem, nodes[d], devices[d]).load for d in members}
+            ranked = sorted(members, key=lambda d: (-load[d], d))
+        else:
+            ranked = members
+        mapping.update(zip(ranked, members))
+    return {u: mapping[d] for u, d in dev_of.items()}
+
+
+def solve(
+    problem: Problem,
+    *,
+    contiguous: bool | None = None,
+    time_limit: float | None = None,
+    mip_gap: float = 1e-6,
+    warm_start: Plan | None = None,
+    symmetry: str = "none",
+) -> Plan:
+    """Minimum max-load placement by the IP of Fig. 7, solved by HiGHS.
+
+    Args:
+        problem: a throughput problem.
+        contiguous: each device's forward and backward nodes contiguous (``None``: the problem's
+            own setting). A non-contiguous plan is validated against
+            ``dataclasses.replace(problem, contiguous=False)``.
+        time_limit: seconds HiGHS may run; the model build is not counted.
+        mip_gap: relative gap at which HiGHS stops.
+        warm_start: a plan whose assignment HiGHS starts from as its first incumbent (see
+            :func:`initialize`).
+        symmetry: symmetry breaking among identical devices (module docstring).
+
+    Returns:
+        A Plan with status ``"optimal"`` or ``"time_limit"``. Its lower bound holds for every split,
+        contiguous or not: HiGHS's proven bound for a non-contiguous IP, the simple bound
+        (:func:`simple_lower_bound`) for a contiguous one (whose own proven bound, valid among
+        contiguous splits only, is ``meta["milp_bound"]``).
+
+    Raises:
+        InfeasibleError: if no placement satisfies memory, support and colocation (and contiguity).
+        SolverLimitError: if the time limit passed before HiGHS found any placement.
+    """
+    t0 = time.perf_counter()
+    contiguous = problem.contiguous if contiguous is None else contiguous
+    target = problem if problem.contiguous == contiguous else replace(problem, contiguous=contiguous)
+    m = build(target, contiguous=contiguous, symmetry=symmetry)
+    if warm_start is not None:
+        initialize(m, target, warm_start.assignment, symmetry)
+    build_seconds = time.perf_counter() - t0
+    kwargs = {"warm_start": warm_start is not None}
+    res = solve_model(m, name="max-load IP", time_limit=time_limit, mip_gap=mip_gap, **kwargs)
+    stages = stages_from_assignment(target, extract(m, target))
+    objective = costmodel.evaluate_stages(target, stages)[0]
+    bound = simple_lower_bound(target)
+    if not contiguous:
+        bound = max(bound, _bound_for_plan(res, objective))
+    rows, cols = model_size(m)
+    meta = {
+        "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols,
+        "build_seconds": build_seconds, "solve_seconds": res.seconds, "contiguous": contiguous,
+        "symmetry": symmetry,
+    }
+    plan = Plan.build(target, stages, solver="maxload-ip", seconds=time.perf_counter() - t0,
+                      lower_bound=bound, status=res.status, meta=meta)
+    if res.status == "optimal" and not math.isclose(objective, res.objective, rel_tol=max(mip_gap, 1e-6), abs_tol=1e-9):
+        raise AssertionError(f"max-load IP value {res.objective} differs from the cost model's {objective}")
+    return plan
