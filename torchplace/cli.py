@@ -102,6 +102,7 @@ def _add_solver_options(s: argparse.ArgumentParser, methods: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from torchplace.models import NAMES
     from torchplace.solvers import METHODS
 
     ap = argparse.ArgumentParser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
@@ -116,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="also save the plan as JSON here")
     s.set_defaults(func=_solve)
     p = sub.add_parser("plan", help="place a built-in example model and print the plan")
-    p.add_argument("model", choices=["mlp", "resnet", "transformer", "gpt2"])
+    p.add_argument("model", choices=list(NAMES))
     p.add_argument("--devices", nargs="+", default=["cpu:0", "cpu:1"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
