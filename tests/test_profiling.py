@@ -200,7 +200,7 @@ def test_bad_arguments() -> None:
         trace(model, inputs, method="jit")
     with pytest.raises(ValueError, match="unknown example model"):
         build("vgg")
-    assert set(NAMES) == {"mlp", "resnet", "transformer", "gpt2"}
+    assert set(NAMES) == {"mlp", "resnet", "inception", "transformer", "gpt2", "bert"}
 
 
 def test_trace_is_deterministic() -> None:
