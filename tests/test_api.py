@@ -200,3 +200,11 @@ def test_latency_placement_that_does_not_fit_raises_infeasible():
     with pytest.raises(InfeasibleError):
         torchplace.place(model, DEVICES[2], inputs, objective="latency", max_memory={"cpu:0": 1, "cpu:1": 1},
                          progress=False, repeats=1, warmup=0)
+
+
+def test_a_batch_of_one_is_placed_for_latency():
+    model, inputs = build("inception", batch=1)
+    placed = torchplace.place(model, DEVICES[2], inputs, objective="latency", solver="m-etf",
+                              progress=False, repeats=1, warmup=0)
+    with torch.no_grad():
+        _assert_bitwise(placed(*inputs), model(*inputs))

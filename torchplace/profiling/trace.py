@@ -110,13 +110,26 @@ def _batch_dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(pytree.tree_map(spec, x) for x in example_inputs)
 
 
+def _at_least_two(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Tensor inputs with a batch (dim 0) of one, repeated to two along dim 0; others unchanged."""
+
+    def widen(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == 1:
+            return torch.cat([leaf, leaf])
+        return leaf
+
+    return tuple(pytree.tree_map(widen, x) for x in example_inputs)
+
+
 def _export_capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     """``torch.export`` (non-strict, dynamic batch dim) then ``.module()``; failures as _CaptureFailure.
 
     Without a dynamic batch dimension the exported graph bakes the example batch size into its
-    reshapes and guards, and fails on every other batch size, micro-batches included.
+    reshapes and guards, and fails on every other batch size, micro-batches included. export
+    specializes a dimension of size 1, so a batch of one (single-stream latency) is exported as a
+    batch of two copies; the graph then runs on one sample as well.
     """
-    example_inputs = tuple(example_inputs)
+    example_inputs = _at_least_two(tuple(example_inputs))
     try:
         ep = torch.export.export(model, example_inputs, dynamic_shapes=_batch_dynamic_shapes(example_inputs), strict=False)
         return ep.module()
