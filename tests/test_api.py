@@ -208,3 +208,14 @@ def test_a_batch_of_one_is_placed_for_latency():
                               progress=False, repeats=1, warmup=0)
     with torch.no_grad():
         _assert_bitwise(placed(*inputs), model(*inputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_cuda_and_cpu_placement_gives_the_original_outputs(objective):
+    model, inputs = build("inception", batch=4)
+    placed = torchplace.place(model, ["cuda:0", "cpu"], inputs, objective=objective, microbatches=1,
+                              progress=False, repeats=2, warmup=1)
+    with torch.no_grad():
+        out, ref = placed(*inputs), model(*inputs)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)  # CUDA kernels round differently
