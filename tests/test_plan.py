@@ -74,6 +74,33 @@ def test_validate_rejects_non_contiguous_when_asked():
     plan.validate(Problem(g, cluster, contiguous=False))  # fine as non-contiguous
 
 
+def _crossing(contiguous: bool, backward: bool = False) -> Problem:
+    """Edges 1 -> 4 and 2 -> 5 on six nodes (all forward or all backward)."""
+    g = OpGraph()
+    for i in range(6):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": 1.0}, backward=backward))
+    g.add_edge("1", "4")
+    g.add_edge("2", "5")
+    cluster = Cluster((Device("cpu0", "cpu", "cpu"), Device("cpu1", "cpu", "cpu")))
+    return Problem(g, cluster, mode="training" if backward else "inference", contiguous=contiguous)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_validate_rejects_contiguous_pieces_that_feed_each_other(backward):
+    """A = {1, 5} and B = {2, 4} are each contiguous (Def. 3.1), but A -> B (1 -> 4) and
+    B -> A (2 -> 5): no order of the devices lets data only flow forward (Fact 5.2)."""
+    plan = Plan([Stage("cpu0", ("0", "1")), Stage("cpu1", ("2", "3", "4")), Stage("cpu0", ("5",))], 0.0, 0.0, "t", 0.0)
+    side = "backward" if backward else "forward"
+    with pytest.raises(InvalidPlanError, match=f"the {side} pieces feed each other in a cycle of devices cpu[01] -> cpu[01] -> cpu[01]"):
+        plan.validate(_crossing(contiguous=True, backward=backward))
+    plan.validate(_crossing(contiguous=False, backward=backward))
+
+
+def test_validate_accepts_an_ordered_contiguous_split():
+    plan = Plan([Stage("cpu0", ("0", "1", "2", "3")), Stage("cpu1", ("4", "5"))], 0.0, 0.0, "t", 0.0)
+    plan.validate(_crossing(contiguous=True))
+
+
 def test_solver_plan_round_trips_and_prints(tmp_path):
     p = _problem()
     plan = dp.solve(p)

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
+
 from torchplace import costmodel
 from torchplace.costmodel import StageCost
 from torchplace.errors import InvalidPlanError, WorkloadFormatError
@@ -128,7 +130,9 @@ class Plan:
     def validate(self, problem: Problem) -> None:
         """Reject a plan that misses or repeats a node, uses an unknown device, runs a node where it
         cannot run, breaks a memory limit or colocation, breaks contiguity when the problem asks for
-        it, or whose stage order is not a topological order of the stage graph.
+        it (see :func:`_check_contiguity`: one piece per device and side, the devices' pieces in an
+        order where data only flows forward), or whose stage order is not a topological order of
+        the stage graph.
 
         Raises:
             InvalidPlanError: naming the first broken constraint and the values involved.
@@ -272,7 +276,16 @@ def is_contiguous(g: Any, nodes: set[str]) -> bool:
 
 
 def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> None:
-    """Each device's forward part and backward part must be contiguous (Tarnawski Sec. 5.3)."""
+    """Contiguous means what the ideals DP searches (Tarnawski Sec. 5.1.1, Fact 5.2; Sec. 5.3 for
+    training): one piece of the forward graph per device and one of the backward graph, the pieces
+    in an order in which data only flows forward, i.e. prefix unions are ideals.
+
+    Two checks: each device's forward part and backward part is contiguous (Def. 3.1), and the
+    device quotient graph of forward -> forward edges, and that of backward -> backward edges, is
+    acyclic (Archer et al. 2024, Sec. 2.2). Per-device contiguity alone is weaker: with edges
+    ``1 -> 4`` and ``2 -> 5``, ``{1, 5}`` and ``{2, 4}`` are both contiguous yet feed each other.
+    (An acyclic quotient implies per-device contiguity; the first check names the device.)
+    """
     g = problem.graph
     for dev, nodes in per_device.items():
         for backward in (False, True):
@@ -280,6 +293,23 @@ def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> 
             if part and not is_contiguous(g, part):
                 side = "backward" if backward else "forward"
                 raise InvalidPlanError(f"the {side} nodes on {dev!r} are not contiguous (Tarnawski Def. 3.1)")
+    device_of = {v: dev for dev, nodes in per_device.items() for v in nodes}
+    for backward in (False, True):
+        quotient = nx.DiGraph(
+            (device_of[u], device_of[v]) for u, v in g.edges
+            if device_of[u] != device_of[v] and g.record(u).backward == backward == g.record(v).backward
+        )
+        try:
+            cycle = nx.find_cycle(quotient)
+        except nx.NetworkXNoCycle:
+            continue
+        side = "backward" if backward else "forward"
+        devs = " -> ".join([*(a for a, _ in cycle), cycle[0][0]])
+        raise InvalidPlanError(
+            f"the {side} pieces feed each other in a cycle of devices {devs}: a contiguous split needs an "
+            "order of the devices in which data only flows forward (Tarnawski Fact 5.2); "
+            "solve with contiguous=False to allow it"
+        )
 
 
 def _check_stage_order(stages: Sequence[Stage], g: Any) -> None:

@@ -24,7 +24,10 @@ class Problem:
             ``"latency"`` minimises the makespan of one sample.
         mode: ``"inference"`` or ``"training"`` (backward nodes present and colocated with their
             forward nodes).
-        contiguous: whether each device must hold one contiguous subgraph (Tarnawski Def. 3.1).
+        contiguous: whether each device must hold one contiguous piece (Tarnawski Def. 3.1) per
+            side (forward / backward), with the devices' pieces in an order in which data only
+            flows forward — the space of the ideals DP (Fact 5.2). ``False`` lets a device hold
+            several pieces (Sec. 5.2).
     """
 
     graph: OpGraph

@@ -2,7 +2,7 @@
 
     min MaxLoad
     s.t. sum_i x[u,i] = 1                                   every unit on one device      (15)
-         {v : x[v,i] = 1} contiguous (optional)             Lemma A.1, (11)-(13)          (16)
+         the devices' sets ordered contiguous (optional)    see below                    (16)
          sum_u m_u x[u,i] <= M_i                            devices with a memory limit   (17)
          CommIn[p,i]  >= x[w,i] - x[p,i]   (p -> w)         input tensor p enters i       (18)
          CommOut[p,i] >= x[p,i] - x[w,i]   (p -> w)         output tensor p leaves i      (19)
@@ -21,39 +21,64 @@ Generalisations of Fig. 7, each following the cost model:
   paper's ``x[u,i] = x[v,i]`` for colocated ``u, v`` (App. A, "Non-pipelined model-parallel
   training") with the equalities substituted; a unit that cannot run on a device (no time for its
   kind) or does not fit its memory has no ``x`` there (fixed to 0);
-* contiguity (16), when asked for, holds per device and separately for its forward and its backward
-  nodes (Sec. 5.3), as :func:`torchplace.plan.Plan.validate` checks. A path that starts at a
-  backward node stays backward, and one between forward nodes stays forward, so Lemma A.1 is applied
-  to the forward-induced and the backward-induced subgraph with one ``z`` per node and device.
+* contiguity (16), when asked for, means what the ideals DP searches (:mod:`torchplace.solvers.dp`,
+  Sec. 5.1.1, Fact 5.2; Sec. 5.3 for training) and :func:`torchplace.plan.Plan.validate` checks:
+  each device holds one contiguous piece of the forward graph (and one of the backward graph), and
+  the pieces can be ordered so that data only flows forward (prefix unions are ideals), i.e. the
+  device quotient graph of forward -> forward edges is acyclic, and so is that of backward ->
+  backward edges (Archer et al. 2024, Sec. 2.2, the acyclic quotient; their MTPP). Per-device
+  contiguity (Def. 3.1) alone is weaker: with ``1 -> 4`` and ``2 -> 5``, ``{1, 5}`` and ``{2, 4}``
+  are contiguous yet feed each other. The IP states it in two parts:
+
+  - Lemma A.1 (11)-(13) per device on the forward-induced and the backward-induced subgraph (a
+    path between forward nodes stays forward, one from a backward node stays backward), with
+    ``z[v,i]`` = "some node of v's side on ``i`` is reachable from ``v``";
+  - per side ``s`` a linear order of the devices, ``o[s,i,j]`` for ``i < j`` ("``i`` first"),
+    without 3-cycles (``o[i,j] + o[j,l] - o[i,l] <= 1``, ``o[i,l] - o[i,j] - o[j,l] <= 0``),
+    which every path follows: ``before(s,i,j) >= x[unit(v),i] + z[v,j] - 1`` for ``j != i``.
+
+  The order alone already implies (16) (a path leaving a set and coming back is a cycle of the
+  quotient); Lemma A.1's ``z`` makes the LP much tighter (BERT-3 operators: 2.4 s with it, 19 s
+  with the edge rule ``o[i,j] >= x[u,i] + x[v,j] - 1`` alone). The backward order is not implied
+  by the forward one and colocation: with ``f1 -> f2``, ``f3 -> f4``, ``b1 -> b2``, ``b4 -> b3``
+  and ``(f_i, b_i)`` colocated, ``{1, 3}`` and ``{2, 4}`` have a forward order but feed each other
+  backward; so each side has its own ``o``. Devices of one class are fixed in index order on the
+  first side (relabel them by pipeline position) when ``symmetry="none"``: without that, every
+  relabelling and every order of empty devices is a separate solution (BERT-24 layers: not
+  proven in 9 minutes, against 1.5 s).
 
 Symmetry (devices of one class, i.e. same kind, memory and transfer rule, are
 interchangeable, and branch-and-bound may explore every relabelling of a solution):
 
 * ``"none"`` (default): HiGHS detects the permutation symmetry of identical devices itself
   (option ``mip_detect_symmetry``, on by default); on BERT-3/6 and BERT-24 the explicit rules
-  below made it slower.
+  below made it slower. A contiguous model fixes each class's devices in pipeline order (above);
+  the rules below replace that fixing (BERT-24 layers, contiguous: ``"index"`` 73 s, ``"load"``
+  not proven in 120 s).
 * ``"index"``: within a class ``d_1, ..., d_r``, a unit may go on ``d_j`` only if
   ``d_{j-1}`` holds a unit of smaller index (units are in topological order):
   ``x[u, d_j] <= F[u-1, d_{j-1}]`` with prefix sums ``F[u, d] = F[u-1, d] + x[u, d]``.
   Valid: sort any solution's non-empty devices of the class by their smallest unit, empty ones last.
 * ``"load"``: ``Load[d_1] >= Load[d_2] >= ...``. Valid: sort the class's devices by load.
 
-Note on contiguity: (16) asks each device's set to be contiguous (Def. 3.1), which is weaker than
-the DP's chains of ideals (an acyclic quotient graph over devices): two contiguous sets may feed each
-other (``a -> b`` and ``b' -> a'`` with ``{a, a'}`` and ``{b, b'}`` on two devices). Such a split
-validates (a device may hold several stages), so the contiguous IP's optimum is at most the DP's and
-may be lower; :mod:`torchplace.solvers.milp.mtpp` is the exact MIP of the DP's search space.
+Compared with the DP on training graphs: the DP additionally ties a backward group without a
+forward sibling (an "orphan") to the reversed forward order (App. E.1, mirrored edges), which (16)
+does not ask for, so there the IP's optimum may be below the DP's. On inference graphs they search
+the same space and agree; :mod:`torchplace.solvers.milp.mtpp` is Archer's position-indexed MIP
+of the same space for inference.
 
 Non-contiguous plans: any assignment runs as a pipeline of stages (Sec. 5.2, "virtual devices"):
 :func:`stages_from_assignment` cuts each device's nodes into pieces whose stage order is acyclic.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+import networkx as nx
 import pyomo.environ as pyo
 
 from torchplace import costmodel
@@ -181,6 +206,57 @@ def _contiguity(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
         if units.of[u] != units.of[v] and (units.of[u], d) in units.allowed else pyo.Constraint.Skip)
 
 
+def _side_edges(problem: Problem, units: Units) -> dict[str, list[tuple[int, int]]]:
+    """Per side (``"forward"``, ``"backward"``) with any, the edges between units of that side's nodes."""
+    g = problem.graph
+    out: dict[str, set[tuple[int, int]]] = {}
+    for u, v in g.edges:
+        backward = g.record(u).backward
+        if backward == g.record(v).backward and units.of[u] != units.of[v]:
+            out.setdefault("backward" if backward else "forward", set()).add((units.of[u], units.of[v]))
+    return {s: sorted(out[s]) for s in ("forward", "backward") if s in out}
+
+
+def _ordering(m: pyo.ConcreteModel, units: Units, problem: Problem, fix_classes: bool) -> None:
+    """(16), second part: per side, a linear order of the devices that data follows (needs ``m.z``).
+
+    ``o[s,i,j]`` for ``i < j`` says side ``s`` of device ``i`` comes first (else ``j`` does); no
+    3-cycle in a tournament means no cycle at all. A node ``v`` on ``i`` with ``z[v,j] = 1`` reaches
+    a node on ``j`` by a path of its side, so ``i`` must come before ``j``. This covers every edge
+    ``v -> w`` (``z[v,j] >= z[w,j] >= x[w,j]``) and is tighter in the LP. With ``fix_classes`` the
+    devices of one class come in index order on the first side (valid: relabel a class's devices
+    by their pipeline position).
+    """
+    g = problem.graph
+    edges = _side_edges(problem, units)
+    n = len(problem.cluster)
+    side = {v: "backward" if g.record(v).backward else "forward" for v in units.nodes}
+    m.side_edges = edges
+    m.S = pyo.Set(initialize=list(edges))  # sides with edges between units
+    m.PAIR = pyo.Set(dimen=2, initialize=list(itertools.combinations(range(n), 2)))  # devices i < j
+    m.TRI = pyo.Set(dimen=3, initialize=list(itertools.combinations(range(n), 3)))  # devices i < j < l
+    m.ORD = pyo.Set(dimen=4, initialize=[  # (side, node v, device i, device j != i), v has a successor of its side
+        (side[v], v, i, j) for v in units.nodes if side[v] in edges and any(side[w] == side[v] for w in g.successors(v))
+        for i in range(n) for j in range(n) if i != j and (units.of[v], i) in units.allowed])
+    m.o = pyo.Var(m.S, m.PAIR, domain=pyo.Binary)  # side s of device i comes before that of device j
+
+    def before(m: pyo.ConcreteModel, s: str, i: int, j: int) -> object:
+        return m.o[s, i, j] if i < j else 1 - m.o[s, j, i]
+
+    m.order_ijl = pyo.Constraint(  # no cycle i -> j -> l -> i
+        m.S, m.TRI, rule=lambda m, s, i, j, l: m.o[s, i, j] + m.o[s, j, l] - m.o[s, i, l] <= 1)
+    m.order_ilj = pyo.Constraint(  # no cycle i -> l -> j -> i
+        m.S, m.TRI, rule=lambda m, s, i, j, l: m.o[s, i, l] - m.o[s, i, j] - m.o[s, j, l] <= 0)
+    m.order_reach = pyo.Constraint(  # v on i reaches j's set, so i comes before j
+        m.ORD, rule=lambda m, s, v, i, j: before(m, s, i, j) >= m.x[units.of[v], i] + m.z[v, j] - 1)
+    m.order_fixed = fix_classes and bool(edges)
+    if m.order_fixed:
+        index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
+        for c in device_classes(problem):
+            for a, b in itertools.combinations(sorted(index[name] for name in c.devices), 2):
+                m.o[m.S.first(), a, b].fix(1)
+
+
 def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -> None:
     """Order interchangeable devices (see the module docstring)."""
     index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
@@ -254,6 +330,7 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     m.bottleneck = pyo.Constraint(m.D, rule=lambda m, d: m.max_load >= m.device_load[d])  # (20), (21)
     if contiguous:
         _contiguity(m, units, problem)
+        _ordering(m, units, problem, fix_classes=symmetry == "none")
     _symmetry(m, units, problem, symmetry)
     return m
 
@@ -323,14 +400,19 @@ def _bound_for_plan(result: MilpResult, objective: float) -> float:
 def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, str], symmetry: str) -> None:
     """Set every variable of ``m`` to the values of ``assignment`` (a MIP start).
 
-    Devices of one class are relabelled to satisfy the symmetry rule first. Contiguity's ``z`` is
-    the proof's "some node of the set is reachable" (App. A, Lemma A.1, "only if").
+    Devices of one class are relabelled to satisfy the symmetry rule first (in a contiguous model
+    with ``symmetry="none"``: to follow the pipeline order). Contiguity's ``z`` is the proof's "some
+    node of the set is reachable" (App. A, Lemma A.1, "only if"); each side's device order is a
+    topological order of its quotient graph (left unset if that has a cycle: then the assignment is
+    not contiguous and no start).
     """
     units: Units = m.units
-    devices = problem.cluster.devices
-    index = {d.name: i for i, d in enumerate(devices)}
+    index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
     dev_of = {units.of[v]: index[assignment[v]] for v in units.nodes}
-    dev_of = _relabel(dev_of, problem, symmetry, units)
+    orders = {s: _device_order(m, s, dev_of) for s in m.S} if hasattr(m, "o") else {}
+    first = orders[m.S.first()] if orders and m.order_fixed else None
+    mapping = _relabel(dev_of, problem, symmetry, units, first)
+    dev_of = {u: mapping[d] for u, d in dev_of.items()}
     for (u, d) in m.A:
         m.x[u, d].value = float(dev_of[u] == d)
     for p, d in m.PD:
@@ -343,6 +425,12 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
                 here = dev_of[units.of[v]] == d
                 m.z[v, d].value = float(here or any(m.z[w, d].value for w in g.successors(v)
                                                     if g.record(w).backward == g.record(v).backward))
+    for s, order in orders.items():
+        if order is not None:
+            pos = {mapping[d]: i for i, d in enumerate(order)}
+            for i, j in m.PAIR:
+                if not m.o[s, i, j].fixed:  # fixed ones hold already: the relabelling followed this order
+                    m.o[s, i, j].value = float(pos[i] < pos[j])
     if hasattr(m, "F"):
         for d in m.PRE:
             total = 0.0
@@ -352,8 +440,21 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
     m.max_load.value = max(pyo.value(m.device_load[d]) for d in m.D)
 
 
-def _relabel(dev_of: dict[int, int], problem: Problem, symmetry: str, units: Units) -> dict[int, int]:
-    """Permute the devices of each class so that ``dev_of`` meets the symmetry rule."""
+def _device_order(m: pyo.ConcreteModel, side: str, dev_of: Mapping[int, int]) -> list[int] | None:
+    """The devices in a topological order of ``side``'s quotient graph, or None if it has a cycle."""
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(m.D)
+    quotient.add_edges_from((dev_of[a], dev_of[b]) for a, b in m.side_edges[side] if dev_of[a] != dev_of[b])
+    if not nx.is_directed_acyclic_graph(quotient):
+        return None
+    return list(nx.lexicographical_topological_sort(quotient))
+
+
+def _relabel(
+    dev_of: Mapping[int, int], problem: Problem, symmetry: str, units: Units, order: list[int] | None = None
+) -> dict[int, int]:
+    """A permutation of the devices of each class after which ``dev_of`` meets the symmetry rule
+    (``order``: the pipeline order that a contiguous model fixes within each class)."""
     devices = problem.cluster.devices
     index = {d.name: i for i, d in enumerate(devices)}
     held: dict[int, list[int]] = {}
@@ -362,7 +463,9 @@ def _relabel(dev_of: dict[int, int], problem: Problem, symmetry: str, units: Uni
     mapping: dict[int, int] = {}
     for c in device_classes(problem):
         members = [index[n] for n in c.devices]
-        if symmetry == "index":
+        if order is not None:
+            ranked = sorted(members, key=order.index)
+        elif symmetry == "index":
             ranked = sorted(members, key=lambda d: (held[d][0] if d in held else math.inf, d))
         elif symmetry == "load":
             nodes = {d: {v for u in held.get(d, []) for v in units.members[u]} for d in members}
@@ -371,7 +474,7 @@ def _relabel(dev_of: dict[int, int], problem: Problem, symmetry: str, units: Uni
         else:
             ranked = members
         mapping.update(zip(ranked, members))
-    return {u: mapping[d] for u, d in dev_of.items()}
+    return mapping
 
 
 def solve(
