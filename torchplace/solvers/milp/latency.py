@@ -63,6 +63,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
+from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.ordering import order_stages
 
@@ -179,7 +180,7 @@ def build(problem: Problem, *, q: int = 1) -> pyo.ConcreteModel:
                   bounds=lambda m, v, j: (0, 1 if math.isfinite(problem.node_time(v, dev[j])) else 0))
     m.x_cpu = pyo.Var(m.V, domain=pyo.Binary, doc="v on the CPUs (x_v0)",
                       bounds=lambda m, v: (0, 1 if lay.cpus and "cpu" in g.record(v).times else 0))
-    m.z = pyo.Var(m.V, m.J, bounds=(0, 1), doc="contiguity witness of Lemma A.1")
+    m.z = contiguity.reach_var(m.V, m.J)  # contiguity witness of Lemma A.1
     m.comm_in = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves into slot j")
     m.comm_out = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves out of slot j")
     m.latency = pyo.Var(m.V, bounds=lambda m, v: (head[v], None), doc="v's output is in DRAM (bounded by its head path)")
@@ -208,9 +209,7 @@ def build(problem: Problem, *, q: int = 1) -> pyo.ConcreteModel:
         m.E, rule=lambda m, u, v: m.latency[v] >= m.p_cpu[v] * m.x_cpu[v] + m.latency[u])
     m.after_slot = pyo.Constraint(  # (10)
         m.V, m.J, rule=lambda m, v, j: m.latency[v] >= m.finish[j] - m.H * (1 - m.x[v, j]))
-    m.z_above = pyo.Constraint(m.V, m.J, rule=lambda m, v, j: m.z[v, j] >= m.x[v, j])  # (11)
-    m.z_falls = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.z[v, j] <= m.z[u, j])  # (12)
-    m.z_cut = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.z[v, j] <= m.x[v, j] - m.x[u, j] + 1)  # (13)
+    contiguity.add_lemma_a1(m, z=m.z, x=lambda v, j: m.x[v, j], nodes=m.V, edges=m.E, places=m.J)  # (11)-(13)
     m.slot_order = pyo.Constraint(m.J_NEXT, rule=lambda m, j: m.start[j] >= m.finish[j - 1])  # (14)
     m.colocate_cpu = pyo.Constraint(m.COLO, rule=lambda m, v: m.x_cpu[v] == m.x_cpu[rep[v]])
     m.colocate_accel = pyo.Constraint(m.COLO, m.A, rule=lambda m, v, a: on(m, v, a) == on(m, rep[v], a))

@@ -24,28 +24,13 @@ Generalisations of Fig. 7, each following the cost model:
 * contiguity (16), when asked for, means what the ideals DP searches (:mod:`torchplace.solvers.dp`,
   Sec. 5.1.1, Fact 5.2; Sec. 5.3 for training) and :func:`torchplace.plan.Plan.validate` checks:
   each device holds one contiguous piece of the forward graph (and one of the backward graph), and
-  the pieces can be ordered so that data only flows forward (prefix unions are ideals), i.e. the
-  device quotient graph of forward -> forward edges is acyclic, and so is that of backward ->
-  backward edges (Archer et al. 2024, Sec. 2.2, the acyclic quotient; their MTPP). Per-device
-  contiguity (Def. 3.1) alone is weaker: with ``1 -> 4`` and ``2 -> 5``, ``{1, 5}`` and ``{2, 4}``
-  are contiguous yet feed each other. The IP states it in two parts:
-
-  - Lemma A.1 (11)-(13) per device on the forward-induced and the backward-induced subgraph (a
-    path between forward nodes stays forward, one from a backward node stays backward), with
-    ``z[v,i]`` = "some node of v's side on ``i`` is reachable from ``v``";
-  - per side ``s`` a linear order of the devices, ``o[s,i,j]`` for ``i < j`` ("``i`` first"),
-    without 3-cycles (``o[i,j] + o[j,l] - o[i,l] <= 1``, ``o[i,l] - o[i,j] - o[j,l] <= 0``),
-    which every path follows: ``before(s,i,j) >= x[unit(v),i] + z[v,j] - 1`` for ``j != i``.
-
-  The order alone already implies (16) (a path leaving a set and coming back is a cycle of the
-  quotient); Lemma A.1's ``z`` makes the LP much tighter (BERT-3 operators: 2.4 s with it, 19 s
-  with the edge rule ``o[i,j] >= x[u,i] + x[v,j] - 1`` alone). The backward order is not implied
-  by the forward one and colocation: with ``f1 -> f2``, ``f3 -> f4``, ``b1 -> b2``, ``b4 -> b3``
-  and ``(f_i, b_i)`` colocated, ``{1, 3}`` and ``{2, 4}`` have a forward order but feed each other
-  backward; so each side has its own ``o``. Devices of one class are fixed in index order on the
-  first side (relabel them by pipeline position) when ``symmetry="none"``: without that, every
-  relabelling and every order of empty devices is a separate solution (BERT-24 layers: not
-  proven in 9 minutes, against 1.5 s).
+  the pieces can be ordered so that data only flows forward (Archer et al. 2024, Sec. 2.2, the
+  acyclic quotient; their MTPP). :mod:`~torchplace.solvers.milp.contiguity` states it: Lemma A.1
+  (11)-(13) per device on each side's induced subgraph, and per side an order of the devices that
+  every path follows. Devices of one class are fixed in index order on the first side (relabel
+  them by pipeline position) when ``symmetry="none"``: without that, every relabelling and every
+  order of empty devices is a separate solution (BERT-24 layers: not proven in 9 minutes, against
+  1.5 s).
 
 Symmetry (devices of one class, i.e. same kind, memory and transfer rule, are
 interchangeable, and branch-and-bound may explore every relabelling of a solution):
@@ -72,21 +57,23 @@ Non-contiguous plans: any assignment runs as a pipeline of stages (Sec. 5.2, "vi
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import networkx as nx
 import pyomo.environ as pyo
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, InvalidPlanError
-from torchplace.plan import Plan, Stage
+from torchplace.errors import InfeasibleError
+from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
+from torchplace.solvers.milp import contiguity
+from torchplace.solvers.milp.contiguity import stages_from_assignment
 from torchplace.solvers.milp.highs import MilpResult, solve_model
 
 __all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment"]
@@ -181,7 +168,7 @@ def _device_loads(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
     pays = [d.pays_transfer for d in problem.cluster.devices]
 
     def load(m, d):
-        work = sum(units.time[u][d] * m.x[u, d] for u in m.U if (u, d) in units.allowed)
+        work = sum(units.time[u][d] / m.unit * m.x[u, d] for u in m.U if (u, d) in units.allowed)
         if not pays[d]:
             return work
         return work + sum(m.c[p] * (m.cin[p, d] + m.cout[p, d]) for p in m.P)
@@ -189,72 +176,25 @@ def _device_loads(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
     m.device_load = pyo.Expression(m.D, rule=load)
 
 
-def _contiguity(m: pyo.ConcreteModel, units: Units, problem: Problem) -> None:
-    """Lemma A.1 (11)-(13) on the forward-induced and the backward-induced subgraph, per device."""
+def _contiguity(m: pyo.ConcreteModel, units: Units, problem: Problem, fix_classes: bool) -> None:
+    """(16): Lemma A.1 per device on each side's induced subgraph, and per side an order of the
+    devices that data follows (:mod:`~torchplace.solvers.milp.contiguity`). With ``fix_classes``
+    the devices of one class come in index order on the first side."""
     g = problem.graph
-    back = {v: g.record(v).backward for v in units.nodes}
-    if any(back[u] and not back[v] for u, v in g.edges):
-        raise InvalidPlanError("an edge goes from a backward node to a forward node; contiguity is undefined")
-    m.E = pyo.Set(dimen=2, initialize=sorted((u, v) for u, v in g.edges if back[u] == back[v]))
-    m.z = pyo.Var(m.V, m.D, bounds=(0, 1))  # some node of v's part on d is reachable from v
-    m.cont_above = pyo.Constraint(  # (11)
-        m.V, m.D, rule=lambda m, v, d: m.z[v, d] >= m.x[units.of[v], d] if (units.of[v], d) in units.allowed
-        else pyo.Constraint.Skip)
-    m.cont_down = pyo.Constraint(m.E, m.D, rule=lambda m, u, v, d: m.z[v, d] <= m.z[u, d])  # (12)
-    m.cont_leave = pyo.Constraint(  # (13): once the path has left d's set it cannot reach it again
-        m.E, m.D, rule=lambda m, u, v, d: m.z[v, d] <= units.x_or_zero(m, units.of[v], d) - m.x[units.of[u], d] + 1
-        if units.of[u] != units.of[v] and (units.of[u], d) in units.allowed else pyo.Constraint.Skip)
+    side = contiguity.side_of(problem)
+    m.E = pyo.Set(dimen=2, initialize=sorted((u, v) for u, v in g.edges if side[u] == side[v]))  # edges within a side
+    m.z = contiguity.reach_var(m.V, m.D)  # some node of v's side on d is reachable from v
 
+    def x(v: str, d: int) -> pyo.Var | int:
+        return units.x_or_zero(m, units.of[v], d)
 
-def _side_edges(problem: Problem, units: Units) -> dict[str, list[tuple[int, int]]]:
-    """Per side (``"forward"``, ``"backward"``) with any, the edges between units of that side's nodes."""
-    g = problem.graph
-    out: dict[str, set[tuple[int, int]]] = {}
-    for u, v in g.edges:
-        backward = g.record(u).backward
-        if backward == g.record(v).backward and units.of[u] != units.of[v]:
-            out.setdefault("backward" if backward else "forward", set()).add((units.of[u], units.of[v]))
-    return {s: sorted(out[s]) for s in ("forward", "backward") if s in out}
-
-
-def _ordering(m: pyo.ConcreteModel, units: Units, problem: Problem, fix_classes: bool) -> None:
-    """(16), second part: per side, a linear order of the devices that data follows (needs ``m.z``).
-
-    ``o[s,i,j]`` for ``i < j`` says side ``s`` of device ``i`` comes first (else ``j`` does); no
-    3-cycle in a tournament means no cycle at all. A node ``v`` on ``i`` with ``z[v,j] = 1`` reaches
-    a node on ``j`` by a path of its side, so ``i`` must come before ``j``. This covers every edge
-    ``v -> w`` (``z[v,j] >= z[w,j] >= x[w,j]``) and is tighter in the LP. With ``fix_classes`` the
-    devices of one class come in index order on the first side (valid: relabel a class's devices
-    by their pipeline position).
-    """
-    g = problem.graph
-    edges = _side_edges(problem, units)
-    n = len(problem.cluster)
-    side = {v: "backward" if g.record(v).backward else "forward" for v in units.nodes}
-    m.side_edges = edges
-    m.S = pyo.Set(initialize=list(edges))  # sides with edges between units
-    m.PAIR = pyo.Set(dimen=2, initialize=list(itertools.combinations(range(n), 2)))  # devices i < j
-    m.TRI = pyo.Set(dimen=3, initialize=list(itertools.combinations(range(n), 3)))  # devices i < j < l
-    m.ORD = pyo.Set(dimen=4, initialize=[  # (side, node v, device i, device j != i), v has a successor of its side
-        (side[v], v, i, j) for v in units.nodes if side[v] in edges and any(side[w] == side[v] for w in g.successors(v))
-        for i in range(n) for j in range(n) if i != j and (units.of[v], i) in units.allowed])
-    m.o = pyo.Var(m.S, m.PAIR, domain=pyo.Binary)  # side s of device i comes before that of device j
-
-    def before(m: pyo.ConcreteModel, s: str, i: int, j: int) -> object:
-        return m.o[s, i, j] if i < j else 1 - m.o[s, j, i]
-
-    m.order_ijl = pyo.Constraint(  # no cycle i -> j -> l -> i
-        m.S, m.TRI, rule=lambda m, s, i, j, l: m.o[s, i, j] + m.o[s, j, l] - m.o[s, i, l] <= 1)
-    m.order_ilj = pyo.Constraint(  # no cycle i -> l -> j -> i
-        m.S, m.TRI, rule=lambda m, s, i, j, l: m.o[s, i, l] - m.o[s, i, j] - m.o[s, j, l] <= 0)
-    m.order_reach = pyo.Constraint(  # v on i reaches j's set, so i comes before j
-        m.ORD, rule=lambda m, s, v, i, j: before(m, s, i, j) >= m.x[units.of[v], i] + m.z[v, j] - 1)
-    m.order_fixed = fix_classes and bool(edges)
-    if m.order_fixed:
-        index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
-        for c in device_classes(problem):
-            for a, b in itertools.combinations(sorted(index[name] for name in c.devices), 2):
-                m.o[m.S.first(), a, b].fix(1)
+    contiguity.add_lemma_a1(m, z=m.z, x=x, nodes=m.V, edges=m.E, places=m.D)
+    index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
+    fixed = [pair for c in device_classes(problem) if fix_classes
+             for pair in itertools.combinations(sorted(index[name] for name in c.devices), 2)]
+    sources = [(side[v], v) for v in units.nodes if any(side[w] == side[v] for w in g.successors(v))]
+    contiguity.add_device_order(m, z=m.z, x=x, sides=contiguity.side_edges(problem, units.of), sources=sources,
+                                places=range(len(problem.cluster)), fixed=fixed)
 
 
 def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -> None:
@@ -295,6 +235,7 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     pays = [d for d, dev in enumerate(devices) if dev.pays_transfer]
     m = pyo.ConcreteModel(name="max-load IP")
     m.units = units
+    m.unit = _time_unit(units, problem)  # seconds per model time unit
     # Sets
     m.U = pyo.Set(initialize=range(len(units.members)))  # units, topological
     m.D = pyo.Set(initialize=range(len(devices)))  # devices, cluster order
@@ -308,7 +249,7 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
         (p, w, d) for p, ws in units.fanout.items() for w in ws for d in pays if (units.of[p], d) in units.allowed])
     m.MEM = pyo.Set(initialize=[d for d, dev in enumerate(devices) if dev.memory_bytes is not None])
     # Params
-    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) for p in units.fanout})  # transfer seconds
+    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) / m.unit for p in units.fanout})  # transfer time
     m.cap = pyo.Param(m.MEM, initialize={d: devices[d].memory_bytes for d in m.MEM})  # bytes
     # Vars
     m.x = pyo.Var(m.A, domain=pyo.Binary)  # unit u on device d
@@ -329,10 +270,21 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
         m.OUT, rule=lambda m, p, w, d: m.cout[p, d] >= m.x[units.of[p], d] - units.x_or_zero(m, w, d))
     m.bottleneck = pyo.Constraint(m.D, rule=lambda m, d: m.max_load >= m.device_load[d])  # (20), (21)
     if contiguous:
-        _contiguity(m, units, problem)
-        _ordering(m, units, problem, fix_classes=symmetry == "none")
+        _contiguity(m, units, problem, fix_classes=symmetry == "none")
     _symmetry(m, units, problem, symmetry)
     return m
+
+
+def _time_unit(units: Units, problem: Problem) -> float:
+    """Seconds per model time unit: 1, or a power of ten that brings sub-second times up to 1-10.
+
+    Measured times can be 1e-5 s; HiGHS's absolute tolerances (1e-7 and so on) would then be a
+    visible fraction of the objective, so such times are scaled up, and scaled back on the way out.
+    """
+    finite = [t for row in units.time for t in row if math.isfinite(t) and t > 0]
+    finite += [t for p in units.fanout if (t := problem.transfer_time(p)) > 0]
+    largest = max(finite, default=1.0)
+    return 1.0 if largest >= 1.0 else 10.0 ** math.floor(math.log10(largest))
 
 
 def model_size(m: pyo.ConcreteModel) -> tuple[int, int]:
@@ -348,46 +300,6 @@ def extract(m: pyo.ConcreteModel, problem: Problem) -> dict[str, str]:
     names = problem.cluster.names
     device_of = {u: names[d] for u, d in m.A if pyo.value(m.x[u, d]) > 0.5}
     return {v: device_of[units.of[v]] for v in units.nodes}
-
-
-def stages_from_assignment(problem: Problem, assignment: Mapping[str, str]) -> list[Stage]:
-    """Cut each device's nodes into stages whose order sends every edge forward (Sec. 5.2).
-
-    Forward and backward nodes go to separate stages. Repeatedly, for each (device, part) the
-    largest *ready* piece is its unplaced nodes whose unplaced ancestors are all in the piece
-    (found in one topological walk); a piece that is all of its (device, part) is taken first,
-    else the largest piece (ties: the earliest node). When the (device, part) sets have an acyclic
-    quotient graph (every contiguous split from the DP or :mod:`mtpp`) this gives one stage each;
-    otherwise a set is cut where it must wait for another device.
-    """
-    g = problem.graph
-    order = g.topological_order()
-    pos = {v: i for i, v in enumerate(order)}
-    remaining: dict[tuple[str, bool], list[str]] = {}
-    for v in order:
-        remaining.setdefault((assignment[v], g.record(v).backward), []).append(v)
-    placed: set[str] = set()
-    stages: list[Stage] = []
-    while remaining:
-        best: tuple[tuple[int, int], tuple[str, bool], list[str]] | None = None
-        for key, todo in remaining.items():
-            piece: set[str] = set()
-            for v in todo:
-                if all(u in placed or u in piece for u in g.predecessors(v)):
-                    piece.add(v)
-            if piece:
-                ready = [v for v in todo if v in piece]
-                rank = (int(len(ready) == len(todo)), len(ready))
-                if best is None or (rank, -pos[ready[0]]) > (best[0], -pos[best[2][0]]):
-                    best = (rank, key, ready)
-        assert best is not None, "the earliest unplaced node is always ready"
-        _, key, ready = best
-        stages.append(Stage(key[0], tuple(ready)))
-        placed.update(ready)
-        remaining[key] = [v for v in remaining[key] if v not in placed]
-        if not remaining[key]:
-            del remaining[key]
-    return stages
 
 
 def _bound_for_plan(result: MilpResult, objective: float) -> float:
@@ -409,7 +321,7 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
     units: Units = m.units
     index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
     dev_of = {units.of[v]: index[assignment[v]] for v in units.nodes}
-    orders = {s: _device_order(m, s, dev_of) for s in m.S} if hasattr(m, "o") else {}
+    orders = {s: contiguity.device_order(m.side_edges[s], m.D, dev_of) for s in m.S} if hasattr(m, "o") else {}
     first = orders[m.S.first()] if orders and m.order_fixed else None
     mapping = _relabel(dev_of, problem, symmetry, units, first)
     dev_of = {u: mapping[d] for u, d in dev_of.items()}
@@ -419,18 +331,8 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
         m.cin[p, d].value = float(any(dev_of[w] == d for w in units.fanout[p]) and dev_of[units.of[p]] != d)
         m.cout[p, d].value = float(dev_of[units.of[p]] == d and any(dev_of[w] != d for w in units.fanout[p]))
     if hasattr(m, "z"):
-        g = problem.graph
-        for v in reversed(units.nodes):
-            for d in m.D:
-                here = dev_of[units.of[v]] == d
-                m.z[v, d].value = float(here or any(m.z[w, d].value for w in g.successors(v)
-                                                    if g.record(w).backward == g.record(v).backward))
-    for s, order in orders.items():
-        if order is not None:
-            pos = {mapping[d]: i for i, d in enumerate(order)}
-            for i, j in m.PAIR:
-                if not m.o[s, i, j].fixed:  # fixed ones hold already: the relabelling followed this order
-                    m.o[s, i, j].value = float(pos[i] < pos[j])
+        m.z.set_values(contiguity.reach_values(units.nodes, m.E, m.D, {v: dev_of[units.of[v]] for v in units.nodes}))
+        contiguity.order_values(m, {s: None if o is None else [mapping[d] for d in o] for s, o in orders.items()})
     if hasattr(m, "F"):
         for d in m.PRE:
             total = 0.0
@@ -438,16 +340,6 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
                 total += float(dev_of[u] == d)
                 m.F[u, d].value = total
     m.max_load.value = max(pyo.value(m.device_load[d]) for d in m.D)
-
-
-def _device_order(m: pyo.ConcreteModel, side: str, dev_of: Mapping[int, int]) -> list[int] | None:
-    """The devices in a topological order of ``side``'s quotient graph, or None if it has a cycle."""
-    quotient = nx.DiGraph()
-    quotient.add_nodes_from(m.D)
-    quotient.add_edges_from((dev_of[a], dev_of[b]) for a, b in m.side_edges[side] if dev_of[a] != dev_of[b])
-    if not nx.is_directed_acyclic_graph(quotient):
-        return None
-    return list(nx.lexicographical_topological_sort(quotient))
 
 
 def _relabel(
@@ -517,7 +409,8 @@ def solve(
         initialize(m, target, warm_start.assignment, symmetry)
     build_seconds = time.perf_counter() - t0
     kwargs = {"warm_start": warm_start is not None}
-    res = solve_model(m, name="max-load IP", time_limit=time_limit, mip_gap=mip_gap, **kwargs)
+    scaled = solve_model(m, name="max-load IP", time_limit=time_limit, mip_gap=mip_gap, **kwargs)
+    res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = stages_from_assignment(target, extract(m, target))
     objective = costmodel.evaluate_stages(target, stages)[0]
     bound = simple_lower_bound(target)
