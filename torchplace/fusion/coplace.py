@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from torchplace.fusion.rules import op_kind
 from torchplace.graph import NodeRecord, OpGraph
@@ -37,6 +37,7 @@ __all__ = [
     "default_max_group_time",
     "merge_nodes",
     "merge_records",
+    "merge_single_successors",
     "node_work",
 ]
 
@@ -349,13 +350,13 @@ def coplace_colocated(q: Quotient) -> None:
                 changed = True
 
 
-def coplace_single_consumer(q: Quotient, max_group_time: float = math.inf) -> None:
-    """Baechi Sec. 3.2 (i): a group whose output only its next group reads joins that group,
-    unless the merged group's work would exceed ``max_group_time`` (or their kinds differ).
-
-    Groups are visited in topological order, so a chain is cut greedily into runs of at most
-    ``max_group_time`` work. Such a merge is always cycle-safe (the edge is the only way out).
-    """
+def merge_single_successors(
+    q: Quotient, step: str, max_group_time: float, accept: Callable[[str, str], bool]
+) -> None:
+    """Until nothing changes, merge each group ``a`` (in topological order) into its only successor
+    ``b`` along a valid connection when ``accept(a, b)`` holds and the merged work is at most
+    ``max_group_time`` (merge step ``step``). Such a merge is always cycle-safe: the edge is ``a``'s
+    only way out."""
     changed = True
     while changed:
         changed = False
@@ -365,10 +366,20 @@ def coplace_single_consumer(q: Quotient, max_group_time: float = math.inf) -> No
             if len(successors) != 1:
                 continue
             b = next(iter(successors))
-            if (q.valid_connection(a, b) and q.compatible(a, b, same_kinds=True)
-                    and q.work(a) + q.work(b) <= max_group_time):
-                q.merge(a, b, "single-consumer")
+            if q.valid_connection(a, b) and q.work(a) + q.work(b) <= max_group_time and accept(a, b):
+                q.merge(a, b, step)
                 changed = True
+
+
+def coplace_single_consumer(q: Quotient, max_group_time: float = math.inf) -> None:
+    """Baechi Sec. 3.2 (i): a group whose output only its next group reads joins that group,
+    unless the merged group's work would exceed ``max_group_time`` (or their kinds differ).
+
+    Groups are visited in topological order, so a chain is cut greedily into runs of at most
+    ``max_group_time`` work.
+    """
+    merge_single_successors(q, "single-consumer", max_group_time,
+                            lambda a, b: q.compatible(a, b, same_kinds=True))
 
 
 def coplace(

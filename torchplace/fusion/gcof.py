@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchplace.fusion.coplace import Quotient, merge_nodes
+from torchplace.fusion.coplace import Quotient, merge_nodes, merge_single_successors
 from torchplace.fusion.rules import DEFAULT_RULES, INJECTIVE, LAYOUT, Rule, op_kind
 from torchplace.graph import OpGraph
 
@@ -114,20 +114,12 @@ def fuse_injective(q: Quotient, max_group_time: float = math.inf) -> None:
     producers into their consumer (merge step ``"injective"``) while the merged work is at most
     ``max_group_time``, until nothing changes."""
     kinds = _kinds(q)
-    changed = True
-    while changed:
-        changed = False
-        for v in q.order:
-            a = q.find(v)
-            successors = q.successors(a)
-            if len(successors) != 1:
-                continue
-            b = next(iter(successors))
-            if not (q.valid_connection(a, b) and q.compatible(a, b)) or q.work(a) + q.work(b) > max_group_time:
-                continue
-            if all(kinds[m] in LAYOUT for m in q.members(a)) or all(kinds[m] in INJECTIVE for m in q.members(b)):
-                q.merge(a, b, "injective")
-                changed = True
+
+    def accept(a: str, b: str) -> bool:
+        return q.compatible(a, b) and (
+            all(kinds[m] in LAYOUT for m in q.members(a)) or all(kinds[m] in INJECTIVE for m in q.members(b)))
+
+    merge_single_successors(q, "injective", max_group_time, accept)
 
 
 def gcof(
