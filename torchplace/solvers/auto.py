@@ -104,15 +104,7 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     plans = [first if problem.contiguous else _rebuild(problem, first)]
     proven: list[float] = []
     if not problem.contiguous and len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
-        try:
-            ip = call_method("ip", problem, time_limit=_remaining(deadline), warm_start=plans[0])
-            tried["ip"] = ip.objective
-            plans.append(ip)
-            proven.append(ip.lower_bound)
-        except SolverLimitError as e:
-            tried["ip"] = "no incumbent within the time limit"
-            if e.bound is not None:
-                proven.append(e.bound)
+        _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
     if bounds == "mip" and _remaining(deadline) > 0:
         from torchplace.solvers.milp import bounds as mip_bounds
 
@@ -123,6 +115,25 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
             tried[name] = value
             proven.append(value)
     return _best(problem, plans, proven, tried, t0)
+
+
+def _run_milp(name: str, problem: Problem, deadline: float, tried: dict[str, Any], plans: list[Plan],
+              proven: list[float], **opts: Any) -> None:
+    """Run MILP ``name`` within the time left; add its plan and its proven bound (also when the
+    limit stopped it before any plan). An infeasible verdict propagates: the heuristics' plans
+    would contradict it."""
+    from torchplace.solvers import call_method
+
+    try:
+        plan = call_method(name, problem, time_limit=_remaining(deadline), **opts)
+    except SolverLimitError as e:
+        tried[name] = "no incumbent within the time limit"
+        if e.bound is not None:
+            proven.append(e.bound)
+        return
+    tried[name] = plan.objective
+    plans.append(plan)
+    proven.append(plan.lower_bound)
 
 
 def _rebuild(problem: Problem, plan: Plan) -> Plan:
@@ -146,18 +157,7 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
         tried[name] = plan.objective
         plans.append(plan)
     if len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
-        try:
-            plan = call_method("moirai", problem, time_limit=_remaining(deadline))
-            tried["moirai"] = plan.objective
-            plans.append(plan)
-            proven.append(plan.lower_bound)
-        except SolverLimitError as e:
-            tried["moirai"] = "no incumbent within the time limit"
-            if e.bound is not None:
-                proven.append(e.bound)
-        except InfeasibleError:
-            if not plans:
-                raise
+        _run_milp("moirai", problem, deadline, tried, plans, proven)
     if not plans:
         raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
     return _best(problem, plans, [b for b in proven if math.isfinite(b)], tried, t0)
