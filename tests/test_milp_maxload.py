@@ -87,16 +87,22 @@ def _check(plan: Plan, problem: Problem) -> None:
 
 
 # -- max-load IP --------------------------------------------------------------------------------
+def _assert_ip_matches_brute_force(problem: Problem, *, contiguous: bool) -> Plan | None:
+    """The IP's optimum is brute force's (both infeasible, or equal values); its plan checks out."""
+    expected = brute_force(problem, contiguous=contiguous)
+    plan = _solve_or_inf(maxload.solve, problem, contiguous=contiguous)
+    if plan is None:
+        assert math.isinf(expected)
+        return None
+    _check(plan, replace(problem, contiguous=contiguous))
+    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    return plan
+
+
 @FAST
 @given(problems(max_nodes=5))
 def test_contiguous_ip_matches_brute_force(problem):
-    expected = brute_force(problem, contiguous=True)
-    plan = _solve_or_inf(maxload.solve, problem, contiguous=True)
-    if plan is None:
-        assert math.isinf(expected)
-        return
-    _check(plan, problem)
-    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    _assert_ip_matches_brute_force(problem, contiguous=True)
 
 
 @FAST
@@ -115,15 +121,9 @@ def test_contiguous_ip_equals_dp(problem, symmetry):
 @FAST
 @given(problems(max_nodes=5))
 def test_noncontiguous_ip_matches_brute_force(problem):
-    expected = brute_force(problem, contiguous=False)
-    plan = _solve_or_inf(maxload.solve, problem, contiguous=False)
-    if plan is None:
-        assert math.isinf(expected)
-        return
-    loose = replace(problem, contiguous=False)
-    _check(plan, loose)
-    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    assert plan.lower_bound == pytest.approx(plan.objective, rel=1e-6, abs=1e-9)  # the IP's proof
+    plan = _assert_ip_matches_brute_force(problem, contiguous=False)
+    if plan is not None:
+        assert plan.lower_bound == pytest.approx(plan.objective, rel=1e-6, abs=1e-9)  # the IP's proof
 
 
 @FAST
@@ -254,13 +254,7 @@ def training_problems(draw, max_forward: int = 3, orphans: bool = True) -> Probl
 @FAST
 @given(training_problems())
 def test_contiguous_ip_matches_brute_force_on_training_graphs(problem):
-    expected = brute_force(problem, contiguous=True)
-    plan = _solve_or_inf(maxload.solve, problem, contiguous=True)
-    if plan is None:
-        assert math.isinf(expected)
-        return
-    _check(plan, problem)
-    assert plan.objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    _assert_ip_matches_brute_force(problem, contiguous=True)
 
 
 @FAST
