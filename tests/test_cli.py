@@ -66,3 +66,9 @@ def test_methods_lists_every_solver(capsys):
     assert main(["methods"]) == 0
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
     assert listed == {"auto", *METHODS}
+
+
+def test_an_option_the_method_does_not_take_is_an_error(capsys, workloads_dir):
+    assert main(["solve", BERT24, "--method", "slicegraph", "--ideal-limit", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "'slicegraph' does not take ['ideal_limit']" in err and "random_orders" in err

@@ -78,12 +78,23 @@ SOLVERS: Mapping[str, Callable[..., Plan]] = _Solvers()
 
 
 def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
-    """Run method ``name``, passing only the options its function takes (``None`` ones dropped)."""
+    """Run method ``name`` with ``opts`` (``None`` values dropped).
+
+    ``time_limit`` is dropped for a method that runs to completion (the exact DP); any other
+    option the method does not take is an error, so nothing a user asks for is silently ignored.
+
+    Raises:
+        ValueError: naming the options ``name`` does not take.
+    """
     fn = SOLVERS[name]
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kept = {k: v for k, v in opts.items() if v is not None and (takes_all or k in params)}
-    return fn(problem, **kept)
+    given = {k: v for k, v in opts.items() if v is not None and not (k == "time_limit" and k not in params)}
+    unknown = sorted(k for k in given if not takes_all and k not in params)
+    if unknown:
+        takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
+        raise ValueError(f"method {name!r} does not take {unknown}; its options are {takes}")
+    return fn(problem, **given)
 
 
 def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = None, **opts: Any) -> Plan:
