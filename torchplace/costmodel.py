@@ -17,18 +17,26 @@ A device holding several stages (non-contiguous splits) is charged for the union
 
 Memory of a device is ``sum_{v in S} (param_bytes_v + temp_bytes_v)``.
 
-Latency (MOIRAI Sec. III-D, eqs. (4a)-(8); Baechi Sec. 4.2): one sample runs as an event
-simulation, :func:`simulate`. Each device runs its nodes one at a time in plan order (stage by
-stage; inside a stage in the graph's topological order). A node starts when its device is free and
-every input has arrived. An output crossing to another device is one transfer per (producer,
-destination device) of :meth:`Problem.link_time` seconds, which starts when the producer finishes
-and holds the sender's out-port and the receiver's in-port (transfers out of one device serialize,
-transfers into one device serialize: MOIRAI's congestion constraints (8)); ports are granted in the
-order transfers become ready. The objective is the makespan.
+Latency (MOIRAI Sec. III-D, eqs. (4a)-(8); Baechi Sec. 4.2): one sample runs through
+:func:`simulate`. A plan is a sequence of stages, and its *plan order* lists the nodes stage by
+stage, topologically inside a stage (a topological order of the graph, since every edge goes to
+the same or a later stage). Every resource serves its work in plan order:
+
+- a device runs its nodes one at a time in plan order; a node starts when the device has finished
+  the node before it and every input has arrived;
+- an output crossing to another device is one transfer per (producer, destination device) of
+  :meth:`Problem.link_time` seconds. It holds the sender's out-port and the receiver's in-port
+  (MOIRAI's congestion constraints (8)), and each port serves its transfers in the plan order of
+  their producers, one producer's in destination name order. A transfer starts when its producer
+  has finished and both ports have served every transfer before it; a 0-s transfer (CPU to CPU)
+  holds no port.
+
+This is the order a runtime issues work in; it is also what makes the MOIRAI MILP exact: its
+optimum equals the best simulated plan (:mod:`torchplace.solvers.milp.moirai`). The objective is
+the makespan.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
@@ -146,14 +154,14 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The event simulation of one sample (see the module docstring).
+    """The simulation of one sample (see the module docstring).
 
     Attributes:
         makespan: time the last node finishes (the latency objective).
         start, finish: per node.
         device_of: node -> device name.
         order: per device, its nodes in execution order.
-        transfers: every cross-device transfer, in the order the ports granted them.
+        transfers: every cross-device transfer, in plan order.
     """
 
     makespan: float
@@ -177,70 +185,49 @@ class Schedule:
         return out
 
 
-def _device_orders(problem: Problem, stages: Sequence[StageLike]) -> dict[str, list[str]]:
-    """Each device's nodes in run order: stage by stage, topological inside a stage."""
+def _plan_order(problem: Problem, stages: Sequence[StageLike]) -> list[tuple[str, str]]:
+    """Every (node, device) in plan order: stage by stage, topological inside a stage."""
     topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
-    key: dict[str, tuple[int, int]] = {}
-    by_device: dict[str, list[str]] = defaultdict(list)
-    for i, s in enumerate(stages):
-        for v in s.nodes:
-            key[v] = (i, topo[v])
-            by_device[s.device].append(v)
-    return {d: sorted(nodes, key=key.__getitem__) for d, nodes in by_device.items()}
+    return [(v, s.device) for s in stages for v in sorted(s.nodes, key=topo.__getitem__)]
 
 
 def simulate(problem: Problem, stages: Sequence[StageLike]) -> Schedule:
-    """Run one sample of ``stages`` through the event simulation of the module docstring.
+    """Run one sample of ``stages`` through the simulation of the module docstring.
+
+    Nodes are taken in plan order; each starts as early as its device, its inputs and the order
+    allow, and then reserves its transfers (destinations in name order) on its ports.
 
     Raises:
-        ValueError: if the stage order makes a device wait for a node it runs later (a plan
-            that :meth:`Plan.validate` accepts never does).
+        ValueError: if a node comes before one of its inputs in the plan order (a plan that
+            :meth:`Plan.validate` accepts never does).
     """
     g, cluster = problem.graph, problem.cluster
-    order = _device_orders(problem, stages)
-    device_of = {v: d for d, nodes in order.items() for v in nodes}
-    devices = {d: cluster.device(d) for d in order}
-    topo = {v: i for i, v in enumerate(g.topological_order())}
+    sequence = _plan_order(problem, stages)
+    devices = {d: cluster.device(d) for d in dict.fromkeys(d for _, d in sequence)}
+    device_of = dict(sequence)
+    order: dict[str, list[str]] = {d: [] for d in devices}
     start: dict[str, float] = {}
     finish: dict[str, float] = {}
     arrival: dict[tuple[str, str], float] = {}  # (node, device) -> time its output is there
-    free = dict.fromkeys(order, 0.0)
-    nxt = dict.fromkeys(order, 0)
-    out_port: dict[str, float] = defaultdict(float)
-    in_port: dict[str, float] = defaultdict(float)
+    free = dict.fromkeys(devices, 0.0)
+    out_port = dict.fromkeys(devices, 0.0)
+    in_port = dict.fromkeys(devices, 0.0)
     moved: list[Transfer] = []
-    events: list[tuple[float, int, str]] = []  # (finish time, topo index, node)
-
-    def try_start(dev: str) -> None:
-        """Start ``dev``'s next nodes while their inputs' arrival times are known."""
-        while nxt[dev] < len(order[dev]):
-            v = order[dev][nxt[dev]]
-            ready = [arrival.get((u, dev)) for u in g.predecessors(v)]
-            if any(t is None for t in ready):
-                return
-            start[v] = max([free[dev], *ready])  # type: ignore[list-item]
-            finish[v] = free[dev] = start[v] + problem.node_time(v, devices[dev])
-            nxt[dev] += 1
-            heapq.heappush(events, (finish[v], topo[v], v))
-
-    for dev in order:
-        try_start(dev)
-    while events:
-        t, _, u = heapq.heappop(events)
-        src = device_of[u]
-        arrival[(u, src)] = t
-        touched = {src}
-        for dst in sorted({device_of[w] for w in g.successors(u)} - {src}):
-            dur = problem.link_time(u, devices[src], devices[dst])
-            begin = max(t, out_port[src], in_port[dst]) if dur > 0 else t
+    for v, dev in sequence:
+        ready = [free[dev]]
+        for u in g.predecessors(v):
+            if (u, dev) not in arrival:
+                raise ValueError(f"the plan runs {v!r} before its input {u!r}: order the stages so every "
+                                 "input comes from the same or an earlier stage")
+            ready.append(arrival[(u, dev)])
+        start[v] = max(ready)
+        finish[v] = free[dev] = arrival[(v, dev)] = start[v] + problem.node_time(v, devices[dev])
+        order[dev].append(v)
+        for dst in sorted({device_of[w] for w in g.successors(v)} - {dev}):
+            dur = problem.link_time(v, devices[dev], devices[dst])
+            begin = max(finish[v], out_port[dev], in_port[dst]) if dur > 0 else finish[v]
             if dur > 0:
-                out_port[src] = in_port[dst] = begin + dur
-                moved.append(Transfer(u, src, dst, begin, begin + dur))
-            arrival[(u, dst)] = begin + dur
-            touched.add(dst)
-        for dev in sorted(touched):
-            try_start(dev)
-    stuck = [order[d][nxt[d]] for d in order if nxt[d] < len(order[d])]
-    if stuck:
-        raise ValueError(f"the stage order deadlocks: nodes {stuck} wait for inputs that run later on their device")
+                out_port[dev] = in_port[dst] = begin + dur
+                moved.append(Transfer(v, dev, dst, begin, begin + dur))
+            arrival[(v, dst)] = begin + dur
     return Schedule(max(finish.values(), default=0.0), start, finish, device_of, order, moved)

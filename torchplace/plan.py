@@ -21,7 +21,7 @@ from torchplace.costmodel import StageCost
 from torchplace.errors import InvalidPlanError, WorkloadFormatError
 from torchplace.problem import Problem
 
-__all__ = ["Plan", "Stage", "is_contiguous"]
+__all__ = ["Plan", "Stage", "is_contiguous", "stages_from_order"]
 
 _FORMAT = "torchplace.plan/1"
 
@@ -222,6 +222,25 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def stages_from_order(problem: Problem, order: Sequence[str], assignment: Mapping[str, str]) -> list[Stage]:
+    """The fewest stages whose plan order (:mod:`torchplace.costmodel`) is ``order``.
+
+    ``order`` must be a topological order. A plan lists its nodes stage by stage, topologically
+    inside a stage, so a new stage starts whenever the device changes or the next node comes
+    earlier in the graph's topological order than the previous node of the current stage. Every
+    edge then goes to the same or a later stage.
+    """
+    topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
+    stages: list[tuple[str, list[str]]] = []
+    for v in order:
+        dev = assignment[v]
+        if stages and stages[-1][0] == dev and topo[v] > topo[stages[-1][1][-1]]:
+            stages[-1][1].append(v)
+        else:
+            stages.append((dev, [v]))
+    return [Stage(dev, tuple(nodes)) for dev, nodes in stages]
 
 
 def _fmt_bytes(n: float) -> str:

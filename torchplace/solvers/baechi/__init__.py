@@ -19,9 +19,10 @@ the scheduler's own estimate. Co-placement and fusion (Sec. 3.2-3.3) are graph p
 :mod:`torchplace.fusion.coplace`, applied before scheduling.
 
 Each returns a ``"feasible"`` :class:`~torchplace.plan.Plan` over the problem made non-contiguous,
-whose stages make :func:`torchplace.costmodel.simulate` run every device's nodes in the
-scheduler's order; the plan's objective is that simulation (ports serialized, transfers granted in
-ready order), ``meta["scheduler_makespan"]`` the scheduler's own estimate.
+whose plan order is the scheduler's start order (:func:`torchplace.plan.stages_from_order`): the
+simulation (:func:`torchplace.costmodel.simulate`) runs every device's nodes and serves every port
+in that order. The plan's objective is that simulation, ``meta["scheduler_makespan"]`` the
+scheduler's own estimate.
 
 Example:
     >>> from torchplace.solvers.baechi import m_etf

@@ -27,11 +27,11 @@ from typing import Any
 
 from torchplace.devices import Device
 from torchplace.errors import InfeasibleError
-from torchplace.plan import Plan, Stage
+from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.solvers.baechi.memsim import simulate_memory
 
-__all__ = ["ListState", "check_latency", "stages_by_start"]
+__all__ = ["ListState", "check_latency"]
 
 
 def check_latency(problem: Problem, solver: str) -> None:
@@ -181,7 +181,9 @@ class ListState:
     def plan(self, solver: str, t0: float, meta: Mapping[str, Any] | None = None) -> Plan:
         """The scheduled order as a validated :class:`Plan` (non-contiguous, status ``"feasible"``)."""
         problem = dataclasses.replace(self.problem, contiguous=False)
-        stages = stages_by_start(self.start, self.device_of, self.topo)
+        # start order is topological: a consumer starts no earlier than its producer finishes
+        order = sorted(self.start, key=lambda v: (self.start[v], self.topo[v]))
+        stages = stages_from_order(problem, order, self.device_of)
         info = {"scheduler_makespan": self.makespan, "sequential_comm": self.sequential_comm, **(meta or {})}
         plan = Plan.build(problem, stages, solver=solver, seconds=time.perf_counter() - t0,
                           lower_bound=_lower_bound(problem), status="feasible", meta=info)
@@ -189,26 +191,6 @@ class ListState:
         plan.meta["static_memory"] = {d: self.used[d] for d in self.used if self.used[d]}
         plan.seconds = time.perf_counter() - t0
         return plan
-
-
-def stages_by_start(start: Mapping[str, float], device_of: Mapping[str, str], topo: Mapping[str, int]) -> list[Stage]:
-    """Stages that make :func:`costmodel.simulate` run each device's nodes in start-time order.
-
-    Nodes sorted by ``(start, topological index)`` form a topological order (a consumer starts no
-    earlier than its producer finishes), so cutting that sequence into runs gives stages whose edges
-    never go backwards. A run ends where the device changes or the topological index drops (inside a
-    stage the simulator runs nodes in topological order).
-    """
-    stages: list[Stage] = []
-    run: list[str] = []
-    for v in sorted(start, key=lambda v: (start[v], topo[v])):
-        if run and (device_of[v] != device_of[run[-1]] or topo[v] < topo[run[-1]]):
-            stages.append(Stage(device_of[run[-1]], tuple(run)))
-            run = []
-        run.append(v)
-    if run:
-        stages.append(Stage(device_of[run[-1]], tuple(run)))
-    return stages
 
 
 def _lower_bound(problem: Problem) -> float:

@@ -46,6 +46,7 @@ def solve_model(
     mip_gap: float = 1e-6,
     verbose: bool = False,
     warm_start: bool = False,
+    presolve: bool = True,
 ) -> MilpResult:
     """Minimise ``model`` with HiGHS and load the incumbent into its variables.
 
@@ -55,6 +56,8 @@ def solve_model(
         mip_gap: relative gap at which the incumbent counts as optimal.
         verbose: stream HiGHS's log.
         warm_start: start from the values already in the model's variables (an incumbent).
+        presolve: run HiGHS's presolve. A model whose bound must hold where presolve has been
+            seen to cut off the optimum turns it off (see :mod:`torchplace.solvers.milp.moirai`).
 
     Raises:
         InfeasibleError: if HiGHS proves the model infeasible.
@@ -67,6 +70,8 @@ def solve_model(
     solver.config.mip_gap = mip_gap
     solver.config.stream_solver = verbose
     solver.config.warmstart = warm_start
+    if not presolve:
+        solver.highs_options = {"presolve": "off"}
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
     t0 = time.perf_counter()

@@ -19,15 +19,15 @@ of the one cost model, :func:`torchplace.costmodel.simulate`:
 - (6) no overlap on a device: a disjunction (order binary ``delta_ij``) for every pair of nodes
   that no path orders, on each device both can use; precedence orders the others.
 - (8) congestion: transfers out of one device serialize, transfers into one device serialize (one
-  order binary ``sigma`` per pair of transfers that may share a port). A transfer of 0 s (e.g.
-  CPU to CPU) uses no port, as in the simulation.
-- Port order as the simulation grants it (not in the paper, whose (8) lets a port serve its
-  transfers in any order): the simulation grants a port in the order transfers become ready,
-  each one waiting for every transfer granted before it on either of its ports. So a transfer
-  that holds a shared port first is one whose producer completed no later (FIFO); an ancestor's
-  transfers are granted before a descendant's (the descendant cannot finish before its
-  ancestors' completions are processed); one producer's transfers go in destination name order.
-  The last two fix ``sigma``; FIFO links ``sigma`` to the producers' completions.
+  order binary ``pi_uv`` per pair of producers whose transfers may share a port, the same on
+  every port they share). A transfer of 0 s (e.g. CPU to CPU) uses no port, as in the simulation.
+- Plan order (not in the paper, whose (6) and (8) let each device and port pick its own order):
+  the simulation serves every device and port in the plan's order, one topological order of all
+  nodes. The model keeps a position ``r_v`` in ``[0, n-1]`` per node with ``r_v >= r_u + 1`` on
+  every edge and on every pair the model orders (two nodes on one device by ``delta``, two
+  producers whose transfers share a port by ``pi``), so the orders it picks come from one
+  topological order. A producer's transfers precede its descendants' (forced by the edges) and
+  one producer's go in destination name order (fixed), as in the simulation.
 
 Big-M is the horizon ``H`` = sum over nodes of their largest finite time + sum over transfers of
 their largest link time: some optimal schedule is left-justified, and in a left-justified schedule
@@ -36,23 +36,25 @@ big-M difference. Times are scaled by the largest duration so HiGHS's absolute t
 relative to the data. Beyond the paper's constraints the model has valid cuts (a device's nodes
 and a port's transfers fit in the makespan; a consumer waits for its input's transfer time).
 
-Why the MILP's bound is a lower bound for the simulation's optimum: every plan's simulated
-schedule is a feasible MILP solution with the same makespan (its assignment satisfies (4c), (5)
-and colocation because plans are validated; nodes start after their inputs arrive; the simulation
-makes exactly the transfers ``y_ud = 1`` with the same durations; a device runs one node at a
-time; a port's transfers do not overlap and are granted in the order above; 0-s transfers hold no
-port). So the MILP optimum, and any bound HiGHS proves on it, is at most the simulated makespan
-of every plan.
+Why the MILP's optimum is the best simulated plan:
 
-The converse holds except for two freedoms the MILP keeps: it breaks a tie between transfers
-that become ready at the same instant either way (the simulation gives it to the producer popped
-first from its event queue, by topological index; a strict order would need an epsilon that
-could cut off schedules the simulation makes), and it may start a node later than its inputs and
-device allow (the simulation never waits), which could change the FIFO order. The plan is
-extracted from the MILP's assignment and per-device order (:func:`extract`) and re-simulated;
-when the simulation comes out above the MILP's value (about 1 in 500 random 3-5 node problems,
-all ties), the plan's status is ``"feasible"`` and ``meta["milp_objective"]`` keeps the MILP's
-value.
+- Every plan's simulated schedule is a feasible MILP solution with the same makespan: its
+  assignment meets (4c), (5) and colocation (plans are validated); ``r`` is the plan position,
+  ``delta`` and ``pi`` follow it, nodes start after their inputs arrive, the transfers are exactly
+  ``y_ud = 1`` with the same durations, and no device or port serves two things at once. So the
+  MILP optimum, and any bound HiGHS proves, is at most every plan's makespan.
+- Conversely, :func:`extract` sorts the nodes by ``r`` (a topological order carrying every order
+  the model picked) into stages. The simulation serves each device and port in that order and
+  starts everything as early as those orders allow, so by induction along the order each node
+  and transfer ends no later than in the MILP's schedule: the plan's makespan is at most the
+  MILP's objective.
+
+Hence an optimal MILP solution gives an optimal plan whose simulated makespan is the MILP's value,
+up to HiGHS's tolerances (the plan's status is ``"optimal"`` only within them).
+
+HiGHS solves it with presolve off: on a 6-node instance (``test_milp_proves_8_where_presolve_cut_it_off``)
+HiGHS 1.15's MIP presolve returned 10 as "optimal" where a plan of 8 exists, and presolve off is
+no slower on these models (example-1: 2 s against 7 s).
 """
 from __future__ import annotations
 
@@ -70,12 +72,12 @@ import pyomo.environ as pyo
 
 from torchplace import costmodel
 from torchplace.errors import InfeasibleError
-from torchplace.plan import Plan, Stage
+from torchplace.plan import Plan, Stage, stages_from_order
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound, round_up_bound
 from torchplace.solvers.milp.highs import solve_model
 
-__all__ = ["build", "extract", "solve", "stages_from_order"]
+__all__ = ["build", "extract", "solve"]
 
 _NAME = "MOIRAI latency MILP"
 # HiGHS proves its bound up to its primal feasibility tolerance (1e-7 in the model's scaled
@@ -138,11 +140,11 @@ def _links(problem: Problem, p: Mapping[tuple[str, str], float]) -> dict[tuple[s
 
 def _unordered_pairs(problem: Problem, p: Mapping[tuple[str, str], float],
                      below: Mapping[str, set[str]]) -> list[tuple[str, str, str]]:
-    """(i, j, k): nodes no path orders that can both run on k, one of them for a positive time."""
+    """(i, j, k): nodes no path orders that can both run on k (0-s nodes too: the device serves
+    them in plan order, so one whose inputs arrive late holds up the other)."""
     order = problem.graph.topological_order()
     return [(i, j, d.name) for i, j in combinations(order, 2) if j not in below[i]
-            for d in problem.cluster.devices
-            if (i, d.name) in p and (j, d.name) in p and p[(i, d.name)] + p[(j, d.name)] > 0]
+            for d in problem.cluster.devices if (i, d.name) in p and (j, d.name) in p]
 
 
 def _colocated(problem: Problem, devices: Sequence[str]) -> list[tuple[str, str, str]]:
@@ -191,20 +193,22 @@ def _data(problem: Problem) -> _Data:
 
 
 def _port_pairs(data: _Data) -> tuple[list[tuple], list[tuple], list[tuple]]:
-    """Pairs of transfers that may hold one port: (u, d, v, d) into ``d``, (u, d, v, e, k) out of ``k``,
-    and the pairs (u, d, v, e) whose order the simulation fixes: ``u`` grants its transfers before
-    any descendant ``v`` finishes, and one producer's transfers go in destination name order."""
+    """Pairs of transfers that may hold one port: (u, d, v, d) into ``d`` and (u, d, v, e, k) out
+    of ``k``, ``u`` no later than ``v`` in topological order; and the producer pairs (u, v) whose
+    order the model picks (``pi``). The other pairs' order is fixed: ``u`` before a descendant
+    ``v`` (plan order is topological), one producer's transfers in destination name order."""
     src = defaultdict(set)  # (u, d) -> devices k with a positive transfer u: k -> d
     for u, k, d in data.link:
         src[(u, d)].add(k)
     moving = [t for t in data.transfers if src[t]]
     into, out = [], []
-    fixed = [(u, d, v, e) for (u, d), (v, e) in combinations(moving, 2) if u == v or v in data.below[u]]
     for (u, d), (v, e) in combinations(moving, 2):
         if d == e:
             into.append((u, d, v, e))
         out += [(u, d, v, e, k) for k in sorted(src[(u, d)] & src[(v, e)])]
-    return into, out, fixed
+    free = sorted({(q[0], q[2]) for q in into + out if q[0] != q[2] and q[2] not in data.below[q[0]]},
+                  key=lambda uv: (data.nodes.index(uv[0]), data.nodes.index(uv[1])))
+    return into, out, free
 
 
 def build(problem: Problem) -> pyo.ConcreteModel:
@@ -217,10 +221,11 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     if problem.objective != "latency":
         raise ValueError(f"the MOIRAI MILP minimises latency; problem.objective is {problem.objective!r}")
     data = _data(problem)
-    into, out, fixed = _port_pairs(data)
+    into, out, free = _port_pairs(data)
     m = pyo.ConcreteModel(name=_NAME)
     m.unit = data.unit  # seconds per time unit of the model
     m.horizon = data.horizon  # big-M, in time units
+    m.positions = len(data.nodes)  # big-M of the plan-order constraints
     H = data.horizon
     # Sets
     m.V = pyo.Set(initialize=data.nodes, ordered=True)  # nodes, topological order
@@ -232,10 +237,9 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     m.N = pyo.Set(initialize=data.need, dimen=3)  # (u, v, d): v on d needs transfer (u, d)
     m.P = pyo.Set(initialize=sorted({(i, j) for i, j, _ in data.pairs}), dimen=2)  # unordered node pairs
     m.PK = pyo.Set(initialize=data.pairs, dimen=3)  # (i, j, k): both can run on k
-    m.Q = pyo.Set(initialize=sorted({t[:4] for t in into + out}), dimen=4)  # transfer pairs sharing a port
     m.QIn = pyo.Set(initialize=into, dimen=4)  # (u, d, v, d): both into d
     m.QOut = pyo.Set(initialize=out, dimen=5)  # (u, d, v, e, k): both out of k
-    m.QFixed = pyo.Set(initialize=[q for q in fixed if q in m.Q], dimen=4)  # pairs the simulation orders
+    m.R = pyo.Set(initialize=free, dimen=2)  # (u, v): producers whose transfers' order is free
     m.Sink = pyo.Set(initialize=[v for v in data.nodes if not any(True for _ in problem.graph.successors(v))])
     m.Cap = pyo.Set(initialize=sorted(data.capacity))  # devices with a memory limit
     m.Col = pyo.Set(initialize=data.colocated, dimen=3)  # (v, rep, k): colocation
@@ -252,7 +256,8 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     m.y = pyo.Var(m.T, bounds=(0, 1))  # z_q: transfer (u, d) happens (integral when x is)
     m.w = pyo.Var(m.W, bounds=(0, 1))  # u_qk'k'': it happens from k' (integral when x is)
     m.delta = pyo.Var(m.P, domain=pyo.Binary)  # delta_ij = 1: i runs before j on a shared device
-    m.sigma = pyo.Var(m.Q, domain=pyo.Binary)  # delta_qr = 1: the pair's first transfer holds a shared port first
+    m.pi = pyo.Var(m.R, domain=pyo.Binary)  # delta_qr = 1: u's transfers hold a shared port before v's
+    m.r = pyo.Var(m.V, bounds=(0, len(data.nodes) - 1), initialize=0)  # position in the plan order
     m.makespan = pyo.Var(bounds=(0, H))  # objective (4)
     # Expressions
     m.C = pyo.Expression(m.V, rule=lambda m, v: m.S[v] + sum(m.p[v, k] * m.x[v, k] for k in m.K if (v, k) in m.A))
@@ -301,66 +306,55 @@ def _constraints(m: pyo.ConcreteModel, H: float) -> None:
     # (7) u_qk'k'': it goes over k' -> d iff u is on k'
     m.channel = pyo.Constraint(m.W, rule=lambda m, u, k, d: m.w[u, k, d] >= m.x[u, k] + m.y[u, d] - 1)
     m.channel_src = pyo.Constraint(m.W, rule=lambda m, u, k, d: m.w[u, k, d] <= m.x[u, k])
+    # plan order: a position per node, increasing along edges and every order the model picks
+    m.topological = pyo.Constraint(m.E, rule=lambda m, u, v: m.r[v] >= m.r[u] + 1)
     # (6) no overlap of unordered nodes sharing device k
     m.after = pyo.Constraint(m.PK, rule=lambda m, i, j, k: m.S[i] >= m.C[j] - H * m.delta[i, j]
                              - H * (2 - m.x[i, k] - m.x[j, k]))
     m.before = pyo.Constraint(m.PK, rule=lambda m, i, j, k: m.S[j] >= m.C[i] - H * (1 - m.delta[i, j])
                               - H * (2 - m.x[i, k] - m.x[j, k]))
+    n = m.positions
+    m.after_r = pyo.Constraint(m.PK, rule=lambda m, i, j, k: m.r[i] >= m.r[j] + 1 - n * m.delta[i, j]
+                               - n * (2 - m.x[i, k] - m.x[j, k]))
+    m.before_r = pyo.Constraint(m.PK, rule=lambda m, i, j, k: m.r[j] >= m.r[i] + 1 - n * (1 - m.delta[i, j])
+                                - n * (2 - m.x[i, k] - m.x[j, k]))
     # (8) congestion: transfers into one device serialize, transfers out of one device serialize
     _serialize(m, H, m.QIn, lambda m, u, d, v, e: m.port[u, d] + m.port[v, e], "in")
     _serialize(m, H, m.QOut, lambda m, u, d, v, e, k: m.w[u, k, d] + m.w[v, k, e], "out")
-    # the simulation grants an ancestor's transfers first, one producer's in destination name order
-    m.granted = pyo.Constraint(m.QFixed, rule=lambda m, u, d, v, e: m.sigma[u, d, v, e] == 1)
 
 
 def _serialize(m: pyo.ConcreteModel, H: float, pairs: pyo.Set, both: Callable[..., object], name: str) -> None:
-    """(8) for ``pairs`` of transfers that hold one port when ``both(...)`` is 2.
+    """(8) for ``pairs`` of transfers ``(u, d)``, ``(v, e)`` that hold one port when ``both(...)`` is 2.
 
-    ``sigma = 1``: the pair's first transfer ``(u, d)`` holds the port first, else the second.
-    As in the simulation, which grants a port in the order transfers become ready, the transfer
-    going first is one whose producer completed no later than the other's.
+    ``u``'s transfer holds the port first when ``pi[u, v]`` is 1 or the order is fixed (``u == v``:
+    destination name order, ``d < e``; ``v`` a descendant of ``u``); the plan order agrees.
     """
-    def idle(m, u, d, v, e, *k):  # H per port user that is absent
-        return H * (2 - both(m, u, d, v, e, *k))
+    def idle(m, u, d, v, e, *k):  # 1 per port user that is absent
+        return 2 - both(m, u, d, v, e, *k)
 
-    def first(m, u, d, v, e, *k):
-        return m.TS[v, e] >= m.TC[u, d] - H * (1 - m.sigma[u, d, v, e]) - idle(m, u, d, v, e, *k)
+    def first(m, u, d, v, e, *k):  # (u, d) then (v, e)
+        later = 0 if (u, v) not in m.R else 1 - m.pi[u, v]
+        return m.TS[v, e] >= m.TC[u, d] - H * later - H * idle(m, u, d, v, e, *k)
 
-    def second(m, u, d, v, e, *k):
-        return m.TS[u, d] >= m.TC[v, e] - H * m.sigma[u, d, v, e] - idle(m, u, d, v, e, *k)
-
-    def fifo_first(m, u, d, v, e, *k):
-        if (u, d, v, e) in m.QFixed:
+    def second(m, u, d, v, e, *k):  # (v, e) then (u, d)
+        if (u, v) not in m.R:
             return pyo.Constraint.Skip
-        return m.C[u] <= m.C[v] + H * (1 - m.sigma[u, d, v, e]) + idle(m, u, d, v, e, *k)
+        return m.TS[u, d] >= m.TC[v, e] - H * m.pi[u, v] - H * idle(m, u, d, v, e, *k)
 
-    def fifo_second(m, u, d, v, e, *k):
-        if (u, d, v, e) in m.QFixed:
+    n = m.positions
+
+    def first_r(m, u, d, v, e, *k):
+        if (u, v) not in m.R:
             return pyo.Constraint.Skip
-        return m.C[v] <= m.C[u] + H * m.sigma[u, d, v, e] + idle(m, u, d, v, e, *k)
+        return m.r[v] >= m.r[u] + 1 - n * (1 - m.pi[u, v]) - n * idle(m, u, d, v, e, *k)
 
-    for suffix, rule in (("first", first), ("second", second), ("fifo_first", fifo_first),
-                         ("fifo_second", fifo_second)):
+    def second_r(m, u, d, v, e, *k):
+        if (u, v) not in m.R:
+            return pyo.Constraint.Skip
+        return m.r[u] >= m.r[v] + 1 - n * m.pi[u, v] - n * idle(m, u, d, v, e, *k)
+
+    for suffix, rule in (("first", first), ("second", second), ("first_r", first_r), ("second_r", second_r)):
         m.add_component(f"{name}_{suffix}", pyo.Constraint(pairs, rule=rule))
-
-
-def stages_from_order(problem: Problem, order: Sequence[str], assignment: Mapping[str, str]) -> list[Stage]:
-    """Stages whose simulated per-device order is ``order`` restricted to each device.
-
-    ``order`` must be a topological order. A device runs its nodes stage by stage, topologically
-    inside a stage (:func:`torchplace.costmodel.simulate`), so a new stage starts whenever the
-    device changes or the next node comes earlier in the graph's topological order than the
-    previous node of the current stage. Every edge then goes to the same or a later stage.
-    """
-    topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
-    stages: list[tuple[str, list[str]]] = []
-    for v in order:
-        dev = assignment[v]
-        if stages and stages[-1][0] == dev and topo[v] > topo[stages[-1][1][-1]]:
-            stages[-1][1].append(v)
-        else:
-            stages.append((dev, [v]))
-    return [Stage(dev, tuple(nodes)) for dev, nodes in stages]
 
 
 def _start_order(problem: Problem, key: Mapping[str, tuple]) -> list[str]:
@@ -381,17 +375,15 @@ def _start_order(problem: Problem, key: Mapping[str, tuple]) -> list[str]:
 
 
 def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
-    """Stages reproducing the solved model's assignment and per-device start order.
+    """Stages reproducing the solved model's assignment and plan order.
 
-    Nodes are ordered by MILP start time, then completion (a 0-s node that starts with another
-    node on its device runs first, as it does in the MILP), then topological index; times are
-    rounded to 1e-6 of the largest duration so solver noise cannot reorder ties. The order is
-    taken as a topological order (:func:`_start_order`) and cut into stages
-    (:func:`stages_from_order`).
+    The plan order sorts the nodes by their position ``r`` (then topological index, for nodes the
+    model leaves unordered); :func:`_start_order` keeps it topological even if solver tolerances
+    blur two positions. The order is cut into stages by :func:`torchplace.plan.stages_from_order`.
     """
     assignment = {v: k for (v, k), var in model.x.items() if var.value is not None and var.value > 0.5}
     topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
-    key = {v: (round(pyo.value(model.S[v]), 6), round(pyo.value(model.C[v]), 6), topo[v]) for v in model.V}
+    key = {v: (pyo.value(model.r[v]), topo[v]) for v in model.V}
     return stages_from_order(problem, _start_order(problem, key), assignment)
 
 
@@ -412,11 +404,11 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     Returns:
         A Plan whose objective is the simulated makespan (:func:`torchplace.costmodel.simulate`)
         and whose lower bound is the larger of the MILP's proven bound and the combinatorial
-        latency bound. Status ``"optimal"`` when HiGHS proved optimality and the simulation
-        reproduces the MILP's makespan; ``"time_limit"`` when the limit stopped HiGHS;
-        ``"feasible"`` when the simulation could not follow the MILP's order at a port (a tie,
-        see the module docstring) and the plan came out slower than the MILP's schedule. ``meta`` holds ``milp_objective``, ``milp_bound``
-        (seconds), ``rows``, ``cols``, ``integers``.
+        latency bound. Status ``"optimal"`` when HiGHS proved optimality (the simulation then
+        reproduces the MILP's makespan up to HiGHS's tolerances); ``"time_limit"`` when the
+        limit stopped HiGHS; ``"feasible"`` only if tolerances left the simulation above the
+        MILP's value by more than the slack allowed for them. ``meta`` holds ``milp_objective``,
+        ``milp_bound`` (seconds), ``rows``, ``cols``, ``integers``.
 
     Raises:
         ValueError: for a throughput problem.
@@ -427,7 +419,8 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     problem = dataclasses.replace(problem, contiguous=False)
     model = build(problem)
     try:
-        res = solve_model(model, name=_NAME, time_limit=time_limit, mip_gap=mip_gap, verbose=verbose)
+        res = solve_model(model, name=_NAME, time_limit=time_limit, mip_gap=mip_gap, verbose=verbose,
+                          presolve=False)
     except InfeasibleError as e:
         need = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
         caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
