@@ -82,3 +82,51 @@ def test_a_failing_stage_raises_stage_error_and_nothing_hangs() -> None:
 def test_mismatched_lengths_are_rejected() -> None:
     with pytest.raises(ValueError, match="one entry per stage"):
         LatencyExecutor([_Stage(("x",), ("out",), lambda x: x)], ["cpu", "cpu"], ["w0"], _IO())
+
+
+def _recording_stages(seen: list[tuple[int, int]]) -> list[_Stage]:
+    def record(i: int):
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            seen.append((i, threading.get_ident()))
+            return x + i
+        return fn
+    return [_Stage(("x",), ("a",), record(0)), _Stage(("x",), ("b",), record(1)),
+            _Stage(("a", "b"), ("out",), torch.add)]
+
+
+def test_workers_are_kept_across_runs_and_end_with_the_executor() -> None:
+    import gc
+
+    seen: list[tuple[int, int]] = []
+    ex = LatencyExecutor(_recording_stages(seen), ["cpu"] * 3, ["w0", "w1", "w0"], _IO())
+    for _ in range(20):
+        assert torch.equal(ex.run((torch.zeros(2),), {}), torch.ones(2))
+    threads = {i: {ident for j, ident in seen if j == i} for i in (0, 1)}
+    assert threads[0] == {threading.get_ident()}  # the first worker runs in the caller
+    assert len(threads[1]) == 1 and threads[1] != threads[0]  # w1: one pool thread, made once
+    (pool,) = [t for t in threading.enumerate() if t.ident in threads[1]]
+    assert pool.name == "torchplace-latency-w1"
+    del ex
+    gc.collect()
+    pool.join(timeout=5)
+    assert not pool.is_alive()
+
+
+def test_a_failed_or_interrupted_run_leaves_the_executor_usable() -> None:
+    fail: list[BaseException] = []
+
+    def first(x: torch.Tensor) -> torch.Tensor:
+        if fail:
+            raise fail.pop()
+        return x
+
+    stages = [_Stage(("x",), ("a",), first), _Stage(("x",), ("b",), lambda x: x + 1),
+              _Stage(("a", "b"), ("out",), torch.add)]
+    ex = LatencyExecutor(stages, ["cpu"] * 3, ["w0", "w1", "w1"], _IO())
+    fail.append(ValueError("bad input"))
+    with pytest.raises(StageError, match="ValueError: bad input"):
+        ex.run((torch.zeros(1),), {})
+    fail.append(KeyboardInterrupt())  # Ctrl-C while the caller runs its own stage
+    with pytest.raises(KeyboardInterrupt):
+        ex.run((torch.zeros(1),), {})
+    assert torch.equal(ex.run((torch.zeros(1),), {}), torch.ones(1))

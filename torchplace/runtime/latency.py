@@ -3,11 +3,15 @@
 How it works (one :meth:`LatencyExecutor.run` call):
 
 * A *board* holds every value by name: first the model inputs, then each stage's outputs as the
-  stage finishes. One daemon thread per worker key (a device) runs that worker's stages in plan
-  order; a stage starts as soon as every input it reads is on the board. Stages on different
-  workers therefore overlap whenever the plan's data flow allows it (MOIRAI Sec. III-D,
-  Baechi Sec. 4.2: "an operator runs as soon as its inputs arrive"), and a worker's order is the
-  order the plan (and the cost model's simulation) gives it.
+  stage finishes. Each worker key (a device) runs its stages in plan order; a stage starts as
+  soon as every input it reads is on the board. Stages on different workers therefore overlap
+  whenever the plan's data flow allows it (MOIRAI Sec. III-D, Baechi Sec. 4.2: "an operator runs
+  as soon as its inputs arrive"), and a worker's order is the order the plan (and the cost
+  model's simulation) gives it.
+* The first worker runs in the calling thread; every other worker has a daemon thread that the
+  executor starts on its first run and keeps, fed one job per run through a queue (starting
+  threads on every call costs more than the small stages of a latency plan). Runs of one
+  executor take turns (a lock), so jobs of two runs never interleave.
 * The plan's stage order sends every edge to the same or a later stage, so a worker never waits
   for a value that its own later stage produces: the run cannot deadlock.
 * CUDA: each worker runs its stages on its own stream per CUDA device and records an event after
@@ -16,12 +20,16 @@ How it works (one :meth:`LatencyExecutor.run` call):
 * A value is dropped from the board once every stage that reads it has taken it (model outputs
   stay until the end).
 * Failure: a stage that raises records a :class:`~torchplace.errors.StageError` (chained from the
-  original) and stops every worker; waits poll a stop event, so nothing waits forever.
+  original) and stops every worker; waits poll a stop event, so nothing waits forever. Ctrl-C in
+  the calling thread stops the workers the same way and propagates as ``KeyboardInterrupt``.
 """
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +52,8 @@ __all__ = ["LatencyExecutor", "StageSpan"]
 _POLL_S = 0.05
 """Seconds a wait for a value blocks before checking the stop event again."""
 
-_JOIN_S = 2.0
-"""Seconds the caller waits for each worker thread to end after a run."""
+_STOP_S = 2.0
+"""Seconds a failed or interrupted run waits for the other workers to notice the stop."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class _Board:
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     spans: list[StageSpan] = field(default_factory=list)
+    busy: int = 0  # pool workers still running their job for this run
 
     def wait_for(self, names: Sequence[str]) -> None:
         with self.cond:
@@ -99,6 +108,21 @@ class _Board:
             for name in items:
                 self.events[name] = events
             self.cond.notify_all()
+
+    def done(self) -> None:
+        with self.cond:
+            self.busy -= 1
+            self.cond.notify_all()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until every pool worker has finished this run's job; False if ``timeout`` passed."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self.cond:
+            while self.busy:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return False
+                self.cond.wait(_POLL_S)  # a timed wait, so Ctrl-C reaches the caller
+        return True
 
     def fail(self, error: BaseException) -> None:
         with self.cond:
@@ -152,6 +176,10 @@ class LatencyExecutor:
             for name in stage.inputs:
                 self._readers[name] = self._readers.get(name, 0) + 1
         self.last_spans: list[StageSpan] = []
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        # the pool threads hold no reference to the executor between runs; this ends them with it
+        weakref.finalize(self, _stop_pool, self._queues)
         memo: dict[torch.device, dict[int, Any]] = {}
         for stage, device in zip(self.stages, self.devices):
             move_module(stage, device, memo.setdefault(device, {}))
@@ -162,42 +190,54 @@ class LatencyExecutor:
         Raises:
             StageError: if a stage raised; ``__cause__`` is the original exception.
         """
-        board = _Board(dict(self.graph_io.bind_inputs(args, kwargs)), dict(self._readers),
-                       frozenset(self.graph_io.output_names))
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        threads = [
-            threading.Thread(target=self._work, args=(board, w, order, grad, inference),
-                             name=f"torchplace-latency-{w}", daemon=True)
-            for w, order in self._order.items()
-        ]
-        for t in threads:
-            t.start()
-        try:
-            while any(t.is_alive() for t in threads):
-                if board.error is not None:
-                    raise board.error
-                for t in threads:
-                    t.join(timeout=_POLL_S)
+        with self._lock:
+            board = _Board(dict(self.graph_io.bind_inputs(args, kwargs)), dict(self._readers),
+                           frozenset(self.graph_io.output_names))
+            mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            first, *others = self._order
+            board.busy = len(others)
+            for worker in others:
+                self._jobs(worker).put(functools.partial(self._pool_job, board, worker, mode))
+            try:
+                self._work(board, first, mode)
+                board.wait_done()
+            except BaseException as error:  # Ctrl-C: stop the others before it propagates
+                board.fail(error)
+                board.wait_done(_STOP_S)
+                raise
+            finally:
+                self.last_spans = list(board.spans)
             if board.error is not None:
                 raise board.error
             names = list(self.graph_io.output_names)
             for name in names:
                 wait_for_producers(board.events.get(name, []), torch.device("cpu"), None)
             return self.graph_io({n: board.values[n] for n in names})
-        finally:
-            board.stop.set()
-            for t in threads:
-                t.join(timeout=_JOIN_S)
-            self.last_spans = list(board.spans)
 
-    def _work(self, board: _Board, worker: str, order: Sequence[int], grad: bool, inference: bool) -> None:
+    def _jobs(self, worker: str) -> queue.SimpleQueue:
+        """The job queue of ``worker``'s pool thread, started on first use."""
+        if worker not in self._queues:
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(jobs,), name=f"torchplace-latency-{worker}", daemon=True).start()
+            self._queues[worker] = jobs
+        return self._queues[worker]
+
+    def _pool_job(self, board: _Board, worker: str, mode: tuple[bool, bool]) -> None:
         try:
-            with autograd_mode(grad, inference):
-                for index in order:
+            self._work(board, worker, mode)
+        except BaseException as error:  # noqa: BLE001 - the pool thread must live on for later runs
+            board.fail(error)
+        finally:
+            board.done()
+
+    def _work(self, board: _Board, worker: str, mode: tuple[bool, bool]) -> None:
+        try:
+            with autograd_mode(*mode):
+                for index in self._order[worker]:
                     self._run_stage(board, worker, index)
         except _Stopped:
             return
-        except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
+        except Exception as error:  # noqa: BLE001 - every failure must reach the caller
             if not isinstance(error, StageError):
                 wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
                 wrapped.__cause__ = error
@@ -225,3 +265,15 @@ class LatencyExecutor:
         board.publish(dict(zip(stage.outputs, outputs)), made)
         with board.cond:
             board.spans.append(StageSpan(index, worker, start, time.perf_counter()))
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """A pool thread: run jobs until the executor is gone (``None``)."""
+    while (job := jobs.get()) is not None:
+        job()
+        del job  # drop the executor until the next run
+
+
+def _stop_pool(queues: Mapping[str, queue.SimpleQueue]) -> None:
+    for jobs in queues.values():
+        jobs.put(None)
