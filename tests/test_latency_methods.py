@@ -11,13 +11,11 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 from torchplace.solvers import solve
 
+from .test_moirai import _random_problem as moirai_random_problem
+
 
 def _random_problem(seed: int) -> Problem:
-    """6 nodes, 3 devices of different kinds, per-pair links, memory that forces a spread.
-
-    Times are random reals, so no two transfers become ready at the same instant (the one case
-    where the simulation's port order can differ from the MILP's; see milp/moirai.py).
-    """
+    """6 nodes, 3 devices of different kinds, per-pair links, memory that forces a spread."""
     rng = random.Random(seed)
     kinds = ["fast", "mid", "slow"]
     devs = tuple(Device(f"d{i}", "meta", k, 6) for i, k in enumerate(kinds))
@@ -45,3 +43,11 @@ def test_milp_latency_is_at_most_every_schedulers(seed):
         other = solve(problem, method=method, time_limit=20)
         assert milp.objective <= other.objective * (1 + 1e-9), method
         assert other.lower_bound <= milp.objective * (1 + 1e-9)
+
+
+def test_auto_starts_the_milp_from_the_better_scheduler():
+    problem = moirai_random_problem(16, seed=1)  # in 1 s HiGHS alone finds 52, m-SCT 47
+    plan = solve(problem, method="auto", time_limit=1.0)
+    tried = plan.meta["auto"]
+    assert tried["moirai"] <= min(tried["m-sct"], tried["m-etf"])
+    assert plan.objective == min(tried.values())

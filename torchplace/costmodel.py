@@ -55,6 +55,7 @@ __all__ = [
     "evaluate",
     "evaluate_stages",
     "memory",
+    "plan_order",
     "simulate",
     "transfers",
 ]
@@ -185,7 +186,7 @@ class Schedule:
         return out
 
 
-def _plan_order(problem: Problem, stages: Sequence[StageLike]) -> list[tuple[str, str]]:
+def plan_order(problem: Problem, stages: Sequence[StageLike]) -> list[tuple[str, str]]:
     """Every (node, device) in plan order: stage by stage, topological inside a stage."""
     topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
     return [(v, s.device) for s in stages for v in sorted(s.nodes, key=topo.__getitem__)]
@@ -202,7 +203,7 @@ def simulate(problem: Problem, stages: Sequence[StageLike]) -> Schedule:
             :meth:`Plan.validate` accepts never does).
     """
     g, cluster = problem.graph, problem.cluster
-    sequence = _plan_order(problem, stages)
+    sequence = plan_order(problem, stages)
     devices = {d: cluster.device(d) for d in dict.fromkeys(d for _, d in sequence)}
     device_of = dict(sequence)
     order: dict[str, list[str]] = {d: [] for d in devices}

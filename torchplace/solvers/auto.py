@@ -11,8 +11,9 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    guess-the-bottleneck bounds (Sec. 3.2-3.3) within the time budget.
 
 Latency (MOIRAI Sec. III-D; Baechi Sec. 2): m-SCT and m-ETF always; the MOIRAI MILP within
-``time_limit`` on graphs of at most ``milp_nodes`` nodes; the best plan wins, and the bound is the
-best of the combinatorial latency bound and the MILP's.
+``time_limit`` on graphs of at most ``milp_nodes`` nodes, starting from the better of the two
+schedulers' plans; the best plan wins, and the bound is the best of the combinatorial latency
+bound and the MILP's.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
         tried[name] = plan.objective
         plans.append(plan)
     if len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
-        _run_milp("moirai", problem, deadline, tried, plans, proven)
+        start = min(plans, key=lambda p: p.objective) if plans else None
+        _run_milp("moirai", problem, deadline, tried, plans, proven, warm_start=start)
     if not plans:
         raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
     return _best(problem, plans, [b for b in proven if math.isfinite(b)], tried, t0)

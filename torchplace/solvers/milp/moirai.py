@@ -77,7 +77,7 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound, round_up_bound
 from torchplace.solvers.milp.highs import solve_model
 
-__all__ = ["build", "extract", "solve"]
+__all__ = ["build", "extract", "initialize", "solve"]
 
 _NAME = "MOIRAI latency MILP"
 # HiGHS proves its bound up to its primal feasibility tolerance (1e-7 in the model's scaled
@@ -206,8 +206,9 @@ def _port_pairs(data: _Data) -> tuple[list[tuple], list[tuple], list[tuple]]:
         if d == e:
             into.append((u, d, v, e))
         out += [(u, d, v, e, k) for k in sorted(src[(u, d)] & src[(v, e)])]
+    topo = {v: i for i, v in enumerate(data.nodes)}
     free = sorted({(q[0], q[2]) for q in into + out if q[0] != q[2] and q[2] not in data.below[q[0]]},
-                  key=lambda uv: (data.nodes.index(uv[0]), data.nodes.index(uv[1])))
+                  key=lambda uv: (topo[uv[0]], topo[uv[1]]))
     return into, out, free
 
 
@@ -387,6 +388,36 @@ def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
     return stages_from_order(problem, _start_order(problem, key), assignment)
 
 
+def initialize(model: pyo.ConcreteModel, problem: Problem, stages: Sequence[Stage]) -> None:
+    """Set every variable of ``model`` to the simulated schedule of ``stages`` (a MIP start).
+
+    The module docstring's first argument: positions are the plan order, ``delta`` and ``pi``
+    follow them, times are the simulation's (in model units), a transfer that is not made starts
+    when its producer completes. The start is feasible, so HiGHS's first incumbent is this plan.
+    """
+    sched = costmodel.simulate(problem, stages)
+    pos = {v: i for i, (v, _) in enumerate(costmodel.plan_order(problem, stages))}
+    unit, dev = model.unit, sched.device_of
+    g = problem.graph
+    for (v, k), var in model.x.items():
+        var.value = float(dev[v] == k)
+    for v in model.V:
+        model.S[v].value = sched.start[v] / unit
+        model.r[v].value = float(pos[v])
+    moved = {(t.node, t.dst): t.start / unit for t in sched.transfers}
+    for u, d in model.T:
+        made = dev[u] != d and any(dev[w] == d for w in g.successors(u))
+        model.y[u, d].value = float(made)
+        model.TS[u, d].value = moved.get((u, d), sched.finish[u] / unit)
+    for (u, k, d), var in model.w.items():
+        var.value = model.y[u, d].value * float(dev[u] == k)
+    for (i, j), var in model.delta.items():
+        var.value = float(pos[i] < pos[j])
+    for (u, v), var in model.pi.items():
+        var.value = float(pos[u] < pos[v])
+    model.makespan.value = sched.makespan / unit
+
+
 def _size(model: pyo.ConcreteModel) -> dict[str, int]:
     rows = sum(1 for _ in model.component_data_objects(pyo.Constraint, active=True))
     cols = sum(1 for _ in model.component_data_objects(pyo.Var))
@@ -395,11 +426,15 @@ def _size(model: pyo.ConcreteModel) -> dict[str, int]:
 
 
 def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float = 1e-6,
-          verbose: bool = False) -> Plan:
+          verbose: bool = False, warm_start: Plan | None = None) -> Plan:
     """Minimise the latency of ``problem`` with the MOIRAI MILP; return the simulated plan.
 
     Contiguity is not modelled: the plan is built and validated for
     ``dataclasses.replace(problem, contiguous=False)``.
+
+    Args:
+        warm_start: a plan for ``problem`` (e.g. m-SCT's) that HiGHS starts from as its first
+            incumbent (:func:`initialize`); the result is never slower than it.
 
     Returns:
         A Plan whose objective is the simulated makespan (:func:`torchplace.costmodel.simulate`)
@@ -418,9 +453,11 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     t0 = time.perf_counter()
     problem = dataclasses.replace(problem, contiguous=False)
     model = build(problem)
+    if warm_start is not None:
+        initialize(model, problem, warm_start.stages)
     try:
         res = solve_model(model, name=_NAME, time_limit=time_limit, mip_gap=mip_gap, verbose=verbose,
-                          presolve=False)
+                          presolve=False, warm_start=warm_start is not None)
     except InfeasibleError as e:
         need = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
         caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
@@ -429,6 +466,8 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     stages = extract(model, problem)
     milp_objective, milp_bound = res.objective * model.unit, max(0.0, res.bound - _BOUND_SLACK) * model.unit
     simulated = costmodel.evaluate_stages(problem, stages)[0]
+    if warm_start is not None and warm_start.objective < simulated:  # HiGHS refused the start
+        stages, simulated = list(warm_start.stages), warm_start.objective
     slack = mip_gap * simulated + _BIG_M_SLACK * model.horizon * model.unit
     status = res.status if res.status == "time_limit" else (
         "optimal" if simulated <= milp_objective + slack else "feasible")
