@@ -130,3 +130,21 @@ def test_a_failed_or_interrupted_run_leaves_the_executor_usable() -> None:
     with pytest.raises(KeyboardInterrupt):
         ex.run((torch.zeros(1),), {})
     assert torch.equal(ex.run((torch.zeros(1),), {}), torch.ones(1))
+
+
+def test_a_worker_that_cannot_start_stops_the_run_and_leaves_the_executor_usable(monkeypatch) -> None:
+    stages = [_Stage(("x",), ("a",), lambda x: x), _Stage(("a",), ("b",), lambda x: x + 1),
+              _Stage(("b",), ("out",), lambda x: x * 2)]
+    ex = LatencyExecutor(stages, ["cpu"] * 3, ["w0", "w1", "w2"], _IO())
+    jobs = LatencyExecutor._jobs
+
+    def refuse_w2(self, worker):
+        if worker == "w2":
+            raise RuntimeError("can't start new thread")
+        return jobs(self, worker)
+
+    monkeypatch.setattr(LatencyExecutor, "_jobs", refuse_w2)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ex.run((torch.zeros(1),), {})  # w1's job was queued and waits for w0's value: it must stop
+    monkeypatch.undo()
+    assert torch.equal(ex.run((torch.zeros(1),), {}), torch.full((1,), 2.0))

@@ -195,10 +195,12 @@ class LatencyExecutor:
                            frozenset(self.graph_io.output_names))
             mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             first, *others = self._order
-            board.busy = len(others)
-            for worker in others:
-                self._jobs(worker).put(functools.partial(self._pool_job, board, worker, mode))
             try:
+                for worker in others:
+                    jobs = self._jobs(worker)
+                    with board.cond:
+                        board.busy += 1  # only jobs actually queued are waited for
+                    jobs.put(functools.partial(self._pool_job, board, worker, mode))
                 self._work(board, first, mode)
                 board.wait_done()
             except BaseException as error:  # Ctrl-C: stop the others before it propagates
