@@ -54,7 +54,7 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
 from torchplace.solvers.milp.highs import solve_model
-from torchplace.solvers.milp.maxload import Units, assignment_units, row
+from torchplace.solvers.milp.maxload import Units, assignment_units, row, time_unit
 
 __all__ = ["build_bottleneck", "guess_the_bottleneck_bound", "three_superblock_bound"]
 
@@ -88,6 +88,7 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     rest = _rest_classes(problem, device) if guess else []
     part = {k: (d, n) for k, (d, n) in enumerate(rest)}
     m = pyo.ConcreteModel(name="bottleneck-set MIP")
+    m.unit = unit = time_unit(units, problem)  # seconds per model time unit
     # Sets
     m.U = pyo.Set(initialize=range(len(units.members)))  # units
     m.S = pyo.Set(initialize=[u for u in m.U if (u, device) in units.allowed])  # may join S
@@ -99,7 +100,7 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     m.OUT = pyo.Set(dimen=2, initialize=[(p, w) for p in m.P for w in units.fanout[p] if units.of[p] in m.S])
     m.PK = pyo.Set(dimen=3, initialize=[(p, w, k) for p in m.P for w in units.fanout[p] for k in m.KP])
     # Params
-    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) for p in m.P})  # transfer seconds
+    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) / unit for p in m.P})  # transfer time
     # Vars
     m.x = pyo.Var(m.S, domain=pyo.Binary)  # unit in the bottleneck set S
     m.r = pyo.Var(m.R, domain=pyo.Binary)  # unit in superblock k
@@ -116,12 +117,12 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
         return m.r[u, k] if (u, k) in m.R else 0
 
     def work(k: int):  # work_k(R_k)
-        return sum(units.time[u][part[k][0]] * m.r[u, k] for u in m.U if (u, k) in m.R)
+        return sum(units.time[u][part[k][0]] / unit * m.r[u, k] for u in m.U if (u, k) in m.R)
 
     def io(k: int):  # io(R_k)
         return sum(m.c[p] * (m.kin[p, k] + m.kout[p, k]) for p in m.P)
 
-    s_work = sum(units.time[u][device] * m.x[u] for u in m.S)  # work_c(S)
+    s_work = sum(units.time[u][device] / unit * m.x[u] for u in m.S)  # work_c(S)
     s_io = sum(m.c[p] * (m.cin[p] + m.cout[p]) for p in m.P) if dev.pays_transfer else 0  # io(S)
     # Objective
     m.obj = pyo.Objective(expr=m.bottleneck, sense=pyo.minimize)
@@ -129,7 +130,7 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     m.comm_in = pyo.Constraint(m.IN, rule=lambda m, p, w: m.cin[p] >= m.x[w] - X(units.of[p]))
     m.comm_out = pyo.Constraint(m.OUT, rule=lambda m, p, w: m.cout[p] >= m.x[units.of[p]] - X(w))
     m.own_load = pyo.Constraint(expr=m.bottleneck >= s_work + s_io)  # f_c(S)
-    m.floor = pyo.Constraint(expr=row(s_work >= floor, "the work floor"))  # (14)
+    m.floor = pyo.Constraint(expr=row(s_work >= floor / unit, "the work floor"))  # (14)
     m.memory = pyo.Constraint(expr=row(
         sum(units.memory[u] * m.x[u] for u in m.S) <= dev.memory_bytes, "the memory")
         if dev.memory_bytes is not None else pyo.Constraint.Skip)
@@ -162,8 +163,8 @@ def _class_bound(problem: Problem, units: Units, device: int, floor: float, gues
     except InfeasibleError:
         return math.inf
     except SolverLimitError as e:  # no incumbent: keep what it proved, at least the floor
-        return max(floor, e.bound if e.bound is not None else floor)
-    return max(floor, res.bound)
+        return max(floor, e.bound * m.unit if e.bound is not None else floor)
+    return max(floor, res.bound * m.unit)
 
 
 def _bound(problem: Problem, guess: bool, time_limit: float | None) -> float:

@@ -76,7 +76,7 @@ from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.contiguity import stages_from_assignment
 from torchplace.solvers.milp.highs import MilpResult, solve_model
 
-__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment"]
+__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit"]
 
 SYMMETRY = ("none", "index", "load")
 
@@ -235,7 +235,7 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     pays = [d for d, dev in enumerate(devices) if dev.pays_transfer]
     m = pyo.ConcreteModel(name="max-load IP")
     m.units = units
-    m.unit = _time_unit(units, problem)  # seconds per model time unit
+    m.unit = time_unit(units, problem)  # seconds per model time unit
     # Sets
     m.U = pyo.Set(initialize=range(len(units.members)))  # units, topological
     m.D = pyo.Set(initialize=range(len(devices)))  # devices, cluster order
@@ -275,11 +275,13 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     return m
 
 
-def _time_unit(units: Units, problem: Problem) -> float:
+def time_unit(units: Units, problem: Problem) -> float:
     """Seconds per model time unit: 1, or a power of ten that brings sub-second times up to 1-10.
 
     Measured times can be 1e-5 s; HiGHS's absolute tolerances (1e-7 and so on) would then be a
     visible fraction of the objective, so such times are scaled up, and scaled back on the way out.
+    Every max-load MIP (this IP, :mod:`~torchplace.solvers.milp.mtpp`, the bounds in
+    :mod:`~torchplace.solvers.milp.bounds`) works in these units.
     """
     finite = [t for row in units.time for t in row if math.isfinite(t) and t > 0]
     finite += [t for p in units.fanout if (t := problem.transfer_time(p)) > 0]

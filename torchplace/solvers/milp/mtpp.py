@@ -36,6 +36,7 @@ or :mod:`maxload`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -46,7 +47,13 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
 from torchplace.solvers.milp.highs import solve_model
-from torchplace.solvers.milp.maxload import Units, assignment_units, model_size, row
+from torchplace.solvers.milp.maxload import (
+    Units,
+    assignment_units,
+    model_size,
+    row,
+    time_unit,
+)
 
 __all__ = ["build", "extract", "solve"]
 
@@ -59,12 +66,12 @@ def _check_inference(problem: Problem) -> None:
         )
 
 
-def _class_tables(problem: Problem, units: Units):
-    """Per class: representative device index, unit times (0 where it cannot run), allowed units."""
+def _class_tables(problem: Problem, units: Units, unit: float):
+    """Per class: representative device index, unit times in ``unit`` s (0 where it cannot run), allowed units."""
     index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
     classes = device_classes(problem)
     rep = [index[c.devices[0]] for c in classes]
-    times = [[t[d] if math.isfinite(t[d]) else 0.0 for t in units.time] for d in rep]
+    times = [[t[d] / unit if math.isfinite(t[d]) else 0.0 for t in units.time] for d in rep]
     ok = [{u for u in range(len(units.members)) if (u, d) in units.allowed} for d in rep]
     return classes, rep, times, ok
 
@@ -78,7 +85,8 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     """
     _check_inference(problem)
     units = assignment_units(problem)
-    classes, rep, times, ok = _class_tables(problem, units)
+    unit = time_unit(units, problem)  # seconds per model time unit
+    classes, rep, times, ok = _class_tables(problem, units, unit)
     n_units, k = len(units.members), len(problem.cluster)
     devices = problem.cluster.devices
     pays = [devices[d].pays_transfer for d in rep]
@@ -88,7 +96,7 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     cut = [(p, w) for p, ws in units.fanout.items() for w in ws] if any(pays) else []
     multi = len(classes) > 1
     m = pyo.ConcreteModel(name="MTPP MIP")
-    m.units, m.multi = units, multi
+    m.units, m.multi, m.unit = units, multi, unit
     # Sets
     m.U = pyo.Set(initialize=range(n_units))  # units, topological
     m.B = pyo.RangeSet(1, k)  # blocks in pipeline order
@@ -98,7 +106,7 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     m.P = pyo.Set(initialize=sorted({p for p, _ in cut}))  # producers whose transfer costs time
     m.CUT = pyo.Set(dimen=2, initialize=cut)  # (producer, consumer unit)
     # Params
-    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) for p in m.P})  # transfer seconds
+    m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) / unit for p in m.P})  # transfer time
     big = [math.fsum(times[c]) + (math.fsum(m.c[p] for p in m.P) if pays[c] else 0.0) for c in m.C]
     # Vars
     m.y = pyo.Var(m.U, m.Bin, domain=pyo.Binary)  # unit u in block b or earlier
@@ -175,7 +183,8 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     t0 = time.perf_counter()
     m = build(problem)
     build_seconds = time.perf_counter() - t0
-    res = solve_model(m, name="MTPP MIP", time_limit=time_limit, mip_gap=mip_gap)
+    scaled = solve_model(m, name="MTPP MIP", time_limit=time_limit, mip_gap=mip_gap)
+    res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
     plan = Plan.build(
