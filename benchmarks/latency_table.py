@@ -63,6 +63,7 @@ import torch.utils._pytree as pytree
 
 import torchplace
 from torchplace import costmodel, models
+from torchplace.clusterfile import load_cluster
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError, SolverLimitError
 from torchplace.fusion import coarsen
@@ -71,15 +72,12 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import profile, trace
 from torchplace.solvers import solve
+from torchplace.solvers.auto import (
+    MILP_NODES,  # MOIRAI runs on graphs of at most this many nodes
+)
 from torchplace.solvers.bounds import latency_lower_bound
 
-try:
-    from torchplace.clusterfile import load_cluster
-except ImportError:  # before cluster files moved out of torchplace.devices
-    from torchplace.devices import load_cluster  # type: ignore[attr-defined,no-redef]
-
 CLUSTER_DIR = Path(__file__).resolve().parents[1] / "examples" / "clusters"
-MILP_NODES = 60  # MOIRAI runs on graphs of at most this many nodes (as torchplace's auto does)
 QUICK_MILP_NODES = 30  # --quick: HiGHS's time limit does not cover building and loading the model
 BATCH = 1  # one request: see the module docstring
 SOLVER_METHODS = ("moirai", "latency-ip", "m-sct", "m-etf", "m-topo")

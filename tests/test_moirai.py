@@ -53,6 +53,7 @@ def test_reader_on_example_1() -> None:
     (",7,6,8,", ",7,x,8,", r"line 4 \(task 2\), column 'p1': expected comma-separated numbers"),
     ('2,4,5,"4,5"', '2,4,9,"4,9"', r"line 4 \(task 2\), column 'dir_succ': unknown task 9"),
     ('2,4,5,"4,5"', '2,4,5,"4"', r"line 4 \(task 2\), column 'dir_succ_add'"),
+    ('2,4,5,"4,5"', '2,4,2,"4,2"', r"line 4 \(task 2\), column 'dir_succ': a task cannot succeed itself"),
     (",0,1,3,1,0,2,3,2,0,2", ",0,1,3,1,0,2,3,2,1,2", r"line 4 \(task 2\), column 'pc22'"),
 ])
 def test_reader_names_line_and_column(tmp_path, old, new, message) -> None:

@@ -13,7 +13,7 @@ from torchplace.problem import Problem
 
 
 def _diamond(link: float = 2.0) -> Problem:
-    """a -> (b, c) -> d; every node 1 s on 'gpu'; every cross-device move ``link`` s."""
+    """a -> (b, c) -> d; a and d take 1 s, b and c 3 s on 'gpu'; every cross-device move ``link`` s."""
     g = OpGraph()
     for v, t in zip("abcd", (1.0, 3.0, 3.0, 1.0)):
         g.add_node(v, NodeRecord(v, times={"gpu": t}, link_times={"g0->g1": link, "g1->g0": link}))

@@ -9,6 +9,7 @@ from torchplace.devices import Cluster, Device, make_cluster, parse_memory
 from torchplace.errors import (
     InfeasibleError,
     InvalidPlanError,
+    SolverLimitError,
     StageError,
     TooManyIdealsError,
     TorchplaceError,
@@ -42,6 +43,7 @@ __all__ = [
     "PlacedModule",
     "Plan",
     "Problem",
+    "SolverLimitError",
     "Stage",
     "StageError",
     "TooManyIdealsError",

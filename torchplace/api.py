@@ -100,9 +100,10 @@ def place(
     The model is put in eval mode (placement is for inference), traced with torch.fx (or
     torch.export for models fx cannot trace), every operator is timed on each device kind present
     (and estimated for kinds that are not), a placement is solved for, and the traced graph is
-    split into stages. For throughput the default solver is the optimal contiguous split for a
-    pipeline (Tarnawski et al. 2020, Sec. 5.1.1); for latency it is the MOIRAI MILP when it solves
-    within the time limit, else Baechi's list schedulers (see :func:`torchplace.solvers.solve`).
+    split into stages. The default solver, ``"auto"`` (:mod:`torchplace.solvers.auto`), runs for
+    throughput the optimal contiguous DP when the graph has few enough ideals (Tarnawski et al.
+    2020, Sec. 5.1.1), else SliceGraph and BRKGA; for latency the best of Baechi's m-SCT and m-ETF
+    and the MOIRAI MILP (graphs of at most 60 nodes, started from the better scheduler's plan).
 
     Args:
         model: the model to place.

@@ -226,9 +226,10 @@ def simulate(problem: Problem, stages: Sequence[StageLike]) -> Schedule:
         order[dev].append(v)
         for dst in sorted({device_of[w] for w in g.successors(v)} - {dev}):
             dur = problem.link_time(v, devices[dev], devices[dst])
-            begin = max(finish[v], out_port[dev], in_port[dst]) if dur > 0 else finish[v]
             if dur > 0:
-                out_port[dev] = in_port[dst] = begin + dur
+                begin = max(finish[v], out_port[dev], in_port[dst])
+                out_port[dev] = in_port[dst] = arrival[(v, dst)] = begin + dur
                 moved.append(Transfer(v, dev, dst, begin, begin + dur))
-            arrival[(v, dst)] = begin + dur
+            else:  # a 0-s transfer holds no port
+                arrival[(v, dst)] = finish[v]
     return Schedule(max(finish.values(), default=0.0), start, finish, device_of, order, moved)

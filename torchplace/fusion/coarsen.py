@@ -92,10 +92,6 @@ class Coarsening:
     merges: Mapping[str, int] = field(default_factory=dict)
     max_group_time: float = math.inf
 
-    def owner(self) -> dict[str, str]:
-        """original id -> coarse id."""
-        return {v: c for c, members in self.mapping.items() for v in members}
-
     @overload
     def expand(self, placement: Mapping[str, str]) -> dict[str, str]: ...
 

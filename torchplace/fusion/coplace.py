@@ -116,9 +116,6 @@ class Quotient:
     def successors(self, root: str) -> frozenset[str]:
         return frozenset(self._succ[root])
 
-    def predecessors(self, root: str) -> frozenset[str]:
-        return frozenset(self._pred[root])
-
     def work(self, root: str) -> float:
         return self._work[root]
 

@@ -22,8 +22,6 @@ Example:
     'batch_norm'
     >>> op_kind("call_module:Conv2d"), op_kind("call_method:relu_")
     ('conv', 'relu')
-    >>> longest_match(["conv", "batch_norm", "relu"], DEFAULT_RULES).name
-    'conv+batch_norm+relu'
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ __all__ = [
     "MOIRAI_TABLE_I",
     "Rule",
     "expand_rules",
-    "longest_match",
     "op_kind",
 ]
 
@@ -140,14 +137,6 @@ class Rule:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def matches(self, kinds: Sequence[str]) -> bool:
-        """Whether ``kinds`` is exactly this rule (``is_rule`` of Algorithm 1)."""
-        return tuple(kinds) == self.steps
-
-    def starts(self, kinds: Sequence[str]) -> bool:
-        """Whether ``kinds`` is a prefix of this rule (``is_sub_rule`` of Algorithm 1)."""
-        return tuple(kinds) == self.steps[: len(kinds)]
-
 
 def expand_rules(*patterns: Sequence[str | Iterable[str]]) -> tuple[Rule, ...]:
     """Rules from patterns whose positions are a kind or a set of alternative kinds.
@@ -208,11 +197,3 @@ DEFAULT_RULES: tuple[Rule, ...] = expand_rules(
 )
 """MOIRAI Table I plus common TensorRT / cuDNN / TVM fusion patterns, in :func:`op_kind` kinds."""
 
-
-def longest_match(kinds: Sequence[str], rules: Iterable[Rule]) -> Rule | None:
-    """The longest rule that is a prefix of ``kinds`` (first in ``rules`` on ties), or ``None``."""
-    best: Rule | None = None
-    for rule in rules:
-        if rule.matches(kinds[: len(rule)]) and (best is None or len(rule) > len(best)):
-            best = rule
-    return best

@@ -1,6 +1,6 @@
 """Trace an ``nn.Module`` into a :class:`torch.fx.GraphModule` and an :class:`OpGraph`.
 
-Two capture methods:
+Three capture methods:
 
 * ``"fx"``: :func:`torch.fx.symbolic_trace` with a tracer whose leaves are the user's
   ``leaf_modules`` (and, at module granularity, every childless or standard ``torch.nn`` module).

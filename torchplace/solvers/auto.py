@@ -150,10 +150,13 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
     plans: list[Plan] = []
     proven: list[float] = []
     for name in ("m-sct", "m-etf"):
-        try:
-            plan = call_method(name, problem)
+        try:  # m-SCT's LP runs within the time left; m-ETF takes no limit (milliseconds)
+            plan = call_method(name, problem, time_limit=_remaining(deadline))
         except InfeasibleError as e:
             tried[name] = f"infeasible: {e}"
+            continue
+        except SolverLimitError:
+            tried[name] = "no LP solution within the time limit"
             continue
         tried[name] = plan.objective
         plans.append(plan)

@@ -2,7 +2,7 @@
 
 * :func:`read_dnn_partitioning` — msr-fiddle/dnn-partitioning JSON (Tarnawski et al. 2020);
   throughput by default.
-* :func:`read_expert_split` — a human expert split of one of those workloads, as a Plan.
+* :func:`read_expert_split` — a human expert split of one of those workloads, as node -> device.
 * :func:`read_moirai_csv` — the MOIRAI example CSV (heterogeneous devices, latency).
 """
 from torchplace.workloads.dnn_partitioning import (

@@ -196,7 +196,7 @@ def read_moirai_csv(path: str | Path) -> Problem:
 
     Raises:
         WorkloadFormatError: naming the line, task and column of a malformed cell, an unknown
-            successor, a repeated task, or a cycle.
+            successor, a task listed as its own successor, a repeated task, or a cycle.
     """
     path = Path(path)
     k, rows = _read_rows(path)
@@ -210,6 +210,8 @@ def read_moirai_csv(path: str | Path) -> Problem:
     for u, v, line in edges:
         if v not in g:
             raise WorkloadFormatError(f"{path}: line {line} (task {u}), column 'dir_succ': unknown task {v}")
+        if u == v:
+            raise WorkloadFormatError(f"{path}: line {line} (task {u}), column 'dir_succ': a task cannot succeed itself")
         g.add_edge(u, v)
     try:
         g.check_dag()

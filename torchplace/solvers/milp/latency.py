@@ -38,14 +38,16 @@ holds a node earlier in topological order than any node of the second (relabel i
 by their first node; empty devices last).
 
 **This is not the cost model.** torchplace's latency objective is :func:`costmodel.simulate`
-(node-level, eager, one transfer per (producer, destination device), ports that serialize). The
+(node-level, every device and port serving its work in plan order, one transfer per (producer,
+destination device), ports that serialize). The
 plan built here is evaluated by the simulation; the IP's own value goes to ``meta["ip_latency"]``
 and its proven bound (a bound for Tarnawski's model only) to ``meta["ip_bound"]``; the plan's
 lower bound is :func:`~torchplace.solvers.bounds.latency_lower_bound`. When the cluster has at
 least width(G) CPU devices, no colocation binds two CPU nodes, every move costs at most ``c_u`` per
 end that pays transfers (so it is with ``transfer_time`` and no ``link_times`` or pair bandwidths)
 and no transfer in the simulation waits for a port, the simulated makespan is at most the IP's TotalLatency: the IP's times are then a
-schedule the simulation could run, and it runs the earliest one. With ports that bind it can be
+schedule the simulation could run in the plan order :func:`extract` gives (stages ordered by
+the IP's start times), and it runs the earliest schedule in that order. With ports that bind it can be
 larger: Tarnawski's DRAM hub sends one output to any number of readers at once, the simulation
 sends it to one device after another (see ``tests/test_milp_latency.py``).
 """

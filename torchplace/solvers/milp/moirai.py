@@ -59,10 +59,10 @@ no slower on these models (example-1: 2 s against 7 s).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
+import networkx as nx
 import pyomo.environ as pyo
 
 from torchplace import costmodel
@@ -231,34 +231,18 @@ def _serialize(m: pyo.ConcreteModel, H: float, pairs: pyo.Set, both: Callable[..
         m.add_component(f"{name}_{suffix}", pyo.Constraint(pairs, rule=rule))
 
 
-def _start_order(problem: Problem, key: Mapping[str, tuple]) -> list[str]:
-    """A topological order taking, among the nodes whose inputs are placed, the smallest ``key``."""
-    g = problem.graph
-    waiting = {v: sum(1 for _ in g.predecessors(v)) for v in g}
-    ready = [(key[v], v) for v, n in waiting.items() if n == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, v = heapq.heappop(ready)
-        order.append(v)
-        for w in g.successors(v):
-            waiting[w] -= 1
-            if waiting[w] == 0:
-                heapq.heappush(ready, (key[w], w))
-    return order
-
-
 def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
     """Stages reproducing the solved model's assignment and plan order.
 
     The plan order sorts the nodes by their position ``r`` (then topological index, for nodes the
-    model leaves unordered); :func:`_start_order` keeps it topological even if solver tolerances
-    blur two positions. The order is cut into stages by :func:`torchplace.plan.stages_from_order`.
+    model leaves unordered), as a topological sort so that it stays topological even if solver
+    tolerances blur two positions. The order is cut into stages by :func:`torchplace.plan.stages_from_order`.
     """
     assignment = {v: k for (v, k), var in model.x.items() if var.value is not None and var.value > 0.5}
     topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
     key = {v: (pyo.value(model.r[v]), topo[v]) for v in model.V}
-    return stages_from_order(problem, _start_order(problem, key), assignment)
+    order = nx.lexicographical_topological_sort(problem.graph.nx, key=key.__getitem__)
+    return stages_from_order(problem, list(order), assignment)
 
 
 def initialize(model: pyo.ConcreteModel, problem: Problem, stages: Sequence[Stage]) -> None:
