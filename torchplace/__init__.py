@@ -14,6 +14,8 @@ from torchplace.errors import (
     TooManyIdealsError,
     TorchplaceError,
     TraceError,
+    UnsupportedError,
+    UsageError,
     WorkloadFormatError,
 )
 from torchplace.graph import NodeRecord, OpGraph
@@ -49,6 +51,8 @@ __all__ = [
     "TooManyIdealsError",
     "TorchplaceError",
     "TraceError",
+    "UnsupportedError",
+    "UsageError",
     "WorkloadFormatError",
     "make_cluster",
     "parse_memory",

@@ -12,12 +12,27 @@ __all__ = [
     "TooManyIdealsError",
     "TorchplaceError",
     "TraceError",
+    "UnsupportedError",
+    "UsageError",
     "WorkloadFormatError",
 ]
 
 
 class TorchplaceError(Exception):
     """Base class of every torchplace error."""
+
+
+class UsageError(TorchplaceError, ValueError):
+    """An argument, option or input the user gave is invalid; the message names it and the fix.
+
+    Derives from ``ValueError`` too, so code that catches ``ValueError`` for bad arguments keeps
+    working.
+    """
+
+
+class UnsupportedError(TorchplaceError):
+    """An operation a placed model cannot do exactly (e.g. pickling it, ``.to()``); the message
+    says what to do instead."""
 
 
 class TraceError(TorchplaceError):
