@@ -28,6 +28,8 @@ class _Stage(nn.Module):
     def __init__(self, inputs: tuple[str, ...], outputs: tuple[str, ...], fn) -> None:
         super().__init__()
         self.inputs, self.outputs, self.fn = inputs, outputs, fn
+        self.waits_for: tuple[int, ...] = ()
+        self.writes: tuple[str, ...] = ()
 
     def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (self.fn(*values),)

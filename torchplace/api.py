@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,16 +50,17 @@ class PlacedModule(nn.Module):
             for v in stage.nodes
             for fx_name in problem.graph.record(v).fx_nodes
         }
-        stages = split_stages(traced.gm, stage_of, len(plan.stages))
+        stages = split_stages(traced.gm, stage_of, len(plan.stages), traced.effects)
         self.stages = nn.ModuleList(stages)
         devices = [problem.cluster.device(s.device) for s in plan.stages]
         torch_devices, workers = [d.torch_device for d in devices], [d.name for d in devices]
         self._executor: PipelineExecutor | LatencyExecutor
+        isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
         if problem.objective == "latency":
             self.microbatches = 1
-            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm))
+            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
         else:
-            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm))
+            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self._executor, LatencyExecutor):

@@ -1,15 +1,18 @@
 """Small fx helpers shared by profiling (tracing, timing, estimates) and the runtime (splitting)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx import _pytree as fx_pytree
+from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-__all__ = ["COMPUTE_OPS", "TensorInfo", "fetch_attr", "flat_inputs", "is_compute", "tensor_bytes"]
+__all__ = ["COMPUTE_OPS", "TensorInfo", "bind_placeholders", "fetch_attr", "flat_inputs", "is_compute", "tensor_bytes"]
 
 COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
 """fx node ops that become OpGraph nodes and that a plan assigns to stages."""
@@ -30,15 +33,65 @@ class TensorInfo:
     output_bytes: int
 
 
-def flat_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, ...]:
+def bind_placeholders(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``{placeholder name: value}`` for a call ``gm(*args, **kwargs)``, as ``gm`` would bind it.
+
+    Exported modules flatten ``(args, kwargs)`` with their pytree input spec; fx modules bind by
+    the signature of their generated ``forward``.
+
+    Raises:
+        TypeError: if the arguments do not match the signature.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bound = inspect.signature(gm.forward).bind(*args, **dict(kwargs or {}))
+    bound.apply_defaults()
+    values = bound.arguments
+    codegen = gm.graph._codegen
+    if isinstance(codegen, _PyTreeCodeGen):
+        flat = _flatten_pytree_inputs(codegen, values)
+        return {n.name: v for n, v in zip(placeholders, flat)}
+    return {n.name: _placeholder_value(n, values) for n in placeholders}
+
+
+def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:
+    """Flatten bound arguments with the exported in_spec, like the generated ``forward``."""
+    info = codegen.pytree_info
+    in_spec = info.in_spec
+    names = [a for a in info.orig_args if a != "self"]
+    if in_spec.type is tuple and in_spec.num_children == 2:
+        kwargs_spec = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
+        keyword_names = set(kwargs_spec.context)
+        positional = [values[a] for a in names if a not in keyword_names]
+        keywords = {a: values[a] for a in names if a in keyword_names}
+        return fx_pytree.tree_flatten_spec((positional, keywords), in_spec)
+    return fx_pytree.tree_flatten_spec([values[a] for a in names], in_spec)
+
+
+def _placeholder_value(node: fx.Node, values: Mapping[str, Any]) -> Any:
+    """The value of one placeholder of a non-pytree graph from bound arguments."""
+    target = str(node.target)
+    if target.startswith("**"):
+        return values[target[2:]]
+    if target.startswith("*"):
+        return values[target[1:]]
+    if target in values:
+        return values[target]
+    if node.args:
+        return node.args[0]
+    raise TypeError(f"no value for model input {target!r}")
+
+
+def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
+                *, copy: bool = False) -> tuple[Any, ...]:
     """Arguments for :meth:`torch.fx.Interpreter.run` on ``gm``: one value per placeholder.
 
-    An exported module flattens ``(args, kwargs)`` into its placeholders; an fx module takes the
-    positional arguments as they are.
+    With ``copy=True`` every tensor is a fresh copy, so a graph that writes its inputs in place
+    leaves the caller's tensors alone.
     """
-    if getattr(gm, "_in_spec", None) is not None:
-        return tuple(pytree.tree_leaves((tuple(example_inputs), {})))
-    return tuple(example_inputs)
+    values = tuple(bind_placeholders(gm, args, kwargs).values())
+    if copy:
+        values = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), values)
+    return values
 
 
 def is_compute(node: fx.Node) -> bool:

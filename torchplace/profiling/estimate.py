@@ -12,7 +12,7 @@ placements when no device is present to measure, not a measurement.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchplace.fxutil import is_compute, tensor_bytes
+from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.trace import Traced
 
 __all__ = ["DEVICE_SPECS", "DeviceSpec", "NodeCost", "estimate_times", "node_costs"]
@@ -86,11 +87,17 @@ def _module_bytes(gm: nn.Module, n: fx.Node) -> int:
     return tensor_bytes([*sub.parameters(), *sub.buffers()])
 
 
-def node_costs(traced: Traced, example_inputs: Sequence[Any]) -> dict[str, NodeCost]:
-    """FLOPs and bytes of each compute fx node, keyed by fx node name."""
+def node_costs(traced: Traced, example_inputs: Sequence[Any],
+               example_kwargs: Mapping[str, Any] | None = None) -> dict[str, NodeCost]:
+    """FLOPs and bytes of each compute fx node, keyed by fx node name (one run on copies of the
+    inputs; the model's parameters and buffers are restored afterwards)."""
     counter = _CostCounter(traced.gm)
-    with torch.no_grad():
-        counter.run(*traced.flat_inputs(example_inputs))
+    snapshot = StateSnapshot(traced.gm)
+    try:
+        with torch.no_grad():
+            counter.run(*traced.flat_inputs(example_inputs, example_kwargs))
+    finally:
+        snapshot.restore()
     return counter.costs
 
 
@@ -98,13 +105,15 @@ def _roofline(cost: NodeCost, spec: DeviceSpec) -> float:
     return max(cost.flops / spec.peak_flops, cost.bytes / spec.mem_bandwidth) + spec.overhead
 
 
-def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str) -> dict[str, float]:
+def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str,
+                   example_kwargs: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Roofline time of every OpGraph node on a device of ``kind``.
 
     Args:
         traced: the output of :func:`torchplace.profiling.trace`.
         example_inputs: the inputs the model was traced with.
         kind: a key of :data:`DEVICE_SPECS` (``"cuda"``, ``"accel"``, ``"cpu"``).
+        example_kwargs: keyword inputs the model was traced with.
 
     Returns:
         Seconds per OpGraph node id: the sum of its fx nodes' roofline times.
@@ -118,7 +127,7 @@ def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str) -> 
             f"{sorted(DEVICE_SPECS)} (add one to torchplace.profiling.estimate.DEVICE_SPECS)"
         )
     spec = DEVICE_SPECS[kind]
-    costs = node_costs(traced, example_inputs)
+    costs = node_costs(traced, example_inputs, example_kwargs)
     return {
         node_id: sum(_roofline(costs[name], spec) for name in record.fx_nodes)
         for node_id, record in traced.graph.records()

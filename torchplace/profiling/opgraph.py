@@ -8,7 +8,7 @@ once) on the first node in topological order that reads it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -17,6 +17,7 @@ from torch import fx, nn
 
 from torchplace.fxutil import fetch_attr, is_compute
 from torchplace.graph import NodeRecord, OpGraph
+from torchplace.profiling.effects import Effects
 
 __all__ = ["build_opgraph"]
 
@@ -97,19 +98,25 @@ def _group_by_leaf(gm: fx.GraphModule, model: nn.Module, is_leaf: Callable[[str]
 
 
 # -- OpGraph ------------------------------------------------------------------------------------
-def _group_edges(groups: Sequence[_Group]) -> set[tuple[int, int]]:
-    """Index pairs (i, j): some node of group j uses a node of group i."""
+_Before = Mapping[fx.Node, Sequence[fx.Node]]
+"""fx node -> nodes that must run before it without it reading them (in-place ordering edges)."""
+
+
+def _group_edges(groups: Sequence[_Group], before: _Before) -> set[tuple[int, int]]:
+    """Index pairs (i, j): some node of group j uses a node of group i, or must run after one."""
     owner = {n: i for i, g in enumerate(groups) for n in g.nodes}
     edges: set[tuple[int, int]] = set()
     for j, g in enumerate(groups):
         for n in g.nodes:
-            edges.update((owner[a], j) for a in n.all_input_nodes if a in owner and owner[a] != j)
+            for a in (*n.all_input_nodes, *before.get(n, ())):
+                if a in owner and owner[a] != j:
+                    edges.add((owner[a], j))
     return edges
 
 
-def _merge_cycles(groups: list[_Group]) -> list[_Group]:
+def _merge_cycles(groups: list[_Group], before: _Before) -> list[_Group]:
     """Merge groups on a common cycle (strongly connected components) so the group graph is a DAG."""
-    g = nx.DiGraph(_group_edges(groups))
+    g = nx.DiGraph(_group_edges(groups, before))
     g.add_nodes_from(range(len(groups)))
     comps = [sorted(c) for c in nx.strongly_connected_components(g)]
     if all(len(c) == 1 for c in comps):
@@ -156,13 +163,13 @@ def _escaping_bytes(group: _Group) -> int:
     )
 
 
-def _record(group: _Group, param_bytes: int) -> NodeRecord:
+def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeRecord:
     """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
     temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
-        module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp,
+        module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp, colocation=colocation,
     )
 
 
@@ -190,9 +197,10 @@ def _unattributed_bytes(model: nn.Module, seen: set[_Key]) -> int:
     return sum(k[2] for k in keys - seen)
 
 
-def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], method: str) -> OpGraph:
-    """Nodes, edges, parameter attribution and meta of the OpGraph."""
-    edges = _group_edges(groups)
+def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], method: str,
+                   before: _Before, colocation: Mapping[int, str]) -> OpGraph:
+    """Nodes, edges (data and in-place ordering), parameter attribution and meta of the OpGraph."""
+    edges = _group_edges(groups, before)
     index_graph = nx.DiGraph(edges)
     index_graph.add_nodes_from(range(len(groups)))
     order = list(nx.lexicographical_topological_sort(index_graph, key=lambda i: i))
@@ -206,22 +214,65 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
     })
     ids = [g.nodes[0].name for g in groups]
     for i, g in enumerate(groups):
-        graph.add_node(ids[i], _record(g, params[i]))
+        graph.add_node(ids[i], _record(g, params[i], colocation.get(i)))
     for i, j in sorted(edges):
         graph.add_edge(ids[i], ids[j])
     return graph
 
 
 def _groups(
-    gm: fx.GraphModule, model: nn.Module, leaf_types: tuple[type, ...], module_level: bool, method: str
+    gm: fx.GraphModule, model: nn.Module, leaf_types: tuple[type, ...], module_level: bool, method: str,
+    effects: Effects, before: _Before,
 ) -> list[_Group]:
     """fx graphs already have leaves as call_module nodes; exported graphs are grouped by leaf.
-    Then shape-only computations and dead-end checks are folded into their neighbours."""
+    Accessors of written state become one group; then shape-only computations and dead-end checks
+    are folded into their neighbours."""
     if method == "fx" or not (module_level or leaf_types):
         groups = [_singleton(n, gm) for n in gm.graph.nodes if is_compute(n)]
     else:
-        groups = _merge_cycles(_group_by_leaf(gm, model, _leaf_predicate(model, leaf_types, module_level)))
-    return _fold_into_neighbours(groups)
+        groups = _group_by_leaf(gm, model, _leaf_predicate(model, leaf_types, module_level))
+    groups = _merge_cycles(_merge_sets(groups, effects.merged, gm), before)
+    return _fold_into_neighbours(groups, before)
+
+
+def _merge_sets(groups: list[_Group], sets: Sequence[frozenset[str]], gm: fx.GraphModule) -> list[_Group]:
+    """Merge every group that holds a member of one of ``sets`` into one group per set (overlapping
+    sets together). Merging can close cycles through other groups; :func:`_merge_cycles` follows."""
+    if not sets:
+        return groups
+    owner = {n.name: i for i, g in enumerate(groups) for n in g.nodes}
+    links = nx.Graph()
+    links.add_nodes_from(range(len(groups)))
+    for members in sets:
+        idx = sorted({owner[m] for m in members if m in owner})
+        links.add_edges_from(zip(idx, idx[1:]))
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    merged = []
+    for comp in nx.connected_components(links):
+        parts = [groups[i] for i in sorted(comp)]
+        if len(parts) == 1:
+            merged.append(parts[0])
+            continue
+        nodes = tuple(sorted((n for p in parts for n in p.nodes), key=position.__getitem__))
+        merged.append(_Group(nodes, "+".join(p.label for p in parts), parts[0].module, "group:" + "+".join(p.op for p in parts)))
+    return sorted(merged, key=lambda grp: position[grp.nodes[0]])
+
+
+def _colocation(groups: Sequence[_Group], effects: Effects) -> dict[int, str]:
+    """Group index -> colocation label: groups holding members of one colocated set (or of
+    overlapping sets) share a device (:mod:`torchplace.profiling.effects`)."""
+    owner = {n.name: i for i, g in enumerate(groups) for n in g.nodes}
+    links = nx.Graph()
+    for members in effects.colocated:
+        idx = sorted({owner[m] for m in members if m in owner})
+        links.add_nodes_from(idx)
+        links.add_edges_from(zip(idx, idx[1:]))
+    labels: dict[int, str] = {}
+    for comp in nx.connected_components(links):
+        if len(comp) > 1:
+            first = min(comp)
+            labels.update({i: f"inplace:{groups[first].nodes[0].name}" for i in comp})
+    return labels
 
 
 # -- folding ------------------------------------------------------------------------------------
@@ -241,7 +292,7 @@ def _data_dependent(graph: fx.Graph) -> set[fx.Node]:
     return dependent
 
 
-def _fold_roots(groups: Sequence[_Group], dependent: set[fx.Node]) -> list[int]:
+def _fold_roots(groups: Sequence[_Group], dependent: set[fx.Node], before: _Before) -> list[int]:
     """For each group, the index of the group it is folded into (itself if kept).
 
     Groups are visited in a topological order ``pos``; every kept group is a *root*.
@@ -256,7 +307,7 @@ def _fold_roots(groups: Sequence[_Group], dependent: set[fx.Node]) -> list[int]:
     graph is still a DAG: a folded group picked the earliest of its consumers' roots, and the
     roots it could reach later all come after it.
     """
-    edges = _group_edges(groups)
+    edges = _group_edges(groups, before)
     g = nx.DiGraph(edges)
     g.add_nodes_from(range(len(groups)))
     order = list(nx.lexicographical_topological_sort(g, key=lambda i: i))
@@ -293,7 +344,7 @@ def _fold_isolated(g: nx.DiGraph, order: list[int], find: Callable[[int], int], 
             parent[r] = roots[0]
 
 
-def _fold_into_neighbours(groups: list[_Group]) -> list[_Group]:
+def _fold_into_neighbours(groups: list[_Group], before: _Before) -> list[_Group]:
     """Merge shape-only and dead-end groups into a neighbour (see :func:`_fold_roots`).
 
     These nodes cost next to nothing, but each independent one multiplies the number of ideals
@@ -302,7 +353,7 @@ def _fold_into_neighbours(groups: list[_Group]) -> list[_Group]:
     """
     if len(groups) < 2:
         return groups
-    roots = _fold_roots(groups, _data_dependent(groups[0].nodes[0].graph))
+    roots = _fold_roots(groups, _data_dependent(groups[0].nodes[0].graph), before)
     members: dict[int, list[int]] = {}
     for i, r in enumerate(roots):
         members.setdefault(r, []).append(i)
@@ -321,6 +372,7 @@ def build_opgraph(
     leaf_types: tuple[type, ...] = (),
     module_level: bool = False,
     method: str = "fx",
+    effects: Effects | None = None,
 ) -> OpGraph:
     """The OpGraph of ``gm``, whose nodes carry ``meta["torchplace"]`` (a ``TensorInfo``).
 
@@ -330,10 +382,15 @@ def build_opgraph(
         leaf_types: module classes kept whole.
         module_level: whether childless modules are leaves too (module granularity).
         method: ``"fx"`` (leaves are already ``call_module`` nodes) or ``"export"`` (grouped here).
+        effects: the graph's in-place writes: their ordering edges become edges, accessors of
+            written state one node, and colocated accessors share a ``colocation`` label.
 
     Returns:
         The OpGraph; ``meta`` holds ``method``, ``inputs``, ``outputs`` (fx node names) and
         ``unattributed_param_bytes`` (model tensors no node reads).
     """
-    groups = _groups(gm, model, leaf_types, module_level, method)
-    return _build_opgraph(gm, model, groups, method)
+    effects = effects or Effects()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    before = {by_name[v]: [by_name[u] for u in sorted(us)] for v, us in effects.after.items()}
+    groups = _groups(gm, model, leaf_types, module_level, method, effects, before)
+    return _build_opgraph(gm, model, groups, method, before, _colocation(groups, effects))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 
 from torchplace.fxutil import is_compute
 from torchplace.graph import OpGraph
+from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.estimate import estimate_times
 from torchplace.profiling.trace import Traced
 
@@ -89,25 +91,39 @@ def present_kinds() -> set[str]:
 
 
 def _on_device(
-    gm: fx.GraphModule, inputs: tuple[Any, ...], kind: str
+    gm: fx.GraphModule, inputs: tuple[Any, ...], kind: str, copy_module: bool = True
 ) -> tuple[fx.GraphModule, tuple[Any, ...]]:
     """A copy of ``gm`` and the inputs on the first device of ``kind`` (``gm`` itself for cpu)."""
     if kind == "cpu":
         return gm, inputs
     device = torch.device(f"{kind}:0")
     moved = pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, inputs)
-    return copy.deepcopy(gm).to(device), moved
+    return (copy.deepcopy(gm).to(device) if copy_module else gm), moved
+
+
+@contextmanager
+def _restoring(snapshot: StateSnapshot) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        snapshot.restore()
 
 
 def _measure(
-    traced: Traced, example_inputs: Sequence[Any], kind: str, warmup: int, repeats: int, progress: bool
+    traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any], kind: str,
+    warmup: int, repeats: int, progress: bool,
 ) -> dict[str, float]:
-    """Median seconds per compute fx node over ``repeats`` runs after ``warmup`` runs."""
-    gm, inputs = _on_device(traced.gm, traced.flat_inputs(example_inputs), kind)
+    """Median seconds per compute fx node over ``repeats`` runs after ``warmup`` runs.
+
+    Every run gets fresh copies of the inputs (a graph may write them in place); the model's
+    parameters and buffers are restored afterwards (a graph may update buffers)."""
+    gm, _ = _on_device(traced.gm, (), kind)
     samples: dict[str, list[float]] = {}
     bar = tqdm(range(warmup + repeats), desc=f"profiling on {kind}", disable=not progress, leave=False)
-    with torch.no_grad():
+    snapshot = StateSnapshot(gm)
+    with torch.no_grad(), _restoring(snapshot):
         for i in bar:
+            _, inputs = _on_device(traced.gm, traced.flat_inputs(example_inputs, example_kwargs), kind, copy_module=False)
             timer = _CudaTimer() if kind == "cuda" else _CpuTimer()
             _TimingInterpreter(gm, timer).run(*inputs)
             if i >= warmup:
@@ -135,6 +151,7 @@ def _with_times(graph: OpGraph, times: Mapping[str, Mapping[str, float]]) -> OpG
 def profile(
     traced: Traced,
     example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
     *,
     kinds: Iterable[str] = ("cpu",),
     warmup: int = 2,
@@ -146,6 +163,7 @@ def profile(
     Args:
         traced: the output of :func:`torchplace.profiling.trace` (model in eval mode).
         example_inputs: the inputs to time with (normally those it was traced with).
+        example_kwargs: keyword inputs to time with.
         kinds: device kinds to fill in. Kinds present here (:func:`present_kinds`) are measured;
             the others are estimated with :func:`torchplace.profiling.estimate.estimate_times`.
         warmup: untimed runs before measuring.
@@ -164,8 +182,8 @@ def profile(
     times: dict[str, dict[str, float]] = {}
     for kind in dict.fromkeys(kinds):
         if kind in present:
-            fx_times = _measure(traced, example_inputs, kind, warmup, repeats, progress)
+            fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress)
             times[kind] = _node_times(traced.graph, fx_times)
         else:
-            times[kind] = estimate_times(traced, example_inputs, kind)
+            times[kind] = estimate_times(traced, example_inputs, kind, example_kwargs)
     return _with_times(traced.graph, times)

@@ -24,8 +24,9 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,8 +34,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError
-from torchplace.fxutil import TensorInfo, flat_inputs, tensor_bytes
+from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, tensor_bytes
 from torchplace.graph import OpGraph
+from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state
 from torchplace.profiling.opgraph import build_opgraph
 
 __all__ = ["Traced", "trace"]
@@ -53,15 +55,18 @@ class Traced:
             ``ModelOutput``) and bitwise-equal tensors in eval mode.
         graph: the :class:`OpGraph` over ``gm``'s compute nodes (costs except ``times``).
         method: the capture method actually used, ``"fx"`` or ``"export"``.
+        effects: the graph's in-place writes and what they force on a placement
+            (:mod:`torchplace.profiling.effects`).
     """
 
     gm: fx.GraphModule
     graph: OpGraph
     method: str
+    effects: Effects = field(default_factory=Effects)
 
-    def flat_inputs(self, example_inputs: Sequence[Any]) -> tuple[Any, ...]:
-        """The values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
-        return flat_inputs(self.gm, example_inputs)
+    def flat_inputs(self, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+        """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
+        return flat_inputs(self.gm, example_inputs, example_kwargs, copy=True)
 
 
 # -- capture -----------------------------------------------------------------------------------
@@ -91,37 +96,57 @@ class _LeafTracer(fx.Tracer):
 
 
 def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bool) -> fx.GraphModule:
-    """``symbolic_trace`` with :class:`_LeafTracer`; failures re-raised as :class:`_CaptureFailure`."""
+    """``symbolic_trace`` with :class:`_LeafTracer`; failures re-raised as :class:`_CaptureFailure`.
+
+    Symbolic tracing runs the model's Python code once, and an in-place update of a parameter or
+    buffer (``self.n += 1``) then happens on the real tensor, at trace time, and never again: the
+    graph would silently lose it. Such a trace is undone and reported as a failure, so ``"auto"``
+    falls back to export, which records the update in the graph.
+    """
     tracer = _LeafTracer(leaf_types, module_level)
+    snapshot = StateSnapshot(model)
     try:
         graph = tracer.trace(model)
     except Exception as e:
+        snapshot.restore()
         path, cls = tracer.failed_in or ("", type(model).__qualname__)
         raise _CaptureFailure("fx", path, cls, e) from e
+    if written := snapshot.changed():
+        snapshot.restore()
+        error = RuntimeError(f"tracing wrote {', '.join(repr(n) for n in written)} in place; fx would run that "
+                             "update once at trace time, not on every call (export records it)")
+        raise _CaptureFailure("fx", "", type(model).__qualname__, error)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _batch_dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Mark dim 0 of every tensor input dynamic, so the graph runs on any batch (micro-batch) size."""
-
-    def spec(leaf: Any) -> Any:
-        return {0: torch.export.Dim.DYNAMIC} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
-
-    return tuple(pytree.tree_map(spec, x) for x in example_inputs)
+def _dynamic_batch(leaf: Any) -> Any:
+    return {0: torch.export.Dim.DYNAMIC} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
 
 
-def _at_least_two(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Tensor inputs with a batch (dim 0) of one, repeated to two along dim 0; others unchanged."""
+def _batch_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Mark dim 0 of every tensor input dynamic, so the graph runs on any batch (micro-batch) size.
+
+    Positional-only calls get a tuple like ``args``; calls with keywords get a dict keyed by the
+    parameter names of ``model.forward``, as :func:`torch.export.export` expects.
+    """
+    if not kwargs:
+        return tuple(pytree.tree_map(_dynamic_batch, x) for x in args)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: pytree.tree_map(_dynamic_batch, value) for name, value in bound.arguments.items()}
+
+
+def _at_least_two(value: Any) -> Any:
+    """Tensor leaves with a batch (dim 0) of one, repeated to two along dim 0; others unchanged."""
 
     def widen(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == 1:
             return torch.cat([leaf, leaf])
         return leaf
 
-    return tuple(pytree.tree_map(widen, x) for x in example_inputs)
+    return pytree.tree_map(widen, value)
 
 
-def _export_capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
+def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> fx.GraphModule:
     """``torch.export`` (non-strict, dynamic batch dim) then ``.module()``; failures as _CaptureFailure.
 
     Without a dynamic batch dimension the exported graph bakes the example batch size into its
@@ -129,12 +154,16 @@ def _export_capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.Gra
     specializes a dimension of size 1, so a batch of one (single-stream latency) is exported as a
     batch of two copies; the graph then runs on one sample as well.
     """
-    example_inputs = _at_least_two(tuple(example_inputs))
+    args, kwargs = _at_least_two(tuple(args)), _at_least_two(dict(kwargs))
+    snapshot = StateSnapshot(model)
     try:
-        ep = torch.export.export(model, example_inputs, dynamic_shapes=_batch_dynamic_shapes(example_inputs), strict=False)
+        ep = torch.export.export(model, args, kwargs=kwargs or None,
+                                 dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs), strict=False)
         return ep.module()
     except Exception as e:
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
+    finally:
+        snapshot.restore()
 
 
 class _CaptureFailure(Exception):
@@ -150,9 +179,9 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure]) -> TraceErro
     """A :class:`TraceError` naming the failing module, the errors, and what to try."""
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
-    hints = [f"pass leaf_modules=({first.cls},) to keep that module whole"]
+    hints = [f"pass leaf_modules=({first.cls},) to keep that module whole"] if first.path else []
     if all(f.method != "export" for f in failures):
-        hints.append("use method='export'")
+        hints.append("use trace_method='export'")
     hints.append("for Hugging Face models, build the model with use_cache=False")
     hints.append("data-dependent Python control flow (`if x.sum() > 0:`) must sit inside a leaf module")
     tried = "; ".join(str(f) for f in failures)
@@ -165,6 +194,7 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure]) -> TraceErro
 def _capture(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any],
     method: str,
     leaf_types: tuple[type, ...],
     module_level: bool,
@@ -176,18 +206,33 @@ def _capture(
         try:
             if m == "fx":
                 return _fx_capture(model, leaf_types, module_level), "fx"
-            return _export_capture(model, example_inputs), "export"
+            return _export_capture(model, example_inputs, example_kwargs), "export"
         except _CaptureFailure as f:
             failures.append(f)
     raise _trace_error(model, failures) from failures[-1].error
 
 
-# -- shapes --------------------------------------------------------------------------------------
-class _ShapeRecorder(fx.Interpreter):
-    """Runs the graph once and stores a :class:`TensorInfo` in each node's ``meta["torchplace"]``."""
+# -- shapes and in-place writes ------------------------------------------------------------------
+class _Recorder(fx.Interpreter):
+    """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]``, and what
+    each node reads and writes in an :class:`AccessLog` (every value is kept alive for the log)."""
+
+    def __init__(self, gm: fx.GraphModule, log: AccessLog) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.log = log
 
     def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
+            token = self.log.before(n, args, kwargs, module) if is_compute(n) else None
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op == "placeholder":
+            self.log.placeholder(n, out)
+        elif n.op == "get_attr":
+            self.log.constant(n, out)
+        elif token is not None:
+            self.log.after(n, token, out)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         n.meta["torchplace"] = TensorInfo(
             shapes=tuple(tuple(t.shape) for t in tensors),
@@ -197,15 +242,25 @@ class _ShapeRecorder(fx.Interpreter):
         return out
 
 
-def _record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Shape propagation on real inputs (no grad), like fx's ``ShapeProp``."""
-    with torch.no_grad():
-        _ShapeRecorder(gm).run(*flat_inputs(gm, example_inputs))
+def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
+            example_kwargs: Mapping[str, Any]) -> Effects:
+    """Shape propagation and the in-place analysis on one real run (no grad) of copies of the
+    inputs; the model's parameters and buffers are restored afterwards."""
+    inputs = flat_inputs(gm, example_inputs, example_kwargs, copy=True)
+    log = AccessLog(named_state(gm))
+    snapshot = StateSnapshot(model)
+    try:
+        with torch.no_grad():
+            _Recorder(gm, log).run(*inputs)
+    finally:
+        snapshot.restore()
+    return analyse(gm.graph, log)
 
 
 def trace(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None = None,
     *,
     granularity: str = "operator",
     leaf_modules: Iterable[type] = (),
@@ -216,6 +271,7 @@ def trace(
     Args:
         model: the module, in the mode it will run in (eval for inference).
         example_inputs: positional arguments of ``model``.
+        example_kwargs: keyword arguments of ``model`` (e.g. ``attention_mask``).
         granularity: ``"operator"``: one node per op, except that ``leaf_modules`` instances stay
             whole; ``"module"``: one node per leaf module, where leaves are ``leaf_modules``
             instances and modules with no children (with fx also fx's standard ``torch.nn``
@@ -241,7 +297,8 @@ def trace(
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
-    gm, used = _capture(model, tuple(example_inputs), method, leaf_types, module_level)
-    _record_shapes(gm, example_inputs)
-    graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used)
-    return Traced(gm=gm, graph=graph, method=used)
+    kwargs = dict(example_kwargs or {})
+    gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level)
+    effects = _record(gm, model, example_inputs, kwargs)
+    graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=effects)
+    return Traced(gm=gm, graph=graph, method=used, effects=effects)

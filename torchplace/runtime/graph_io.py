@@ -8,16 +8,13 @@ nested arguments and whose output spec unflattens the result; both are honoured 
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
-from torch.fx import _pytree as fx_pytree
-from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import map_arg
 
-from torchplace.fxutil import fetch_attr
+from torchplace.fxutil import bind_placeholders, fetch_attr
 
 __all__ = ["GraphIO"]
 
@@ -50,46 +47,16 @@ class GraphIO:
             n.name for n in graph.nodes if n in used and n.op != "get_attr"
         )
         self._constants = {n.name: fetch_attr(gm, str(n.target)) for n in used if n.op == "get_attr"}
-        codegen = graph._codegen
-        self._pytree_info = codegen.pytree_info if isinstance(codegen, _PyTreeCodeGen) else None
-        self._codegen = codegen
-        self._signature = inspect.signature(gm.forward)
+        self._codegen = graph._codegen
+        self._gm = gm
 
     def bind_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map the caller's arguments to placeholder names, as ``gm(*args, **kwargs)`` would.
 
-        Args:
-            args: positional arguments of the model call.
-            kwargs: keyword arguments of the model call.
-
-        Returns:
-            ``{placeholder name: value}`` for every placeholder.
-
         Raises:
             TypeError: if the arguments do not match the model's signature.
         """
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        if self._pytree_info is not None:
-            flat = self._flatten_pytree_inputs(values)
-            return dict(zip(self.placeholder_names, flat))
-        return {n.name: _placeholder_value(n, values) for n in self._placeholders}
-
-    def _flatten_pytree_inputs(self, values: Mapping[str, Any]) -> list[Any]:
-        """Flatten bound arguments with the exported in_spec, like the generated ``forward``."""
-        info = self._pytree_info
-        if info is None:
-            raise TypeError("the graph has no pytree input spec")
-        in_spec = info.in_spec
-        names = [a for a in info.orig_args if a != "self"]
-        if in_spec.type is tuple and in_spec.num_children == 2:
-            kwargs_spec = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
-            keyword_names = set(kwargs_spec.context)
-            positional = [values[a] for a in names if a not in keyword_names]
-            keywords = {a: values[a] for a in names if a in keyword_names}
-            return fx_pytree.tree_flatten_spec((positional, keywords), in_spec)
-        return fx_pytree.tree_flatten_spec([values[a] for a in names], in_spec)
+        return bind_placeholders(self._gm, args, kwargs)
 
     def __call__(self, env: Mapping[str, Any]) -> Any:
         """Rebuild the model output from computed values.
@@ -107,18 +74,3 @@ class GraphIO:
         values = {**self._constants, **env}
         flat = map_arg(self._structure, lambda n: values[n.name])
         return self._codegen.process_outputs(flat)
-
-
-def _placeholder_value(node: fx.Node, values: Mapping[str, Any]) -> Any:
-    """The value of one placeholder of a non-pytree graph from bound arguments."""
-    target = str(node.target)
-    if target.startswith("**"):
-        return values[target[2:]]
-    if target.startswith("*"):
-        return values[target[1:]]
-    if target in values:
-        return values[target]
-    if node.args:
-        return node.args[0]
-    raise TypeError(f"no value for model input {target!r}")
-

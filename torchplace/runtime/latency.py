@@ -7,7 +7,12 @@ How it works (one :meth:`LatencyExecutor.run` call):
   soon as every input it reads is on the board. Stages on different workers therefore overlap
   whenever the plan's data flow allows it (MOIRAI Sec. III-D, Baechi Sec. 4.2: "an operator runs
   as soon as its inputs arrive"), and a worker's order is the order the plan (and the cost
-  model's simulation) gives it.
+  model's simulation) gives it. A stage also waits for the earlier stages its in-place ordering
+  edges name (``StageModule.waits_for``): a reader of a value before a write, a writer before a
+  later reader. Those edges go forward in plan order too, so the run still cannot deadlock.
+* The board keeps every value where it was made and one copy per other device
+  (:class:`~torchplace.runtime.values.Values`); after a stage that writes memory in place, stale
+  copies are forgotten and written model inputs are copied back into the caller's tensors.
 * The first worker runs in the calling thread; every other worker has a daemon thread that the
   executor starts on its first run and keeps, fed one job per run through a queue (starting
   threads on every call costs more than the small stages of a latency plan). Runs of one
@@ -17,8 +22,8 @@ How it works (one :meth:`LatencyExecutor.run` call):
 * CUDA: each worker runs its stages on its own stream per CUDA device and records an event after
   each stage; a consumer on the same device waits on the event in its stream, others synchronize
   on it (:mod:`torchplace.runtime.devices`).
-* A value is dropped from the board once every stage that reads it has taken it (model outputs
-  stay until the end).
+* A value is dropped from the board once every stage that reads it has run (model outputs stay
+  until the end).
 * Failure: a stage that raises records a :class:`~torchplace.errors.StageError` (chained from the
   original) and stops every worker; waits poll a stop event, so nothing waits forever. Ctrl-C in
   the calling thread stops the workers the same way and propagates as ``KeyboardInterrupt``.
@@ -42,10 +47,10 @@ from torchplace.runtime.devices import (
     move_module,
     normalize_device,
     stream_context,
-    to_device,
     wait_for_producers,
 )
 from torchplace.runtime.split import StageModule
+from torchplace.runtime.values import Values
 
 __all__ = ["LatencyExecutor", "StageSpan"]
 
@@ -74,39 +79,49 @@ class _Stopped(Exception):
 class _Board:
     """Values by name, with the CUDA event that produced each, and the run's stop/error state."""
 
-    values: dict[str, Any]
+    values: Values
     readers: dict[str, int]
     keep: frozenset[str]
     events: dict[str, list[tuple[torch.device, Any]]] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
     cond: threading.Condition = field(default_factory=threading.Condition)
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     spans: list[StageSpan] = field(default_factory=list)
     busy: int = 0  # pool workers still running their job for this run
 
-    def wait_for(self, names: Sequence[str]) -> None:
+    def wait_for(self, names: Sequence[str], stages: Sequence[int]) -> None:
+        """Until every value in ``names`` exists and every stage in ``stages`` has finished."""
         with self.cond:
-            while not all(n in self.values for n in names):
+            while not (all(n in self.values for n in names) and self.finished.issuperset(stages)):
                 if self.stop.is_set():
                     raise _Stopped
                 self.cond.wait(_POLL_S)
 
-    def take(self, names: Sequence[str]) -> tuple[list[Any], list[tuple[torch.device, Any]]]:
-        """The values of ``names`` and their events; a value no later stage reads is dropped."""
+    def take(self, names: Sequence[str], place: str, device: torch.device, stream: Any) -> list[Any]:
+        """The values of ``names`` for a stage on plan device ``place`` (torch device ``device``)."""
         with self.cond:
-            values = [self.values[n] for n in names]
             events = [e for n in names for e in self.events.get(n, [])]
+        wait_for_producers(events, device, stream)
+        with stream_context(stream):
+            return [self.values.get(n, place, device, stream) for n in names]
+
+    def release(self, names: Sequence[str], writes: Sequence[str], place: str) -> None:
+        """After a stage read ``names`` and wrote ``writes`` in place: apply the writes
+        (:meth:`Values.wrote`) and drop each value no later stage reads."""
+        with self.cond:
+            self.values.wrote(writes, place)
             for n in names:
                 self.readers[n] -= 1
                 if self.readers[n] == 0 and n not in self.keep:
-                    del self.values[n]
-            return values, events
+                    self.values.drop(n)
 
-    def publish(self, items: Mapping[str, Any], events: list[tuple[torch.device, Any]]) -> None:
+    def publish(self, stage: int, place: str, items: Mapping[str, Any], events: list[tuple[torch.device, Any]]) -> None:
         with self.cond:
-            self.values.update(items)
+            self.values.put(items.items(), place)
             for name in items:
                 self.events[name] = events
+            self.finished.add(stage)
             self.cond.notify_all()
 
     def done(self) -> None:
@@ -142,6 +157,8 @@ class LatencyExecutor:
         stage_workers: the worker key of each stage (the plan's device name): stages sharing a key
             run one after another, in plan order, on its thread.
         graph_io: a :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
+        isolate: give every worker its own memory even on one torch device (a test aid, see
+            :class:`~torchplace.runtime.values.Values`).
 
     Attributes:
         last_spans: when each stage ran in the last :meth:`run`, in finishing order.
@@ -153,6 +170,7 @@ class LatencyExecutor:
         stage_devices: list[str],
         stage_workers: list[str],
         graph_io: Any,
+        isolate: bool = False,
     ) -> None:
         if not len(stages) == len(stage_devices) == len(stage_workers):
             raise ValueError(
@@ -165,6 +183,7 @@ class LatencyExecutor:
         self.devices = [normalize_device(d) for d in stage_devices]
         self.workers = list(stage_workers)
         self.graph_io = graph_io
+        self.isolate = isolate
         self._order: dict[str, list[int]] = {}
         for index, worker in enumerate(self.workers):
             self._order.setdefault(worker, []).append(index)
@@ -191,8 +210,8 @@ class LatencyExecutor:
             StageError: if a stage raised; ``__cause__`` is the original exception.
         """
         with self._lock:
-            board = _Board(dict(self.graph_io.bind_inputs(args, kwargs)), dict(self._readers),
-                           frozenset(self.graph_io.output_names))
+            bound = self.graph_io.bind_inputs(args, kwargs)
+            board = _Board(Values(bound, bound, self.isolate), dict(self._readers), frozenset(self.graph_io.output_names))
             mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             first, *others = self._order
             try:
@@ -214,7 +233,7 @@ class LatencyExecutor:
             names = list(self.graph_io.output_names)
             for name in names:
                 wait_for_producers(board.events.get(name, []), torch.device("cpu"), None)
-            return self.graph_io({n: board.values[n] for n in names})
+            return self.graph_io({n: board.values.originals[n] for n in names})
 
     def _jobs(self, worker: str) -> queue.SimpleQueue:
         """The job queue of ``worker``'s pool thread, started on first use."""
@@ -249,14 +268,14 @@ class LatencyExecutor:
     def _run_stage(self, board: _Board, worker: str, index: int) -> None:
         stage, device = self.stages[index], self.devices[index]
         stream = self._streams.get((worker, device))
-        board.wait_for(stage.inputs)
+        board.wait_for(stage.inputs, stage.waits_for)
         start = time.perf_counter()
         try:
-            inputs, events = board.take(stage.inputs)
-            wait_for_producers(events, device, stream)
+            inputs = board.take(stage.inputs, worker, device, stream)
             with stream_context(stream):
-                moved = [to_device(v, device, stream) for v in inputs]
-                outputs = stage(*moved)
+                outputs = stage(*inputs)
+            del inputs
+            board.release(stage.inputs, stage.writes, worker)
         except Exception as error:
             raise StageError(f"stage {index} on {worker} failed: {type(error).__name__}: {error}") from error
         made: list[tuple[torch.device, Any]] = []
@@ -264,7 +283,7 @@ class LatencyExecutor:
             event = torch.cuda.Event()
             event.record(stream)
             made = [(device, event)]
-        board.publish(dict(zip(stage.outputs, outputs)), made)
+        board.publish(index, worker, dict(zip(stage.outputs, outputs)), made)
         with board.cond:
             board.spans.append(StageSpan(index, worker, start, time.perf_counter()))
 

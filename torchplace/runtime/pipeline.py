@@ -12,9 +12,13 @@ How it works (one :meth:`PipelineExecutor.run` call):
 * One daemon thread per distinct worker key is started for the call and ends with it. A worker
   processes its (micro-batch, segment) pairs in the order of
   :func:`~torchplace.runtime.schedule.worker_orders` (the GPipe clock restricted to the worker);
-  the executor decides no order itself. Each stage moves its inputs to its device, runs, adds its
-  outputs to the carry and drops the values no later stage or the output needs; after the last
-  stage the worker assembles the micro-batch's output.
+  the executor decides no order itself. Each stage reads its inputs on its device (the carry
+  keeps every value where it was made and one copy per other device,
+  :class:`~torchplace.runtime.values.Values`), runs, applies its in-place writes (stale copies
+  forgotten, written model inputs copied back), adds its outputs to the carry and drops the
+  values no later stage or the output needs; after the last stage the worker assembles the
+  micro-batch's output. A micro-batch's stages run one after another, so in-place ordering edges
+  between stages hold by construction.
 * The caller's thread collects the outputs in micro-batch order and gathers them
   (:func:`~torchplace.runtime.microbatch.gather`: tensor leaves concatenated along dim 0,
   non-tensor leaves from the first micro-batch).
@@ -46,12 +50,12 @@ from torchplace.runtime.devices import (
     move_module,
     normalize_device,
     stream_context,
-    to_device,
     wait_for_producers,
 )
 from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.split import StageModule
+from torchplace.runtime.values import Values
 
 __all__ = ["PipelineExecutor"]
 
@@ -67,7 +71,7 @@ class _Message:
     """One micro-batch in flight: its carry, its CUDA events, and finally its output."""
 
     microbatch: int
-    carry: dict[str, Any]
+    carry: Values
     events: list[tuple[torch.device, Any]] = field(default_factory=list)
     output: Any = None
 
@@ -146,6 +150,8 @@ class PipelineExecutor:
             binds the call's arguments to input names (``bind_inputs``), lists the names the
             output reads (``output_names``) and, called with ``{name: value}``, builds the output.
         queue_size: the capacity of each queue between segments (at least 1).
+        isolate: give every worker its own memory even on one torch device (a test aid, see
+            :class:`~torchplace.runtime.values.Values`).
 
     Raises:
         ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
@@ -162,6 +168,7 @@ class PipelineExecutor:
         stage_workers: list[str],
         assemble_output: Any,
         queue_size: int = 2,
+        isolate: bool = False,
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
         self.stages = list(stages)
@@ -169,6 +176,7 @@ class PipelineExecutor:
         self.workers = list(stage_workers)
         self.assemble_output = assemble_output
         self.queue_size = queue_size
+        self.isolate = isolate
         self._segments = segments(self.workers)
         self._drops = _drop_schedule(self.stages, assemble_output.output_names)
         self._needed = {n for s in self.stages for n in s.inputs} | set(assemble_output.output_names)
@@ -232,7 +240,7 @@ class PipelineExecutor:
         for index, (args, kwargs) in enumerate(chunks):
             bound = self.assemble_output.bind_inputs(args, kwargs)
             carry = {name: value for name, value in bound.items() if name in self._needed}
-            queues[0].put(_Message(index, carry))
+            queues[0].put(_Message(index, Values(carry, bound, self.isolate)))
         return state
 
     def _collect(self, state: _RunState, count: int, threads: Sequence[threading.Thread]) -> list:
@@ -285,7 +293,7 @@ class PipelineExecutor:
             message.events.append((device, event))
         if stages[-1] == len(self.stages) - 1:
             message.output = self._assemble(worker, message)
-            message.carry = {}
+            message.carry = Values({}, ())
 
     def _run_stage(self, state: _RunState, worker: str, index: int, message: _Message) -> None:
         """Run stage ``index`` on ``message``'s carry and update the carry in place."""
@@ -295,23 +303,22 @@ class PipelineExecutor:
         try:
             wait_for_producers(message.events, device, stream)
             with stream_context(stream):
-                for name in stage.inputs:
-                    carry[name] = to_device(carry[name], device, stream)
-                outputs = stage(*(carry[name] for name in stage.inputs))
+                outputs = stage(*(carry.get(name, worker, device, stream) for name in stage.inputs))
+                carry.wrote(stage.writes, worker)
         except Exception as error:
             raise StageError(
                 f"stage {index} on {worker} failed on micro-batch {message.microbatch}: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        carry.update(zip(stage.outputs, outputs))
+        carry.put(zip(stage.outputs, outputs), worker)
         for name in self._drops[index]:
-            carry.pop(name, None)
+            carry.drop(name)
         state.trace.append((worker, message.microbatch, index))
 
     def _assemble(self, worker: str, message: _Message) -> Any:
         """Build one micro-batch's output from its carry."""
         try:
-            return self.assemble_output(message.carry)
+            return self.assemble_output(message.carry.originals)
         except Exception as error:
             raise StageError(
                 f"assembling the output of micro-batch {message.microbatch} on {worker} failed: "

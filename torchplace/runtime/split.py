@@ -27,6 +27,7 @@ from torch import fx
 
 from torchplace.errors import InvalidPlanError
 from torchplace.fxutil import COMPUTE_OPS
+from torchplace.profiling.effects import Effects
 
 __all__ = [
     "StageInterface",
@@ -52,6 +53,11 @@ class StageModule(fx.GraphModule):
             stages), in the order ``forward`` takes them.
         outputs: names of the values the stage produces that later stages or the model output
             need, in the order ``forward`` returns them.
+        waits_for: earlier stages that must finish before this one starts although it reads no
+            value of theirs (in-place writes, :mod:`torchplace.profiling.effects`).
+        writes: names of values (model inputs among them) whose memory the stage writes in
+            place: copies of them made before it ran are stale afterwards, and a model input it
+            wrote through a copy is copied back into the caller's tensor.
     """
 
     def __init__(
@@ -61,12 +67,16 @@ class StageModule(fx.GraphModule):
         index: int,
         inputs: tuple[str, ...],
         outputs: tuple[str, ...],
+        waits_for: tuple[int, ...] = (),
+        writes: tuple[str, ...] = (),
     ) -> None:
         """Build the module; ``root`` supplies the submodules and attributes the graph uses."""
         super().__init__(root, graph, class_name=f"Stage{index}")
         self.index = index
         self.inputs = inputs
         self.outputs = outputs
+        self.waits_for = waits_for
+        self.writes = writes
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def validate_assignment(
-    graph: fx.Graph, stage_of: Mapping[str, int], num_stages: int
+    graph: fx.Graph, stage_of: Mapping[str, int], num_stages: int, effects: Effects | None = None
 ) -> None:
     """Check that ``stage_of`` places every compute node and respects the stage order.
 
@@ -105,11 +115,12 @@ def validate_assignment(
         graph: the model graph.
         stage_of: compute node name -> stage index.
         num_stages: the number of stages.
+        effects: the graph's in-place writes; their ordering edges must go forward too.
 
     Raises:
         InvalidPlanError: if ``num_stages`` is below 1, a compute node has no stage, a name is not
-            a compute node, a stage index is out of range, or a node reads a value computed in a
-            later stage.
+            a compute node, a stage index is out of range, a node reads a value computed in a
+            later stage, or an in-place ordering edge goes backwards.
     """
     if num_stages < 1:
         raise InvalidPlanError(f"num_stages must be at least 1 (got {num_stages})")
@@ -134,6 +145,12 @@ def validate_assignment(
             )
     for node in nodes:
         _check_precedence(node, stage_of)
+    for u, v in (effects or Effects()).edges():
+        if stage_of[u] > stage_of[v]:
+            raise InvalidPlanError(
+                f"node {v!r} in stage {stage_of[v]} must run after {u!r} in the later stage {stage_of[u]} "
+                "(an in-place write orders them); stages must respect in-place ordering edges"
+            )
 
 
 def _check_precedence(node: fx.Node, stage_of: Mapping[str, int]) -> None:
@@ -199,13 +216,15 @@ def _mark_needed(
         needed_after[stage_of[source.name]].add(source)
 
 
-def build_stage(gm: fx.GraphModule, index: int, interface: StageInterface) -> StageModule:
+def build_stage(gm: fx.GraphModule, index: int, interface: StageInterface,
+                waits_for: tuple[int, ...] = (), writes: tuple[str, ...] = ()) -> StageModule:
     """Copy one stage's nodes into a new graph and wrap it as a :class:`StageModule`.
 
     Args:
         gm: the model GraphModule (root of submodules and attributes).
         index: the stage index.
         interface: the stage's nodes, inputs and outputs.
+        waits_for, writes: see :class:`StageModule`.
 
     Returns:
         The stage module; its submodules are structural clones sharing the original parameters.
@@ -227,6 +246,8 @@ def build_stage(gm: fx.GraphModule, index: int, interface: StageInterface) -> St
         index,
         tuple(n.name for n in interface.inputs),
         tuple(n.name for n in interface.outputs),
+        waits_for,
+        writes,
     )
     _own_containers(stage)
     return stage
@@ -262,7 +283,7 @@ def _clone_structure(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def split_stages(
-    gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int
+    gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int, effects: Effects | None = None
 ) -> list[StageModule]:
     """Split ``gm`` into one :class:`StageModule` per stage.
 
@@ -274,6 +295,8 @@ def split_stages(
             stage. get_attr nodes are copied into every stage that uses them; placeholders are
             model inputs; the output may read any stage.
         num_stages: the number of stages; a stage may be empty.
+        effects: the graph's in-place writes (:func:`torchplace.profiling.trace` finds them):
+            they set each stage's ``waits_for`` and ``writes``.
 
     Returns:
         The stages in order. Run them in order on an environment ``{name: value}`` seeded with
@@ -288,6 +311,17 @@ def split_stages(
         >>> [s.outputs for s in split_stages(gm, {"_0": 0, "_1": 1}, 2)]
         [('_0',), ('_1',)]
     """
-    validate_assignment(gm.graph, stage_of, num_stages)
+    effects = effects or Effects()
+    validate_assignment(gm.graph, stage_of, num_stages, effects)
     interfaces = stage_interfaces(gm.graph, stage_of, num_stages)
-    return [build_stage(gm, i, interface) for i, interface in enumerate(interfaces)]
+    waits: list[set[int]] = [set() for _ in range(num_stages)]
+    for u, v in effects.edges():
+        if stage_of[u] < stage_of[v]:
+            waits[stage_of[v]].add(stage_of[u])
+    writes: list[set[str]] = [set() for _ in range(num_stages)]
+    for writer, names in effects.written.items():
+        writes[stage_of[writer]].update(names)
+    return [
+        build_stage(gm, i, interface, tuple(sorted(waits[i])), tuple(sorted(writes[i])))
+        for i, interface in enumerate(interfaces)
+    ]

@@ -1,0 +1,301 @@
+"""In-place writes in a traced graph: who writes which memory, and what that forces on a placement.
+
+A traced graph may write tensors in place: ``h.relu_()``, ``out += identity``, ``x.add_(1)`` on a
+model input, ``self.n += 1`` or BatchNorm's running statistics on a buffer, a write through a view
+(``h[0].mul_(2)``). Data edges alone do not order such a write after the earlier readers of the old
+value, nor the later readers after it (they may read the tensor under an older name), and a copy
+on another device does not see a write made on the original. So a placement that looks only at
+data edges can silently change the result.
+
+:class:`AccessLog` records, during one real run of the graph, which memory (storage) each node
+reads, writes (its version counter moved) and returns an alias of; :func:`analyse` turns that
+into the :class:`Effects` a placement must respect. For a storage ``S`` that some node writes, with
+accessors in graph order and writers ``w_1 .. w_k``:
+
+* **order**: every accessor before ``w_1`` runs before ``w_1`` (write after read), the accessors
+  between two writers run in graph order, and every accessor after ``w_k`` runs after ``w_k`` (read
+  after write). These are edges of the placement graph like data edges;
+* **colocation**, when ``S`` is memory of one call (an intermediate or a model input): the writers,
+  every accessor between ``w_1`` and ``w_k``, and every node before ``w_1`` that returns an alias of
+  ``S`` (its creator, views of it) share one device, where the writes happen on the one tensor.
+  Plain readers before ``w_1`` and after ``w_k`` may sit anywhere: they read a copy of the value
+  before the first or after the last write;
+* **one node**, when ``S`` is a parameter, buffer or constant (it outlives the call): every
+  accessor is in one placement node, so micro-batches see the state in the order the unsplit
+  model run on the same micro-batches would (a pipeline interleaves micro-batches between stages);
+* **write-back**: a model input written on a device other than the caller's is copied back into
+  the caller's tensor after the call, as eager PyTorch would leave it.
+
+The analysis is dynamic: aliasing is what the example run showed (PyTorch decides some aliasing,
+e.g. ``reshape``, from strides, which do not change with the batch size).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from torchplace.fxutil import is_compute
+
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state"]
+
+StorageKey = int
+"""A storage's address; valid while the run keeps every value alive (no address is reused)."""
+
+_Watch = tuple[torch.Tensor, "int | None", "torch.Tensor | None"]
+"""A tensor a node could write: its version before the node, and a copy of its value for state."""
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def storage_key(t: torch.Tensor) -> StorageKey | None:
+    """The key of ``t``'s storage; None for tensors without memory of their own (empty, meta)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+    if storage.nbytes() == 0 or t.device.type == "meta":
+        return None
+    return storage.data_ptr()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+@dataclass
+class _Access:
+    reads: set[StorageKey] = field(default_factory=set)
+    writes: set[StorageKey] = field(default_factory=set)
+    makes: set[StorageKey] = field(default_factory=set)
+
+
+class AccessLog:
+    """What each fx node of one run read, wrote and returned, by storage.
+
+    Use it from an :class:`torch.fx.Interpreter` that keeps every value alive
+    (``garbage_collect_values=False``), so storage addresses are never reused within the run::
+
+        token = log.before(node, args, kwargs, module)
+        out = ...run the node...
+        log.after(node, token, out)
+
+    Args:
+        state: the model's parameters and buffers by name; a node that writes one of them is
+            recorded even when the tensor is not among its arguments.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = [(name, t) for name, t in state.items()]
+        self._state_ids = {id(t) for t in state.values()}
+        self.access: dict[str, _Access] = {}
+        self.inputs: dict[str, set[StorageKey]] = {}  # placeholder -> its storages
+        self.creator: dict[StorageKey, tuple[str, str]] = {}  # storage -> (kind, fx node name)
+        self.state_names: dict[StorageKey, str] = {}
+        for name, t in self._state:
+            key = storage_key(t)
+            if key is not None:
+                self.creator.setdefault(key, ("state", name))
+                self.state_names.setdefault(key, name)
+
+    def placeholder(self, node: fx.Node, value: Any) -> None:
+        """A model input: its storages are created by the caller."""
+        keys = self.inputs.setdefault(node.name, set())
+        for t in _tensors(value):
+            key = storage_key(t)
+            if key is not None:
+                keys.add(key)
+                self.creator.setdefault(key, ("input", node.name))
+
+    def constant(self, node: fx.Node, value: Any) -> None:
+        """A get_attr value: parameters, buffers and constants outlive the call."""
+        for t in _tensors(value):
+            key = storage_key(t)
+            if key is not None:
+                self.creator.setdefault(key, ("state", str(node.target)))
+
+    def before(self, node: fx.Node, args: Any, kwargs: Any, module: nn.Module | None) -> list[_Watch]:
+        """What the node could write, with version counters (and copies of the parameters and
+        buffers it reads), taken just before it runs."""
+        read = _tensors((args, kwargs))
+        if module is not None:
+            read += [*module.parameters(), *module.buffers()]
+        access = self.access.setdefault(node.name, _Access())
+        watched: list[_Watch] = []
+        for t in read:
+            key = storage_key(t)
+            if key is not None:
+                access.reads.add(key)
+                copy = t.detach().clone() if id(t) in self._state_ids else None
+                watched.append((t, _version(t), copy))
+        watched += [(t, _version(t), None) for _, t in self._state]
+        return watched
+
+    def after(self, node: fx.Node, token: Sequence[_Watch], out: Any) -> None:
+        """Record the node's writes and the storages it returned.
+
+        A write is a moved version counter, or a changed value of a parameter or buffer the node
+        read: some kernels update state without moving its counter (BatchNorm's running
+        statistics in training)."""
+        access = self.access[node.name]
+        for t, version, copy in token:
+            moved = version is not None and _version(t) != version
+            if moved or (copy is not None and not _same(t, copy)):
+                key = storage_key(t)
+                if key is not None:
+                    access.writes.add(key)
+        for t in _tensors(out):
+            key = storage_key(t)
+            if key is not None:
+                access.makes.add(key)
+                self.creator.setdefault(key, ("temp", node.name))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaNs included (a NaN that stays a NaN is no write)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
+
+
+@dataclass(frozen=True)
+class Effects:
+    """What in-place writes force on a placement (see the module docstring).
+
+    Attributes:
+        after: fx node -> the fx nodes that must run before it although it reads no output of
+            theirs (write-after-read, read-after-write, write-after-write).
+        colocated: sets of fx nodes that must share a device.
+        merged: sets of fx nodes that must form one placement node (accessors of written state).
+        written: writer fx node -> names of the values (fx nodes, placeholders among them) that
+            alias the memory it writes: after it runs, copies of them on other devices are stale,
+            and a written placeholder is copied back into the caller's tensor.
+        written_state: names of parameters, buffers and constants the graph writes.
+    """
+
+    after: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    colocated: tuple[frozenset[str], ...] = ()
+    merged: tuple[frozenset[str], ...] = ()
+    written: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    written_state: tuple[str, ...] = ()
+
+    @property
+    def pure(self) -> bool:
+        """Whether the graph writes nothing in place."""
+        return not self.written
+
+    def edges(self) -> Iterator[tuple[str, str]]:
+        """Every ordering edge ``(before, after)`` between fx node names."""
+        for v, us in self.after.items():
+            for u in sorted(us):
+                yield u, v
+
+
+def _accessors(order: Sequence[str], log: AccessLog, key: StorageKey) -> list[str]:
+    """The compute nodes that read, write or return an alias of storage ``key``, in graph order."""
+    out = []
+    for n in order:
+        a = log.access.get(n)
+        if a is not None and (key in a.reads or key in a.writes or key in a.makes):
+            out.append(n)
+    return out
+
+
+def _order_edges(accessors: Sequence[str], writers: set[str]) -> Iterator[tuple[str, str]]:
+    """Edges that keep every access in its place relative to the writes (transitively)."""
+    since: list[str] = []
+    last_writer: str | None = None
+    for a in accessors:
+        if a in writers:
+            yield from ((p, a) for p in since)
+            since, last_writer = [a], a
+        else:
+            if last_writer is not None:
+                yield last_writer, a
+            since.append(a)
+
+
+def analyse(graph: fx.Graph, log: AccessLog) -> Effects:
+    """The :class:`Effects` of the writes recorded in ``log`` (see the module docstring)."""
+    order = [n.name for n in graph.nodes if is_compute(n)]
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    written_keys = sorted({k for a in log.access.values() for k in a.writes})
+    after: dict[str, set[str]] = {}
+    colocated: list[frozenset[str]] = []
+    merged: list[frozenset[str]] = []
+    written: dict[str, set[str]] = {}
+    state: set[str] = set()
+    for key in written_keys:
+        accessors = _accessors(order, log, key)
+        writers = [a for a in accessors if key in log.access[a].writes]
+        for u, v in _order_edges(accessors, set(writers)):
+            if u != v:
+                after.setdefault(v, set()).add(u)
+        kind, creator = log.creator.get(key, ("state", "<unknown>"))
+        aliases = {a for a in accessors if key in log.access[a].makes}
+        aliases.update(p for p in placeholders if key in log.inputs.get(p, ()))
+        for w in writers:
+            written.setdefault(w, set()).update(aliases)
+        if kind == "state":
+            merged.append(frozenset(accessors))
+            state.add(log.state_names.get(key, creator))
+            continue
+        first, last = accessors.index(writers[0]), accessors.index(writers[-1])
+        early_aliases = (a for a in accessors[:first] if a in aliases)
+        colocated.append(frozenset([*accessors[first:last + 1], *early_aliases]))
+    return Effects(
+        after={v: frozenset(us) for v, us in after.items()},
+        colocated=tuple(c for c in colocated if len(c) > 1),
+        merged=tuple(m for m in merged if len(m) > 1),
+        written={w: frozenset(names) for w, names in written.items()},
+        written_state=tuple(sorted(state)),
+    )
+
+
+class StateSnapshot:
+    """The values and version counters of a model's parameters and buffers, to restore later.
+
+    Tracing and profiling run the model; a model that updates its buffers in forward (BatchNorm
+    in training, counters) must come out of :func:`torchplace.place` as it went in.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._tensors = named_state(model)
+        with torch.no_grad():
+            self._saved = {name: t.detach().clone() for name, t in self._tensors.items()}
+        self._versions = {name: _version(t) for name, t in self._tensors.items()}
+
+    def changed(self) -> list[str]:
+        """Names of the tensors written since the snapshot (moved version counter or new value)."""
+        out = []
+        for name, t in self._tensors.items():
+            version = self._versions[name]
+            if (version is not None and _version(t) != version) or not _same(t, self._saved[name]):
+                out.append(name)
+        return out
+
+    def restore(self) -> None:
+        """Write the saved values back into every tensor that was written."""
+        with torch.no_grad():
+            for name in self.changed():
+                self._tensors[name].copy_(self._saved[name])
+        self._versions = {name: _version(t) for name, t in self._tensors.items()}
+
+
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by its first name (tied tensors once)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
