@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from torchplace.errors import InvalidPlanError, StageError
+from torchplace.errors import InvalidPlanError, StageError, UnsupportedError
 from torchplace.runtime import (
     GraphIO,
     PipelineExecutor,
@@ -210,17 +210,49 @@ class TiedLM(nn.Module):
         return h @ self.wte.weight.t()
 
 
-def test_tied_weight_is_copied_into_both_stages_and_model_untouched() -> None:
+def test_a_tied_weight_has_one_home_and_a_replica_on_the_other_device() -> None:
     model = TiedLM()
+    weight = model.wte.weight
     gm = fx.symbolic_trace(model)
     stage_of = {n.name: (0 if i < 2 else 1) for i, n in enumerate(compute_nodes(gm.graph))}
     stages = split_stages(gm, stage_of, 2)
     weights = [dict(s.named_parameters()) for s in stages]
-    assert any(p is model.wte.weight for p in weights[0].values())
-    assert any(p is model.wte.weight for p in weights[1].values())
+    assert any(p is weight for p in weights[0].values())
+    assert any(p is weight for p in weights[1].values())
     executor = PipelineExecutor(stages, ["cpu", "meta"], ["cpu:0", "cpu:1"], GraphIO(gm))
-    assert executor.stages[1].wte.weight.device.type == "meta"
-    assert model.wte.weight.device.type == "cpu" and stages[0].wte.weight is model.wte.weight
+    assert executor.stage_params.replicas == 1
+    # the model keeps its own Parameter at its home (the first stage reading it, on cpu)
+    assert model.wte.weight is weight and weight.device.type == "cpu" and stages[0].wte.weight is weight
+    assert executor.stages[1].wte.weight.device.type == "meta"  # the replica, in stage 1 only
+
+
+def test_parameters_stay_the_models_own_objects() -> None:
+    model = MLP()
+    params = list(model.parameters())
+    gm = fx.symbolic_trace(model)
+    stages = split_stages(gm, contiguous_stages(gm, 2), 2)
+    PipelineExecutor(stages, ["cpu", "cpu"], ["w0", "w1"], GraphIO(gm))
+    assert list(model.parameters()) == params  # the same objects, in order
+    assert [list(s.parameters()) for s in stages] == [params[:4], params[4:]]
+
+
+def test_a_parameter_that_cannot_move_in_place_is_refused() -> None:
+    gm = fx.symbolic_trace(MLP())
+    stages = split_stages(gm, contiguous_stages(gm, 2), 2)
+    with pytest.raises(UnsupportedError, match="in place"):
+        PipelineExecutor(stages, ["cpu", "meta"], ["w0", "w1"], GraphIO(gm))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_parameters_move_home_in_place_on_cuda() -> None:
+    model = MLP()
+    params = list(model.parameters())
+    gm = fx.symbolic_trace(model)
+    stages = split_stages(gm, contiguous_stages(gm, 2), 2)
+    PipelineExecutor(stages, ["cuda:0", "cpu"], ["w0", "w1"], GraphIO(gm))
+    assert list(model.parameters()) == params
+    first = set(map(id, stages[0].parameters()))
+    assert all((p.device.type == "cuda") == (id(p) in first) for p in params)
 
 
 def test_invalid_stage_order_names_node_and_stages() -> None:

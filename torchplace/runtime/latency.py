@@ -44,11 +44,11 @@ import torch
 from torchplace.errors import StageError
 from torchplace.runtime.devices import (
     autograd_mode,
-    move_module,
     normalize_device,
     stream_context,
     wait_for_producers,
 )
+from torchplace.runtime.params import StageParameters
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values
 
@@ -199,9 +199,7 @@ class LatencyExecutor:
         self._queues: dict[str, queue.SimpleQueue] = {}
         # the pool threads hold no reference to the executor between runs; this ends them with it
         weakref.finalize(self, _stop_pool, self._queues)
-        memo: dict[torch.device, dict[int, Any]] = {}
-        for stage, device in zip(self.stages, self.devices):
-            move_module(stage, device, memo.setdefault(device, {}))
+        self.stage_params = StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """Compute the model on ``(args, kwargs)``; returns what the model returns.
@@ -210,6 +208,7 @@ class LatencyExecutor:
             StageError: if a stage raised; ``__cause__`` is the original exception.
         """
         with self._lock:
+            self.stage_params.refresh()
             bound = self.graph_io.bind_inputs(args, kwargs)
             board = _Board(Values(bound, bound, self.isolate), dict(self._readers), frozenset(self.graph_io.output_names))
             mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())

@@ -47,13 +47,13 @@ import torch
 from torchplace.errors import StageError
 from torchplace.runtime.devices import (
     autograd_mode,
-    move_module,
     normalize_device,
     stream_context,
     wait_for_producers,
 )
 from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
+from torchplace.runtime.params import StageParameters
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values
 
@@ -182,9 +182,8 @@ class PipelineExecutor:
         self._needed = {n for s in self.stages for n in s.inputs} | set(assemble_output.output_names)
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
-        memo: dict[torch.device, dict[int, Any]] = {}
-        for stage, device in zip(self.stages, self.devices):
-            move_module(stage, device, memo.setdefault(device, {}))
+        self._lock = threading.Lock()
+        self.stage_params = StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def _make_streams(self) -> dict[tuple[str, torch.device], Any]:
         """One CUDA stream per (worker, CUDA device) pair."""
@@ -211,26 +210,28 @@ class PipelineExecutor:
             StageError: if a stage raised; ``__cause__`` is the original exception.
             ValueError: if the inputs cannot be split into micro-batches.
         """
-        chunks = scatter(args, kwargs, microbatches)
-        state = self._start_state(chunks)
-        orders = worker_orders(len(chunks), [worker for worker, _ in self._segments])
-        threads = [
-            threading.Thread(
-                target=self._work, args=(state, worker, order), name=f"torchplace-{worker}",
-                daemon=True,
-            )
-            for worker, order in orders.items()
-        ]
-        for thread in threads:
-            thread.start()
-        try:
-            outputs = self._collect(state, len(chunks), threads)
-        finally:
-            state.stop.set()
+        with self._lock:  # runs take turns: they share the stages and their replicas
+            self.stage_params.refresh()
+            chunks = scatter(args, kwargs, microbatches)
+            state = self._start_state(chunks)
+            orders = worker_orders(len(chunks), [worker for worker, _ in self._segments])
+            threads = [
+                threading.Thread(
+                    target=self._work, args=(state, worker, order), name=f"torchplace-{worker}",
+                    daemon=True,
+                )
+                for worker, order in orders.items()
+            ]
             for thread in threads:
-                thread.join(timeout=_JOIN_S)
-            self.last_trace = list(state.trace)
-        return gather(outputs)
+                thread.start()
+            try:
+                outputs = self._collect(state, len(chunks), threads)
+            finally:
+                state.stop.set()
+                for thread in threads:
+                    thread.join(timeout=_JOIN_S)
+                self.last_trace = list(state.trace)
+            return gather(outputs)
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""

@@ -11,10 +11,9 @@ The chain of steps, each a small function:
 4. :func:`build_stage` copies the stage's nodes, and the get_attr nodes they use, into a new graph
    with ``Graph.node_copy``, lints it and wraps it in a :class:`StageModule`.
 
-Parameters are shared, not copied: a stage references the original tensors (so a tied weight used
-by two stages costs no extra memory until the stages are moved to different devices), but every
-stage owns its own module containers, so moving one stage never changes another stage or the
-original model.
+Modules and parameters are shared, not copied: a stage calls the model's own submodules and reads
+its own tensors (:class:`~torchplace.runtime.params.StageParameters` then moves each tensor to its
+home device and gives stages elsewhere a replica, in a copy of the module path of that stage only).
 """
 from __future__ import annotations
 
@@ -227,7 +226,7 @@ def build_stage(gm: fx.GraphModule, index: int, interface: StageInterface,
         waits_for, writes: see :class:`StageModule`.
 
     Returns:
-        The stage module; its submodules are structural clones sharing the original parameters.
+        The stage module; it shares the model's submodules and tensors.
     """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -249,7 +248,6 @@ def build_stage(gm: fx.GraphModule, index: int, interface: StageInterface,
         waits_for,
         writes,
     )
-    _own_containers(stage)
     return stage
 
 
@@ -261,25 +259,6 @@ def _used_attributes(nodes: Sequence[fx.Node]) -> list[fx.Node]:
             if source.op == "get_attr":
                 seen.setdefault(source, None)
     return list(seen)
-
-
-def _own_containers(stage: torch.nn.Module) -> None:
-    """Give ``stage`` its own copies of every submodule's containers (tensors stay shared)."""
-    for name, child in list(stage.named_children()):
-        setattr(stage, name, _clone_structure(child))
-
-
-def _clone_structure(module: torch.nn.Module) -> torch.nn.Module:
-    """A shallow clone of ``module`` whose parameter, buffer and child dicts are its own."""
-    clone = copy.copy(module)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    clone._modules = {
-        name: None if child is None else _clone_structure(child)
-        for name, child in module._modules.items()
-    }
-    return clone
 
 
 def split_stages(

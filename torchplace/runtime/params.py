@@ -1,0 +1,154 @@
+"""Where the parameters and buffers of a split model live, and their replicas on other devices.
+
+A placed model's parameters and buffers are the model's own tensors. Each one moves to its *home*
+in place (``tensor.data = tensor.data.to(home)``, the way ``Module.to`` moves parameters), so every
+reference to it (the model, an optimizer built on ``model.parameters()``, the traced graph) sees
+the moved tensor and ``state_dict()`` keeps the model's keys. The home is the device of the first
+stage, in plan order, that reads the tensor.
+
+A tensor that stages on other devices read as well (GPT-2's tied ``wte`` / ``lm_head`` weight, a
+module called twice) gets a *replica* on each such device, installed in that stage only (the
+module path to the slot is cloned for the stage; the model keeps the home tensor):
+
+* with grad disabled, or for a tensor that does not require grad, the replica is a copy, made
+  again before a call whenever the home tensor changed (an optimizer step or ``load_state_dict``
+  moves its version counter or its memory);
+* with grad enabled and a tensor that requires grad, the replica is ``home.to(device)`` made for
+  each call, so the gradients of every use flow back into the one home tensor.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchplace.errors import UnsupportedError
+
+__all__ = ["StageParameters"]
+
+
+@dataclass
+class _Replica:
+    """One slot of one stage that holds a replica of a home tensor."""
+
+    owner: nn.Module
+    slot: str
+    kind: str  # "_parameters" or "_buffers"
+    home: torch.Tensor
+    device: torch.device
+    clone: bool  # a copy even on the home's torch device (isolated logical devices)
+    seen: tuple[int, int | None, torch.device] | None = None
+
+    def install(self, value: torch.Tensor | None) -> None:
+        getattr(self.owner, self.kind)[self.slot] = value
+
+    def refresh(self) -> None:
+        """Make the slot hold a replica that reflects the home tensor now (see the module docs)."""
+        if torch.is_grad_enabled() and self.home.requires_grad:
+            self.install(self.home.clone() if self.clone else self.home.to(self.device))
+            self.seen = None
+            return
+        state = (self.home.data_ptr(), _version(self.home), self.home.device)
+        if state != self.seen or state[1] is None:
+            with torch.no_grad():
+                value = self.home.detach().to(self.device)
+                value = value.clone() if self.clone else value
+            self.install(nn.Parameter(value, requires_grad=False) if self.kind == "_parameters" else value)
+            self.seen = state
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _move_in_place(tensor: torch.Tensor, device: torch.device, name: str, stage: nn.Module) -> None:
+    """``tensor.data = tensor.data.to(device)``: the same tensor object, now on ``device``."""
+    if tensor.device == device:
+        return
+    with torch.no_grad():
+        moved = tensor.data.to(device)
+    if not torch._has_compatible_shallow_copy_type(tensor, moved):
+        raise UnsupportedError(
+            f"cannot move {name!r} of {type(stage).__name__} from {tensor.device} to {device} in place (PyTorch "
+            f"cannot change a tensor between these kinds of memory); place on devices of one kind, e.g. cpu and cuda"
+        )
+    tensor.data = moved
+
+
+def _slots(module: nn.Module):
+    """``(path, owner, kind, slot, tensor)`` for every parameter and buffer slot of ``module``."""
+    for path, owner in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for slot, tensor in getattr(owner, kind).items():
+                if tensor is not None:
+                    yield path, owner, kind, slot, tensor
+
+
+def _own_path(stage: nn.Module, path: str, owned: set[int]) -> nn.Module:
+    """Give ``stage`` its own shallow copies of the modules from itself down to ``path`` (tensors
+    stay shared), so a replica installed there changes no other stage and not the model.
+    ``owned`` holds the ids of copies made already (each module is copied once)."""
+    owner = stage
+    for part in [p for p in path.split(".") if p]:
+        child = owner._modules[part]
+        if id(child) not in owned:
+            mine = copy.copy(child)
+            mine._parameters = dict(child._parameters)
+            mine._buffers = dict(child._buffers)
+            mine._modules = dict(child._modules)
+            owner._modules[part] = child = mine
+            owned.add(id(mine))
+        owner = child
+    return owner
+
+
+class StageParameters:
+    """Homes and replicas of the tensors of a split model's stages (see the module docstring).
+
+    Args:
+        stages: the stages in plan order.
+        devices: the torch device of each stage.
+        places: the plan device (worker key) of each stage.
+        isolate: treat every plan device as its own memory even where two share a torch device,
+            so replicas are made between logical CPUs too (a test aid).
+
+    Attributes:
+        home: ``id(tensor)`` -> the plan device that holds it.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], places: Sequence[str],
+                 isolate: bool = False) -> None:
+        self.home: dict[int, str] = {}
+        home_device: dict[int, torch.device] = {}
+        for stage, device, place in zip(stages, devices, places):
+            for path, _, _, slot, tensor in _slots(stage):
+                if id(tensor) not in self.home:
+                    self.home[id(tensor)], home_device[id(tensor)] = place, device
+                    _move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
+        self._replicas: list[_Replica] = []
+        owned: set[int] = set()
+        for stage, device, place in zip(stages, devices, places):
+            foreign = [
+                (path, kind, slot, tensor) for path, _, kind, slot, tensor in _slots(stage)
+                if self.home[id(tensor)] != place and (isolate or home_device[id(tensor)] != device)
+            ]
+            for path, kind, slot, tensor in foreign:
+                owner = _own_path(stage, path, owned)
+                self._replicas.append(_Replica(owner, slot, kind, tensor, device, home_device[id(tensor)] == device))
+        self.refresh()
+
+    @property
+    def replicas(self) -> int:
+        """How many stage slots hold a replica."""
+        return len(self._replicas)
+
+    def refresh(self) -> None:
+        """Bring every replica up to date with its home tensor; call before each run."""
+        for replica in self._replicas:
+            replica.refresh()
