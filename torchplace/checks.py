@@ -78,6 +78,16 @@ def _expected(kind: str, low: float | None, strict: bool, unit: str) -> str:
     return f"{text} {unit}" if unit else text
 
 
+def _to_float(value: numbers.Real, name: str, expected: str, error: type[TorchplaceError]) -> float:
+    """``float(value)``; an integer or fraction beyond float range is an error, not an ``OverflowError``."""
+    if isinstance(value, numbers.Integral) and abs(int(value)) > _FLOAT_MAX:
+        raise _fail(error, name, expected, value, " (beyond float range)")
+    try:
+        return float(value)
+    except OverflowError:
+        raise _fail(error, name, expected, value, " (beyond float range)") from None
+
+
 def check_float(
     value: Any,
     name: str,
@@ -107,9 +117,7 @@ def check_float(
     expected = _expected("finite number", low, strict, unit)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(error, name, expected, value)
-    if isinstance(value, numbers.Integral) and abs(int(value)) > _FLOAT_MAX:
-        raise _fail(error, name, expected, value, " (beyond float range)")
-    out = float(value)
+    out = _to_float(value, name, expected, error)
     if not math.isfinite(out) or (low is not None and (out <= low if strict else out < low)):
         raise _fail(error, name, expected, value)
     return out
@@ -146,7 +154,7 @@ def check_int(
         if abs(out) > _FLOAT_MAX:
             raise _fail(error, name, expected, value, " (beyond float range)")
     else:
-        f = float(value)
+        f = _to_float(value, name, expected, error)
         if not (math.isfinite(f) and f.is_integer()):
             raise _fail(error, name, expected, value)
         out = int(f)
