@@ -34,7 +34,7 @@ def read_text(path: str | Path, what: str = "input") -> str:
 
     Raises:
         WorkloadFormatError: naming the file when it cannot be read (missing, a directory, no
-            permission) or is not UTF-8 (naming the offset of the first bad byte).
+            permission) or is not UTF-8 (naming the line and offset of the first bad byte).
     """
     path = Path(path)
     try:
@@ -46,8 +46,10 @@ def read_text(path: str | Path, what: str = "input") -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
         raise WorkloadFormatError(
-            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): save the file as UTF-8"
+            f"{path}: not UTF-8 text (line {line}: byte 0x{data[e.start]:02x} at offset {e.start}): "
+            "save the file as UTF-8"
         ) from None
 
 
