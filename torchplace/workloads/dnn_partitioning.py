@@ -135,9 +135,9 @@ def read_dnn_partitioning(path: str | Path) -> Problem:
     for key in ("nodes", "edges"):
         if not isinstance(data.get(key), list):
             raise WorkloadFormatError(f"{path}: field {key!r} must be a list")
+    cluster = _cluster(data, str(path))
     if not data["nodes"]:
         raise WorkloadFormatError(f"{path}: field 'nodes' is empty; a workload needs at least one node")
-    cluster = _cluster(data, str(path))
     g = OpGraph(meta={"source": str(path), "format": "dnn-partitioning"})
     for i, nd in enumerate(data["nodes"]):
         if not isinstance(nd, Mapping):
