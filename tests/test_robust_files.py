@@ -251,7 +251,7 @@ def test_a_valid_plan_file_loads_unchanged(tmp_path):
 
 
 # -- atomic writes -----------------------------------------------------------------------------------------
-def _savers(tmp_path: Path) -> dict:
+def _savers() -> dict:
     plan = Plan.from_json(_plan_json())
     graph = OpGraph.from_json(_graph_json())
     cluster = Cluster((Device("a", "cpu", "cpu"),))
@@ -264,7 +264,7 @@ def test_an_interrupted_save_leaves_the_old_file(tmp_path, monkeypatch, kind):
         pytest.importorskip("yaml")
     path = tmp_path / ("out.yaml" if kind == "cluster-yaml" else "out.json")
     path.write_text("old")
-    save = _savers(tmp_path)[kind]
+    save = _savers()[kind]
 
     def interrupted(src, dst):
         raise KeyboardInterrupt

@@ -11,10 +11,18 @@ import math
 import numpy as np
 import pytest
 
-from torchplace import devices as devices_module
+from torchplace import machine
 from torchplace.checks import brief, check_float, non_negative_float, non_negative_int, positive_float, positive_int
 from torchplace.clusterfile import load_cluster
-from torchplace.devices import Cluster, Device, make_cluster, parse_bandwidth, parse_memory, parse_seconds
+from torchplace.devices import (
+    Cluster,
+    Device,
+    check_attached,
+    make_cluster,
+    parse_bandwidth,
+    parse_memory,
+    parse_seconds,
+)
 from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.units import parse_torch_device
 
@@ -137,8 +145,8 @@ def test_cluster_may_describe_gpus_that_are_not_attached():
 @pytest.fixture
 def two_gpus(monkeypatch):
     """This machine seen as one with two CUDA devices of 16 GiB."""
-    monkeypatch.setattr(devices_module, "_cuda_count", lambda: 2)
-    monkeypatch.setattr(devices_module, "_cuda_memory", lambda i: 16 * 2**30)
+    monkeypatch.setattr(machine, "cuda_count", lambda: 2)
+    monkeypatch.setattr(machine, "cuda_memory", lambda i: 16 * 2**30)
 
 
 def test_make_cluster_takes_the_gpus_that_exist(two_gpus):
@@ -160,6 +168,15 @@ def test_make_cluster_takes_the_gpus_that_exist(two_gpus):
 def test_make_cluster_refuses_devices_that_are_not_here(two_gpus, spec, fragment):
     with pytest.raises(UsageError, match=fragment):
         make_cluster(["cpu:0", spec])
+
+
+def test_a_planning_cluster_is_checked_before_running_on_it(two_gpus, tmp_path):
+    check_attached(Cluster((Device("g", "cuda:1", "cuda"), Device("c", "cpu", "cpu"))))
+    path = tmp_path / "c.json"
+    path.write_text('{"devices": [{"name": "c", "kind": "cpu", "torch_device": "cpu"}, '
+                    '{"name": "g", "kind": "cuda", "torch_device": "cuda:7"}]}')
+    with pytest.raises(UsageError, match="device 'g': torch_device 'cuda:7' is not on this machine, which has 2"):
+        check_attached(load_cluster(path))
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [

@@ -80,7 +80,8 @@ def _output_file(text: str) -> str:
     """Type of ``-o``: not a directory, in a directory that exists and can be written."""
     parent = os.path.dirname(text) or "."
     if not text or os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, e.g. {os.path.join(text, 'plan.json')!r}")
+        example = os.path.join(text, "plan.json")
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, e.g. {example!r}")
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK):

@@ -125,7 +125,9 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
     if top.get("format", FORMAT) != FORMAT:
         raise WorkloadFormatError(f"{source}: format: {brief(top['format'])} is not {FORMAT!r}")
     if not isinstance(top["devices"], list) or not top["devices"]:
-        raise WorkloadFormatError(f"{source}: devices: expected a non-empty list of devices, got {brief(top['devices'])}")
+        raise WorkloadFormatError(
+            f"{source}: devices: expected a non-empty list of devices, got {brief(top['devices'])}"
+        )
     devices = tuple(_device_from_json(obj, f"devices[{i}]", source) for i, obj in enumerate(top["devices"]))
     names = [d.name for d in devices]
     if len(set(names)) != len(names):

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
-import psutil
 
+from torchplace import machine
 from torchplace.checks import brief, non_negative_int
 from torchplace.errors import UsageError
 from torchplace.units import parse_bandwidth, parse_memory, parse_seconds, parse_torch_device
@@ -37,6 +37,7 @@ __all__ = [
     "Device",
     "Link",
     "Topology",
+    "check_attached",
     "discover_devices",
     "make_cluster",
     "parse_bandwidth",
@@ -295,70 +296,37 @@ def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link])
     return routes
 
 
-def _cuda_count() -> int:
-    """How many CUDA devices this process sees (0 without CUDA). Imports torch on first use only."""
-    import torch  # profiling-side only; solvers never reach here
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _cuda_memory(index: int) -> int:
-    import torch
-
-    return int(torch.cuda.get_device_properties(index).total_memory)
-
-
-def _cpu_memory() -> int:
-    return int(psutil.virtual_memory().available)
-
-
-def _backend_count(kind: str) -> int:
-    """Devices of a torch type other than cpu/cuda/meta this process sees (``torch.xpu.device_count()``, ...)."""
-    import torch
-
-    module = getattr(torch, kind, None)
-    count = getattr(module, "device_count", None)
-    available = getattr(module, "is_available", None)
-    if count is None or (available is not None and not available()):
-        return 0
-    return int(count())
-
-
 def discover_devices() -> list[Device]:
     """The devices of this machine: ``cpu`` (available RAM) and every visible ``cuda:i``."""
-    devs = [Device("cpu", "cpu", "cpu", _cpu_memory())]
-    for i in range(_cuda_count()):
-        devs.append(Device(f"cuda:{i}", f"cuda:{i}", "cuda", _cuda_memory(i)))
+    devs = [Device("cpu", "cpu", "cpu", machine.cpu_memory())]
+    for i in range(machine.cuda_count()):
+        devs.append(Device(f"cuda:{i}", f"cuda:{i}", "cuda", machine.cuda_memory(i)))
     return devs
 
 
 _LOGICAL_CPU = re.compile(r"cpu:(\d+)")
 
 
-def _present_names(n_cuda: int) -> list[str]:
-    return ["cpu", *(f"cuda:{i}" for i in range(n_cuda)), "cpu:0", "cpu:1", "..."]
+def check_attached(cluster: Cluster) -> None:
+    """Refuse a cluster that cannot run here: every device's ``torch_device`` must be attached.
 
+    For a :class:`Cluster` built directly or loaded from a cluster file (which may describe
+    hardware elsewhere, for planning) before running on it; :func:`make_cluster` checks this itself.
 
-def _require_attached(device: Device, n_cuda: int) -> None:
-    """Raise UsageError unless ``device.torch_device`` is a device of this machine that can hold tensors."""
-    kind, index = parse_torch_device(device.torch_device)
-    where = f"device {device.name!r}: torch_device {device.torch_device!r}"
-    if kind == "meta":
-        raise UsageError(f"{where} holds no data, so nothing can run there: use 'cpu' or 'cuda:i' "
-                         f"(a meta device is for planning only: build a Cluster or a cluster file)")
-    if kind == "cpu":
-        return
-    count = n_cuda if kind == "cuda" else _backend_count(kind)
-    if (index or 0) >= count:
-        have = f"{count} {kind} device{'s' if count != 1 else ''}"
-        raise UsageError(f"{where} is not on this machine, which has {have}; devices here: {_present_names(n_cuda)}")
+    Raises:
+        UsageError: naming the first device whose ``torch_device`` is ``meta`` or not on this
+            machine (e.g. ``"cuda:7"`` with two GPUs).
+    """
+    n_cuda = machine.cuda_count()
+    for d in cluster.devices:
+        machine.require_attached(d.name, d.torch_device, n_cuda)
 
 
 def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
     """The :class:`Device` a device string (or a Device, checked to be attached) stands for."""
     if isinstance(spec, Device):
         _check_device(spec)
-        _require_attached(spec, n_cuda)
+        machine.require_attached(spec.name, spec.torch_device, n_cuda)
         return spec
     if not isinstance(spec, str):
         raise UsageError(f"a device must be a string like 'cuda:0' or a Device, got {brief(spec)}")
@@ -367,14 +335,14 @@ def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
         return Device(name, "cpu", "cpu", cpu_memory)
     m = re.fullmatch(r"cuda:(0|[1-9][0-9]*)", name)
     if m and int(m.group(1)) < n_cuda:
-        return Device(name, name, "cuda", _cuda_memory(int(m.group(1))))
+        return Device(name, name, "cuda", machine.cuda_memory(int(m.group(1))))
     try:
         parse_torch_device(name)
     except UsageError:
         why = "not a torch device string"
     else:
         why = "not a device of this machine"
-    raise UsageError(f"unknown device {brief(name)} ({why}); valid devices on this machine: {_present_names(n_cuda)}")
+    raise UsageError(f"unknown device {brief(name)} ({why}); valid devices on this machine: {machine.names(n_cuda)}")
 
 
 def make_cluster(
@@ -409,8 +377,8 @@ def make_cluster(
         raise UsageError(f"devices must be a list of device strings like ['cuda:0', 'cpu'], got {brief(devices)}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
-    n_cuda = _cuda_count()
-    cpu_memory = _cpu_memory()
+    n_cuda = machine.cuda_count()
+    cpu_memory = machine.cpu_memory()
     out = [_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices]
     caps = dict(max_memory or {})
     names = {d.name for d in out}

@@ -71,7 +71,9 @@ def parse_json(text: str, source: str) -> Any:
     except json.JSONDecodeError as e:
         raise WorkloadFormatError(f"{source}: not valid JSON: {e}") from None
     except RecursionError:
-        raise WorkloadFormatError(f"{source}: JSON nested too deeply to read (arrays or objects inside each other)") from None
+        raise WorkloadFormatError(
+            f"{source}: JSON nested too deeply to read (arrays or objects inside each other)"
+        ) from None
     except ValueError as e:  # e.g. an integer beyond sys.get_int_max_str_digits()
         raise WorkloadFormatError(f"{source}: not valid JSON: {e}") from None
 

@@ -101,7 +101,9 @@ def parse_seconds(value: float | str) -> float:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", value)
         if not m or m.group(2) not in _PER_SECOND:
-            raise UsageError(f"cannot read time {brief(value)}: use seconds or e.g. '5us', '2ms' (units: s, ms, us, ns)")
+            raise UsageError(
+                f"cannot read time {brief(value)}: use seconds or e.g. '5us', '2ms' (units: s, ms, us, ns)"
+            )
         value = float(m.group(1)) / _PER_SECOND[m.group(2)]
     return float(_number(value, non_negative_float, expected))
 
