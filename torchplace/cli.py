@@ -6,17 +6,87 @@
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
     torchplace show PLAN.json                                 print a saved plan
     torchplace demo                                           the end-to-end demo
+
+A user's mistake (a bad option value, a missing or malformed file, a directory where a file
+belongs, an unknown device) ends with one line on stderr, ``torchplace: error: ...``, and exit
+status 2, never a traceback. Options are checked by argparse type functions before anything
+runs; ``-o`` is written atomically (:func:`torchplace.files.write_json`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from torchplace.errors import TorchplaceError
+from torchplace.checks import positive_float, positive_int
+from torchplace.errors import TorchplaceError, UsageError
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line: ``torchplace: error: ... (see '... --help')``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"torchplace: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _checked(check: Callable[..., Any], value: Any, unit: str = "") -> Any:
+    """``check(value)`` (a :mod:`torchplace.checks` function) with its error as argparse's."""
+    try:
+        return check(value, "", unit=unit)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    """Type of ``--time-limit``: a positive, finite number of seconds (not ``nan``, ``-1``, ``0``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    return float(_checked(positive_float, value, "of seconds"))
+
+
+def _count(text: str) -> int:
+    """Type of ``--batch``, ``--microbatches``, ``--ideal-limit``: a positive whole number (``4.0`` is 4)."""
+    try:
+        value: float | int = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    return int(_checked(positive_int, value))
+
+
+def _input_file(text: str) -> str:
+    """Type of a file to read: it exists and is not a directory."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file")
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """Type of ``-o``: not a directory, in a directory that exists and can be written."""
+    parent = os.path.dirname(text) or "."
+    if not text or os.path.isdir(text):
+        example = os.path.join(text, "plan.json")
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, e.g. {example!r}")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} is not writable")
+    return text
 
 
 def _read_workload(path: str, objective: str | None, noncontiguous: bool):  # -> Problem
@@ -98,37 +168,37 @@ def _add_solver_options(s: argparse.ArgumentParser, methods: list[str]) -> None:
     s.add_argument("--objective", choices=["throughput", "latency"], default=None,
                    help="throughput (pipelined time per sample) or latency (one sample)")
     s.add_argument("--noncontiguous", action="store_true", help="let a device hold several pieces (Tarnawski 5.2)")
-    s.add_argument("--time-limit", type=float, default=None, metavar="S", help="seconds for MILPs and searches")
+    s.add_argument("--time-limit", type=_seconds, default=None, metavar="S", help="seconds for MILPs and searches")
 
 
 def _parser() -> argparse.ArgumentParser:
     from torchplace.models import NAMES
     from torchplace.solvers import METHODS
 
-    ap = argparse.ArgumentParser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
+    ap = _Parser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("solve", help="solve a workload: dnn-partitioning JSON or MOIRAI CSV")
-    s.add_argument("workload")
+    s.add_argument("workload", type=_input_file)
     _add_solver_options(s, list(METHODS))
     s.add_argument("--bounds", choices=["combinatorial", "mip"], default="combinatorial",
                    help="with --method auto: also compute Archer's MIP lower bounds")
     s.add_argument("--json", action="store_true", help="print objective, lower_bound, gap, status, assignment, seconds")
-    s.add_argument("--ideal-limit", type=int, default=None)
-    s.add_argument("-o", "--output", help="also save the plan as JSON here")
+    s.add_argument("--ideal-limit", type=_count, default=None, metavar="N", help="most ideals the DP may enumerate")
+    s.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
     s.set_defaults(func=_solve)
     p = sub.add_parser("plan", help="place a built-in example model and print the plan")
     p.add_argument("model", choices=list(NAMES))
     p.add_argument("--devices", nargs="+", default=["cpu:0", "cpu:1"])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--batch", type=_count, default=8)
+    p.add_argument("--microbatches", type=_count, default=4)
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
     _add_solver_options(p, list(METHODS))
-    p.add_argument("-o", "--output", help="also save the plan as JSON here")
+    p.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
     p.set_defaults(func=_plan)
     m = sub.add_parser("methods", help="list the solvers and what each optimises")
     m.set_defaults(func=_methods)
     w = sub.add_parser("show", help="print a saved plan")
-    w.add_argument("plan")
+    w.add_argument("plan", type=_input_file)
     w.set_defaults(func=_show)
     d = sub.add_parser("demo", help="place GPT-2 and a residual CNN, check outputs, compare throughput")
     d.add_argument("--quick", action="store_true", help="smaller models and fewer timing runs")
@@ -136,13 +206,26 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _fail(message: str) -> int:
+    print(f"torchplace: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command; return its exit status (0 done, 2 a user error, 130 interrupted).
+
+    A user error prints one line on stderr, ``torchplace: error: ...``, and returns 2.
+    """
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a usage error already reported on one line (2)
+        return e.code if isinstance(e.code, int) else int(e.code is not None) * 2
     try:
         return int(args.func(args))
-    except (TorchplaceError, ValueError, FileNotFoundError) as e:
-        print(f"torchplace: error: {e}", file=sys.stderr)
-        return 2
+    except (TorchplaceError, ValueError) as e:
+        return _fail(str(e))
+    except OSError as e:  # a file that vanished or cannot be written after the options were checked
+        return _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     except KeyboardInterrupt:
         print("torchplace: interrupted", file=sys.stderr)
         return 130

@@ -7,11 +7,11 @@ here.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchplace.checks import brief
 from torchplace.devices import (
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY,
@@ -21,8 +21,10 @@ from torchplace.devices import (
     parse_bandwidth,
     parse_memory,
     parse_seconds,
+    parse_torch_device,
 )
 from torchplace.errors import WorkloadFormatError
+from torchplace.files import parse_json, read_text, write_json, write_text
 
 __all__ = ["FORMAT", "cluster_from_json", "cluster_to_json", "load_cluster", "save_cluster"]
 
@@ -36,8 +38,8 @@ _REQUIRED = object()  # a _value default: the field must be present and not null
 def _fields(obj: Any, allowed: set[str], required: tuple[str, ...], where: str, source: str) -> dict[str, Any]:
     """``obj`` as a dict, checked for unknown and missing keys."""
     if not isinstance(obj, Mapping):
-        raise WorkloadFormatError(f"{source}: {where}: expected an object, got {obj!r}")
-    unknown = sorted(set(obj) - allowed)
+        raise WorkloadFormatError(f"{source}: {where}: expected an object, got {brief(obj)}")
+    unknown = sorted(set(obj) - allowed, key=str)
     if unknown:
         raise WorkloadFormatError(f"{source}: {where}: unknown field {unknown[0]!r} (fields: {sorted(allowed)})")
     for key in required:
@@ -58,13 +60,18 @@ def _value(parse: Any, obj: Mapping[str, Any], key: str, default: Any, where: st
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty string, got {value!r}")
+        raise ValueError(f"expected a non-empty string, got {brief(value)}")
     return value
+
+
+def _torch_device(value: Any) -> str:
+    parse_torch_device(value)  # the syntax only: the file may describe hardware not attached here
+    return str(value)
 
 
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r}")
+        raise TypeError(f"expected true or false, got {brief(value)}")
     return value
 
 
@@ -72,7 +79,7 @@ def _device_from_json(obj: Any, where: str, source: str) -> Device:
     d = _fields(obj, _DEVICE_KEYS, ("name", "kind"), where, source)
     return Device(
         name=_value(_text, d, "name", _REQUIRED, where, source),
-        torch_device=_value(_text, d, "torch_device", "meta", where, source),
+        torch_device=_value(_torch_device, d, "torch_device", "meta", where, source),
         kind=_value(_text, d, "kind", _REQUIRED, where, source),
         memory_bytes=_value(parse_memory, d, "memory", None, where, source),
     )
@@ -80,15 +87,17 @@ def _device_from_json(obj: Any, where: str, source: str) -> Device:
 
 def _links_from_json(items: Any, names: set[str], source: str) -> dict[tuple[str, str], Link]:
     if not isinstance(items, list):
-        raise WorkloadFormatError(f"{source}: links: expected a list of links, got {items!r}")
+        raise WorkloadFormatError(f"{source}: links: expected a list of links, got {brief(items)}")
     out: dict[tuple[str, str], Link] = {}
     given_at: dict[tuple[str, str], int] = {}
     for i, obj in enumerate(items):
         where = f"links[{i}]"
         e = _fields(obj, _LINK_KEYS, ("src", "dst"), where, source)
         for end in ("src", "dst"):
-            if e[end] not in names:
-                raise WorkloadFormatError(f"{source}: {where}.{end}: {e[end]!r} is not a device; devices: {sorted(names)}")
+            if not isinstance(e[end], str) or e[end] not in names:
+                raise WorkloadFormatError(
+                    f"{source}: {where}.{end}: {brief(e[end])} is not a device; devices: {sorted(names)}"
+                )
         if e["src"] == e["dst"]:
             raise WorkloadFormatError(f"{source}: {where}: src and dst are both {e['src']!r}")
         link = Link(_value(parse_bandwidth, e, "bandwidth", None, where, source),
@@ -114,9 +123,11 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
     """
     top = _fields(data, _TOP_KEYS, ("devices",), "top level", source)
     if top.get("format", FORMAT) != FORMAT:
-        raise WorkloadFormatError(f"{source}: format: {top['format']!r} is not {FORMAT!r}")
+        raise WorkloadFormatError(f"{source}: format: {brief(top['format'])} is not {FORMAT!r}")
     if not isinstance(top["devices"], list) or not top["devices"]:
-        raise WorkloadFormatError(f"{source}: devices: expected a non-empty list of devices, got {top['devices']!r}")
+        raise WorkloadFormatError(
+            f"{source}: devices: expected a non-empty list of devices, got {brief(top['devices'])}"
+        )
     devices = tuple(_device_from_json(obj, f"devices[{i}]", source) for i, obj in enumerate(top["devices"]))
     names = [d.name for d in devices]
     if len(set(names)) != len(names):
@@ -124,7 +135,7 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
         raise WorkloadFormatError(f"{source}: devices: the name {dup!r} is used twice; names must be unique")
     topology = top.get("topology", "mesh")
     if topology not in ("mesh", "graph"):
-        raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {topology!r}")
+        raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {brief(topology)}")
     links = _links_from_json(top.get("links", []), set(names), source)
     try:
         return Cluster(
@@ -175,9 +186,9 @@ def save_cluster(cluster: Cluster, path: str | Path) -> None:
     """
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
-        path.write_text(_yaml(path).safe_dump(cluster_to_json(cluster), sort_keys=False))
+        write_text(path, _yaml(path).safe_dump(cluster_to_json(cluster), sort_keys=False))
     else:
-        path.write_text(json.dumps(cluster_to_json(cluster), indent=1) + "\n")
+        write_json(path, cluster_to_json(cluster))
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -198,6 +209,12 @@ def load_cluster(path: str | Path) -> Cluster:
     a directed pair given twice is an error (give up- and downlink as two one-way links). The
     topologies are described in :mod:`torchplace.devices`.
 
+    A cluster file may describe hardware that is not attached to this machine (it is for
+    planning), so a ``torch_device`` is checked for its syntax only (``"cuda:7"`` is accepted on a
+    machine without GPUs; ``"potato"`` is refused): :func:`torchplace.devices.make_cluster` is
+    what refuses devices that are not here. Numbers must be finite (a bandwidth may be
+    ``Infinity``: transfers that cost only latency); memory is a whole number of bytes.
+
     Example:
         >>> cluster = load_cluster("examples/clusters/edge-devices.json")  # doctest: +SKIP
         >>> cluster.path("camera-pi", "edge-server")  # doctest: +SKIP
@@ -207,21 +224,16 @@ def load_cluster(path: str | Path) -> Cluster:
         WorkloadFormatError: naming the file and the field that is missing or malformed.
     """
     path = Path(path)
+    text = read_text(path, "cluster")
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return cluster_from_json(parse_json(text, str(path)), str(path))
+    yaml = _yaml(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise WorkloadFormatError(f"cannot read cluster file {path}: {e}") from e
-    if path.suffix.lower() in (".yaml", ".yml"):
-        yaml = _yaml(path)
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise WorkloadFormatError(f"{path}: not valid YAML: {e}") from e
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise WorkloadFormatError(f"{path}: not valid JSON: {e}") from e
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise WorkloadFormatError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise WorkloadFormatError(f"{path}: YAML nested too deeply to read") from None
     return cluster_from_json(data, str(path))
 
 

@@ -19,7 +19,6 @@ paths go to the smallest total latency). Cluster files (JSON/YAML) are read and 
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,18 +26,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
-import psutil
+
+from torchplace import machine
+from torchplace.checks import brief, non_negative_int
+from torchplace.errors import UsageError
+from torchplace.units import parse_bandwidth, parse_memory, parse_seconds, parse_torch_device
 
 __all__ = [
     "Cluster",
     "Device",
     "Link",
     "Topology",
+    "check_attached",
     "discover_devices",
     "make_cluster",
     "parse_bandwidth",
     "parse_memory",
     "parse_seconds",
+    "parse_torch_device",
 ]
 
 # PCIe 3.0 x16 effective host<->device bandwidth; replaced by a measurement where one is made.
@@ -46,65 +51,6 @@ DEFAULT_LINK_BANDWIDTH = 12e9  # bytes / s
 DEFAULT_LINK_LATENCY = 10e-6  # s
 
 Topology = Literal["mesh", "graph"]
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}  # divisors: 20 / 1e6 rounds to 2e-05
-
-
-def parse_memory(value: float | str) -> int:
-    """Bytes from an int or a string like ``"20GiB"``, ``"512MB"``, ``"1.5 GB"`` (accelerate's form).
-
-    Raises:
-        ValueError: for a negative amount or an unknown unit.
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"memory must be non-negative, got {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read memory size {value!r}: use bytes or a number with a unit, "
-            f"e.g. '20GiB', '512MB' (units: {', '.join(u for u in _UNITS if u)})"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_bandwidth(value: float | str) -> float:
-    """Bytes/s from a positive number or a string like ``"25GB/s"``, ``"100 MiB/s"``.
-
-    Raises:
-        ValueError: for a bandwidth that is not positive or a string without ``/s``.
-    """
-    if isinstance(value, str):
-        text = value.strip()
-        if not text.endswith("/s"):
-            raise ValueError(f"cannot read bandwidth {value!r}: use bytes/s or e.g. '25GB/s', '100MiB/s'")
-        value = float(parse_memory(text[:-2]))
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"bandwidth must be a positive number of bytes/s, got {value!r}")
-    return float(value)
-
-
-def parse_seconds(value: float | str) -> float:
-    """Seconds from a non-negative number or a string like ``"5us"``, ``"2ms"``, ``"0.1 s"``.
-
-    Raises:
-        ValueError: for a negative or unreadable time.
-    """
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", value)
-        if not m or m.group(2) not in _PER_SECOND:
-            raise ValueError(f"cannot read time {value!r}: use seconds or e.g. '5us', '2ms' (units: s, ms, us, ns)")
-        value = float(m.group(1)) / _PER_SECOND[m.group(2)]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or math.isinf(value):
-        raise ValueError(f"time must be a non-negative number of seconds, got {value!r}")
-    return float(value)
-
 
 @dataclass(frozen=True)
 class Device:
@@ -170,10 +116,13 @@ class Cluster:
     The route of every pair is computed once, at construction; treat the mappings as immutable.
 
     Raises:
-        ValueError: for repeated device names, a link naming an unknown device or joining a device
-            to itself, a non-positive bandwidth, a negative latency, or (``topology="graph"``)
-            two devices with no path between them (the message names the pair).
-        TypeError: for a ``links`` value that is not a :class:`Link`.
+        UsageError: (a ``ValueError``) for a device that is not a :class:`Device` or has an empty
+            name or kind, a ``torch_device`` that is not a torch device string (only the syntax:
+            a cluster may describe hardware that is not attached, for planning), a negative,
+            fractional or non-finite ``memory_bytes``, repeated device names, a link naming an
+            unknown device or joining a device to itself, a ``links`` value that is not a
+            :class:`Link`, a non-positive bandwidth, a negative latency, or
+            (``topology="graph"``) two devices with no path between them (naming the pair).
     """
 
     devices: tuple[Device, ...]
@@ -185,13 +134,17 @@ class Cluster:
     _routes: dict[tuple[str, str], _Route] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.devices, (str, Device)) or not isinstance(self.devices, Sequence):
+            raise UsageError(f"devices must be a sequence of Device objects, got {brief(self.devices)}")
+        for d in self.devices:
+            _check_device(d)
         names = [d.name for d in self.devices]
         if len(set(names)) != len(names):
-            raise ValueError(f"device names must be unique, got {names}")
+            raise UsageError(f"device names must be unique, got {names}")
         if not self.devices:
-            raise ValueError("a cluster needs at least one device")
+            raise UsageError("a cluster needs at least one device")
         if self.topology not in ("mesh", "graph"):
-            raise ValueError(f"topology must be 'mesh' or 'graph', got {self.topology!r}")
+            raise UsageError(f"topology must be 'mesh' or 'graph', got {brief(self.topology)}")
         parse_bandwidth(self.bandwidth)
         parse_seconds(self.latency)
         direct = self._direct_links(set(names))
@@ -200,7 +153,7 @@ class Cluster:
             routes = {**_widest_routes(names, direct), **routes}
             missing = next(((s, d) for s in names for d in names if s != d and (s, d) not in routes), None)
             if missing is not None:
-                raise ValueError(
+                raise UsageError(
                     f"no path from device {missing[0]!r} to {missing[1]!r} over the links of this "
                     f"topology='graph' cluster: add a link between them (or a chain of links), "
                     f"or use topology='mesh' so that unlisted pairs use the default link"
@@ -211,22 +164,22 @@ class Cluster:
         """The given direct links with defaults filled in, validated."""
         both = set(self.pair_bandwidth) & set(self.links)
         if both:
-            raise ValueError(f"pairs {sorted(both)} are in both pair_bandwidth and links: give each pair once")
+            raise UsageError(f"pairs {sorted(both)} are in both pair_bandwidth and links: give each pair once")
         given = {**{p: Link(bw) for p, bw in self.pair_bandwidth.items()}, **self.links}
         out: dict[tuple[str, str], Link] = {}
         for pair, link in given.items():
             if not (isinstance(pair, tuple) and len(pair) == 2 and set(pair) <= names):
-                raise ValueError(f"link {pair!r} must be a (src, dst) pair of device names {sorted(names)}")
+                raise UsageError(f"link {brief(pair)} must be a (src, dst) pair of device names {sorted(names)}")
             if pair[0] == pair[1]:
-                raise ValueError(f"link {pair!r} joins a device to itself (a device needs no link to itself)")
+                raise UsageError(f"link {pair!r} joins a device to itself (a device needs no link to itself)")
             if not isinstance(link, Link):
-                raise TypeError(f"link {pair!r} must be a Link(bandwidth, latency), got {link!r}")
+                raise UsageError(f"link {pair!r} must be a Link(bandwidth, latency), got {brief(link)}")
             bw = self.bandwidth if link.bandwidth is None else link.bandwidth
             lat = self.latency if link.latency is None else link.latency
             try:
                 out[pair] = Link(parse_bandwidth(bw), parse_seconds(lat))
-            except ValueError as e:
-                raise ValueError(f"link {pair!r}: {e}") from None
+            except UsageError as e:
+                raise UsageError(f"link {pair!r}: {e}") from None
         return out
 
     def __len__(self) -> int:
@@ -306,6 +259,22 @@ class Cluster:
         save_cluster(self, path)
 
 
+def _check_device(d: Any) -> None:
+    """Raise UsageError naming a cluster member that is not a well-formed :class:`Device`."""
+    if not isinstance(d, Device):
+        raise UsageError(f"a cluster's devices must be Device objects, got {brief(d)}")
+    if not isinstance(d.name, str) or not d.name.strip():
+        raise UsageError(f"a device name must be a non-empty string, got {brief(d.name)}")
+    if not isinstance(d.kind, str) or not d.kind.strip():
+        raise UsageError(f"device {d.name!r}: kind must be a non-empty string, got {brief(d.kind)}")
+    try:
+        parse_torch_device(d.torch_device)
+    except UsageError as e:
+        raise UsageError(f"device {d.name!r}: torch_device {e}") from None
+    if d.memory_bytes is not None:
+        non_negative_int(d.memory_bytes, f"device {d.name!r}: memory_bytes", unit="of bytes (or None: unlimited)")
+
+
 def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link]) -> dict[tuple[str, str], _Route]:
     """Widest path (max bottleneck bandwidth), ties to the least total latency, for every pair.
 
@@ -327,23 +296,53 @@ def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link])
     return routes
 
 
-def _cuda_count() -> int:
-    import torch  # profiling-side only; solvers never reach here
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def discover_devices() -> list[Device]:
     """The devices of this machine: ``cpu`` (available RAM) and every visible ``cuda:i``."""
-    import torch
-
-    devs = [Device("cpu", "cpu", "cpu", psutil.virtual_memory().available)]
-    for i in range(_cuda_count()):
-        devs.append(Device(f"cuda:{i}", f"cuda:{i}", "cuda", torch.cuda.get_device_properties(i).total_memory))
+    devs = [Device("cpu", "cpu", "cpu", machine.cpu_memory())]
+    for i in range(machine.cuda_count()):
+        devs.append(Device(f"cuda:{i}", f"cuda:{i}", "cuda", machine.cuda_memory(i)))
     return devs
 
 
 _LOGICAL_CPU = re.compile(r"cpu:(\d+)")
+
+
+def check_attached(cluster: Cluster) -> None:
+    """Refuse a cluster that cannot run here: every device's ``torch_device`` must be attached.
+
+    For a :class:`Cluster` built directly or loaded from a cluster file (which may describe
+    hardware elsewhere, for planning) before running on it; :func:`make_cluster` checks this itself.
+
+    Raises:
+        UsageError: naming the first device whose ``torch_device`` is ``meta`` or not on this
+            machine (e.g. ``"cuda:7"`` with two GPUs).
+    """
+    n_cuda = machine.cuda_count()
+    for d in cluster.devices:
+        machine.require_attached(d.name, d.torch_device, n_cuda)
+
+
+def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
+    """The :class:`Device` a device string (or a Device, checked to be attached) stands for."""
+    if isinstance(spec, Device):
+        _check_device(spec)
+        machine.require_attached(spec.name, spec.torch_device, n_cuda)
+        return spec
+    if not isinstance(spec, str):
+        raise UsageError(f"a device must be a string like 'cuda:0' or a Device, got {brief(spec)}")
+    name = spec.strip()
+    if name == "cpu" or _LOGICAL_CPU.fullmatch(name):
+        return Device(name, "cpu", "cpu", cpu_memory)
+    m = re.fullmatch(r"cuda:(0|[1-9][0-9]*)", name)
+    if m and int(m.group(1)) < n_cuda:
+        return Device(name, name, "cuda", machine.cuda_memory(int(m.group(1))))
+    try:
+        parse_torch_device(name)
+    except UsageError:
+        why = "not a torch device string"
+    else:
+        why = "not a device of this machine"
+    raise UsageError(f"unknown device {brief(name)} ({why}); valid devices on this machine: {machine.names(n_cuda)}")
 
 
 def make_cluster(
@@ -352,38 +351,44 @@ def make_cluster(
     bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     latency: float = DEFAULT_LINK_LATENCY,
 ) -> Cluster:
-    """Build a :class:`Cluster` from device strings (or :class:`Device` s) and optional memory caps.
+    """Build a :class:`Cluster` of this machine's devices from device strings (or :class:`Device` s).
+
+    This is the cluster :func:`torchplace.place` runs on, so every device must exist here: a
+    string must be ``"cpu"``, a logical CPU ``"cpu:i"`` or a visible ``"cuda:i"``, and a
+    :class:`Device` must have a ``torch_device`` that is attached (``"cpu"``, a visible
+    ``"cuda:i"``, or a device of another torch backend that reports it; never ``"meta"``). To
+    plan for hardware that is not attached, build a :class:`Cluster` directly or load a cluster
+    file (:func:`torchplace.clusterfile.load_cluster`), which check only the syntax.
 
     Args:
         devices: e.g. ``["cuda:0", "cpu"]`` or ``["cpu:0", "cpu:1"]``.
         max_memory: per-device caps in bytes or strings (``{"cuda:0": "20GiB"}``), like
             accelerate's ``max_memory``. Devices not named keep their discovered capacity.
+        bandwidth, latency: the default link (bytes/s, s).
 
     Raises:
-        ValueError: for an unknown device string (the message lists the valid ones), a repeated
-            device, or a ``max_memory`` key that is not one of ``devices``.
+        UsageError: (a ``ValueError``) for a single string instead of a list, an unknown device
+            string or one that is not on this machine (the message lists the valid ones), a
+            Device whose torch_device is malformed or not attached, a repeated device, a
+            ``max_memory`` that is not a mapping or names a device not in ``devices``, or a bad
+            memory amount, bandwidth or latency (the message names it).
     """
-    present = {d.name: d for d in discover_devices()}
-    out: list[Device] = []
-    for spec in devices:
-        if isinstance(spec, Device):
-            out.append(spec)
-            continue
-        name = str(spec).strip()
-        if name in present:
-            out.append(present[name])
-        elif _LOGICAL_CPU.fullmatch(name):
-            out.append(Device(name, "cpu", "cpu", present["cpu"].memory_bytes))
-        else:
-            valid = sorted(present) + ["cpu:0", "cpu:1", "..."]
-            raise ValueError(f"unknown device {name!r}; valid devices on this machine: {valid}")
+    if isinstance(devices, (str, Device)) or not isinstance(devices, Sequence):
+        raise UsageError(f"devices must be a list of device strings like ['cuda:0', 'cpu'], got {brief(devices)}")
+    if max_memory is not None and not isinstance(max_memory, Mapping):
+        raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
+    n_cuda = machine.cuda_count()
+    cpu_memory = machine.cpu_memory()
+    out = [_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices]
     caps = dict(max_memory or {})
     names = {d.name for d in out}
     for key in caps:
         if key not in names:
-            raise ValueError(f"max_memory names {key!r}, which is not one of the devices {sorted(names)}")
-    out = [
-        Device(d.name, d.torch_device, d.kind, parse_memory(caps[d.name])) if d.name in caps else d
-        for d in out
-    ]
+            raise UsageError(f"max_memory names {brief(key)}, which is not one of the devices {sorted(names)}")
+    for i, d in enumerate(out):
+        if d.name in caps:
+            try:
+                out[i] = Device(d.name, d.torch_device, d.kind, parse_memory(caps[d.name]))
+            except UsageError as e:
+                raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
     return Cluster(tuple(out), bandwidth=bandwidth, latency=latency)

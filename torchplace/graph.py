@@ -8,16 +8,17 @@ Sec. 2.2).
 """
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
+from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.errors import WorkloadFormatError
+from torchplace.files import read_json, write_json
 
 __all__ = ["NodeRecord", "OpGraph"]
 
@@ -74,12 +75,75 @@ class NodeRecord:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> NodeRecord:
-        d = dict(d)
-        d["fx_nodes"] = tuple(d.get("fx_nodes", ()))
-        d["times"] = {str(k): float(v) for k, v in d.get("times", {}).items()}
-        d["link_times"] = {str(k): float(v) for k, v in d.get("link_times", {}).items()}
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any], where: str = "node") -> NodeRecord:
+        """The record :meth:`to_dict` wrote, every field checked (types, finite non-negative numbers).
+
+        Raises:
+            WorkloadFormatError: naming ``where`` and the field that is missing, unknown or malformed.
+        """
+        if not isinstance(d, Mapping):
+            raise WorkloadFormatError(f"{where}: expected an object, got {brief(d)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted((k for k in d if k not in known), key=str)
+        if unknown:
+            raise WorkloadFormatError(f"{where}: unknown field {brief(unknown[0])} (fields: {sorted(known)})")
+        if "name" not in d:
+            raise WorkloadFormatError(f"{where}: missing field 'name'")
+        return cls(**{k: _RECORD_FIELDS[k](v, f"{where}.{k}") if k in _RECORD_FIELDS else v for k, v in d.items()})
+
+
+def _node_id(value: Any, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise WorkloadFormatError(f"{where}: expected a string or integer node id, got {brief(value)}")
+    return str(value)
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise WorkloadFormatError(f"{where}: expected a string, got {brief(value)}")
+    return value
+
+
+def _optional_text(value: Any, where: str) -> str | None:
+    return None if value is None else _text(value, where)
+
+
+def _texts(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise WorkloadFormatError(f"{where}: expected a list of strings, got {brief(value)}")
+    return tuple(_text(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _nbytes(value: Any, where: str) -> int:
+    return non_negative_int(value, where, unit="of bytes", error=WorkloadFormatError)
+
+
+def _seconds(value: Any, where: str) -> float:
+    return non_negative_float(value, where, unit="of seconds", error=WorkloadFormatError)
+
+
+def _optional_seconds(value: Any, where: str) -> float | None:
+    return None if value is None else _seconds(value, where)
+
+
+def _seconds_by_key(value: Any, where: str) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        raise WorkloadFormatError(f"{where}: expected an object of seconds, got {brief(value)}")
+    return {_text(k, f"{where} key"): _seconds(v, f"{where}[{k!r}]") for k, v in value.items()}
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise WorkloadFormatError(f"{where}: expected true or false, got {brief(value)}")
+    return value
+
+
+_RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "name": _text, "op": _text, "fx_nodes": _texts, "module": _text,
+    "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes,
+    "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
+    "colocation": _optional_text, "backward": _flag,
+}  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 
 class OpGraph:
@@ -181,29 +245,58 @@ class OpGraph:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> OpGraph:
-        if data.get("format") != _FORMAT:
-            raise WorkloadFormatError(
-                f"not an OpGraph file: field 'format' is {data.get('format')!r}, expected {_FORMAT!r}"
-            )
+    def from_json(cls, data: Any, source: str = "graph") -> OpGraph:
+        """The graph :meth:`to_json` wrote, checked: records (:meth:`NodeRecord.from_dict`), edges, acyclicity.
+
+        Raises:
+            WorkloadFormatError: naming ``source`` and the malformed field.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            got = brief(data.get("format")) if isinstance(data, Mapping) else f"a JSON {type(data).__name__}"
+            raise WorkloadFormatError(f"{source}: not an OpGraph file: expected 'format': {_FORMAT!r}, got {got}")
+        for key in ("nodes", "edges"):
+            if not isinstance(data.get(key), list):
+                raise WorkloadFormatError(f"{source}: field {key!r} must be a list, got {brief(data.get(key))}")
+        if not isinstance(data.get("meta", {}), Mapping):
+            raise WorkloadFormatError(f"{source}: meta: expected an object, got {brief(data['meta'])}")
         g = cls(meta=data.get("meta"))
         for i, nd in enumerate(data["nodes"]):
-            nd = dict(nd)
-            try:
-                node_id = str(nd.pop("id"))
-                g.add_node(node_id, NodeRecord.from_dict(nd))
-            except (KeyError, TypeError) as e:
-                raise WorkloadFormatError(f"nodes[{i}] is malformed: {e}") from e
-        for u, v in data["edges"]:
-            g.add_edge(str(u), str(v))
+            where = f"{source}: nodes[{i}]"
+            if not isinstance(nd, Mapping) or "id" not in nd:
+                raise WorkloadFormatError(f"{where}: expected an object with an 'id', got {brief(nd)}")
+            node_id = _node_id(nd["id"], f"{where}.id")
+            if node_id in g:
+                raise WorkloadFormatError(f"{where}.id: duplicate id {node_id!r}")
+            g.add_node(node_id, NodeRecord.from_dict({k: v for k, v in nd.items() if k != "id"}, where))
+        for i, e in enumerate(data["edges"]):
+            where = f"{source}: edges[{i}]"
+            if not isinstance(e, list) or len(e) != 2:
+                raise WorkloadFormatError(f"{where}: expected a [source, destination] pair, got {brief(e)}")
+            u, v = (_node_id(n, where) for n in e)
+            for n in (u, v):
+                if n not in g:
+                    raise WorkloadFormatError(f"{where}: {n!r} is not the id of any node")
+            if u == v:
+                raise WorkloadFormatError(f"{where}: self-loop on node {u!r}")
+            g.add_edge(u, v)
+        try:
+            g.check_dag()
+        except ValueError as e:
+            raise WorkloadFormatError(f"{source}: {e}") from None
         return g
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Write the graph as JSON (atomically: :func:`torchplace.files.write_json`)."""
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> OpGraph:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a graph :meth:`save` wrote.
+
+        Raises:
+            WorkloadFormatError: naming the file (unreadable, not JSON) and the malformed field.
+        """
+        return cls.from_json(read_json(path, "graph"), str(path))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, OpGraph):

@@ -6,7 +6,6 @@ value and a plan that breaks a constraint never leaves a solver.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,8 @@ import networkx as nx
 
 from torchplace import costmodel
 from torchplace.costmodel import StageCost
-from torchplace.errors import InvalidPlanError, WorkloadFormatError
+from torchplace.errors import InvalidPlanError
+from torchplace.files import read_json, write_json
 from torchplace.problem import Problem
 
 __all__ = ["Plan", "Stage", "is_contiguous", "stages_from_order"]
@@ -199,29 +199,29 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Plan:
-        if data.get("format") != _FORMAT:
-            raise WorkloadFormatError(f"not a plan file: field 'format' is {data.get('format')!r}, expected {_FORMAT!r}")
-        try:
-            return cls(
-                stages=[Stage(s["device"], tuple(s["nodes"])) for s in data["stages"]],
-                objective=float(data["objective"]),
-                lower_bound=float(data["lower_bound"]),
-                solver=str(data["solver"]),
-                seconds=float(data["seconds"]),
-                status=str(data["status"]),
-                costs=[StageCost(**c) for c in data.get("costs", [])],
-                meta=dict(data.get("meta", {})),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise WorkloadFormatError(f"plan file is malformed: {e!r}") from e
+    def from_json(cls, data: Any, source: str = "plan") -> Plan:
+        """The plan a plan-file dict describes, every field checked (:func:`torchplace.planfile.plan_from_json`).
+
+        Raises:
+            WorkloadFormatError: naming ``source`` and the missing or malformed field.
+        """
+        from torchplace.planfile import plan_from_json
+
+        return plan_from_json(data, source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Write the plan as JSON, atomically (:func:`torchplace.files.write_json`): an interrupted
+        save leaves the old file or the new one, never half of one."""
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read and check a plan file (:meth:`from_json`).
+
+        Raises:
+            WorkloadFormatError: naming the file, for an unreadable file, bad JSON or a bad field.
+        """
+        return cls.from_json(read_json(path, "plan"), str(path))
 
 
 def stages_from_order(problem: Problem, order: Sequence[str], assignment: Mapping[str, str]) -> list[Stage]:

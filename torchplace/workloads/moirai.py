@@ -11,7 +11,9 @@ on device ``k`` (``p_ik``), ``pcXY`` the transfer time of each out-edge's data f
 to ``Y`` (``p^comm_qXY``, one comma-separated value per communication node), ``mi`` the task
 memory (``m_i``) and ``m0..`` the device memories (``Mem_k``, first row only). A task without
 communication nodes (the virtual source) sends its output for free. The table ends at the first
-blank row; notes below it are ignored.
+blank row; notes below it are ignored. Numbers must be finite and non-negative, memories whole;
+the one exception is a processing time written ``inf``, which says that the task cannot run on
+that device (a number too large for a float, like ``1e400``, is an error, not an ``inf``).
 
 Each device ``k`` becomes ``Device("dev{k}", "meta", kind="dev{k}", memory_bytes=m_k)``: every
 device has its own kind, so ``p_ik`` is ``NodeRecord.times["dev{k}"]``, and ``pcXY`` is
@@ -32,13 +34,16 @@ carry the same times are not split.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchplace.checks import brief, non_negative_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import WorkloadFormatError
+from torchplace.files import read_text
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 
@@ -76,36 +81,50 @@ class _Cells:
             raise self.fail(col, f"expected comma-separated integer ids, got {raw!r}")
         return [str(int(s)) for s in parts]
 
-    def numbers(self, col: str) -> list[float]:
+    def numbers(self, col: str, allow_inf: bool = False) -> list[float]:
+        """Comma-separated finite non-negative numbers (``inf`` written out too, if ``allow_inf``)."""
         raw = self.cells.get(col, "").strip()
+        parts = [s.strip() for s in raw.split(",")] if raw else []
         try:
-            vals = [float(s) for s in raw.split(",")] if raw else []
+            vals = [float(s) for s in parts]
         except ValueError:
-            raise self.fail(col, f"expected comma-separated numbers, got {raw!r}") from None
-        if any(math.isnan(v) or v < 0 for v in vals):
-            raise self.fail(col, f"expected non-negative numbers, got {raw!r}")
+            raise self.fail(col, f"expected comma-separated numbers, got {brief(raw)}") from None
+        for s, v in zip(parts, vals):
+            written_inf = allow_inf and s.lower() in ("inf", "infinity")
+            if math.isnan(v) or v < 0 or (math.isinf(v) and not written_inf):
+                why = "; 'inf' marks a device the task cannot run on" if allow_inf else ""
+                raise self.fail(col, f"expected non-negative finite numbers{why}, got {brief(raw)}")
         return vals
 
-    def number(self, col: str) -> float:
-        vals = self.numbers(col)
+    def number(self, col: str, allow_inf: bool = False) -> float:
+        vals = self.numbers(col, allow_inf)
         if len(vals) != 1:
-            raise self.fail(col, f"expected one number, got {self.cells.get(col, '')!r}")
+            raise self.fail(col, f"expected one number, got {brief(self.cells.get(col, ''))}")
         return vals[0]
 
     def integer(self, col: str) -> int:
-        v = self.number(col)
-        if not math.isfinite(v) or v != int(v):
-            raise self.fail(col, f"expected a whole number of bytes, got {v!r}")
-        return int(v)
+        """A whole number of bytes: ``1.7`` is an error, not 1."""
+        raw = self.cells.get(col, "").strip()
+        try:
+            value: float | int = int(raw)  # exact, however many digits
+        except ValueError:
+            value = self.number(col)
+        try:
+            return non_negative_int(value, "", unit="of bytes")
+        except ValueError as e:
+            raise self.fail(col, str(e)) from None
 
 
 def _device_count(path: Path, header: list[str]) -> int:
     k = sum(1 for h in header if re.fullmatch(r"p\d+", h))
     need = ["task", "c_task", "dir_succ", "dir_succ_add", *(f"p{i}" for i in range(k)),
             *(f"pc{x}{y}" for x in range(k) for y in range(k)), "mi", *(f"m{i}" for i in range(k))]
-    missing = [c for c in need if c not in header]
-    if k == 0 or missing:
-        raise WorkloadFormatError(f"{path}: line 1: header lacks column(s) {missing or ['p0']}; got {header}")
+    missing = [c for c in need if c not in header] or (["p0"] if k == 0 else [])
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WorkloadFormatError(
+            f"{path}: line 1: header lacks column(s) {missing[:5]}{more}; got {brief(header)}"
+        )
     return k
 
 
@@ -140,23 +159,30 @@ def _parse_row(c: _Cells, k: int, first: bool) -> _Row:
         raise c.fail("c_task", f"{len(comm)} communication node(s) for {len(succ)} successor(s); they pair up in order")
     if set(c.ids("dir_succ_add")) != set(comm) | set(succ):
         raise c.fail("dir_succ_add", f"expected the union of c_task {comm} and dir_succ {succ}")
-    times = [c.number(f"p{i}") for i in range(k)]
+    times = [c.number(f"p{i}", allow_inf=True) for i in range(k)]
+    if not any(math.isfinite(t) for t in times):
+        raise c.fail("p0", f"the task cannot run on any device (every p0..p{k - 1} is inf)")
     links = _links(c, k, len(comm))
     memory = [c.integer(f"m{i}") for i in range(k)] if first else []
     return _Row(c.line, task[0], comm, succ, times, links, c.integer("mi"), memory)
 
 
 def _read_rows(path: Path) -> tuple[int, list[_Row]]:
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
+    text = read_text(path, "workload")  # names the file if it is missing, a directory, not UTF-8
+    if not text.strip():
+        raise WorkloadFormatError(f"{path}: the file is empty; expected a MOIRAI instance table")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[_Row] = []
+    try:
         header = [h.strip() for h in next(reader, [])]
         k = _device_count(path, header)
-        rows: list[_Row] = []
         for cells in reader:
             if not any(s.strip() for s in cells):
                 break  # the table ends at the first blank row
             c = _Cells(path, reader.line_num, dict(zip(header, cells)))
             rows.append(_parse_row(c, k, first=not rows))
+    except csv.Error as e:
+        raise WorkloadFormatError(f"{path}: line {reader.line_num}: not a readable CSV row: {e}") from None
     if not rows:
         raise WorkloadFormatError(f"{path}: no task rows")
     return k, rows

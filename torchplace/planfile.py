@@ -1,0 +1,154 @@
+"""Plan files: the JSON :meth:`Plan.to_json <torchplace.plan.Plan.to_json>` writes, read back and checked.
+
+A plan file is read by people's tools and edited by hand, and ``torchplace show`` prints what it
+holds, so nothing in it is trusted: :func:`plan_from_json` checks every field and raises a
+:class:`~torchplace.errors.WorkloadFormatError` naming the file and the field. A plan must have
+at least one stage, every stage a device and at least one node, no node in two stages; objective,
+lower bound and solve time are finite and non-negative, the bound no larger than the objective
+(a bound above its own plan's value is no bound), the gap (if given) the one they imply, the
+status one of ``optimal`` / ``feasible`` / ``time_limit``, and an ``assignment`` (if given) the one
+the stages imply. So a plan with a NaN objective or no stages never prints as "proven optimal".
+
+Checking a plan against a problem (coverage, memory, colocation) is :meth:`Plan.validate
+<torchplace.plan.Plan.validate>`; this module checks the file on its own.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from torchplace.checks import brief, non_negative_float, non_negative_int
+from torchplace.costmodel import StageCost
+from torchplace.errors import WorkloadFormatError
+from torchplace.plan import _FORMAT, Plan, Stage
+
+__all__ = ["STATUSES", "plan_from_json"]
+
+STATUSES = ("optimal", "feasible", "time_limit")
+"""The statuses a plan may have (see :class:`~torchplace.plan.Plan`)."""
+
+_BOUND_SLACK = 1e-9  # relative slack of "bound <= objective", as Plan.build allows
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise WorkloadFormatError(f"{where}: expected a non-empty string, got {brief(value)}")
+    return value
+
+
+def _seconds(value: Any, where: str) -> float:
+    return non_negative_float(value, where, error=WorkloadFormatError)
+
+
+def _count(value: Any, where: str) -> int:
+    return non_negative_int(value, where, error=WorkloadFormatError)
+
+
+_COST_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "device": _text, "ops": _count, "compute": _seconds, "transfer_in": _seconds, "transfer_out": _seconds,
+    "memory": _count,
+}  # the check of each StageCost field (fields not listed are taken as they are)
+
+
+def _required(data: Mapping[str, Any], key: str, source: str) -> Any:
+    if key not in data:
+        raise WorkloadFormatError(f"{source}: missing field {key!r}")
+    return data[key]
+
+
+def _stages(items: Any, source: str) -> list[Stage]:
+    """The stages, each with a device and nodes, no node twice."""
+    if not isinstance(items, list) or not items:
+        raise WorkloadFormatError(f"{source}: stages: expected a non-empty list of stages, got {brief(items)}")
+    stages: list[Stage] = []
+    stage_of: dict[str, int] = {}
+    for i, s in enumerate(items):
+        where = f"{source}: stages[{i}]"
+        if not isinstance(s, Mapping) or "device" not in s or "nodes" not in s:
+            raise WorkloadFormatError(f"{where}: expected an object with 'device' and 'nodes', got {brief(s)}")
+        device = _text(s["device"], f"{where}.device")
+        if not isinstance(s["nodes"], list) or not s["nodes"]:
+            raise WorkloadFormatError(f"{where}.nodes: expected a non-empty list of node ids, got {brief(s['nodes'])}")
+        for j, v in enumerate(s["nodes"]):
+            _text(v, f"{where}.nodes[{j}]")
+            if v in stage_of:
+                raise WorkloadFormatError(f"{where}.nodes[{j}]: node {v!r} is also in stages[{stage_of[v]}]")
+            stage_of[v] = i
+        stages.append(Stage(device, tuple(s["nodes"])))
+    return stages
+
+
+def _costs(items: Any, devices: set[str], source: str) -> list[StageCost]:
+    """The per-device cost rows: one per device of the stages at most, every number checked."""
+    if not isinstance(items, list):
+        raise WorkloadFormatError(f"{source}: costs: expected a list, got {brief(items)}")
+    known = {f.name for f in fields(StageCost)}
+    out: list[StageCost] = []
+    for i, c in enumerate(items):
+        where = f"{source}: costs[{i}]"
+        if not isinstance(c, Mapping) or set(c) != known:
+            raise WorkloadFormatError(f"{where}: expected an object with fields {sorted(known)}, got {brief(c)}")
+        cost = StageCost(**{k: _COST_FIELDS[k](v, f"{where}.{k}") if k in _COST_FIELDS else v for k, v in c.items()})
+        if cost.device not in devices or any(o.device == cost.device for o in out):
+            raise WorkloadFormatError(f"{where}.device: {cost.device!r} is not a device of the stages, or repeated")
+        out.append(cost)
+    return out
+
+
+def _check_bound(objective: float, bound: float, data: Mapping[str, Any], source: str) -> None:
+    """The bound is at most the objective, and a given gap is the one they imply."""
+    if bound > objective * (1 + _BOUND_SLACK) + 1e-12:
+        raise WorkloadFormatError(
+            f"{source}: lower_bound {bound} exceeds the objective {objective}: a bound above its own plan is no bound"
+        )
+    if "gap" in data:
+        gap = _seconds(data["gap"], f"{source}: gap")
+        implied = 0.0 if objective == 0 else max(0.0, (objective - bound) / objective)
+        if not math.isclose(gap, implied, rel_tol=1e-9, abs_tol=1e-12):
+            raise WorkloadFormatError(
+                f"{source}: gap {gap} is not (objective - lower_bound) / objective = {implied}"
+            )
+
+
+def plan_from_json(data: Any, source: str = "plan") -> Plan:
+    """The :class:`~torchplace.plan.Plan` a plan-file dict describes, every field checked.
+
+    Args:
+        data: the parsed JSON.
+        source: the file name (or another label), named in every message.
+
+    Returns:
+        The plan. It is not checked against a problem (see :meth:`Plan.validate`).
+
+    Raises:
+        WorkloadFormatError: naming ``source`` and the first missing or malformed field (see the
+            module docstring for what is checked).
+    """
+    if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+        got = brief(data.get("format")) if isinstance(data, Mapping) else f"a JSON {type(data).__name__}"
+        raise WorkloadFormatError(f"{source}: not a plan file: expected 'format': {_FORMAT!r}, got {got}")
+    stages = _stages(_required(data, "stages", source), source)
+    objective = _seconds(_required(data, "objective", source), f"{source}: objective")
+    bound = _seconds(_required(data, "lower_bound", source), f"{source}: lower_bound")
+    _check_bound(objective, bound, data, source)
+    status = _required(data, "status", source)
+    if status not in STATUSES:
+        raise WorkloadFormatError(f"{source}: status: expected one of {list(STATUSES)}, got {brief(status)}")
+    meta = data.get("meta", {})
+    if not isinstance(meta, Mapping):
+        raise WorkloadFormatError(f"{source}: meta: expected an object, got {brief(meta)}")
+    plan = Plan(
+        stages=stages,
+        objective=objective,
+        lower_bound=bound,
+        solver=_text(_required(data, "solver", source), f"{source}: solver"),
+        seconds=_seconds(_required(data, "seconds", source), f"{source}: seconds"),
+        status=status,
+        costs=_costs(data.get("costs", []), {s.device for s in stages}, source),
+        meta=dict(meta),
+    )
+    if "assignment" in data and data["assignment"] != plan.assignment:
+        raise WorkloadFormatError(f"{source}: assignment: does not match the stages (node -> device of each stage)")
+    return plan
