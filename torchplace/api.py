@@ -7,88 +7,38 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchplace import solvers
-from torchplace.devices import Cluster, Device, make_cluster
-from torchplace.plan import Plan
+from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
+from torchplace.checks import brief, non_negative_int, positive_float, positive_int
+from torchplace.devices import Cluster, Device, check_attached, make_cluster
+from torchplace.errors import InvalidPlanError, UsageError
+from torchplace.placed_module import PlacedModule
+from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
-from torchplace.profiling import Traced, profile, trace
-from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, split_stages
+from torchplace.profiling import profile, trace
 
 __all__ = ["PlacedModule", "place", "placed"]
-
-
-class PlacedModule(nn.Module):
-    """A model split into stages on several devices.
-
-    For the throughput objective a call runs the stages as a pipeline of micro-batches; for the
-    latency objective it runs one sample with every device's stages on its own worker, each stage
-    as soon as its inputs exist (:class:`~torchplace.runtime.LatencyExecutor`).
-
-    Attributes:
-        plan: the :class:`~torchplace.plan.Plan` being run.
-        problem: the measured problem the plan was solved for.
-        microbatches: how many micro-batches each call's batch is split into (dim 0; always 1
-            for the latency objective).
-        stages: the stage modules, in plan order (their parameters live on their devices).
-    """
-
-    def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1) -> None:
-        super().__init__()
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        self.plan, self.problem, self.microbatches = plan, problem, microbatches
-        stage_of = {
-            fx_name: i
-            for i, stage in enumerate(plan.stages)
-            for v in stage.nodes
-            for fx_name in problem.graph.record(v).fx_nodes
-        }
-        stages = split_stages(traced.gm, stage_of, len(plan.stages), traced.effects)
-        self.stages = nn.ModuleList(stages)
-        devices = [problem.cluster.device(s.device) for s in plan.stages]
-        torch_devices, workers = [d.torch_device for d in devices], [d.name for d in devices]
-        self._executor: PipelineExecutor | LatencyExecutor
-        isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
-        if problem.objective == "latency":
-            self.microbatches = 1
-            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
-        else:
-            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self._executor, LatencyExecutor):
-            return self._executor.run(args, kwargs)
-        return self._executor.run(args, kwargs, self.microbatches)
-
-    def device_map(self) -> dict[str, str]:
-        """Where each module's weights live, in accelerate's ``device_map`` form."""
-        return self.plan.device_map(self.problem)
-
-    def extra_repr(self) -> str:
-        devices = " -> ".join(s.device for s in self.plan.stages)
-        if self.problem.objective == "latency":
-            return f"stages: {devices}; latency mode; objective={self.plan.objective:.4g} s"
-        return f"stages: {devices}; microbatches={self.microbatches}; objective={self.plan.objective:.4g} s/sample"
 
 
 def place(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
-    example_inputs: Sequence[Any],
+    example_inputs: Any = (),
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     objective: str = "throughput",
     contiguous: bool = True,
     time_limit: float | None = None,
     microbatches: int = 4,
     granularity: str = "operator",
-    leaf_modules: Iterable[type] = (),
+    leaf_modules: Iterable[type | str] = (),
     max_memory: Mapping[str, int | str] | None = None,
     solver: str = "auto",
     fuse: bool | None = None,
@@ -96,6 +46,7 @@ def place(
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
+    plan: Plan | str | Path | None = None,
 ) -> PlacedModule:
     """Place ``model`` on ``devices`` and return a module that runs it there.
 
@@ -107,11 +58,18 @@ def place(
     2020, Sec. 5.1.1), else SliceGraph and BRKGA; for latency the best of Baechi's m-SCT and m-ETF
     and the MOIRAI MILP (graphs of at most 60 nodes, started from the better scheduler's plan).
 
+    The placed module's parameters and buffers are the model's own: each moves, in place, to the
+    device that runs it (so the model itself is then spread over the devices, as with
+    accelerate's ``dispatch_model``), and ``state_dict()`` has the model's keys. Tracing and
+    timing leave the model's buffers and the example inputs as they were.
+
     Args:
         model: the model to place.
         devices: device strings (``"cuda:0"``, ``"cpu"``, logical CPUs ``"cpu:0"``, ``"cpu:1"``),
             :class:`Device` objects, or a ready :class:`Cluster`.
-        example_inputs: positional inputs of one representative call (batch on dim 0).
+        example_inputs: positional inputs of one representative call (batch on dim 0); one
+            tensor is one positional input.
+        example_kwargs: keyword inputs of that call (``{"input_ids": ids, "attention_mask": m}``).
         objective: ``"throughput"`` (min time per sample of a pipeline of micro-batches) or
             ``"latency"`` (min time of one sample; devices run independent branches at once).
         contiguous: whether each device must hold one contiguous piece (throughput only; with
@@ -119,7 +77,8 @@ def place(
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
         microbatches: micro-batches each call's batch is split into (throughput only).
         granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
-        leaf_modules: module classes to keep whole (like accelerate's ``no_split_module_classes``).
+        leaf_modules: module classes, or their names (``["GPT2Block"]``), to keep whole (like
+            accelerate's ``no_split_module_classes``).
         max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
         solver: a name from :data:`torchplace.solvers.METHODS`, or ``"auto"``.
         fuse: solve on a coarsened graph (MOIRAI fusion rules + Baechi co-placement,
@@ -130,33 +89,77 @@ def place(
         trace_method: ``"auto"``, ``"fx"`` or ``"export"``.
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
+        plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
+            solving: it is checked against the traced model and evaluated on the new timings.
 
     Returns:
         A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
         ``model(*example_inputs)``.
 
     Raises:
-        ValueError: unknown device or objective.
+        UsageError: a bad argument (named, with the fix), or example inputs the model fails on;
+            raised before anything is traced or timed.
         TraceError: the model cannot be traced (the message says what to try).
         InfeasibleError: the model does not fit; ``min_memory_bytes`` is the smallest per-device
             memory that would.
+        InvalidPlanError: ``plan`` does not place this model's graph.
     """
+    model = check_model(model)
     if objective not in ("throughput", "latency"):
-        raise ValueError(
+        raise UsageError(
             f"objective must be 'throughput' (pipelined time per sample) or 'latency' (time of one sample), "
             f"got {objective!r}"
         )
-    cluster = devices if isinstance(devices, Cluster) else make_cluster(devices, max_memory)
-    example_inputs = tuple(example_inputs)
+    microbatches = positive_int(microbatches, "microbatches")
+    time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
+    warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
+    args, kwargs = example_call(example_inputs, example_kwargs)
+    leaves = leaf_types(model, leaf_modules)
+    if isinstance(devices, Cluster):
+        check_attached(devices)
+        cluster = devices
+    else:
+        cluster = make_cluster(devices, max_memory)
+    given = _load_plan(plan) if plan is not None else None
     model.eval()
+    try_example_call(model, args, kwargs)
     with torch.no_grad():
-        traced = trace(model, example_inputs, granularity=granularity, leaf_modules=leaf_modules, method=trace_method)
+        traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method)
         kinds = sorted({d.kind for d in cluster.devices})
-        graph = profile(traced, example_inputs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
+        graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
     problem = Problem(graph, cluster, objective=objective, mode="inference",  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput")
-    plan = _solve(problem, solver, time_limit, fuse)
-    return PlacedModule(traced, problem, plan, microbatches)
+    if given is not None:
+        solved = _replan(problem, given)
+    elif len(graph) == 0:
+        solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
+    else:
+        solved = _solve(problem, solver, time_limit, fuse)
+    return PlacedModule(traced, problem, solved, microbatches)
+
+
+def _load_plan(plan: Plan | str | Path) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise UsageError(f"plan must be a Plan or the path of a plan file, got {brief(plan)}")
+
+
+def _replan(problem: Problem, plan: Plan) -> Plan:
+    """``plan``'s stages, evaluated and validated on this problem (the model's new timings)."""
+    placed = {v for s in plan.stages for v in s.nodes}
+    missing, extra = set(problem.graph) - placed, placed - set(problem.graph)
+    if missing or extra:
+        raise InvalidPlanError(
+            f"the plan does not fit this model's graph ({len(missing)} node(s) unplaced, e.g. {sorted(missing)[:3]}; "
+            f"{len(extra)} unknown, e.g. {sorted(extra)[:3]}): trace the same model with the same granularity, "
+            "leaf_modules and trace_method as when the plan was made"
+        )
+    from torchplace.solvers.bounds import combinatorial_lower_bound
+
+    return Plan.build(problem, plan.stages, solver=f"{plan.solver} (given)", seconds=0.0,
+                      lower_bound=combinatorial_lower_bound(problem), status="feasible")
 
 
 FUSE_ABOVE = 1000
@@ -185,16 +188,11 @@ class _LazyPlaced(nn.Module):
         super().__init__()
         self.module = module
         self._devices, self._options = devices, dict(options)
-        self.placed: PlacedModule | None = None
+        self.__dict__["placed"] = None  # not a registered child: it shares the module's tensors
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.placed is None:
-            if kwargs:
-                raise TypeError(
-                    f"the first call of a @placed model is traced with positional inputs only; got keyword "
-                    f"arguments {sorted(kwargs)}: call it positionally, or use torchplace.place() with example_inputs"
-                )
-            self.placed = place(self.module, self._devices, args, **self._options)
+            self.__dict__["placed"] = place(self.module, self._devices, args, example_kwargs=kwargs, **self._options)
         return self.placed(*args, **kwargs)
 
     @property

@@ -3,7 +3,8 @@
 A plan file is read by people's tools and edited by hand, and ``torchplace show`` prints what it
 holds, so nothing in it is trusted: :func:`plan_from_json` checks every field and raises a
 :class:`~torchplace.errors.WorkloadFormatError` naming the file and the field. A plan must have
-at least one stage, every stage a device and at least one node, no node in two stages; objective,
+at least one stage, every stage a device and at least one node (but for the one empty stage of a
+model with no operators), no node in two stages; objective,
 lower bound and solve time are finite and non-negative, the bound no larger than the objective
 (a bound above its own plan's value is no bound), the gap (if given) the one they imply, the
 status one of ``optimal`` / ``feasible`` / ``time_limit``, and an ``assignment`` (if given) the one
@@ -69,7 +70,8 @@ def _stages(items: Any, source: str) -> list[Stage]:
         if not isinstance(s, Mapping) or "device" not in s or "nodes" not in s:
             raise WorkloadFormatError(f"{where}: expected an object with 'device' and 'nodes', got {brief(s)}")
         device = _text(s["device"], f"{where}.device")
-        if not isinstance(s["nodes"], list) or not s["nodes"]:
+        empty_graph = len(items) == 1 and s["nodes"] == []  # the one-stage plan of a model with no operators
+        if not isinstance(s["nodes"], list) or not (s["nodes"] or empty_graph):
             raise WorkloadFormatError(f"{where}.nodes: expected a non-empty list of node ids, got {brief(s['nodes'])}")
         for j, v in enumerate(s["nodes"]):
             _text(v, f"{where}.nodes[{j}]")

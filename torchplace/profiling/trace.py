@@ -33,7 +33,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from torchplace.errors import TraceError
+from torchplace.errors import TraceError, UsageError
 from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, tensor_bytes
 from torchplace.graph import OpGraph
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state
@@ -57,12 +57,14 @@ class Traced:
         method: the capture method actually used, ``"fx"`` or ``"export"``.
         effects: the graph's in-place writes and what they force on a placement
             (:mod:`torchplace.profiling.effects`).
+        model: the traced model (whose parameters and buffers ``gm`` shares).
     """
 
     gm: fx.GraphModule
     graph: OpGraph
     method: str
     effects: Effects = field(default_factory=Effects)
+    model: nn.Module | None = None
 
     def flat_inputs(self, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
         """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
@@ -283,7 +285,7 @@ def trace(
         A :class:`Traced`; each fx node's :class:`TensorInfo` is in ``node.meta["torchplace"]``.
 
     Raises:
-        ValueError: for an unknown ``granularity`` or ``method``.
+        UsageError: for an unknown ``granularity`` or ``method``.
         TraceError: if no method can capture the model; names the failing module and what to try.
 
     Example:
@@ -293,12 +295,12 @@ def trace(
         True
     """
     if granularity not in _GRANULARITIES:
-        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+        raise UsageError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        raise UsageError(f"trace method must be one of {_METHODS}, got {method!r}")
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
     kwargs = dict(example_kwargs or {})
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level)
     effects = _record(gm, model, example_inputs, kwargs)
     graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=effects)
-    return Traced(gm=gm, graph=graph, method=used, effects=effects)
+    return Traced(gm=gm, graph=graph, method=used, effects=effects, model=model)

@@ -1,0 +1,257 @@
+"""A PlacedModule behaves like the model it places: its state dict, parameters and checkpoints are the
+model's; what it cannot do exactly it refuses with a typed error; bad place() arguments are refused
+before anything is traced (issue 9, items 4-6)."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace import api
+from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
+from torchplace.models import MLP, build
+from torchplace.plan import Plan
+
+DEVICES = ["cpu:0", "cpu:1"]
+QUICK = {"progress": False, "repeats": 1, "warmup": 0}
+
+
+def _place(model, inputs, devices=DEVICES, **options):
+    return torchplace.place(model, devices, inputs, **{**QUICK, **options})
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("transformers")
+    model, (ids,) = build("gpt2", batch=4)
+    reference, _ = build("gpt2", batch=4)
+    placed = _place(model, (ids,), ["cpu:0", "cpu:1", "cpu:2"], granularity="module", leaf_modules=["GPT2Block"],
+                    microbatches=1)
+    return model, reference, ids, placed
+
+
+# -- item 4: the model's state ----------------------------------------------------------------------
+def test_state_dict_has_the_models_keys_and_tensors(gpt2):
+    model, _, _, placed = gpt2
+    ours, theirs = placed.state_dict(), model.state_dict()
+    assert list(ours) == list(theirs)  # original keys (lm_head.weight too), no stages.* copies
+    assert all(ours[k] is theirs[k] or ours[k].data_ptr() == theirs[k].data_ptr() for k in theirs)
+    assert [id(p) for p in placed.parameters()] == [id(p) for p in model.parameters()]
+    assert dict(placed.named_buffers()).keys() == dict(model.named_buffers()).keys()
+
+
+def test_load_state_dict_of_the_original_model_changes_the_placed_outputs(gpt2, monkeypatch):
+    model, reference, ids, placed = gpt2
+    other, _ = build("gpt2", batch=4, seed=1)
+    placed.load_state_dict(other.state_dict())  # strict, the original model's keys
+    with torch.no_grad():
+        assert torch.equal(placed(ids).logits, other(ids).logits)
+    placed.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        assert torch.equal(placed(ids).logits, reference(ids).logits)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        placed.load_state_dict({k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"} | {"x": 1})
+
+
+def test_a_tied_weight_replica_follows_load_state_dict(monkeypatch):
+    """With isolated devices the tied weight has a replica; loading new weights refreshes it."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+    model, (ids,) = build("gpt2", batch=2)
+    placed = _place(model, (ids,), granularity="module", leaf_modules=["GPT2Block"], microbatches=1,
+                    plan=_two_device_plan(model, ids))
+    assert placed._executor.stage_params.replicas >= 1
+    other, _ = build("gpt2", batch=2, seed=3)
+    placed.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(placed(ids).logits, other(ids).logits)
+
+
+def _two_device_plan(model, ids):
+    """A plan putting the first half of GPT-2's nodes on cpu:0, the rest on cpu:1."""
+    probe = _place(model, (ids,), ["cpu:0"], granularity="module", leaf_modules=["GPT2Block"])
+    order = probe.problem.graph.topological_order()
+    half = len(order) // 2
+    stages = [torchplace.Stage("cpu:0", tuple(order[:half])), torchplace.Stage("cpu:1", tuple(order[half:]))]
+    return Plan(stages, objective=0.0, lower_bound=0.0, solver="manual", seconds=0.0, status="feasible")
+
+
+def test_a_plan_file_and_a_state_dict_rebuild_the_placed_model(tmp_path):
+    model, inputs = build("resnet", batch=4)
+    placed = _place(model, inputs, microbatches=2)
+    placed.plan.save(tmp_path / "plan.json")
+    torch.save(placed.state_dict(), tmp_path / "weights.pt")
+    fresh, _ = build("resnet", batch=4, seed=7)
+    rebuilt = _place(fresh, inputs, plan=tmp_path / "plan.json", microbatches=2)
+    rebuilt.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    assert [s.nodes for s in rebuilt.plan.stages] == [s.nodes for s in placed.plan.stages]
+    with torch.no_grad():
+        assert torch.equal(rebuilt(*inputs), placed(*inputs))
+
+
+def test_a_plan_for_another_graph_is_refused():
+    model, inputs = build("mlp", batch=4)
+    plan = _place(model, inputs).plan
+    other, other_inputs = build("resnet", batch=4)
+    with pytest.raises(InvalidPlanError, match="same granularity"):
+        _place(other, other_inputs, plan=plan)
+
+
+@pytest.mark.parametrize("operation", [
+    pickle.dumps, copy.deepcopy, copy.copy, lambda m: torch.save(m, io.BytesIO()),
+], ids=["pickle", "deepcopy", "copy", "torch.save"])
+def test_copying_or_saving_the_module_says_what_to_save_instead(operation):
+    model, inputs = build("mlp", batch=4)
+    placed = _place(model, inputs)
+    with pytest.raises(UnsupportedError, match=r"plan.save\('plan.json'\)"):
+        operation(placed)
+
+
+@pytest.mark.parametrize("operation", [
+    lambda m: m.to("cpu"), lambda m: m.half(), lambda m: m.cpu(), lambda m: m.float(),
+    lambda m: m.load_state_dict(m.state_dict(), assign=True),
+], ids=["to", "half", "cpu", "float", "assign"])
+def test_moving_or_replacing_the_placed_tensors_is_refused(operation):
+    model, inputs = build("mlp", batch=4)
+    placed = _place(model, inputs, microbatches=1)
+    with pytest.raises(UnsupportedError, match="place"):
+        operation(placed)
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), model(*inputs))
+
+
+# -- item 5: train mode ---------------------------------------------------------------------------
+def test_train_mode_is_refused_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.BatchNorm1d(8))
+    x = torch.randn(6, 8)
+    placed = _place(model, (x,), microbatches=1)
+    with pytest.raises(UnsupportedError, match="placed for inference"):
+        placed.train()
+    assert not placed.training and not any(m.training for m in model.modules())
+    placed.eval()
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+
+
+# -- item 6: inputs ----------------------------------------------------------------------------------
+def test_one_tensor_is_one_input_not_a_batch_of_inputs():
+    model, (x,) = build("mlp", batch=8)
+    placed = _place(model, x, microbatches=1)
+    assert len(placed.problem.graph.meta["inputs"]) == 1
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, *, scale=1.0):
+        h = self.a(x) * scale
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_keyword_example_inputs(trace_method):
+    model = Scaled().eval()
+    x, mask = torch.randn(6, 8), (torch.rand(6, 8) > 0.5).float()
+    placed = _place(model, (x,), example_kwargs={"mask": mask}, trace_method=trace_method, microbatches=2)
+    with torch.no_grad():
+        assert torch.allclose(placed(x, mask=mask), model(x, mask=mask), rtol=0, atol=1e-6)
+        assert torch.equal(placed(x, mask=mask), torch.cat([model(x[:3], mask=mask[:3]), model(x[3:], mask=mask[3:])]))
+
+
+def test_keyword_example_inputs_of_a_transformers_model():
+    pytest.importorskip("transformers")
+    model, (ids,) = build("gpt2", batch=4)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    placed = _place(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask}, microbatches=1)
+    with torch.no_grad():
+        assert torch.equal(placed(input_ids=ids, attention_mask=mask).logits,
+                           model(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_the_decorator_takes_keyword_inputs_on_the_first_call():
+    placed_cls = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(Scaled)
+    net = placed_cls()
+    x, mask = torch.randn(4, 8), torch.ones(4, 8)
+    with torch.no_grad():
+        assert torch.equal(net(x, mask=mask), net.module(x, mask=mask))
+    assert "placed" not in dict(net.named_children())  # no second copy of the weights in state_dict
+
+
+def _never_profile(*args, **kwargs):
+    raise AssertionError("profiling started before the arguments were checked")
+
+
+@pytest.mark.parametrize("inputs, kwargs, fragment", [
+    ((torch.randn(4, 9),), None, "fails on example_inputs"),              # wrong shape
+    ((torch.randint(0, 5, (4, 8)),), None, "fails on example_inputs"),    # wrong dtype
+    ((), None, "fails on example_inputs"),                                # no inputs
+    ((torch.randn(0, 8),), None, "batch size 0"),                         # empty batch
+    ({"x": torch.randn(4, 8)}, None, "example_kwargs"),                   # a dict as positional inputs
+    ((torch.randn(4, 8),), [1, 2], "example_kwargs must be a dict"),
+    ("x", None, "example_inputs must be"),
+])
+def test_bad_example_inputs_are_refused_before_profiling(monkeypatch, inputs, kwargs, fragment):
+    monkeypatch.setattr(api, "profile", _never_profile)
+    monkeypatch.setattr(api, "trace", _never_profile)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with pytest.raises(UsageError, match=fragment):
+        torchplace.place(model, DEVICES, inputs, example_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"microbatches": 2.5}, "microbatches"), ({"microbatches": 0}, "microbatches"),
+    ({"time_limit": float("nan")}, "time_limit"), ({"time_limit": -1}, "time_limit"),
+    ({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup"),
+    ({"objective": "speed"}, "objective"), ({"leaf_modules": ["Lineer"]}, "did you mean 'Linear'"),
+    ({"leaf_modules": [3]}, "leaf_modules must hold"), ({"granularity": "layer"}, "granularity"),
+    ({"trace_method": "jit"}, "trace method"), ({"plan": 3}, "plan must be"),
+])
+def test_bad_options_are_refused_before_profiling(monkeypatch, options, fragment):
+    monkeypatch.setattr(api, "profile", _never_profile)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with pytest.raises(UsageError, match=fragment):
+        torchplace.place(model, DEVICES, (torch.randn(4, 8),), **options)
+
+
+def test_a_model_on_the_meta_device_or_not_a_module_is_refused():
+    with torch.device("meta"):
+        model = MLP()
+    with pytest.raises(UsageError, match="meta device"):
+        torchplace.place(model, DEVICES, (torch.randn(4, 32),))
+    with pytest.raises(UsageError, match="nn.Module"):
+        torchplace.place(lambda x: x, DEVICES, (torch.randn(4, 32),))
+
+
+def test_leaf_modules_by_class_name_as_in_accelerate():
+    model, inputs = build("resnet", batch=4)
+    by_name = _place(model, inputs, granularity="module", leaf_modules=["ResidualBlock"])
+    modules = {r.module for _, r in by_name.problem.graph.records()}
+    assert "blocks.0" in modules and not any(m.startswith("blocks.0.") for m in modules)
+
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_a_model_with_no_operators_gets_a_one_stage_plan(tmp_path):
+    x = torch.randn(4, 8)
+    placed = _place(Identity(), (x,))
+    assert len(placed.plan.stages) == 1 and placed.plan.stages[0].nodes == ()
+    assert placed.plan.objective == 0.0
+    with torch.no_grad():
+        assert torch.equal(placed(x), x)
+    placed.plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json").stages == placed.plan.stages

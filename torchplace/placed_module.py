@@ -1,0 +1,131 @@
+"""PlacedModule: a model split into stages on several devices, still the model as far as a user can tell.
+
+Its module tree, parameters, buffers and ``state_dict`` keys are the original model's own (the
+model's children are its children), so optimizers, ``load_state_dict`` of a checkpoint of the
+model, ``clip_grad_norm_`` and ``named_parameters`` work unchanged; each tensor lives on its home
+device (:mod:`torchplace.runtime.params`). What it cannot do exactly, it refuses with a
+:class:`~torchplace.errors.UnsupportedError` that says what to do instead: moving or converting it
+(``.to()``, ``.cuda()``, ``.half()``), pickling or copying it, training mode before training
+placement exists, ``load_state_dict(assign=True)``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from torchplace.errors import UnsupportedError
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+from torchplace.profiling import Traced
+from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
+
+__all__ = ["PlacedModule"]
+
+_SAVE_INSTEAD = (
+    "save placed.plan.save('plan.json') and torch.save(placed.state_dict(), 'weights.pt'), then rebuild with "
+    "torchplace.place(model, devices, example_inputs, plan='plan.json') and placed.load_state_dict(torch.load("
+    "'weights.pt'))"
+)
+
+
+class PlacedModule(nn.Module):
+    """A model split into stages on several devices.
+
+    For the throughput objective a call runs the stages as a pipeline of micro-batches; for the
+    latency objective it runs one sample with every device's stages on its own worker, each stage
+    as soon as its inputs exist (:class:`~torchplace.runtime.LatencyExecutor`).
+
+    Attributes:
+        plan: the :class:`~torchplace.plan.Plan` being run.
+        problem: the measured problem the plan was solved for.
+        microbatches: how many micro-batches each call's batch is split into (dim 0; always 1
+            for the latency objective).
+        stages: the stage modules, in plan order (they call the model's own submodules).
+    """
+
+    def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1) -> None:
+        super().__init__()
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self.plan, self.problem, self.microbatches = plan, problem, microbatches
+        stage_of = {
+            fx_name: i
+            for i, stage in enumerate(plan.stages)
+            for v in stage.nodes
+            for fx_name in problem.graph.record(v).fx_nodes
+        }
+        stages = split_stages(traced.gm, stage_of, len(plan.stages), traced.effects)
+        self._stages = tuple(stages)
+        devices = [problem.cluster.device(s.device) for s in plan.stages]
+        torch_devices, workers = [d.torch_device for d in devices], [d.name for d in devices]
+        isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
+        self._executor: PipelineExecutor | LatencyExecutor
+        if problem.objective == "latency":
+            self.microbatches = 1
+            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
+        else:
+            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
+        if traced.model is not None:
+            self._adopt(traced.model)
+
+    def _adopt(self, model: nn.Module) -> None:
+        """Take the model's children, parameters and buffers as this module's own (same objects)."""
+        self._modules.update(model._modules)
+        self._parameters.update(model._parameters)
+        self._buffers.update(model._buffers)
+        self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+        self.training = model.training
+
+    @property
+    def stages(self) -> tuple[StageModule, ...]:
+        return self._stages
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self._executor, LatencyExecutor):
+            return self._executor.run(args, kwargs)
+        return self._executor.run(args, kwargs, self.microbatches)
+
+    def device_map(self) -> dict[str, str]:
+        """Where each module's weights live, in accelerate's ``device_map`` form."""
+        return self.plan.device_map(self.problem)
+
+    # -- what a placed model refuses ----------------------------------------------------------------
+    def train(self, mode: bool = True) -> PlacedModule:
+        if mode:
+            raise UnsupportedError(
+                "this model was placed for inference, and its traced graph runs in eval mode (dropout off, "
+                "BatchNorm on running statistics): calling train() would change nothing and silently; train "
+                "the unplaced model, or place it for training when torchplace supports it"
+            )
+        return super().train(False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PlacedModule:
+        raise UnsupportedError(
+            "a placed model's tensors live on their planned devices; .to()/.cuda()/.cpu()/.half() and the like "
+            "would undo the placement: convert the model before placing it, or place it again"
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """The model's own ``load_state_dict``: each tensor is copied onto its device (keys of the
+        original model; ``assign=True`` would replace the placed tensors and is refused)."""
+        if assign:
+            raise UnsupportedError("load_state_dict(assign=True) would replace the placed tensors; use assign=False "
+                                   "(values are copied onto each tensor's device)")
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UnsupportedError(f"a PlacedModule cannot be pickled, copied or torch.save()d (it holds worker threads "
+                               f"and a placement on devices); {_SAVE_INSTEAD}")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise UnsupportedError(f"a PlacedModule cannot be deep-copied (it holds worker threads and a placement on "
+                               f"devices); place a deep copy of the model instead, or {_SAVE_INSTEAD}")
+
+    def extra_repr(self) -> str:
+        devices = " -> ".join(s.device for s in self.plan.stages)
+        if self.problem.objective == "latency":
+            return f"stages: {devices}; latency mode; objective={self.plan.objective:.4g} s"
+        return f"stages: {devices}; microbatches={self.microbatches}; objective={self.plan.objective:.4g} s/sample"
