@@ -68,7 +68,7 @@ def training_problems(draw, max_forward: int = 3, max_backward: int = 4, cpus: i
         owner = j if j < n_fw and cpus is not None else draw(st.integers(-1, n_fw - 1))  # -1: orphaned
         g.add_node(f"b{j}", _record(draw, f"b{j}", colocation=f"k{owner}" if owner >= 0 else None, backward=True))
     for u, v in itertools.combinations(range(n_fw), 2):
-        if v == u + 1 and cpus is not None or draw(st.booleans()):
+        if (cpus is not None and v == u + 1) or draw(st.booleans()):
             g.add_edge(f"f{u}", f"f{v}")
     for i, j in itertools.product(range(n_fw), range(n_bw)):
         if draw(st.integers(0, 3)) == 0:
