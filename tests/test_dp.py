@@ -5,6 +5,7 @@ import math
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchplace import costmodel
 from torchplace.devices import Cluster, Device
@@ -15,7 +16,7 @@ from torchplace.solvers import dp
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
-from .graphs import brute_force_contiguous, problems
+from .graphs import brute_force_contiguous, problems, training_problems
 
 # Tarnawski et al. 2020, Table 1 (contiguous optimum with the file's own k and l), and the forward
 # ideal counts after contraction as printed by the authors' program.
@@ -49,9 +50,7 @@ def test_dp_reproduces_published_optimum(name, workloads_dir):
     assert len({s.device for s in plan.stages}) <= len(problem.cluster)
 
 
-@settings(max_examples=150, deadline=None)
-@given(problems())
-def test_dp_matches_brute_force(problem):
+def _assert_dp_matches_brute_force(problem: Problem) -> None:
     expected = brute_force_contiguous(problem)
     if math.isinf(expected):
         with pytest.raises(InfeasibleError):
@@ -61,6 +60,64 @@ def test_dp_matches_brute_force(problem):
     assert plan.objective == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert plan.objective == costmodel.evaluate(problem, plan)
     assert plan.lower_bound <= plan.objective + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_dp_matches_brute_force(problem):
+    _assert_dp_matches_brute_force(problem)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(training_problems(), training_problems(cpus=3)))
+def test_dp_matches_brute_force_on_training_graphs(problem):
+    """Backward nodes feeding backward nodes of other colour classes in any pattern: the DP's plan
+    is valid (Plan.build validates it) and optimal among the contiguous splits."""
+    _assert_dp_matches_brute_force(problem)
+
+
+def _classes_problem(fw: dict[str, float], bw: dict[str, tuple[str | None, float]], edges: str, cpus: int) -> Problem:
+    """A training graph on ``cpus`` CPUs (no transfer costs): forward nodes ``fw`` (name -> time,
+    each its own colour class), backward nodes ``bw`` (name -> (class, time)), ``edges`` as
+    ``"a>b c>d"``."""
+    g = OpGraph()
+    for v, t in fw.items():
+        g.add_node(v, NodeRecord(v, times={"cpu": t}, colocation=v))
+    for v, (color, t) in bw.items():
+        g.add_node(v, NodeRecord(v, times={"cpu": t}, colocation=color, backward=True))
+    for pair in edges.split():
+        g.add_edge(*pair.split(">"))
+    return Problem(g, Cluster(tuple(Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus))), mode="training")
+
+
+def test_backward_edges_both_ways_between_classes_keep_them_together():
+    """Regression (issue 9, item 10): classes ``a`` and ``b`` feed each other backward
+    (``ca -> bb -> ba``), so every contiguous split keeps them on one device; ``c`` mirrors ``b``.
+    The paper's contraction ignored the edges, split ``{a} / {b} / {c}`` (6) and failed with
+    "stages feed each other in a cycle"; the optimum is ``{a, b} / {c}``: max(2+1+1 + 2+2, 3+3) = 8."""
+    problem = _classes_problem(
+        {"fa": 2.0, "fb": 2.0, "fc": 3.0},
+        {"ba": ("fa", 1.0), "ca": ("fa", 1.0), "bb": ("fb", 2.0), "bc": ("fc", 3.0)},
+        "fa>fb fb>fc fa>ca fb>bb fc>bc ca>bb bb>ba bc>bb", cpus=3,
+    )
+    plan = dp.solve(problem)
+    assert plan.objective == 8.0 == brute_force_contiguous(problem)
+    assert plan.meta["backward_order"] == "reverse"
+    device = plan.assignment
+    assert device["fa"] == device["fb"] != device["fc"]
+
+
+def test_backward_edges_drawn_forward_give_backward_pieces_in_forward_order():
+    """``f1 -> f2`` with ``b1 -> b2`` (as the LayerGraphs training files draw them): mirrored, the
+    backward edge would close a cycle and force one device (10); in the forward order the split is
+    ``{1} / {2}``: max(2 + 3, 1 + 4) = 5."""
+    problem = _classes_problem({"f1": 2.0, "f2": 1.0}, {"b1": ("f1", 3.0), "b2": ("f2", 4.0)},
+                               "f1>f2 f1>b1 f2>b2 b1>b2", cpus=2)
+    plan = dp.solve(problem)
+    assert plan.objective == 5.0 == brute_force_contiguous(problem)
+    assert plan.meta["backward_order"] == "forward"
+    assert plan.assignment["f1"] == plan.assignment["b1"] != plan.assignment["f2"] == plan.assignment["b2"]
+    assert dp.solve(problem, linearize=True).objective == 5.0
 
 
 def _chain(times, mem, params=1):
@@ -102,7 +159,7 @@ def test_plan_is_deterministic(workloads_dir):
 
 
 @settings(max_examples=100, deadline=None)
-@given(problems())
+@given(st.one_of(problems(), training_problems()))
 def test_dpl_is_valid_and_never_better_than_dp(problem):
     try:
         exact = dp.solve(problem)

@@ -7,7 +7,6 @@ import random
 import time
 from dataclasses import replace
 
-import networkx as nx
 import pyomo.environ as pyo
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +16,7 @@ from torchplace import costmodel
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.graph import NodeRecord, OpGraph
-from torchplace.plan import Plan, Stage, is_contiguous
+from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers import dp
 from torchplace.solvers.milp import maxload, mtpp
@@ -25,29 +24,15 @@ from torchplace.solvers.milp.bounds import guess_the_bottleneck_bound
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
-from .graphs import problems
+from .graphs import has_pipeline_order, problems
+from .graphs import training_problems as random_training_problems
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _ordered(g, held: dict[str, list[str]]) -> bool:
-    """Every device's forward and backward part contiguous (Def. 3.1, Sec. 5.3) and both device
-    quotient graphs (forward -> forward edges, backward -> backward edges) acyclic (Fact 5.2)."""
-    device_of = {v: d for d, vs in held.items() for v in vs}
-    for backward in (False, True):
-        if not all(is_contiguous(g, part) for vs in held.values()
-                   if (part := {v for v in vs if g.record(v).backward == backward})):
-            return False
-        quotient = nx.DiGraph((device_of[u], device_of[v]) for u, v in g.edges if device_of[u] != device_of[v]
-                              and g.record(u).backward == backward == g.record(v).backward)
-        if not nx.is_directed_acyclic_graph(quotient):
-            return False
-    return True
-
-
 def brute_force(problem: Problem, *, contiguous: bool) -> float:
     """Min max-load over every assignment that keeps colocation, support and memory; with
-    ``contiguous``, ordered contiguous (:func:`_ordered`)."""
+    ``contiguous``, one whose devices run as a pipeline (:func:`has_pipeline_order`)."""
     g, devices = problem.graph, problem.cluster.devices
     nodes = list(g)
     best = math.inf
@@ -64,7 +49,7 @@ def brute_force(problem: Problem, *, contiguous: bool) -> float:
         held = {d.name: [v for v in nodes if assign[v] is d] for d in devices}
         if any(d.memory_bytes is not None and costmodel.memory(problem, held[d.name]) > d.memory_bytes for d in devices):
             continue
-        if contiguous and not _ordered(g, held):
+        if contiguous and not has_pipeline_order(problem, {v: d.name for v, d in assign.items()}):
             continue
         stages = [Stage(name, tuple(vs)) for name, vs in held.items() if vs]
         best = min(best, costmodel.evaluate_stages(problem, stages)[0])
@@ -164,9 +149,10 @@ def test_devices_feeding_each_other_are_not_contiguous():
         loose.validate(problem)
 
 
-def test_contiguous_ip_can_beat_the_dp_on_an_orphan_backward_node():
-    """The DP ties a backward node without a forward sibling to the reversed forward order (App. E.1,
-    mirrored edges); ordered contiguity asks only each side's quotient to be acyclic."""
+def test_dp_and_ip_agree_on_an_orphan_backward_node():
+    """The paper's DP ties a backward node without a forward sibling to the reversed forward order
+    (App. E.1, mirrored edges) and misses ``{fu, bu} / {fw, bv}`` (5), whose backward piece runs in
+    the forward order; the DP over both orientations finds it, as the IP does."""
     g = OpGraph()
     for v, t, color in [("fu", 3, "u"), ("bu", 2, "u"), ("fw", 1, None), ("bv", 4, None)]:
         g.add_node(v, NodeRecord(v, times={"cpu": float(t)}, colocation=color, backward=v.startswith("b")))
@@ -176,7 +162,32 @@ def test_contiguous_ip_can_beat_the_dp_on_an_orphan_backward_node():
     plan = maxload.solve(problem, contiguous=True)
     _check(plan, problem)
     assert plan.objective == 5.0 == brute_force(problem, contiguous=True)
-    assert dp.solve(problem).objective == 6.0
+    exact = dp.solve(problem)
+    assert exact.objective == 5.0 and exact.meta["backward_order"] == "forward"
+
+
+def test_backward_pieces_run_in_the_forward_order_or_its_reverse():
+    """``f1 -> f2 -> f3``, ``b2 -> b1``, ``b2 -> b3``, ``(f_i, b_i)`` colocated, three CPUs: one class
+    per device orders each side (backward from device 2) but in neither of the two ways a
+    contiguous training split runs its backward pieces, so the contiguous optimum puts two classes
+    on one device (4) and only the non-contiguous one reaches 2."""
+    g = OpGraph()
+    for i in (1, 2, 3):
+        g.add_node(f"f{i}", NodeRecord(f"f{i}", times={"cpu": 1.0}, colocation=str(i)))
+        g.add_node(f"b{i}", NodeRecord(f"b{i}", times={"cpu": 1.0}, colocation=str(i), backward=True))
+        g.add_edge(f"f{i}", f"b{i}")
+    for u, v in [("f1", "f2"), ("f2", "f3"), ("b2", "b1"), ("b2", "b3")]:
+        g.add_edge(u, v)
+    problem = Problem(g, Cluster(tuple(Device(f"cpu{i}", "cpu", "cpu") for i in range(3))), mode="training")
+    split = [Stage(f"cpu{i}", (f"f{i + 1}",)) for i in range(3)] + [
+        Stage("cpu1", ("b2",)), Stage("cpu0", ("b1",)), Stage("cpu2", ("b3",))]
+    Plan.build(replace(problem, contiguous=False), split, solver="test", seconds=0.0, lower_bound=0.0)
+    with pytest.raises(InvalidPlanError, match="neither in the forward pieces' device order nor in its reverse"):
+        Plan.build(problem, split, solver="test", seconds=0.0, lower_bound=0.0)
+    plan = maxload.solve(problem, contiguous=True)
+    _check(plan, problem)
+    assert plan.objective == 4.0 == dp.solve(problem).objective == brute_force(problem, contiguous=True)
+    assert maxload.solve(problem, contiguous=False).objective == 2.0
 
 
 def test_backward_order_is_its_own():
@@ -259,10 +270,17 @@ def test_contiguous_ip_matches_brute_force_on_training_graphs(problem):
 
 
 @FAST
-@given(training_problems(max_forward=4, orphans=False))
-def test_contiguous_ip_equals_dp_on_training_graphs_without_orphans(problem):
-    """With every backward node tied to its forward sibling, the backward quotient is the reversed
-    forward one, and the DP's space (App. E.1) is the IP's."""
+@given(st.one_of(random_training_problems(), random_training_problems(cpus=3)))
+def test_contiguous_ip_matches_brute_force_with_backward_edges_between_classes(problem):
+    _assert_ip_matches_brute_force(problem, contiguous=True)
+
+
+@FAST
+@given(st.one_of(training_problems(max_forward=4, orphans=False), random_training_problems(),
+                 random_training_problems(cpus=3)))
+def test_contiguous_ip_equals_dp_on_training_graphs(problem):
+    """Both search the splits whose backward pieces run in the forward pieces' order or its reverse:
+    the DP over one contraction per orientation, the IP with its ``reverse`` binary."""
     expected = _solve_or_inf(dp.solve, problem)
     plan = _solve_or_inf(maxload.solve, problem, contiguous=True, mip_gap=1e-9)
     assert (expected is None) == (plan is None)

@@ -11,23 +11,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchplace import costmodel
+from torchplace import costmodel, solvers
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 from torchplace.solvers import brkga, dp, slicegraph
-from torchplace.solvers.contract import contract
+from torchplace.solvers.contract import finest_contraction
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
 from .graphs import problems
+from .graphs import training_problems as random_training_problems
 from .test_dp import PUBLISHED
 
 
 def _all_orders(problem: Problem) -> list[list[str]]:
-    """Every topological order of the contracted graph, as node orders."""
-    con = contract(problem.graph)
+    """Every topological order of the contracted graph SliceGraph slices, as node orders."""
+    _, con = finest_contraction(problem.graph)
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(con.nodes)))
     dag.add_edges_from(con.edges)
@@ -50,14 +51,25 @@ def _layered(n: int, seed: int, k: int = 4, cpu: bool = False, memory: int | Non
 
 
 # Every contiguous split is a segmentation of some topological order of the contracted graph (lay
-# the pieces out in chain order), so the best over all orders is the ideals DP's optimum.
+# the pieces out in chain order), so the best over all orders is the ideals DP's optimum. A training
+# graph may have two contractions (one per orientation of the backward pieces); SliceGraph slices
+# one (finest_contraction) and reaches the DP's optimum when the DP's best split has its
+# orientation, and otherwise finds a split no better (or none).
 def _check_all_orders_reach_the_dp_optimum(problem: Problem) -> None:
     try:
-        exact = dp.solve(problem).objective
+        best = dp.solve(problem)
     except InfeasibleError:
         with pytest.raises(InfeasibleError):
             slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
         return
+    if best.meta["backward_order"] != finest_contraction(problem.graph)[0]:
+        try:
+            other = slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
+        except InfeasibleError:
+            return
+        assert other.objective >= best.objective - 1e-9
+        return
+    exact = best.objective
     plan = slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
     assert plan.objective == pytest.approx(exact, rel=1e-9, abs=1e-12)
     assert plan.objective == costmodel.evaluate(problem, plan)
@@ -104,6 +116,28 @@ def training_problems(draw, max_forward: int = 4) -> Problem:
 @given(training_problems())
 def test_all_orders_reach_the_dp_optimum_in_training(problem):
     _check_all_orders_reach_the_dp_optimum(problem)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_training_problems())
+def test_heuristics_give_contiguous_plans_with_backward_edges_between_classes(problem):
+    """SliceGraph, BRKGA and ``auto`` past the ideal limit (which runs them) search one contraction
+    (one orientation of the backward pieces): their plans validate as contiguous (``Plan.build``)
+    and are never better than the DP's; they find none only where the DP finds none either or
+    their orders miss it."""
+    try:
+        exact = dp.solve(problem).objective
+    except InfeasibleError:
+        exact = math.inf
+    runs = [lambda: slicegraph.solve(problem, random_orders=4), lambda: brkga.solve(problem, population=6, generations=2),
+            lambda: solvers.solve(problem, ideal_limit=1, time_limit=5)]
+    for run in runs:
+        try:
+            plan = run()
+        except InfeasibleError:
+            continue
+        assert plan.meta["contiguous"] and plan.objective == costmodel.evaluate(problem, plan)
+        assert plan.objective >= exact - 1e-9
 
 
 @settings(max_examples=60, deadline=None)

@@ -295,15 +295,29 @@ def is_contiguous(g: Any, nodes: set[str]) -> bool:
 
 
 def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> None:
-    """Contiguous means what the ideals DP searches (Tarnawski Sec. 5.1.1, Fact 5.2; Sec. 5.3 for
-    training): one piece of the forward graph per device and one of the backward graph, the pieces
-    in an order in which data only flows forward, i.e. prefix unions are ideals.
+    """Contiguous means what the ideals DP searches (Tarnawski Sec. 5.1.1, Fact 5.2): one piece of
+    the forward graph per device and, for training (Sec. 5.3), one of the backward graph; the
+    forward pieces in a device order in which data only flows forward (prefix unions are ideals),
+    and the backward pieces in that order or in its reverse.
 
-    Two checks: each device's forward part and backward part is contiguous (Def. 3.1), and the
-    device quotient graph of forward -> forward edges, and that of backward -> backward edges, is
-    acyclic (Archer et al. 2024, Sec. 2.2). Per-device contiguity alone is weaker: with edges
-    ``1 -> 4`` and ``2 -> 5``, ``{1, 5}`` and ``{2, 4}`` are both contiguous yet feed each other.
-    (An acyclic quotient implies per-device contiguity; the first check names the device.)
+    Sec. 5.3 asks each device's forward part and backward part to be contiguous (Def. 3.1); the
+    DP's chains of ideals moreover order the pieces (Archer et al. 2024, Sec. 2.2: the device
+    quotient graph is acyclic). Per-device contiguity alone is weaker: with edges ``1 -> 4`` and
+    ``2 -> 5``, ``{1, 5}`` and ``{2, 4}`` are both contiguous yet feed each other. The backward
+    order: App. E.1 builds the backward graph as the mirror image of the forward one, so the
+    backward pieces run in the reverse order (the OperatorGraphs workloads); the LayerGraphs
+    training workloads draw their backward edges in the forward direction, so there they run in
+    the same order. Any other backward order is not contiguous: with ``f1 -> f2 -> f3`` and
+    ``b2 -> b1``, ``b2 -> b3`` on three devices the backward pieces would start in the middle. The
+    DP searches exactly these splits (one contraction per orientation,
+    :mod:`torchplace.solvers.contract`), and so does the max-load IP
+    (:mod:`torchplace.solvers.milp.contiguity`).
+
+    Checks, each naming what it found: each device's forward and backward part is contiguous;
+    the device quotient graph of forward -> forward edges, and that of backward -> backward
+    edges, is acyclic; and that of both together is acyclic with the backward edges taken as
+    they are or reversed (forward -> backward edges never constrain: every forward piece runs
+    before every backward piece).
     """
     g = problem.graph
     for dev, nodes in per_device.items():
@@ -313,22 +327,37 @@ def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> 
                 side = "backward" if backward else "forward"
                 raise InvalidPlanError(f"the {side} nodes on {dev!r} are not contiguous (Tarnawski Def. 3.1)")
     device_of = {v: dev for dev, nodes in per_device.items() for v in nodes}
+    edges: dict[bool, list[tuple[str, str]]] = {False: [], True: []}  # backward? -> device pairs
+    for u, v in g.edges:
+        if device_of[u] != device_of[v] and g.record(u).backward == g.record(v).backward:
+            edges[g.record(u).backward].append((device_of[u], device_of[v]))
     for backward in (False, True):
-        quotient = nx.DiGraph(
-            (device_of[u], device_of[v]) for u, v in g.edges
-            if device_of[u] != device_of[v] and g.record(u).backward == backward == g.record(v).backward
-        )
-        try:
-            cycle = nx.find_cycle(quotient)
-        except nx.NetworkXNoCycle:
-            continue
-        side = "backward" if backward else "forward"
-        devs = " -> ".join([*(a for a, _ in cycle), cycle[0][0]])
+        cycle = _device_cycle(edges[backward])
+        if cycle:
+            side = "backward" if backward else "forward"
+            raise InvalidPlanError(
+                f"the {side} pieces feed each other in a cycle of devices {cycle}: a contiguous split needs an "
+                "order of the devices in which data only flows forward (Tarnawski Fact 5.2); "
+                "solve with contiguous=False to allow it"
+            )
+    same = _device_cycle(edges[False] + edges[True])
+    reverse = _device_cycle(edges[False] + [(b, a) for a, b in edges[True]])
+    if same and reverse:
         raise InvalidPlanError(
-            f"the {side} pieces feed each other in a cycle of devices {devs}: a contiguous split needs an "
-            "order of the devices in which data only flows forward (Tarnawski Fact 5.2); "
-            "solve with contiguous=False to allow it"
+            "the backward pieces run neither in the forward pieces' device order nor in its reverse (forward "
+            f"and backward data together go round {same}, forward data and reversed backward data round "
+            f"{reverse}): a contiguous training split runs its backward pieces in one of the two (Tarnawski "
+            "Sec. 5.3, App. E.1); solve with contiguous=False to allow it"
         )
+
+
+def _device_cycle(edges: Sequence[tuple[str, str]]) -> str:
+    """A cycle of the device graph with ``edges`` as ``"a -> b -> a"``, or ``""`` if it is acyclic."""
+    try:
+        cycle = nx.find_cycle(nx.DiGraph(edges))
+    except nx.NetworkXNoCycle:
+        return ""
+    return " -> ".join([*(a for a, _ in cycle), cycle[0][0]])
 
 
 def _check_stage_order(stages: Sequence[Stage], g: Any) -> None:

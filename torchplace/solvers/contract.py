@@ -4,13 +4,24 @@ Tarnawski et al. 2020, App. E.1 ("DP preprocessing"):
 
 1. contract the forward nodes and the backward nodes of every colocation class separately;
 2. give every *orphaned* backward group (one whose class has no forward node) an artificial
-   forward image, and tie the images with mirrored edges: for a backward edge ``u' -> v'`` with an
-   orphaned end, add the forward edge ``image(v') -> image(u')``;
-3. contract the strongly connected components of the forward graph (a colocation-respecting
+   forward image;
+3. tie the backward edges into the forward graph: for a backward edge ``u' -> v'`` between two
+   classes add the forward edge ``image(v') -> image(u')`` (``backward_order="reverse"``, the
+   paper's mirror image) or ``image(u') -> image(v')`` (``"forward"``);
+4. contract the strongly connected components of the forward graph (a colocation-respecting
    contiguous split keeps each of them on one device), merging their classes, and repeat.
 
 Every forward supernode then carries its backward sibling, so a contiguous set of forward
 supernodes places the matching backward nodes with it (Sec. 5.3).
+
+Step 3 is where this differs from the paper, which mirrors only the edges with an orphaned end and
+leaves the backward pieces' order to chance: a backward node feeding one of another class in any
+other pattern (both ways between two classes, or across the mirror) then gave backward pieces that
+feed each other in a cycle. A contiguous training split (:func:`torchplace.plan._check_contiguity`)
+runs its backward pieces in the forward pieces' device order or in its reverse; with every
+backward edge tied in one orientation, each chain of ideals of the contraction is exactly such a
+split with that orientation, so the DP over both contractions (:func:`contractions`) searches
+exactly the contiguous splits.
 """
 from __future__ import annotations
 
@@ -21,7 +32,12 @@ import networkx as nx
 from torchplace.errors import InvalidPlanError
 from torchplace.graph import OpGraph
 
-__all__ = ["Contraction", "Supernode", "contract"]
+__all__ = ["BACKWARD_ORDERS", "Contraction", "Supernode", "contract", "contractions", "finest_contraction"]
+
+BACKWARD_ORDERS = ("reverse", "forward")
+"""How the backward pieces of a contiguous training split run relative to the forward pieces'
+device order: reversed (a backward edge mirrors a forward one, as in the OperatorGraphs
+workloads) or in the same order (as the LayerGraphs training workloads draw their backward edges)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +90,9 @@ def _check_no_backward_to_forward(g: OpGraph) -> None:
             raise InvalidPlanError(f"edge {u!r} -> {v!r} goes from a backward node to a forward node")
 
 
-def _forward_graph(g: OpGraph, cls: _UnionFind) -> nx.DiGraph:
-    """Forward groups (by class) with real forward edges plus mirrored edges for orphans."""
+def _forward_graph(g: OpGraph, cls: _UnionFind, backward_order: str) -> nx.DiGraph:
+    """Forward groups (by class), artificial images of orphaned backward groups, the forward edges
+    and every backward edge between classes in ``backward_order``'s orientation (steps 2-3)."""
     fg = nx.DiGraph()
     fg.add_nodes_from(cls.find(_base_class(g, v)) for v, r in g.records() if not r.backward)
     orphan = {cls.find(_base_class(g, v)) for v, r in g.records() if r.backward} - set(fg)
@@ -87,17 +104,29 @@ def _forward_graph(g: OpGraph, cls: _UnionFind) -> nx.DiGraph:
         bu, bv = g.record(u).backward, g.record(v).backward
         if not bu and not bv:
             fg.add_edge(cu, cv)
-        elif bu and bv and (cu in orphan or cv in orphan):
-            fg.add_edge(cv, cu)  # mirror image of the backward edge
+        elif bu and bv:
+            fg.add_edge(*((cv, cu) if backward_order == "reverse" else (cu, cv)))
     return fg
 
 
-def contract(g: OpGraph) -> Contraction:
-    """Contract ``g`` as in Tarnawski App. E.1; see the module docstring."""
+def contract(g: OpGraph, backward_order: str = "reverse") -> Contraction:
+    """Contract ``g`` as in Tarnawski App. E.1; see the module docstring.
+
+    Args:
+        g: a DAG with no edge from a backward node to a forward node.
+        backward_order: ``"reverse"`` or ``"forward"`` (:data:`BACKWARD_ORDERS`): how the backward
+            pieces of the splits the contraction represents run; irrelevant for inference graphs.
+
+    Raises:
+        InvalidPlanError: if an edge goes from a backward node to a forward node.
+        ValueError: for another ``backward_order``.
+    """
+    if backward_order not in BACKWARD_ORDERS:
+        raise ValueError(f"backward_order must be one of {BACKWARD_ORDERS}, got {backward_order!r}")
     _check_no_backward_to_forward(g)
     cls = _UnionFind()
     while True:
-        fg = _forward_graph(g, cls)
+        fg = _forward_graph(g, cls, backward_order)
         merged = False
         for scc in nx.strongly_connected_components(fg):
             first, *rest = sorted(scc)
@@ -116,3 +145,36 @@ def contract(g: OpGraph) -> Contraction:
     nodes = tuple(Supernode(tuple(fw[c]), tuple(bw[c])) for c in order)
     edges = tuple(sorted((index[a], index[b]) for a, b in fg.edges))
     return Contraction(nodes, edges)
+
+
+def _has_backward_edges_between_classes(g: OpGraph) -> bool:
+    return any(g.record(u).backward and g.record(v).backward and _base_class(g, u) != _base_class(g, v)
+               for u, v in g.edges)
+
+
+def contractions(g: OpGraph) -> dict[str, Contraction]:
+    """The distinct contractions of ``g``, by backward order (:data:`BACKWARD_ORDERS`).
+
+    One (``"reverse"``) when the orientation changes nothing (no backward edge between classes,
+    e.g. an inference graph, or both give the same contraction), else both.
+
+    Raises:
+        InvalidPlanError: if an edge goes from a backward node to a forward node.
+    """
+    first = contract(g, "reverse")
+    if not _has_backward_edges_between_classes(g):
+        return {"reverse": first}
+    second = contract(g, "forward")
+    return {"reverse": first} if second == first else {"reverse": first, "forward": second}
+
+
+def finest_contraction(g: OpGraph) -> tuple[str, Contraction]:
+    """The contraction with the most supernodes (ties: ``"reverse"``), with its backward order.
+
+    For searches that work on one contraction (SliceGraph, BRKGA): the other orientation usually
+    merges most of the graph into a few supernodes, leaving little to split (a backward edge that
+    mirrors a forward path closes a cycle with it).
+    """
+    options = contractions(g)
+    name = max(options, key=lambda k: (len(options[k].nodes), k == "reverse"))
+    return name, options[name]

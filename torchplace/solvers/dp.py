@@ -6,7 +6,8 @@
 where ``s`` counts the devices of each class still unused (the paper's (k', l') for accelerators
 and CPUs, generalised to any number of classes of identical devices) and ``I' = I`` means "leave
 this device empty". Training graphs are handled by running the DP on the forward part with each
-forward supernode carrying its backward sibling (Sec. 5.3, App. E.1; see ``contract``).
+forward supernode carrying its backward sibling (Sec. 5.3, App. E.1; see ``contract``), once per
+orientation of the backward pieces when backward edges join colour classes.
 
 All pair costs are computed at once with numpy. For nested sets ``I' <= I`` and ``S = I \\ I'``,
 a producer ``u`` (with ``M(u) = {u} + succ(u)``) pays its transfer iff ``M(u)`` is partly in ``S``.
@@ -30,7 +31,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
-from torchplace.solvers.contract import Contraction, contract
+from torchplace.solvers.contract import Contraction, contractions
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.ordering import order_stages
 
@@ -206,15 +207,29 @@ def pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) -
     return stages
 
 
-def _infeasible(
-    problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], counts: Sequence[int]
-) -> InfeasibleError:
+@dataclass(frozen=True)
+class _Run:
+    """The DP over one contraction (one backward order, :func:`~torchplace.solvers.contract.contractions`)."""
+
+    backward_order: str
+    con: Contraction
+    ideals: Ideals
+    pc: _PairCosts
+    dp: dict[tuple[int, ...], np.ndarray]
+    value: float  # the optimum over this contraction's splits
+
+
+def _infeasible(problem: Problem, runs: Sequence[_Run], classes: Sequence[DeviceClass],
+                counts: Sequence[int]) -> InfeasibleError:
     """The error for a problem with no feasible split, stating the smallest memory that would fit.
 
     The smallest per-device memory is itself a min-max contiguous split, with each piece's bytes as
-    its cost; the same DP finds it.
+    its cost; the same DP finds it (over every contraction searched).
     """
-    need = float(_run_dp(_PairCosts(problem, con, ideals, classes, measure="memory"), counts)[tuple(counts)][-1])
+    need = min(
+        float(_run_dp(_PairCosts(problem, r.con, r.ideals, classes, measure="memory"), counts)[tuple(counts)][-1])
+        for r in runs
+    )
     caps = sorted({c.memory for c in classes if c.memory is not None})
     if math.isinf(need):
         return InfeasibleError(
@@ -263,40 +278,58 @@ def _linearized(con: Contraction) -> Contraction:
     return Contraction(tuple(con.nodes[old] for old in order), tuple(edges))
 
 
+def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], ideal_limit: int,
+          linearize: bool) -> list[_Run]:
+    """The DP over every distinct contraction of the graph (one unless backward edges join classes)."""
+    runs = []
+    for order, con in contractions(problem.graph).items():
+        if linearize:
+            con = _linearized(con)
+        ideals = enumerate_ideals(len(con.nodes), con.edges, ideal_limit)
+        pc = _PairCosts(problem, con, ideals, classes)
+        dp = _run_dp(pc, counts)
+        runs.append(_Run(order, con, ideals, pc, dp, float(dp[tuple(counts)][-1])))
+    return runs
+
+
 def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize: bool = False) -> Plan:
     """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
 
+    A training graph whose backward edges join colour classes is solved over both contractions
+    (backward pieces in the forward pieces' device order, and in its reverse; see
+    :mod:`~torchplace.solvers.contract`), which together are exactly the contiguous splits; the
+    better wins (ties: the reverse order, the paper's mirror image).
+
     Args:
         problem: a throughput problem; devices are grouped into classes of identical devices.
-        ideal_limit: stop with TooManyIdealsError past this many ideals.
+        ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
         linearize: DPL (Sec. 5.1.2): search only the splits along one DFS topological order,
             in O(|V|^2) pairs; the plan is contiguous but not proven optimal (status "feasible").
 
     Returns:
         A Plan whose objective is the optimal max-load among contiguous splits (status
-        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds`.
+        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds`. ``meta`` holds
+        the winning contraction's ``ideals``, ``ideal_pairs`` and ``backward_order``.
 
     Raises:
-        TooManyIdealsError: if the forward graph has more than ``ideal_limit`` ideals.
+        TooManyIdealsError: if a contraction of the graph has more than ``ideal_limit`` ideals.
         InfeasibleError: if no contiguous split fits (memory, supported devices).
     """
     t0 = time.perf_counter()
-    con = contract(problem.graph)
-    if linearize:
-        con = _linearized(con)
-    ideals = enumerate_ideals(len(con.nodes), con.edges, ideal_limit)
     classes = device_classes(problem)
     counts = [len(c.devices) for c in classes]
-    pc = _PairCosts(problem, con, ideals, classes)
-    dp = _run_dp(pc, counts)
-    best = float(dp[tuple(counts)][-1])
+    runs = _runs(problem, classes, counts, ideal_limit, linearize)
+    run = min(runs, key=lambda r: r.value)  # first on ties
+    best = run.value
     if math.isinf(best):
-        raise _infeasible(problem, con, ideals, classes, counts)
-    stages = order_stages(problem.graph, pieces_to_stages(con, classes, _backtrack(pc, dp, counts)))
+        raise _infeasible(problem, runs, classes, counts)
+    pieces = _backtrack(run.pc, run.dp, counts)
+    stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, pieces))
     plan = Plan.build(
         problem, stages, solver="dpl" if linearize else "dp", seconds=time.perf_counter() - t0,
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",
-        meta={"ideals": len(ideals), "ideal_pairs": ideals.pairs, "dp_value": best, "contiguous": True},
+        meta={"ideals": len(run.ideals), "ideal_pairs": run.ideals.pairs, "dp_value": best, "contiguous": True,
+              "backward_order": run.backward_order},
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
         raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")

@@ -4,7 +4,9 @@ Archer et al. 2024 (papers/archer2024-pipeline-bounds.txt), Sec. 4: a segmentati
 topological order into consecutive blocks is a contiguous split whose blocks run as a chain of
 stages, so optimising over orders replaces the acyclicity constraint. For one order ``pi`` of the
 contracted graph (training graphs: forward supernodes carrying their backward siblings, Tarnawski
-App. E.1, as the ideals DP uses) Algorithm 1 is generalised to classes of identical devices:
+App. E.1, as the ideals DP uses; of the two orientations of the backward pieces the one with more
+supernodes, :func:`~torchplace.solvers.contract.finest_contraction`) Algorithm 1 is generalised to
+classes of identical devices:
 
     f[s][j] = min( min_{c : s_c > 0} min_{i < j} max(f[s - e_c][i], cost_c(pi[i:j])),   (Alg. 1, l. 10-13)
                    min_{s' < s} f[s'][j] )                                              (empty devices)
@@ -50,7 +52,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
-from torchplace.solvers.contract import Contraction, contract
+from torchplace.solvers.contract import Contraction, finest_contraction
 from torchplace.solvers.dp import DeviceClass, device_classes, pieces_to_stages
 from torchplace.solvers.ordering import order_stages
 
@@ -86,7 +88,7 @@ class _Instance:
 def _prepare(problem: Problem) -> _Instance:
     if problem.objective != "throughput":
         raise ValueError(f"slicegraph minimises max load; objective {problem.objective!r} is not supported")
-    g, con = problem.graph, contract(problem.graph)
+    g, (_, con) = problem.graph, finest_contraction(problem.graph)
     classes = device_classes(problem)
     times = np.zeros((len(classes), len(con.nodes)))
     mem = np.zeros(len(con.nodes), dtype=np.int64)

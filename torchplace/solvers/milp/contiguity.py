@@ -29,9 +29,11 @@ follows: ``before(s,i,j) >= x(v,i) + z[v,j] - 1`` for ``j != i``. That covers ev
 ``o[i,j] >= x(u,i) + x(v,j) - 1`` (BERT-3 operators: 2.4 s against 19 s). The backward order is
 not implied by the forward one and colocation: with ``f1 -> f2``, ``f3 -> f4``, ``b1 -> b2``,
 ``b4 -> b3`` and ``(f_i, b_i)`` colocated, ``{1, 3}`` and ``{2, 4}`` have a forward order but feed
-each other backward; so each side has its own ``o``. The order alone already implies per-place
-contiguity (a path leaving a set and coming back is a cycle of the quotient); Lemma A.1's ``z``
-is there for the LP bound.
+each other backward; so each side has its own ``o``. The two are tied, though: the backward order
+is the forward one or its reverse (:func:`torchplace.plan._check_contiguity`, Sec. 5.3, App. E.1:
+what the DP searches), one binary ``reverse`` and ``o[b,i,j] = o[f,i,j] XOR reverse``
+(:func:`add_device_order`). The order alone already implies per-place contiguity (a path leaving
+a set and coming back is a cycle of the quotient); Lemma A.1's ``z`` is there for the LP bound.
 
 **Any assignment as contiguous stages** (Sec. 5.2, "virtual devices"):
 :func:`stages_from_assignment` cuts each device's nodes into pieces whose stage order is acyclic.
@@ -50,8 +52,8 @@ from torchplace.plan import Stage
 from torchplace.problem import Problem
 
 __all__ = [
-    "SIDES", "XFn", "add_device_order", "add_lemma_a1", "device_order", "order_values", "reach_values",
-    "reach_var", "side_edges", "side_of", "stages_from_assignment",
+    "SIDES", "XFn", "add_device_order", "add_lemma_a1", "device_order", "device_orders", "order_values",
+    "reach_values", "reach_var", "side_edges", "side_of", "stages_from_assignment",
 ]
 
 SIDES = ("forward", "backward")
@@ -140,8 +142,10 @@ def add_device_order(
     the binaries ``m.o[s, i, j]`` (side ``s`` of ``i`` comes before that of ``j``); the rows
     ``m.order_ijl``, ``m.order_ilj`` (no 3-cycle) and ``m.order_reach`` (``v`` on ``i`` reaching
     ``j``'s set puts ``i`` first); ``m.side_edges`` (``sides``) and ``m.order_fixed`` for
-    :func:`device_order` and :func:`order_values`. Needs ``z`` from :func:`add_lemma_a1` over each
-    side's own edges.
+    :func:`device_orders` and :func:`order_values`. With both sides, also the binary ``m.reverse``
+    (the backward order is the forward one reversed) and the rows ``m.order_same_lo``,
+    ``m.order_same_hi``, ``m.order_rev_lo``, ``m.order_rev_hi`` (:func:`_link_sides`). Needs ``z``
+    from :func:`add_lemma_a1` over each side's own edges.
 
     Args:
         m: the model.
@@ -175,6 +179,20 @@ def add_device_order(
     m.order_fixed = bool(fixed)
     for i, j in fixed:
         m.o[m.S.first(), i, j].fix(1)
+    if len(m.S) == len(SIDES):
+        _link_sides(m)
+
+
+def _link_sides(m: pyo.ConcreteModel) -> None:
+    """The backward order is the forward one (``reverse = 0``) or its reverse (``reverse = 1``):
+    ``o[b,i,j] = o[f,i,j] XOR reverse``, four rows per pair (Sec. 5.3, App. E.1; see the module
+    docstring)."""
+    f, b = SIDES
+    m.reverse = pyo.Var(domain=pyo.Binary)  # the backward pieces run in the reverse device order
+    m.order_same_lo = pyo.Constraint(m.PAIR, rule=lambda m, i, j: m.o[b, i, j] >= m.o[f, i, j] - m.reverse)
+    m.order_same_hi = pyo.Constraint(m.PAIR, rule=lambda m, i, j: m.o[b, i, j] <= m.o[f, i, j] + m.reverse)
+    m.order_rev_lo = pyo.Constraint(m.PAIR, rule=lambda m, i, j: m.o[b, i, j] >= m.reverse - m.o[f, i, j])
+    m.order_rev_hi = pyo.Constraint(m.PAIR, rule=lambda m, i, j: m.o[b, i, j] <= 2 - m.reverse - m.o[f, i, j])
 
 
 def reach_values(
@@ -208,9 +226,30 @@ def device_order(
     return list(nx.lexicographical_topological_sort(quotient))
 
 
+def device_orders(
+    sides: Mapping[str, Sequence[tuple[int, int]]], places: Iterable[int], unit_place: Mapping[int, int]
+) -> dict[str, list[int] | None]:
+    """Each side's place order (:func:`device_order`) under the rows of :func:`add_device_order`:
+    with both sides, one order that the forward edges follow and the backward edges all follow or
+    all go against (tried in that order); None for a side (both sides) without one."""
+    places = list(places)
+    if len(sides) < len(SIDES):
+        return {s: device_order(edges, places, unit_place) for s, edges in sides.items()}
+    f, b = SIDES
+    for reverse in (False, True):
+        backward = [(w, v) if reverse else (v, w) for v, w in sides[b]]
+        order = device_order([*sides[f], *backward], places, unit_place)
+        if order is not None:
+            return {f: order, b: order[::-1] if reverse else order}
+    return {f: None, b: None}
+
+
 def order_values(m: pyo.ConcreteModel, orders: Mapping[str, Sequence[int] | None]) -> None:
-    """Set ``m.o`` (not the fixed entries) to follow ``orders`` (side -> places in order; None:
-    leave that side unset)."""
+    """Set ``m.o`` (not the fixed entries) to follow ``orders`` (side -> places in order, from
+    :func:`device_orders`; None: leave that side unset), and ``m.reverse`` where there is one."""
+    f, b = SIDES
+    if hasattr(m, "reverse") and orders.get(f) is not None and orders.get(b) is not None:
+        m.reverse.value = float(list(orders[f]) != list(orders[b]))
     for s, order in orders.items():
         if order is None:
             continue

@@ -25,12 +25,13 @@ Generalisations of Fig. 7, each following the cost model:
   Sec. 5.1.1, Fact 5.2; Sec. 5.3 for training) and :func:`torchplace.plan.Plan.validate` checks:
   each device holds one contiguous piece of the forward graph (and one of the backward graph), and
   the pieces can be ordered so that data only flows forward (Archer et al. 2024, Sec. 2.2, the
-  acyclic quotient; their MTPP). :mod:`~torchplace.solvers.milp.contiguity` states it: Lemma A.1
-  (11)-(13) per device on each side's induced subgraph, and per side an order of the devices that
-  every path follows. Devices of one class are fixed in index order on the first side (relabel
-  them by pipeline position) when ``symmetry="none"``: without that, every relabelling and every
-  order of empty devices is a separate solution (BERT-24 layers: not proven in 9 minutes, against
-  1.5 s).
+  acyclic quotient; their MTPP), the backward pieces in the forward pieces' order or in its
+  reverse. :mod:`~torchplace.solvers.milp.contiguity` states it: Lemma A.1 (11)-(13) per device on
+  each side's induced subgraph, per side an order of the devices that every path follows, and the
+  backward order tied to the forward one by one binary. Devices of one class are fixed in index
+  order on the first side (relabel them by pipeline position) when ``symmetry="none"``: without
+  that, every relabelling and every order of empty devices is a separate solution (BERT-24
+  layers: not proven in 9 minutes, against 1.5 s).
 
 Symmetry (devices of one class, i.e. same kind, memory and transfer rule, are
 interchangeable, and branch-and-bound may explore every relabelling of a solution):
@@ -46,11 +47,10 @@ interchangeable, and branch-and-bound may explore every relabelling of a solutio
   Valid: sort any solution's non-empty devices of the class by their smallest unit, empty ones last.
 * ``"load"``: ``Load[d_1] >= Load[d_2] >= ...``. Valid: sort the class's devices by load.
 
-Compared with the DP on training graphs: the DP additionally ties a backward group without a
-forward sibling (an "orphan") to the reversed forward order (App. E.1, mirrored edges), which (16)
-does not ask for, so there the IP's optimum may be below the DP's. On inference graphs they search
-the same space and agree; :mod:`torchplace.solvers.milp.mtpp` is Archer's position-indexed MIP
-of the same space for inference.
+The IP and the DP search the same space, training graphs included (the DP once per orientation of
+the backward pieces, :mod:`torchplace.solvers.contract`), and agree;
+:mod:`torchplace.solvers.milp.mtpp` is Archer's position-indexed MIP of the same space for
+inference.
 
 Non-contiguous plans: any assignment runs as a pipeline of stages (Sec. 5.2, "virtual devices"):
 :func:`stages_from_assignment` cuts each device's nodes into pieces whose stage order is acyclic.
@@ -316,14 +316,15 @@ def initialize(m: pyo.ConcreteModel, problem: Problem, assignment: Mapping[str, 
 
     Devices of one class are relabelled to satisfy the symmetry rule first (in a contiguous model
     with ``symmetry="none"``: to follow the pipeline order). Contiguity's ``z`` is the proof's "some
-    node of the set is reachable" (App. A, Lemma A.1, "only if"); each side's device order is a
-    topological order of its quotient graph (left unset if that has a cycle: then the assignment is
-    not contiguous and no start).
+    node of the set is reachable" (App. A, Lemma A.1, "only if"); the device orders are a
+    topological order of the quotient graph, the backward one the same or reversed
+    (:func:`~torchplace.solvers.milp.contiguity.device_orders`; left unset if there is none: then
+    the assignment is not contiguous and no start).
     """
     units: Units = m.units
     index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
     dev_of = {units.of[v]: index[assignment[v]] for v in units.nodes}
-    orders = {s: contiguity.device_order(m.side_edges[s], m.D, dev_of) for s in m.S} if hasattr(m, "o") else {}
+    orders = contiguity.device_orders(m.side_edges, m.D, dev_of) if hasattr(m, "o") else {}
     first = orders[m.S.first()] if orders and m.order_fixed else None
     mapping = _relabel(dev_of, problem, symmetry, units, first)
     dev_of = {u: mapping[d] for u, d in dev_of.items()}
