@@ -88,10 +88,13 @@ def test_trace_is_transparent_and_sound(name: str, granularity: str) -> None:
 def test_param_bytes_counted_once(name: str, granularity: str) -> None:
     model, _, traced = traced_model(name, granularity)
     attributed = sum(r.param_bytes for _, r in traced.graph.records())
-    unused = traced.graph.meta["unattributed_param_bytes"]
-    assert attributed + unused == unique_tensor_bytes(model)
+    state = traced.graph.meta["state"]
+    assert attributed == sum(e["bytes"] for e in state.values())  # each tensor on exactly one owner
+    assert unique_tensor_bytes(model) <= attributed  # every model tensor, read or not (plus constants)
+    unread = [n for n, e in state.items() if not e["readers"]]
     if name in ("mlp", "gpt2"):  # every tensor is read in eval mode; GPT-2's tied lm_head once
-        assert unused == 0
+        assert unread == []
+    assert all(state[n]["owner"] in traced.graph for n in unread)
 
 
 def test_gpt2_tied_weight_on_first_user() -> None:

@@ -15,7 +15,8 @@ device pays no transfer (it reads host memory directly). The objective is the ma
 devices: the time per sample of a pipeline in steady state (Tarnawski Sec. 5.1).
 A device holding several stages (non-contiguous splits) is charged for the union of its nodes.
 
-Memory of a device is ``sum_{v in S} (param_bytes_v + temp_bytes_v)``.
+Memory of a device is ``sum_{v in S} (param_bytes_v + temp_bytes_v)`` plus a copy of every
+tensor that nodes in ``S`` read but whose owner (the node charged for it) is elsewhere.
 
 Latency (MOIRAI Sec. III-D, eqs. (4a)-(8); Baechi Sec. 4.2): one sample runs through
 :func:`simulate`. A plan is a sequence of stages, and its *plan order* lists the nodes stage by
@@ -101,9 +102,17 @@ def transfers(problem: Problem, nodes: Collection[str]) -> tuple[float, float]:
 
 
 def memory(problem: Problem, nodes: Iterable[str]) -> int:
-    """Bytes a device needs for ``nodes``: parameters plus working memory."""
+    """Bytes a device needs for ``nodes``: parameters plus working memory.
+
+    A tensor several nodes read (:meth:`OpGraph.shared_tensors`) is in its owner's
+    ``param_bytes``; a device that holds some of its readers but not its owner holds a copy and
+    pays for it too, so every tensor is counted once per device that holds it.
+    """
     g = problem.graph
-    return sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in nodes)
+    members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
+    own = sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in members)
+    copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
+    return own + copies
 
 
 def device_cost(problem: Problem, nodes: Collection[str], device: Device) -> StageCost:

@@ -20,7 +20,7 @@ from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json, write_json
 
-__all__ = ["NodeRecord", "OpGraph"]
+__all__ = ["NodeRecord", "OpGraph", "SharedTensor"]
 
 _FORMAT = "torchplace.opgraph/1"
 
@@ -146,6 +146,20 @@ _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 
+@dataclass(frozen=True)
+class SharedTensor:
+    """A parameter or buffer that several nodes read (a tied weight, a module called twice).
+
+    Its bytes are in the owner's ``param_bytes``; a device that holds readers but not the owner
+    holds a copy too, and the cost model charges it there (:func:`torchplace.costmodel.memory`).
+    """
+
+    name: str
+    nbytes: int
+    owner: str
+    readers: frozenset[str]
+
+
 class OpGraph:
     """A DAG of :class:`NodeRecord` s keyed by string node ids.
 
@@ -211,6 +225,15 @@ class OpGraph:
     @property
     def edges(self) -> Iterable[tuple[str, str]]:
         return self.nx.edges
+
+    def shared_tensors(self) -> tuple[SharedTensor, ...]:
+        """The tensors of ``meta["state"]`` that two or more nodes read (none for workload files)."""
+        state = self.meta.get("state") or {}
+        return tuple(
+            SharedTensor(name, int(e["bytes"]), str(e["owner"]), frozenset(map(str, e["readers"])))
+            for name, e in state.items()
+            if len(set(e.get("readers", ()))) > 1
+        )
 
     def device_kinds(self) -> set[str]:
         """Every device kind some node has a time for."""

@@ -21,6 +21,8 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling import Traced
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
+from torchplace.runtime.devices import normalize_device
+from torchplace.runtime.params import move_in_place
 
 __all__ = ["PlacedModule"]
 
@@ -29,6 +31,17 @@ _SAVE_INSTEAD = (
     "torchplace.place(model, devices, example_inputs, plan='plan.json') and placed.load_state_dict(torch.load("
     "'weights.pt'))"
 )
+
+
+def _home_unread_tensors(model: nn.Module, problem: Problem, plan: Plan) -> None:
+    """Move the model's tensors that no stage reads (BatchNorm's ``num_batches_tracked`` in eval
+    mode) to the device of the node that owns them in the cost model (``graph.meta["state"]``)."""
+    state = problem.graph.meta.get("state") or {}
+    device_of = {v: problem.cluster.device(s.device).torch_device for s in plan.stages for v in s.nodes}
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    for name, entry in state.items():
+        if not entry.get("readers") and entry.get("owner") in device_of and name in tensors:
+            move_in_place(tensors[name], normalize_device(device_of[entry["owner"]]), name)
 
 
 class PlacedModule(nn.Module):
@@ -69,6 +82,7 @@ class PlacedModule(nn.Module):
         else:
             self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
         if traced.model is not None:
+            _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)
 
     def _adopt(self, model: nn.Module) -> None:

@@ -97,34 +97,11 @@ class Plan:
         return max(0.0, (self.objective - self.lower_bound) / self.objective)
 
     def device_map(self, problem: Problem) -> dict[str, str]:
-        """Where each module's weights live, in accelerate's ``device_map`` form.
+        """Where each module's weights live, in accelerate's ``device_map`` form
+        (:func:`torchplace.devicemap.device_map`): every module with parameters or buffers."""
+        from torchplace.devicemap import device_map
 
-        Each parameter-holding node contributes ``module path -> device``; a module whose
-        parameter-holding descendants all share one device is reported once, at the highest
-        such level (``{"": "cpu:0"}`` when everything is on one device).
-        """
-        owners: dict[str, set[str]] = defaultdict(set)
-        for v, dev in self.assignment.items():
-            r = problem.graph.record(v)
-            if r.param_bytes > 0:
-                path = r.module
-                while True:
-                    owners[path].add(dev)
-                    if not path:
-                        break
-                    path = path.rpartition(".")[0]
-        out: dict[str, str] = {}
-
-        def visit(path: str) -> None:
-            if len(owners[path]) == 1:
-                out[path] = next(iter(owners[path]))
-                return
-            for child in sorted(c for c in owners if c and c.rpartition(".")[0] == path):
-                visit(child)
-
-        if owners:
-            visit("")
-        return out
+        return device_map(problem, self.assignment)
 
     # -- checking --------------------------------------------------------------------------------
     def validate(self, problem: Problem) -> None:

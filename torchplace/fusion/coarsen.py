@@ -132,6 +132,17 @@ class Coarsening:
             raise ValueError("the problem's graph is not the graph this coarsening was made from")
         return replace(problem, graph=self.graph)
 
+    def _coarse_state(self) -> dict[str, Any]:
+        """``meta["state"]`` with owners and readers as coarse nodes (readers merged into one node
+        with the owner no longer hold a copy of their own)."""
+        group = {v: c for c, members in self.mapping.items() for v in members}
+        state = {}
+        for name, e in (self.original.meta.get("state") or {}).items():
+            owner = group.get(e["owner"], e["owner"]) if e.get("owner") is not None else None
+            readers = list(dict.fromkeys(group[v] for v in e.get("readers", ()) if v in group))
+            state[name] = {**e, "owner": owner, "readers": readers}
+        return state
+
     def expand_plan(self, plan: Plan, problem: Problem, *, lower_bound: float = 0.0) -> Plan:
         """``plan`` (solved on :meth:`coarse_problem`) as a validated plan of ``problem``.
 
@@ -192,4 +203,7 @@ def coarsen(
         coplace_colocated(q)
         coplace_single_consumer(q, cap)
     coarse, mapping = merge_nodes(graph, q.groups())
-    return Coarsening(graph, coarse, mapping, dict(q.merges), cap)
+    result = Coarsening(graph, coarse, mapping, dict(q.merges), cap)
+    if "state" in graph.meta:
+        coarse.meta["state"] = result._coarse_state()
+    return result

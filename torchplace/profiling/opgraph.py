@@ -4,20 +4,22 @@ One OpGraph node per compute fx node, or per group of them: at module granularit
 graph's aten nodes are grouped per leaf-module instance (from ``node.meta["nn_module_stack"]``),
 and groups on a common cycle are merged so the OpGraph stays a DAG. Node ids are the name of the
 node's first fx node. Each parameter/buffer is counted once (by storage, so tied weights count
-once) on the first node in topological order that reads it.
+once) on the first node in topological order that reads it, and listed with every node that reads
+it (:mod:`torchplace.profiling.tensors`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 import torch
 from torch import fx, nn
 
-from torchplace.fxutil import fetch_attr, is_compute
+from torchplace.fxutil import is_compute
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.effects import Effects
+from torchplace.profiling.tensors import owned_bytes, state_meta, tensor_uses
 
 __all__ = ["build_opgraph"]
 
@@ -134,27 +136,6 @@ def _merge_cycles(groups: list[_Group], before: _Before) -> list[_Group]:
     return sorted(merged, key=lambda grp: position[grp.nodes[0]])
 
 
-_Key = tuple[int, int, int]
-
-
-def _storage_key(t: torch.Tensor) -> _Key:
-    """Identity of a tensor's memory: tied weights share it."""
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel() * t.element_size()))
-
-
-def _params_used(node: fx.Node, gm: fx.GraphModule) -> Iterator[torch.Tensor]:
-    """Parameters/buffers a node reads: its get_attr inputs, or a called module's tensors."""
-    if node.op == "call_module":
-        sub = gm.get_submodule(str(node.target))
-        yield from sub.parameters()
-        yield from sub.buffers()
-    for a in node.all_input_nodes:
-        if a.op == "get_attr":
-            value = fetch_attr(gm, str(a.target))
-            if isinstance(value, torch.Tensor):
-                yield value
-
-
 def _escaping_bytes(group: _Group) -> int:
     """Bytes of the group's outputs read outside it (by another node or the graph output)."""
     inside = set(group.nodes)
@@ -173,30 +154,6 @@ def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeReco
     )
 
 
-def _attribute_params(
-    groups: Sequence[_Group], order: Sequence[int], gm: fx.GraphModule
-) -> tuple[dict[int, int], set[_Key]]:
-    """Bytes of parameters per group, each tensor counted on its first group in ``order``."""
-    seen: set[_Key] = set()
-    per_group: dict[int, int] = {}
-    for i in order:
-        total = 0
-        for n in groups[i].nodes:
-            for t in _params_used(n, gm):
-                key = _storage_key(t)
-                if key not in seen:
-                    seen.add(key)
-                    total += key[2]
-        per_group[i] = total
-    return per_group, seen
-
-
-def _unattributed_bytes(model: nn.Module, seen: set[_Key]) -> int:
-    """Bytes of the model's parameters and buffers that no node reads."""
-    keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    return sum(k[2] for k in keys - seen)
-
-
 def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], method: str,
                    before: _Before, colocation: Mapping[int, str]) -> OpGraph:
     """Nodes, edges (data and in-place ordering), parameter attribution and meta of the OpGraph."""
@@ -204,15 +161,16 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
     index_graph = nx.DiGraph(edges)
     index_graph.add_nodes_from(range(len(groups)))
     order = list(nx.lexicographical_topological_sort(index_graph, key=lambda i: i))
-    params, seen = _attribute_params(groups, order, gm)
+    uses = tensor_uses([g.nodes for g in groups], order, gm, model)
+    params = owned_bytes(uses, len(groups))
+    ids = [g.nodes[0].name for g in groups]
     nodes = list(gm.graph.nodes)
     graph = OpGraph(meta={
         "method": method,
         "inputs": [n.name for n in nodes if n.op == "placeholder"],
         "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
-        "unattributed_param_bytes": _unattributed_bytes(model, seen),
+        "state": state_meta(uses, ids),
     })
-    ids = [g.nodes[0].name for g in groups]
     for i, g in enumerate(groups):
         graph.add_node(ids[i], _record(g, params[i], colocation.get(i)))
     for i, j in sorted(edges):
@@ -387,7 +345,8 @@ def build_opgraph(
 
     Returns:
         The OpGraph; ``meta`` holds ``method``, ``inputs``, ``outputs`` (fx node names) and
-        ``unattributed_param_bytes`` (model tensors no node reads).
+        ``state`` (each parameter, buffer and constant: names, bytes, owner and readers,
+        :mod:`torchplace.profiling.tensors`).
     """
     effects = effects or Effects()
     by_name = {n.name: n for n in gm.graph.nodes}

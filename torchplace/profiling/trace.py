@@ -14,8 +14,8 @@ The :class:`OpGraph` has one node per compute fx node (``call_function``/``call_
 ``call_module``) or per group of them. Placeholders, ``get_attr`` and ``output`` are runtime
 concerns and get no node. **Node ids are fx node names**: the name of the node's first fx node (in
 graph order). Each parameter/buffer is counted once (by storage), on the first node in topological
-order that reads it; model tensors that no node reads (e.g. BatchNorm's ``num_batches_tracked`` in
-eval mode) are reported in ``graph.meta["unattributed_param_bytes"]``.
+order that reads it, and listed with all its readers in ``graph.meta["state"]``; a tensor no node reads
+(BatchNorm's ``num_batches_tracked`` in eval mode) is counted with its module's other tensors.
 
 Caveat: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` with ``batch_first=True`` take
 a fused "fast path" in eval mode under ``no_grad``. Tracing never captures it, so the traced module

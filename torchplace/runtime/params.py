@@ -27,7 +27,7 @@ from torch import nn
 
 from torchplace.errors import UnsupportedError
 
-__all__ = ["StageParameters"]
+__all__ = ["StageParameters", "move_in_place"]
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _move_in_place(tensor: torch.Tensor, device: torch.device, name: str, stage: nn.Module) -> None:
+def move_in_place(tensor: torch.Tensor, device: torch.device, name: str, owner: nn.Module | None = None) -> None:
     """``tensor.data = tensor.data.to(device)``: the same tensor object, now on ``device``."""
     if tensor.device == device:
         return
@@ -75,7 +75,8 @@ def _move_in_place(tensor: torch.Tensor, device: torch.device, name: str, stage:
         moved = tensor.data.to(device)
     if not torch._has_compatible_shallow_copy_type(tensor, moved):
         raise UnsupportedError(
-            f"cannot move {name!r} of {type(stage).__name__} from {tensor.device} to {device} in place (PyTorch "
+            f"cannot move {name!r}{f' of {type(owner).__name__}' if owner is not None else ''} from {tensor.device} "
+            f"to {device} in place (PyTorch "
             f"cannot change a tensor between these kinds of memory); place on devices of one kind, e.g. cpu and cuda"
         )
     tensor.data = moved
@@ -130,7 +131,7 @@ class StageParameters:
             for path, _, _, slot, tensor in _slots(stage):
                 if id(tensor) not in self.home:
                     self.home[id(tensor)], home_device[id(tensor)] = place, device
-                    _move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
+                    move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
         self._replicas: list[_Replica] = []
         owned: set[int] = set()
         for stage, device, place in zip(stages, devices, places):

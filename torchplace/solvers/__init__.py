@@ -102,20 +102,30 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
 
     ``"auto"`` (:func:`torchplace.solvers.auto.solve_auto`) picks by objective and size and
     reports the best lower bound it proved. ``time_limit`` (seconds) goes to every method that
-    takes one; other options go to the method when it takes them.
+    takes one; other options go to the method when it takes them. A graph with shared tensors
+    (tied weights) is solved through problems whose memory is a sum over nodes
+    (:mod:`torchplace.solvers.shared`).
 
     Raises:
         ValueError: for an unknown method (the message lists the known ones) or a method that
             optimises the other objective.
     """
-    if method == "auto":
-        return solve_auto(problem, time_limit=time_limit, **opts)
-    if method not in METHODS:
+    if method != "auto" and method not in METHODS:
         raise ValueError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
-    if METHODS[method].objective != problem.objective:
+    if method != "auto" and METHODS[method].objective != problem.objective:
         others = [m for m, spec in METHODS.items() if spec.objective == problem.objective]
         raise ValueError(
             f"method {method!r} optimises {METHODS[method].objective}, but the problem's objective is "
             f"{problem.objective!r}; use one of {['auto', *others]}"
         )
-    return call_method(method, problem, time_limit=time_limit, **opts)
+
+    def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
+        if method == "auto":
+            return solve_auto(p, time_limit=time_limit, **o)
+        return call_method(method, p, time_limit=time_limit, **o)
+
+    if problem.graph.shared_tensors():
+        from torchplace.solvers.shared import solve_shared
+
+        return solve_shared(problem, one, time_limit, **opts)
+    return one(problem, time_limit=time_limit, **opts)

@@ -1,0 +1,163 @@
+"""Tied and shared parameters: memory on every device that holds a copy, solvers that choose between
+keeping the readers together and copying, and a device_map with every module (issue 9, item 3)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchplace
+from torchplace import costmodel, solvers
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.models import build
+from torchplace.plan import Stage
+from torchplace.problem import Problem
+
+from .graphs import brute_force_contiguous, problems
+
+QUICK = {"progress": False, "repeats": 1, "warmup": 0}
+
+
+def _tie(problem: Problem, owner: str, reader: str, nbytes: int) -> Problem:
+    """``problem`` with one tensor of ``nbytes`` read by ``owner`` (charged) and ``reader``."""
+    g = OpGraph(meta={"state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner, "readers": [owner, reader]}}})
+    for v, r in problem.graph.records():
+        g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
+    for u, v in problem.graph.edges:
+        g.add_edge(u, v)
+    return Problem(g, problem.cluster)
+
+
+@st.composite
+def tied_problems(draw):
+    problem = draw(problems(max_nodes=5))
+    nodes = list(problem.graph)
+    if len(nodes) < 2:
+        nodes = nodes * 2
+    owner, reader = draw(st.sampled_from(nodes)), draw(st.sampled_from(nodes))
+    if owner == reader:
+        owner, reader = nodes[0], nodes[-1]
+    return _tie(problem, owner, reader, draw(st.integers(1, 8)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_problems())
+def test_a_tied_pair_is_placed_optimally_with_its_copy_counted(problem):
+    """One tensor read by two nodes: every plan keeps them together (colocated: exact) or apart
+    (replicated: exact), so the solver's plan is the brute-force optimum under the true memory."""
+    best = brute_force_contiguous(problem)
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            solvers.solve(problem, method="dp")
+        return
+    plan = solvers.solve(problem, method="dp")
+    plan.validate(problem)
+    assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+
+
+def _chain(caps: int | None) -> Problem:
+    """a -> b -> c on two accelerators; a and c read one 6-byte tensor (a owns it)."""
+    g = OpGraph(meta={"state": {"w": {"bytes": 6, "names": ["w"], "owner": "a", "readers": ["a", "c"]}}})
+    for v, t in (("a", 4.0), ("b", 4.0), ("c", 4.0)):
+        g.add_node(v, NodeRecord(v, param_bytes=6 if v == "a" else 0, times={"accel": t}, transfer_time=0.0))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    return Problem(g, Cluster((Device("x", "meta", "accel", caps), Device("y", "meta", "accel", caps))))
+
+
+def test_memory_counts_a_copy_on_every_device_that_reads_the_tensor():
+    problem = _chain(None)
+    assert costmodel.memory(problem, ["a", "b"]) == 6
+    assert costmodel.memory(problem, ["c"]) == 6          # a copy for c
+    assert costmodel.memory(problem, ["b"]) == 0
+    assert costmodel.memory(problem, ["a", "b", "c"]) == 6  # one copy where all readers are
+
+
+def test_a_copy_that_does_not_fit_keeps_the_readers_together():
+    # the relaxation splits {a, b} | {c} (load 8), but c's copy needs 6 bytes and y has 5
+    problem = _chain(5)
+    with pytest.raises(InfeasibleError):
+        solvers.solve(problem, method="dp")  # a alone needs 6 > 5 everywhere: nothing fits
+    problem = _chain(6)
+    plan = solvers.solve(problem, method="dp")
+    assert plan.objective == 8.0  # {a, b} on one, {c} + its copy on the other: 6 bytes each
+    assert {s.device: costmodel.memory(problem, s.nodes) for s in plan.stages} == {"x": 6, "y": 6}
+
+
+def test_when_no_device_has_room_for_a_copy_the_readers_share_a_device():
+    # b holds 1 byte; x has room for the tensor and b (7), y for neither copy (5): the relaxation
+    # puts c on y (load 8), which cannot hold c's copy; all three on x is the one plan (load 12)
+    g = OpGraph(meta={"state": {"w": {"bytes": 6, "names": ["w"], "owner": "a", "readers": ["a", "c"]}}})
+    for v in "abc":
+        g.add_node(v, NodeRecord(v, param_bytes={"a": 6, "b": 1}.get(v, 0), times={"accel": 4.0}, transfer_time=0.0))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    problem = Problem(g, Cluster((Device("x", "meta", "accel", 7), Device("y", "meta", "accel", 5))))
+    plan = solvers.solve(problem, method="dp")
+    assert plan.objective == 12.0 == brute_force_contiguous(problem)
+    assert [s.device for s in plan.stages] == ["x"]
+    assert plan.lower_bound <= 12.0
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("transformers")
+    model, (ids,) = build("gpt2", batch=4)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (ids,), microbatches=1, granularity="module",
+                              leaf_modules=["GPT2Block"], **QUICK)
+    return model, placed
+
+
+def _covered(name: str, device_map: dict[str, str]) -> bool:
+    return any(k == "" or name == k or name.startswith(f"{k}.") for k in device_map)
+
+
+def test_the_tied_gpt2_weight_is_charged_where_lm_head_runs(gpt2):
+    model, placed = gpt2
+    graph = placed.problem.graph
+    (tied,) = graph.shared_tensors()
+    assert set(tied.readers) == {tied.owner, *tied.readers} and len(tied.readers) == 2
+    assert tied.nbytes == model.lm_head.weight.numel() * 4
+    lm_head = next(v for v in tied.readers if v != tied.owner)
+    stage = next(s for s in placed.plan.stages if lm_head in s.nodes)
+    own = sum(graph.record(v).param_bytes + graph.record(v).temp_bytes for v in stage.nodes)
+    expected = own + (0 if tied.owner in stage.nodes else tied.nbytes)
+    assert costmodel.memory(placed.problem, stage.nodes) == expected
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet", "bert"])
+def test_device_map_lists_every_module_with_parameters_or_buffers(name):
+    if name in ("gpt2", "bert"):
+        pytest.importorskip("transformers")
+    model, inputs = build(name, batch=4)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1", "cpu:2"], inputs, microbatches=1, **QUICK)
+    dmap = placed.device_map()
+    names = [n for n, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]]
+    assert all(_covered(n, dmap) for n in names), [n for n in names if not _covered(n, dmap)][:5]
+    assert set(dmap.values()) <= {"cpu:0", "cpu:1", "cpu:2"}
+
+
+def test_lm_head_is_mapped_where_it_runs(gpt2):
+    model, placed = gpt2
+    dmap = placed.device_map()
+    graph, assignment = placed.problem.graph, placed.plan.assignment
+    runs_on = {assignment[v] for v, r in graph.records() if r.module == "lm_head"}
+    (device,) = runs_on
+    assert next(d for k, d in dmap.items() if _covered("lm_head.weight", {k: d})) == device
+    assert _covered("transformer.wpe.weight", dmap)
+
+
+def test_a_fused_placement_keeps_the_tied_weight_exact():
+    pytest.importorskip("transformers")
+    model, (ids,) = build("gpt2", batch=2)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (ids,), microbatches=1, fuse=True, **QUICK)
+    placed.plan.validate(placed.problem)
+    assert len(placed.problem.graph.shared_tensors()) == 1
+    with torch.no_grad():
+        assert torch.equal(placed(ids).logits, model(ids).logits)

@@ -1,0 +1,118 @@
+"""Solving a problem whose graph has shared tensors (tied weights, a module called twice).
+
+A tensor that several nodes read is held once by every device that runs one of them
+(:func:`torchplace.costmodel.memory`). That memory is not a sum over nodes, which every solver
+assumes, so a problem with shared tensors is solved through problems that are:
+
+1. the *relaxation*: each shared tensor counted once, on its owner. It never charges more than
+   the true memory, so its lower bound holds for the true problem, and when its plan also fits
+   the true memory that plan is optimal for the true problem too (the usual case: memory is not
+   what binds);
+2. otherwise two restrictions, whose plans always fit the true memory: *colocated* (a shared
+   tensor's readers share a device, so it is held once: exact) and *replicated* (every reader
+   pays for the tensor: a device never holds more than it is charged for). The better plan is
+   kept, with the relaxation's bound.
+
+Every returned plan is evaluated and validated on the true problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import networkx as nx
+
+from torchplace.errors import InfeasibleError, InvalidPlanError
+from torchplace.graph import OpGraph
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+
+__all__ = ["colocated", "relaxed", "replicated", "solve_shared"]
+
+Solve = Callable[..., Plan]
+
+
+def _copy(graph: OpGraph, records: dict[str, Any]) -> OpGraph:
+    meta = {k: v for k, v in graph.meta.items() if k != "state"}
+    out = OpGraph(meta=meta)
+    for v, r in graph.records():
+        out.add_node(v, records.get(v, r))
+    for u, v in graph.edges:
+        out.add_edge(u, v)
+    return out
+
+
+def relaxed(problem: Problem) -> Problem:
+    """Each shared tensor on its owner only (memory never above the truth)."""
+    return dataclasses.replace(problem, graph=_copy(problem.graph, {}))
+
+
+def replicated(problem: Problem) -> Problem:
+    """Every reader of a shared tensor pays for it (memory never below the truth)."""
+    g = problem.graph
+    extra: dict[str, int] = {}
+    for t in g.shared_tensors():
+        for v in t.readers - {t.owner}:
+            extra[v] = extra.get(v, 0) + t.nbytes
+    records = {v: dataclasses.replace(g.record(v), param_bytes=g.record(v).param_bytes + b) for v, b in extra.items()}
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
+def colocated(problem: Problem) -> Problem:
+    """The readers of each shared tensor share a device with its owner (memory exact)."""
+    g = problem.graph
+    links = nx.Graph()
+    for t in g.shared_tensors():
+        members = sorted(t.readers | {t.owner})
+        links.add_edges_from(zip(members, members[1:]))
+    by_label: dict[str, list[str]] = {}
+    for v, r in g.records():  # existing colocation classes stay together and join the new ones
+        if r.colocation is not None:
+            by_label.setdefault(r.colocation, []).append(v)
+    for members in by_label.values():
+        links.add_edges_from(zip(members, members[1:]))
+    records = {}
+    for comp in nx.connected_components(links):
+        label = "shared:" + min(comp)
+        records.update({v: dataclasses.replace(g.record(v), colocation=label) for v in comp})
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
+def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
+    return Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=lower_bound,
+                      status=status, meta=plan.meta)
+
+
+def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:
+    """Solve ``problem`` with ``solve(problem, time_limit=..., **opts)`` as the module docstring says.
+
+    Raises:
+        InfeasibleError: if the relaxation is infeasible (so is the problem), or if neither
+            restriction has a plan that fits.
+    """
+    start = time.perf_counter()
+    share = None if time_limit is None else time_limit / 2
+    first = solve(relaxed(problem), time_limit=share, **opts)
+    try:
+        return _on_truth(problem, first, first.lower_bound, first.status)
+    except InvalidPlanError:
+        pass  # the relaxation's plan needs more memory for the copies than a device has
+    left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
+    found: list[Plan] = []
+    errors: list[Exception] = []
+    for variant in (colocated, replicated):
+        try:
+            found.append(solve(variant(problem), time_limit=left, **opts))
+        except InfeasibleError as e:
+            errors.append(e)
+    if not found:
+        names = ", ".join(t.name for t in problem.graph.shared_tensors())
+        raise InfeasibleError(
+            f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
+            f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
+        ) from errors[0]
+    best = min(found, key=lambda p: p.objective)
+    status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"
+    return _on_truth(problem, best, first.lower_bound, status)
