@@ -110,6 +110,7 @@ def place(
             f"objective must be 'throughput' (pipelined time per sample) or 'latency' (time of one sample), "
             f"got {objective!r}"
         )
+    solvers.check_method(solver, objective)
     microbatches = positive_int(microbatches, "microbatches")
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from torchplace.errors import UnsupportedError
+from torchplace.errors import UnsupportedError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling import Traced
@@ -128,7 +128,12 @@ class PlacedModule(nn.Module):
         if assign:
             raise UnsupportedError("load_state_dict(assign=True) would replace the placed tensors; use assign=False "
                                    "(values are copied onto each tensor's device)")
-        return super().load_state_dict(state_dict, strict=strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict)
+        except RuntimeError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise UsageError(f"{' '.join(lines[:3])[:400]} (a placed model takes the original model's state dict, "
+                             "e.g. model.state_dict() of the same architecture)") from e
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UnsupportedError(f"a PlacedModule cannot be pickled, copied or torch.save()d (it holds worker threads "

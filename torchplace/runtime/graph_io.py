@@ -8,12 +8,14 @@ nested arguments and whose output spec unflattens the result; both are honoured 
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
 from torch.fx.node import map_arg
 
+from torchplace.errors import UsageError
 from torchplace.fxutil import bind_placeholders, fetch_attr
 
 __all__ = ["GraphIO"]
@@ -49,14 +51,18 @@ class GraphIO:
         self._constants = {n.name: fetch_attr(gm, str(n.target)) for n in used if n.op == "get_attr"}
         self._codegen = graph._codegen
         self._gm = gm
+        self._signature = inspect.signature(gm.forward)
 
     def bind_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map the caller's arguments to placeholder names, as ``gm(*args, **kwargs)`` would.
 
         Raises:
-            TypeError: if the arguments do not match the model's signature.
+            UsageError: if the arguments do not match the model's signature.
         """
-        return bind_placeholders(self._gm, args, kwargs)
+        try:
+            return bind_placeholders(self._gm, args, kwargs)
+        except TypeError as e:
+            raise UsageError(f"the placed model is called as {self._gm.__class__.__name__}{self._signature}: {e}") from e
 
     def __call__(self, env: Mapping[str, Any]) -> Any:
         """Rebuild the model output from computed values.

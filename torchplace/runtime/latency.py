@@ -272,7 +272,7 @@ class LatencyExecutor:
         try:
             inputs = board.take(stage.inputs, worker, device, stream)
             with stream_context(stream):
-                outputs = stage(*inputs)
+                outputs = stage.forward(*inputs)  # not stage(): fx's wrapper prints the failing line to stderr
             del inputs
             board.release(stage.inputs, stage.writes, worker)
         except Exception as error:

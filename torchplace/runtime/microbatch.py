@@ -5,7 +5,7 @@ Rules (as in torchgpipe's ``microbatch.scatter``/``gather``):
 * Scatter: every tensor leaf of ``(args, kwargs)`` with at least one dimension is split along
   dim 0 with ``torch.tensor_split`` (views, no copy); all such tensors must have the same size in
   dim 0 (the batch). Other leaves (0-dim tensors, numbers, None, ...) go unchanged to every
-  micro-batch. When the batch is smaller than the requested number of micro-batches, the number
+  micro-batch. An empty batch is one (empty) micro-batch. When the batch is smaller than the requested number of micro-batches, the number
   is clamped to the batch size and a ``RuntimeWarning`` says so; with no batched tensor there is
   one micro-batch.
 * Gather: the outputs of the micro-batches, in micro-batch order, are combined leaf by leaf
@@ -59,7 +59,7 @@ def scatter(
         raise ValueError(f"microbatches must be at least 1 (got {microbatches})")
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     batch = _batch_size(leaves)
-    if batch is None or microbatches == 1:
+    if batch is None or batch == 0 or microbatches == 1:
         return [(tuple(args), dict(kwargs))]
     if microbatches > batch:
         warnings.warn(

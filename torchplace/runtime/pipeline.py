@@ -304,7 +304,8 @@ class PipelineExecutor:
         try:
             wait_for_producers(message.events, device, stream)
             with stream_context(stream):
-                outputs = stage(*(carry.get(name, worker, device, stream) for name in stage.inputs))
+                inputs = [carry.get(name, worker, device, stream) for name in stage.inputs]
+                outputs = stage.forward(*inputs)  # not stage(): fx's wrapper prints the failing line to stderr
                 carry.wrote(stage.writes, worker)
         except Exception as error:
             raise StageError(

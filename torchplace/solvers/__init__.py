@@ -17,11 +17,12 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.auto import solve_auto
 
-__all__ = ["METHODS", "SOLVERS", "Method", "solve"]
+__all__ = ["METHODS", "SOLVERS", "Method", "check_method", "solve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,19 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     return fn(problem, **given)
 
 
+def check_method(method: str, objective: str) -> None:
+    """Raise :class:`~torchplace.errors.UsageError` unless ``method`` is ``"auto"`` or a method
+    of :data:`METHODS` that optimises ``objective`` (the message lists the ones that do)."""
+    if method != "auto" and method not in METHODS:
+        raise UsageError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
+    if method != "auto" and METHODS[method].objective != objective:
+        others = [m for m, spec in METHODS.items() if spec.objective == objective]
+        raise UsageError(
+            f"method {method!r} optimises {METHODS[method].objective}, but the objective is {objective!r}; "
+            f"use one of {['auto', *others]}"
+        )
+
+
 def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = None, **opts: Any) -> Plan:
     """Solve ``problem`` with ``method`` (a key of :data:`METHODS`, or ``"auto"``).
 
@@ -107,17 +121,10 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
     (:mod:`torchplace.solvers.shared`).
 
     Raises:
-        ValueError: for an unknown method (the message lists the known ones) or a method that
-            optimises the other objective.
+        UsageError: for an unknown method (the message lists the known ones) or a method that
+            optimises the other objective (:func:`check_method`).
     """
-    if method != "auto" and method not in METHODS:
-        raise ValueError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
-    if method != "auto" and METHODS[method].objective != problem.objective:
-        others = [m for m, spec in METHODS.items() if spec.objective == problem.objective]
-        raise ValueError(
-            f"method {method!r} optimises {METHODS[method].objective}, but the problem's objective is "
-            f"{problem.objective!r}; use one of {['auto', *others]}"
-        )
+    check_method(method, problem.objective)
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":
