@@ -161,3 +161,64 @@ def test_a_fused_placement_keeps_the_tied_weight_exact():
     assert len(placed.problem.graph.shared_tensors()) == 1
     with torch.no_grad():
         assert torch.equal(placed(ids).logits, model(ids).logits)
+
+
+class TiedLM(torch.nn.Module):
+    """Embedding and output layer share one weight; a module in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = torch.nn.Embedding(24, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 24, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_tied_model_gives_the_original_outputs_with_one_weight(n, objective, monkeypatch):
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")  # a replica is a real copy between logical CPUs
+    torch.manual_seed(0)
+    model, reference = TiedLM().eval(), TiedLM().eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 24, (6, 5))
+    placed = torchplace.place(model, ["cpu:0", "cpu:1", "cpu:2"][:n], (ids,), objective=objective, microbatches=1,
+                              contiguous=False, **QUICK)
+    assert list(placed.state_dict()) == list(model.state_dict()) and placed.head.weight is placed.emb.weight
+    with torch.no_grad():
+        assert torch.equal(placed(ids), reference(ids))
+        model.emb.weight.mul_(0.5)  # an update of the one weight reaches every copy
+        reference.emb.weight.mul_(0.5)
+        assert torch.equal(placed(ids), reference(ids))
+
+
+def test_every_split_of_a_tied_model_gives_the_original_outputs(monkeypatch):
+    """All two-device assignments of the tied model's nodes (replicas made for every split)."""
+    import itertools
+
+    from torchplace.api import PlacedModule
+    from torchplace.devices import make_cluster
+    from torchplace.plan import Plan, stages_from_order
+    from torchplace.profiling import profile, trace
+
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+    torch.manual_seed(0)
+    model, reference = TiedLM().eval(), TiedLM().eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 24, (6, 5))
+    traced = trace(model, (ids,))
+    problem = Problem(profile(traced, (ids,), progress=False, repeats=1, warmup=0), make_cluster(["cpu:0", "cpu:1"]),
+                      contiguous=False)
+    order = problem.graph.topological_order()
+    replicas = 0
+    for choice in itertools.product(["cpu:0", "cpu:1"], repeat=len(order)):
+        assignment = dict(zip(order, choice))
+        plan = Plan.build(problem, stages_from_order(problem, order, assignment), solver="all", seconds=0.0,
+                          lower_bound=0.0)
+        placed = PlacedModule(traced, problem, plan)
+        replicas += placed._executor.stage_params.replicas
+        with torch.no_grad():
+            assert torch.equal(placed(ids), reference(ids))
+    assert replicas > 0
