@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from torchplace.fxutil import is_compute
 
-__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state"]
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state", "storage_address", "version_of"]
 
 StorageKey = int
 """A storage's address; valid while the run keeps every value alive (no address is reused)."""
@@ -54,8 +54,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def storage_key(t: torch.Tensor) -> StorageKey | None:
-    """The key of ``t``'s storage; None for tensors without memory of their own (empty, meta)."""
+def storage_address(t: torch.Tensor) -> StorageKey | None:
+    """The address of ``t``'s storage; None for tensors without memory of their own (empty, meta)."""
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
@@ -65,7 +65,7 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
     return storage.data_ptr()
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
     try:
         return t._version
     except RuntimeError:  # inference tensors have no version counter
@@ -102,7 +102,7 @@ class AccessLog:
         self.creator: dict[StorageKey, tuple[str, str]] = {}  # storage -> (kind, fx node name)
         self.state_names: dict[StorageKey, str] = {}
         for name, t in self._state:
-            key = storage_key(t)
+            key = storage_address(t)
             if key is not None:
                 self.creator.setdefault(key, ("state", name))
                 self.state_names.setdefault(key, name)
@@ -111,7 +111,7 @@ class AccessLog:
         """A model input: its storages are created by the caller."""
         keys = self.inputs.setdefault(node.name, set())
         for t in _tensors(value):
-            key = storage_key(t)
+            key = storage_address(t)
             if key is not None:
                 keys.add(key)
                 self.creator.setdefault(key, ("input", node.name))
@@ -119,7 +119,7 @@ class AccessLog:
     def constant(self, node: fx.Node, value: Any) -> None:
         """A get_attr value: parameters, buffers and constants outlive the call."""
         for t in _tensors(value):
-            key = storage_key(t)
+            key = storage_address(t)
             if key is not None:
                 self.creator.setdefault(key, ("state", str(node.target)))
 
@@ -132,12 +132,12 @@ class AccessLog:
         access = self.access.setdefault(node.name, _Access())
         watched: list[_Watch] = []
         for t in read:
-            key = storage_key(t)
+            key = storage_address(t)
             if key is not None:
                 access.reads.add(key)
                 copy = t.detach().clone() if id(t) in self._state_ids else None
-                watched.append((t, _version(t), copy))
-        watched += [(t, _version(t), None) for _, t in self._state]
+                watched.append((t, version_of(t), copy))
+        watched += [(t, version_of(t), None) for _, t in self._state]
         return watched
 
     def after(self, node: fx.Node, token: Sequence[_Watch], out: Any) -> None:
@@ -148,13 +148,13 @@ class AccessLog:
         statistics in training)."""
         access = self.access[node.name]
         for t, version, copy in token:
-            moved = version is not None and _version(t) != version
+            moved = version is not None and version_of(t) != version
             if moved or (copy is not None and not _same(t, copy)):
-                key = storage_key(t)
+                key = storage_address(t)
                 if key is not None:
                     access.writes.add(key)
         for t in _tensors(out):
-            key = storage_key(t)
+            key = storage_address(t)
             if key is not None:
                 access.makes.add(key)
                 self.creator.setdefault(key, ("temp", node.name))
@@ -270,14 +270,14 @@ class StateSnapshot:
         self._tensors = named_state(model)
         with torch.no_grad():
             self._saved = {name: t.detach().clone() for name, t in self._tensors.items()}
-        self._versions = {name: _version(t) for name, t in self._tensors.items()}
+        self._versions = {name: version_of(t) for name, t in self._tensors.items()}
 
     def changed(self) -> list[str]:
         """Names of the tensors written since the snapshot (moved version counter or new value)."""
         out = []
         for name, t in self._tensors.items():
             version = self._versions[name]
-            if (version is not None and _version(t) != version) or not _same(t, self._saved[name]):
+            if (version is not None and version_of(t) != version) or not _same(t, self._saved[name]):
                 out.append(name)
         return out
 
@@ -286,7 +286,7 @@ class StateSnapshot:
         with torch.no_grad():
             for name in self.changed():
                 self._tensors[name].copy_(self._saved[name])
-        self._versions = {name: _version(t) for name, t in self._tensors.items()}
+        self._versions = {name: version_of(t) for name, t in self._tensors.items()}
 
 
 def named_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchplace.errors import UnsupportedError
+from torchplace.profiling.effects import version_of
 
 __all__ = ["StageParameters", "move_in_place"]
 
@@ -51,20 +52,13 @@ class _Replica:
             self.install(self.home.clone() if self.clone else self.home.to(self.device))
             self.seen = None
             return
-        state = (self.home.data_ptr(), _version(self.home), self.home.device)
+        state = (self.home.data_ptr(), version_of(self.home), self.home.device)
         if state != self.seen or state[1] is None:
             with torch.no_grad():
                 value = self.home.detach().to(self.device)
                 value = value.clone() if self.clone else value
             self.install(nn.Parameter(value, requires_grad=False) if self.kind == "_parameters" else value)
             self.seen = state
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
 
 
 def move_in_place(tensor: torch.Tensor, device: torch.device, name: str, owner: nn.Module | None = None) -> None:
