@@ -96,21 +96,21 @@ class Budget:
                  way_out: str = MILP_WAY_OUT) -> None:
         self.what, self.time_limit, self.way_out = what, time_limit, way_out
         self.memory_bytes = MEMORY_BUDGET if memory_bytes is None else memory_bytes
-        self.start = time.perf_counter()
+        self.start = time.monotonic()
         self.deadline = None if time_limit is None else self.start + time_limit
         self.rss0 = _rss()
 
     def elapsed(self) -> float:
         """Seconds since the budget was made."""
-        return time.perf_counter() - self.start
+        return time.monotonic() - self.start
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (never negative); ``None`` without a deadline."""
-        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def expired(self) -> bool:
         """Whether the deadline has passed."""
-        return self.deadline is not None and time.perf_counter() >= self.deadline
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def time_error(self, doing: str, found: str = "") -> SolverLimitError:
         """The error for a deadline that passed while ``doing``."""
@@ -142,6 +142,17 @@ class Budget:
                 self.check(doing)
 
         return tick
+
+    def admit_memory(self, need: int, what: str) -> None:
+        """Refuse ``what`` when its ``need`` bytes exceed the memory allowance.
+
+        Raises:
+            ModelTooLargeError: naming ``what``, the bytes and :attr:`way_out`.
+        """
+        if need > self.memory_bytes:
+            raise ModelTooLargeError(
+                f"{self.what}: {what} would take about {need / 2**30:.1f} GiB, more than the solver memory "
+                f"budget of {self.memory_bytes / 2**30:.1f} GiB; {self.way_out}", self.time_limit, need)
 
     def admit(self, size: ModelSize, doing: str = "building the model") -> None:
         """Refuse a model whose estimated ``size`` does not fit the memory allowance or the time left.

@@ -52,11 +52,13 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, contract
 from torchplace.solvers.dp import DeviceClass, device_classes, pieces_to_stages
+from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
 
 __all__ = ["Search", "progress_bar", "slice_graph", "solve"]
 
 _TOL = 1e-9
+_WAY_OUT = "coarsen the graph (place(..., fuse=True) or granularity='module')"
 
 
 class _Timeout(Exception):
@@ -322,24 +324,29 @@ def _slice(inst: _Instance, order: np.ndarray, *, bound: float = math.inf, guess
 class Search:
     """Slices orders one by one and keeps the best split; stops at the deadline.
 
-    The first order is always sliced completely (a plan is needed); later ones are abandoned when
-    the deadline passes (``timed_out``). Orders already seen are answered from a cache. Searches
-    over orders (:func:`solve`, :func:`torchplace.solvers.brkga.solve`) propose orders with
-    :meth:`order`, score them with :meth:`evaluate`, and finish with :meth:`plan`.
+    Every order, the first included, is abandoned when the deadline passes (``timed_out``); the
+    plan is then the best split found (status ``"time_limit"``), and without one the search raises
+    SolverLimitError. Orders already seen are answered from a cache. Searches over orders
+    (:func:`solve`, :func:`torchplace.solvers.brkga.solve`) propose orders with :meth:`order`,
+    score them with :meth:`evaluate`, and finish with :meth:`plan`.
 
     Args:
         problem: a throughput problem.
         time_limit: seconds from construction (preparation included); ``None`` for no limit.
+        name: the search, for messages.
 
     Raises:
         ValueError: for a latency problem or negative node times.
+        SolverLimitError: if the time limit passes while the graph is prepared.
     """
 
-    def __init__(self, problem: Problem, time_limit: float | None):
-        self.t0 = time.monotonic()  # the time limit covers the preparation too
+    def __init__(self, problem: Problem, time_limit: float | None, name: str = "SliceGraph"):
+        self.budget = Budget(name, time_limit, way_out=_WAY_OUT)  # covers the preparation too
+        self.t0, self.deadline = self.budget.start, self.budget.deadline
         self.problem, self.inst = problem, _prepare(problem)
-        self.deadline = None if time_limit is None else self.t0 + time_limit
+        self.budget.check("preparing the graph")
         self.guess = simple_lower_bound(problem)
+        self.budget.check("preparing the graph")
         self.best_value = math.inf
         self.best_pieces: list[tuple[int, list[int]]] | None = None
         self.first_order: np.ndarray | None = None
@@ -364,9 +371,8 @@ class Search:
         if self.first_order is None:
             self.first_order = order
         bound = min(bound, self.best_value)
-        deadline = self.deadline if self.best_pieces is not None else None
         try:
-            res = _slice(self.inst, order, bound=bound, guess=self.guess, deadline=deadline)
+            res = _slice(self.inst, order, bound=bound, guess=self.guess, deadline=self.deadline)
         except _Timeout:
             self.timed_out = True
             return math.inf
@@ -380,21 +386,26 @@ class Search:
         return res.value
 
     def plan(self, solver: str, interrupted: bool, meta: dict[str, Any]) -> Plan:
-        """The best split found as a Plan (status ``"feasible"``, the simple lower bound).
+        """The best split found as a Plan (the simple lower bound; status ``"time_limit"`` when
+        the deadline cut the search short, else ``"feasible"``).
 
         ``meta`` adds to the search's own (``orders``, ``history``, ``interrupted``, ``timed_out``).
 
         Raises:
             InfeasibleError: if no evaluated order has a split that fits (what would make one fit).
+            SolverLimitError: if the deadline passed before any split was found.
         """
+        if self.best_pieces is None and self.timed_out:
+            raise self.budget.time_error("slicing the first topological order", " before any split was found")
         if self.best_pieces is None:
             raise _infeasible(self.problem, self.inst, self.first_order, self.evaluated)
         stages = order_stages(self.problem.graph, pieces_to_stages(self.inst.con, self.inst.classes, self.best_pieces))
         seconds = time.monotonic() - self.t0
         plan = Plan.build(
-            self.problem, stages, solver=solver, seconds=seconds, lower_bound=simple_lower_bound(self.problem),
-            status="feasible", meta={"orders": self.evaluated, "history": self.history, "interrupted": interrupted,
-                                     "timed_out": self.timed_out, "contiguous": True, **meta},
+            self.problem, stages, solver=solver, seconds=seconds, lower_bound=self.guess,
+            status="time_limit" if self.timed_out else "feasible",
+            meta={"orders": self.evaluated, "history": self.history, "interrupted": interrupted,
+                  "timed_out": self.timed_out, "contiguous": True, **meta},
         )
         # prefix sums and the sweep over D cancel terms: round-off grows with the graph's total cost
         scale = float(self.inst.xfer.sum() + self.inst.times.sum(axis=1).max(initial=0.0))
@@ -473,16 +484,18 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
         orders: topological orders (node ids) to slice first, e.g. a DFS order.
         seed: seeds the random priorities (same seed, same plan).
         random_orders: how many random orders to slice after ``orders``.
-        time_limit: seconds; the first order is always sliced, the search stops when it passes.
+        time_limit: seconds for everything (preparation included); the search stops when it passes.
         progress: show a tqdm bar (default: when stderr is a terminal).
 
     Returns:
-        A Plan with status ``"feasible"`` and the simple lower bound; ``meta`` holds ``orders``
-        (sliced), ``history`` ([orders, seconds, objective] at each improvement), ``timed_out``
-        and ``interrupted`` (Ctrl-C returns the best plan so far).
+        A Plan with status ``"feasible"`` (``"time_limit"`` when the limit cut the search short) and
+        the simple lower bound; ``meta`` holds ``orders`` (sliced), ``history`` ([orders, seconds,
+        objective] at each improvement), ``timed_out`` and ``interrupted`` (Ctrl-C returns the
+        best plan so far).
 
     Raises:
         InfeasibleError: if no searched order has a split that fits.
+        SolverLimitError: if the time limit passed before any split was found.
     """
     search = Search(problem, time_limit)
     inst = search.inst

@@ -54,7 +54,6 @@ sends it to one device after another (see ``tests/test_milp_latency.py``).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,7 +327,6 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
     budget = Budget(f"latency IP (Tarnawski App. A, q={q})", time_limit)
-    t0 = budget.start
     model = build(problem, q=q, budget=budget)
     try:
         res = solve_model(model, name=f"latency IP (Tarnawski App. A, q={q})", mip_gap=mip_gap, budget=budget)
@@ -338,7 +336,7 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
     rows, cols = _size(model)
     meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
             "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
-    plan = Plan.build(problem, stages, solver="milp-latency", seconds=time.perf_counter() - t0,
+    plan = Plan.build(problem, stages, solver="milp-latency", seconds=budget.elapsed(),
                       lower_bound=latency_lower_bound(problem),
                       status="time_limit" if res.status == "time_limit" else "feasible", meta=meta)
     if plan.objective <= plan.lower_bound * (1 + 1e-9):

@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -417,13 +416,12 @@ def solve(
             limit (:mod:`torchplace.solvers.limits`).
     """
     budget = Budget("max-load IP", time_limit)
-    t0 = budget.start
     contiguous = problem.contiguous if contiguous is None else contiguous
     target = problem if problem.contiguous == contiguous else replace(problem, contiguous=contiguous)
     m = build(target, contiguous=contiguous, symmetry=symmetry, budget=budget)
     if warm_start is not None:
         initialize(m, target, warm_start.assignment, symmetry)
-    build_seconds = time.perf_counter() - t0
+    build_seconds = budget.elapsed()
     kwargs = {"warm_start": warm_start is not None}
     scaled = solve_model(m, name="max-load IP", mip_gap=mip_gap, budget=budget, **kwargs)
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
@@ -438,7 +436,7 @@ def solve(
         "build_seconds": build_seconds, "solve_seconds": res.seconds, "contiguous": contiguous,
         "symmetry": symmetry,
     }
-    plan = Plan.build(target, stages, solver="maxload-ip", seconds=time.perf_counter() - t0,
+    plan = Plan.build(target, stages, solver="maxload-ip", seconds=budget.elapsed(),
                       lower_bound=bound, status=res.status, meta=meta)
     if res.status == "optimal" and not math.isclose(objective, res.objective, rel_tol=max(mip_gap, 1e-6), abs_tol=1e-9):
         raise AssertionError(f"max-load IP value {res.objective} differs from the cost model's {objective}")

@@ -59,7 +59,6 @@ no slower on these models (example-1: 2 s against 7 s).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import networkx as nx
@@ -326,7 +325,6 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
             limit (e.g. an operator graph of hundreds of nodes: fuse it, or use method 'auto').
     """
     budget = Budget(_NAME, time_limit)
-    t0 = budget.start
     problem = dataclasses.replace(problem, contiguous=False)
     model = build(problem, budget=budget)
     if warm_start is not None:
@@ -347,6 +345,6 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     slack = mip_gap * simulated + _BIG_M_SLACK * model.horizon * model.unit
     status = res.status if res.status == "time_limit" else (
         "optimal" if simulated <= milp_objective + slack else "feasible")
-    return Plan.build(problem, stages, solver="moirai", seconds=time.perf_counter() - t0,
+    return Plan.build(problem, stages, solver="moirai", seconds=budget.elapsed(),
                       lower_bound=round_up_bound(problem, max(milp_bound, latency_lower_bound(problem))), status=status,
                       meta={"milp_objective": milp_objective, "milp_bound": milp_bound, **_size(model)})

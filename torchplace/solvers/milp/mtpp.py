@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pyomo.environ as pyo
 
@@ -197,15 +196,14 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
     budget = Budget("MTPP MIP", time_limit)
-    t0 = budget.start
     m = build(problem, budget=budget)
-    build_seconds = time.perf_counter() - t0
+    build_seconds = budget.elapsed()
     scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget)
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
     plan = Plan.build(
-        problem, stages, solver="mtpp-mip", seconds=time.perf_counter() - t0,
+        problem, stages, solver="mtpp-mip", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status=res.status,
         meta={"milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols,
               "build_seconds": build_seconds, "solve_seconds": res.seconds, "contiguous": True},
