@@ -130,6 +130,9 @@ def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dic
         tried["dp"] = f"stopped: {e}"
     plans = []
     for name, share in (("slicegraph", 0.5), ("brkga", 1.0)):
+        if _remaining(deadline) <= 0:
+            tried[name] = "skipped: no time left"
+            continue
         try:
             plans.append(call_method(name, problem, time_limit=_remaining(deadline) * share))
             tried[name] = plans[-1].objective

@@ -39,7 +39,7 @@ import heapq
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,17 +85,20 @@ class _Instance:
         return len(self.con.nodes)
 
 
-def _prepare(problem: Problem) -> _Instance:
+def _prepare(problem: Problem, tick: Callable[[], None] = lambda: None) -> _Instance:
+    """The instance's arrays; ``tick`` is called once per supernode and producer (a time limit's check)."""
     if problem.objective != "throughput":
         raise ValueError(f"slicegraph minimises max load; objective {problem.objective!r} is not supported")
     g, con = problem.graph, contract(problem.graph)
     classes = device_classes(problem)
     times = np.zeros((len(classes), len(con.nodes)))
     mem = np.zeros(len(con.nodes), dtype=np.int64)
+    record = dict(g.records())  # one lookup per node (graphs of 10^5 nodes are prepared within a limit)
     for i, s in enumerate(con.nodes):
-        mem[i] = sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in s.members)
+        tick()
+        mem[i] = sum(record[v].param_bytes + record[v].temp_bytes for v in s.members)
         for c, cl in enumerate(classes):
-            times[c, i] = math.fsum(g.record(v).time_on(cl.kind) for v in s.members)
+            times[c, i] = math.fsum(record[v].time_on(cl.kind) for v in s.members)
     if (times < 0).any():
         raise ValueError("node times must be non-negative")
     bad = ~np.isfinite(times)
@@ -104,6 +107,7 @@ def _prepare(problem: Problem) -> _Instance:
     costs: list[float] = []
     indptr, supers = [0], []
     for u in g:
+        tick()
         cost = problem.transfer_time(u)
         group = sorted({super_of[u], *(super_of[w] for w in g.successors(u))})
         if cost > 0 and len(group) > 1:  # a producer whose consumers all share its supernode never pays
@@ -343,8 +347,7 @@ class Search:
     def __init__(self, problem: Problem, time_limit: float | None, name: str = "SliceGraph"):
         self.budget = Budget(name, time_limit, way_out=_WAY_OUT)  # covers the preparation too
         self.t0, self.deadline = self.budget.start, self.budget.deadline
-        self.problem, self.inst = problem, _prepare(problem)
-        self.budget.check("preparing the graph")
+        self.problem, self.inst = problem, _prepare(problem, self.budget.ticks("preparing the graph", every=4096))
         self.guess = simple_lower_bound(problem)
         self.budget.check("preparing the graph")
         self.best_value = math.inf

@@ -59,7 +59,7 @@ def _highs_seconds(budget: Budget, handover: float) -> float:
     assert left is not None and budget.time_limit is not None
     reserve = min(0.1 * budget.time_limit, _RESERVE_SHARE * handover)
     if left - reserve <= 0:
-        raise budget.time_error("handing the model to HiGHS", " before HiGHS could start")
+        raise budget.time_error("handing the model to HiGHS", ", leaving HiGHS no time")
     return left - reserve
 
 
