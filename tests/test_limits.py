@@ -167,7 +167,8 @@ def test_building_stops_at_the_deadline(workloads_dir, monkeypatch, caplog):
 
 
 def test_handing_over_to_highs_stops_at_the_deadline():
-    """appsi translates constraint by constraint; the chunks check the budget in between."""
+    """appsi translates constraint by constraint (this model: seconds); the chunks check the
+    budget in between. (The slack covers a garbage-collector pause under load.)"""
     m = pyo.ConcreteModel()
     m.I = pyo.RangeSet(0, 60_000)
     m.x = pyo.Var(m.I, bounds=(0, None))
@@ -177,7 +178,7 @@ def test_handing_over_to_highs_stops_at_the_deadline():
     t0 = time.perf_counter()
     with pytest.raises(SolverLimitError, match="while handing the model to HiGHS"):
         highs.solve_model(m, name="test model", budget=budget)
-    assert time.perf_counter() - t0 < 0.3 + 0.5
+    assert time.perf_counter() - t0 < 0.3 + 1.0
 
 
 def test_building_stops_when_the_process_outgrows_the_memory_budget(workloads_dir, monkeypatch):
