@@ -89,8 +89,6 @@ def solve_auto(
 
 def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int, t0: float,
                 opts: dict[str, Any]) -> Plan:
-    from torchplace.solvers import call_method
-
     tried: dict[str, Any] = {}
     contiguous = dataclasses.replace(problem, contiguous=True)
     first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)

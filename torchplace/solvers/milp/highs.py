@@ -8,7 +8,9 @@ value and the proven bound as plain floats.
 With a :class:`~torchplace.solvers.limits.Budget` the limit covers the hand-over too: appsi
 translates the model constraint by constraint in Python (often longer than building it), so the
 constraints go over in chunks with the budget checked between them, and HiGHS gets the time left
-minus a reserve for reading the solution back and building the plan.
+minus a reserve for reading the solution back and building the plan. HiGHS's MIP presolve looks at
+its clock rarely (a 39k-row latency IP ran 4 s past a 1 s limit in presolve), so when the time
+left is shorter than presolve may take, HiGHS runs without it and stops on time.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ _CHUNK = 2048  # constraints handed to HiGHS between two looks at the budget
 # Time kept back from HiGHS for reading the solution and building the plan, as a share of the
 # hand-over time (both scale with the model; measured below a fifth), at most a tenth of the limit.
 _RESERVE_SHARE = 0.25
+# HiGHS 1.15's presolve took 7-77 us per nonzero on the shared workloads' models (the most on
+# big-M latency IPs), checking its time limit only between some of its passes.
+_PRESOLVE_SECONDS_PER_NONZERO = 80e-6
 # appsi re-scans the whole model before a solve unless told nothing changed since set_instance
 _NO_UPDATES = ("check_for_new_or_removed_constraints", "check_for_new_or_removed_vars",
                "check_for_new_or_removed_params", "check_for_new_objective", "update_constraints",
@@ -46,6 +51,10 @@ class _BudgetedHighs(appsi.solvers.Highs):
             if self.budget is not None:
                 self.budget.check("handing the model to HiGHS")
             super().add_constraints(list(cons[start:start + _CHUNK]))
+
+    def nonzeros(self) -> int:
+        """Nonzeros of the model handed over."""
+        return int(self._solver_model.getNumNz())
 
 
 def _highs_seconds(budget: Budget, handover: float) -> float:
@@ -127,6 +136,8 @@ def solve_model(
             setattr(solver.update_config, flag, False)
         if budget.deadline is not None:
             time_limit = _highs_seconds(budget, time.perf_counter() - t0)
+            if time_limit < _PRESOLVE_SECONDS_PER_NONZERO * solver.nonzeros():
+                solver.highs_options = {"presolve": "off"}  # it would run past the deadline
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
     res = solver.solve(model)
