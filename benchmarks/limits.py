@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         method, path, objective, limit = args.child
         print(json.dumps(child(method, Path(path), objective, float(limit))))
         return 0
-    print(f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
-          f"{date.today()}; bound: wall <= limit x 1.1 + 3 s, peak RSS <= 4 GB\n")
+    print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {date.today()}; "
+          "bound: wall <= limit x 1.1 + 3 s, peak RSS <= 4 GB\n")
     print("| method | workload | objective | limit s | wall s | process s | peak RSS MiB | outcome |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []

@@ -336,6 +336,6 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     return plan
 
 
-def solve_linearized(problem: Problem) -> Plan:
+def solve_linearized(problem: Problem, *, time_limit: float | None = None) -> Plan:
     """DPL (Tarnawski Sec. 5.1.2): :func:`solve` over the splits of one DFS topological order."""
-    return solve(problem, linearize=True)
+    return solve(problem, linearize=True, time_limit=time_limit)
