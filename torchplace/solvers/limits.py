@@ -100,6 +100,10 @@ class Budget:
         self.deadline = None if time_limit is None else self.start + time_limit
         self.rss0 = _rss()
 
+    def _budget_text(self) -> str:
+        return (f"the solver memory budget of {self.memory_bytes / 2**30:.1f} GiB "
+                "(torchplace.solvers.limits.MEMORY_BUDGET)")
+
     def elapsed(self) -> float:
         """Seconds since the budget was made."""
         return time.monotonic() - self.start
@@ -130,8 +134,8 @@ class Budget:
         grown = _rss() - self.rss0
         if grown > self.memory_bytes:
             raise ModelTooLargeError(
-                f"{self.what}: {doing} grew the process by {grown / 2**30:.1f} GiB, more than the solver memory "
-                f"budget of {self.memory_bytes / 2**30:.1f} GiB; {self.way_out}", self.time_limit, grown)
+                f"{self.what}: {doing} grew the process by {grown / 2**30:.1f} GiB, more than {self._budget_text()}; "
+                f"{self.way_out}", self.time_limit, grown)
 
     def ticks(self, doing: str, every: int = _POLL_EVERY) -> Callable[[], None]:
         """A function to call once per loop iteration: it runs :meth:`check` every ``every`` calls."""
@@ -151,8 +155,8 @@ class Budget:
         """
         if need > self.memory_bytes:
             raise ModelTooLargeError(
-                f"{self.what}: {what} would take about {need / 2**30:.1f} GiB, more than the solver memory "
-                f"budget of {self.memory_bytes / 2**30:.1f} GiB; {self.way_out}", self.time_limit, need)
+                f"{self.what}: {what} would take about {need / 2**30:.1f} GiB, more than {self._budget_text()}; "
+                f"{self.way_out}", self.time_limit, need)
 
     def admit(self, size: ModelSize, doing: str = "building the model") -> None:
         """Refuse a model whose estimated ``size`` does not fit the memory allowance or the time left.
@@ -163,7 +167,7 @@ class Budget:
         need, seconds, left = size.memory_bytes, size.build_seconds, self.remaining()
         cost = f"about {need / 2**30:.1f} GiB and {seconds:.0f} s to build"
         if need > self.memory_bytes:
-            broken = f"more than the solver memory budget of {self.memory_bytes / 2**30:.1f} GiB"
+            broken = f"more than {self._budget_text()}"
         elif left is not None and seconds > left:
             broken = f"more than the {left:.1f} s left of the {self.time_limit:g} s time limit"
         else:
