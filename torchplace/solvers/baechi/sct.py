@@ -127,8 +127,8 @@ def m_sct(problem: Problem, *, threshold: float = 0.5, sequential_comm: bool = F
         threshold: ``x_ij`` below it makes ``j`` the favourite child of ``i`` (Baechi uses 0.1).
         sequential_comm: sequential communication queues in the scheduler's estimate (Sec. 3.4).
         device_rule: device choice of non-pinned nodes, as in :func:`m_etf`.
-        time_limit: seconds for building and solving the LP (the list scheduling after it, linear
-            in the graph, is not counted).
+        time_limit: seconds for building and solving the LP (the list scheduling after it is not
+            counted: under a second on every shared workload).
 
     Returns:
         A ``"feasible"`` non-contiguous plan; ``meta`` holds ``lp_status``, ``lp_objective``,
