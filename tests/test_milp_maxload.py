@@ -343,18 +343,21 @@ def test_unit_that_fits_nowhere_is_infeasible():
 
 def test_time_limit_holds_on_an_operator_graph(workloads_dir):
     """BERT-6 operators non-contiguous (about a minute to prove optimal here): HiGHS stops at the limit
-    with a valid plan and a proven bound."""
+    with a valid plan and a proven bound.
+
+    The limit covers everything solve does (building the model, handing it to HiGHS, the plan):
+    HiGHS gets what is left minus a reserve, so the whole call ends at about 3 s even with both
+    cores of a 2-core machine busy (measured 2.9-3.0 s). What is left over the limit is HiGHS's
+    own clock check, tenths of a second; a limit that does not hold (HiGHS alone proves it in a
+    minute) fails this by far.
+    """
     problem = replace(read_dnn_partitioning(DNN / "OperatorGraphs/bert_l-6_inference.json"), contiguous=False)
-    t0 = time.perf_counter()
-    maxload.build(problem, contiguous=False)
-    build = time.perf_counter() - t0
-    assert build < 2.0
     t0 = time.perf_counter()
     plan = maxload.solve(problem, time_limit=3)
     total = time.perf_counter() - t0
     assert plan.status == "time_limit"
-    assert plan.meta["solve_seconds"] <= 3 + 1.5  # HiGHS checks its clock between nodes; a loaded machine adds more
-    assert total <= 3 + 1.5 + 2 * build + 1.0  # plus the build, extraction and validation
+    assert total <= 3 * 1.1 + 1.0
+    assert plan.meta["build_seconds"] + plan.meta["solve_seconds"] <= plan.seconds <= total
     _check(plan, problem)
     assert plan.lower_bound <= plan.objective
 

@@ -9,6 +9,7 @@ from torchplace.devices import Cluster, Device, make_cluster, parse_memory
 from torchplace.errors import (
     InfeasibleError,
     InvalidPlanError,
+    ModelTooLargeError,
     SolverLimitError,
     StageError,
     TooManyIdealsError,
@@ -40,6 +41,7 @@ __all__ = [
     "Device",
     "InfeasibleError",
     "InvalidPlanError",
+    "ModelTooLargeError",
     "NodeRecord",
     "OpGraph",
     "PlacedModule",

@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "InfeasibleError",
     "InvalidPlanError",
+    "ModelTooLargeError",
     "SolverLimitError",
     "StageError",
     "TooManyIdealsError",
@@ -73,7 +74,8 @@ class StageError(TorchplaceError, RuntimeError):
 
 
 class SolverLimitError(TorchplaceError):
-    """A solver stopped at its time limit before it found any feasible plan.
+    """A solver stopped at its time limit before it found any feasible plan (the limit covers
+    building its model too).
 
     Attributes:
         time_limit: the limit in seconds.
@@ -84,3 +86,17 @@ class SolverLimitError(TorchplaceError):
         super().__init__(message)
         self.time_limit = time_limit
         self.bound = bound
+
+
+class ModelTooLargeError(SolverLimitError):
+    """A solver's model or tables would not fit in the memory budget or in the time limit, so it was
+    refused before (or while) building it. The message names the size and the way out (fuse the
+    graph, ``method="auto"``, a smaller graph).
+
+    Attributes:
+        needed_bytes: the estimated memory the model needs (``None`` when the time refused it).
+    """
+
+    def __init__(self, message: str, time_limit: float | None, needed_bytes: int | None = None) -> None:
+        super().__init__(message, time_limit)
+        self.needed_bytes = needed_bytes

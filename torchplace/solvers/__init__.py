@@ -81,8 +81,9 @@ SOLVERS: Mapping[str, Callable[..., Plan]] = _Solvers()
 def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     """Run method ``name`` with ``opts`` (``None`` values dropped).
 
-    ``time_limit`` is dropped for a method that runs to completion (the exact DP); any other
-    option the method does not take is an error, so nothing a user asks for is silently ignored.
+    ``time_limit`` is dropped for a method that runs to completion (the list schedulers m-TOPO and
+    m-ETF: under a second on every shared workload); any other option the method does not take is
+    an error, so nothing a user asks for is silently ignored.
 
     Raises:
         ValueError: naming the options ``name`` does not take.

@@ -2,8 +2,9 @@
 
 Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
 
-1. the ideals DP when the graph's ideals are few enough (optimal among contiguous splits), else
-   SliceGraph over random topological orders followed by BRKGA, within the time budget;
+1. the ideals DP when the graph's ideals are few enough (optimal among contiguous splits) and it
+   ends within three quarters of the time, else SliceGraph over random topological orders
+   followed by BRKGA, within the time left;
 2. when the problem allows non-contiguous splits, that plan is the incumbent of the max-load MILP
    (Tarnawski App. C), which runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
 3. the lower bound is the best proven one: combinatorial (Archer Lemma 3.3) always, the MILP's
@@ -22,7 +23,7 @@ import math
 import time
 from typing import Any
 
-from torchplace.errors import InfeasibleError, SolverLimitError, TooManyIdealsError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, TooManyIdealsError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
@@ -30,7 +31,10 @@ from torchplace.solvers.bounds import round_up_bound
 __all__ = ["DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
 
 DEFAULT_TIME_LIMIT = 30.0
-"""Seconds ``auto`` gives its MILPs and searches when the caller sets no limit."""
+"""Seconds ``auto`` takes in all when the caller sets no limit."""
+
+DP_SHARE = 0.75
+"""Share of the time the exact DP may take before ``auto`` falls back to the searches."""
 
 MILP_NODES = 60
 """Largest graph (nodes) on which ``auto`` tries a MILP: beyond it HiGHS rarely beats the heuristics."""
@@ -64,14 +68,14 @@ def solve_auto(
     """The best plan ``auto`` finds for ``problem`` and the best lower bound it proves.
 
     Args:
-        time_limit: seconds for the searches and MILPs (default :data:`DEFAULT_TIME_LIMIT`); the
-            exact DP is not interrupted.
+        time_limit: seconds for everything ``auto`` runs (default :data:`DEFAULT_TIME_LIMIT`).
         bounds: ``"combinatorial"`` or ``"mip"`` (also Archer's MIP-based bounds, throughput).
         milp_nodes: largest graph on which a MILP is tried.
         opts: passed to the DP (e.g. ``ideal_limit``).
 
     Raises:
         InfeasibleError: if no method finds a plan that fits.
+        SolverLimitError: if the time limit passed before any method found a plan.
         ValueError: for an unknown ``bounds`` value.
     """
     if bounds not in ("combinatorial", "mip"):
@@ -85,22 +89,9 @@ def solve_auto(
 
 def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int, t0: float,
                 opts: dict[str, Any]) -> Plan:
-    from torchplace.solvers import call_method
-
     tried: dict[str, Any] = {}
     contiguous = dataclasses.replace(problem, contiguous=True)
-    try:
-        first = call_method("dp", contiguous, **opts)
-    except TooManyIdealsError as e:
-        tried["dp"] = f"skipped: more than {e.limit} ideals"
-        first = call_method("slicegraph", contiguous, time_limit=_remaining(deadline) / 2)
-        tried["slicegraph"] = first.objective
-        try:
-            search = call_method("brkga", contiguous, time_limit=_remaining(deadline))
-            tried["brkga"] = search.objective
-            first = min(first, search, key=lambda p: p.objective)
-        except InfeasibleError:
-            pass
+    first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)
     tried[first.solver] = first.objective
     plans = [first if problem.contiguous else _rebuild(problem, first)]
     proven: list[float] = []
@@ -118,6 +109,43 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     return _best(problem, plans, proven, tried, t0)
 
 
+def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dict[str, Any],
+                     opts: dict[str, Any]) -> Plan:
+    """The DP's optimal contiguous plan; past its ideal limit, its memory or its share of the time,
+    the better of SliceGraph's and BRKGA's within the time left.
+
+    Raises:
+        InfeasibleError: if SliceGraph proves no split along its orders fits.
+        SolverLimitError: if neither search found a plan in time.
+    """
+    from torchplace.solvers import call_method
+
+    try:
+        return call_method("dp", problem, time_limit=_remaining(deadline) * DP_SHARE, **opts)
+    except TooManyIdealsError as e:
+        tried["dp"] = f"skipped: more than {e.limit} ideals"
+    except SolverLimitError as e:
+        tried["dp"] = f"stopped: {e}"
+    plans = []
+    for name, share in (("slicegraph", 0.5), ("brkga", 1.0)):
+        if _remaining(deadline) <= 0:
+            tried[name] = "skipped: no time left"
+            continue
+        try:
+            plans.append(call_method(name, problem, time_limit=_remaining(deadline) * share))
+            tried[name] = plans[-1].objective
+        except SolverLimitError as e:
+            tried[name] = f"stopped: {e}"
+        except InfeasibleError:
+            if name == "slicegraph":
+                raise
+    if not plans:
+        raise SolverLimitError(f"auto: no method found a plan within the {limit:g} s time limit ({tried}); raise "
+                               "the time limit, or coarsen the graph (place(..., fuse=True) or granularity='module')",
+                               limit)
+    return min(plans, key=lambda p: p.objective)
+
+
 def _run_milp(name: str, problem: Problem, deadline: float, tried: dict[str, Any], plans: list[Plan],
               proven: list[float], **opts: Any) -> None:
     """Run MILP ``name`` within the time left; add its plan and its proven bound (also when the
@@ -127,6 +155,9 @@ def _run_milp(name: str, problem: Problem, deadline: float, tried: dict[str, Any
 
     try:
         plan = call_method(name, problem, time_limit=_remaining(deadline), **opts)
+    except ModelTooLargeError as e:
+        tried[name] = f"refused: {e}"
+        return
     except SolverLimitError as e:
         tried[name] = "no incumbent within the time limit"
         if e.bound is not None:

@@ -39,15 +39,17 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
         population, generations: chromosomes per generation, generations after the first.
         elite, mutants: fractions of the population (at least one chromosome each).
         rho: probability of inheriting a key from the elite parent.
-        time_limit: seconds; the first chromosome is always decoded.
+        time_limit: seconds for everything (preparation included); the search stops when it passes.
         progress: show a tqdm bar (default: when stderr is a terminal).
 
     Returns:
-        A Plan (status ``"feasible"``, simple lower bound); ``meta`` as
+        A Plan (status ``"feasible"``, or ``"time_limit"`` when the limit cut the search short;
+        simple lower bound); ``meta`` as
         :func:`torchplace.solvers.slicegraph.solve`, plus ``generations`` completed.
 
     Raises:
         InfeasibleError: if no decoded order has a split that fits.
+        SolverLimitError: if the time limit passed before any split was found.
         ValueError: for fractions that leave no room for offspring.
 
     Example:
@@ -57,7 +59,7 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
     if n_elite + n_mut >= population or not 0 <= rho <= 1:
         raise ValueError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "
                          f"{population}, rho={rho}")
-    search = Search(problem, time_limit)
+    search = Search(problem, time_limit, name="BRKGA")
     rng = np.random.default_rng(seed)
     keys = rng.random((population, search.n))
     fitness = np.full(population, math.inf)

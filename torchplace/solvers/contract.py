@@ -109,6 +109,17 @@ def _forward_graph(g: OpGraph, cls: _UnionFind, backward_order: str) -> nx.DiGra
     return fg
 
 
+def _identity(g: OpGraph) -> Contraction | None:
+    """The contraction of a graph without backward nodes and colocation (every node its own
+    supernode, in topological order), in linear time; None for any other graph. It equals what
+    the general steps give, which take over ten seconds on 200,000 nodes."""
+    if any(r.backward or r.colocation is not None for _, r in g.records()):
+        return None
+    order = g.topological_order()
+    index = {v: i for i, v in enumerate(order)}
+    return Contraction(tuple(Supernode((v,), ()) for v in order), tuple(sorted((index[u], index[v]) for u, v in g.edges)))
+
+
 def contract(g: OpGraph, backward_order: str = "reverse") -> Contraction:
     """Contract ``g`` as in Tarnawski App. E.1; see the module docstring.
 
@@ -123,6 +134,9 @@ def contract(g: OpGraph, backward_order: str = "reverse") -> Contraction:
     """
     if backward_order not in BACKWARD_ORDERS:
         raise ValueError(f"backward_order must be one of {BACKWARD_ORDERS}, got {backward_order!r}")
+    plain = _identity(g)
+    if plain is not None:
+        return plain
     _check_no_backward_to_forward(g)
     cls = _UnionFind()
     while True:

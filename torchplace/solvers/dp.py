@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +32,7 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, contractions
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
+from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
 
 __all__ = ["DeviceClass", "device_classes", "pieces_to_stages", "solve", "solve_linearized"]
@@ -60,9 +60,10 @@ class _PairCosts:
     """Cost of every contiguous set ``I \\ I'`` on every device class, as flat arrays over pairs."""
 
     def __init__(
-        self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], measure: str = "load"
+        self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], measure: str = "load",
+        tick: Callable[[], None] = lambda: None,
     ):
-        self.problem, self.con, self.ideals = problem, con, ideals
+        self.problem, self.con, self.ideals, self.tick = problem, con, ideals, tick
         n_ideals = len(ideals)
         self.owner = np.repeat(np.arange(n_ideals), np.diff(ideals.sub_indptr))  # I of each pair
         self.sub = ideals.sub_index  # I' of each pair
@@ -128,6 +129,7 @@ class _PairCosts:
         out = np.empty(self.sub.size, dtype=np.float64)
         indptr = self.ideals.sub_indptr
         for i in range(len(self.ideals)):
+            self.tick()
             lo, hi = indptr[i], indptr[i + 1]
             subs = self.sub[lo:hi]
             f = np.flatnonzero(partial[i])
@@ -140,12 +142,14 @@ def _states(counts: Sequence[int]) -> list[tuple[int, ...]]:
     return sorted(itertools.product(*(range(n + 1) for n in counts)), key=sum)
 
 
-def _run_dp(pc: _PairCosts, counts: Sequence[int]) -> dict[tuple[int, ...], np.ndarray]:
+def _run_dp(pc: _PairCosts, counts: Sequence[int],
+            check: Callable[[], None] = lambda: None) -> dict[tuple[int, ...], np.ndarray]:
     n = len(pc.ideals)
     starts = pc.ideals.sub_indptr[:-1]
     full = tuple(counts)
     dp: dict[tuple[int, ...], np.ndarray] = {}
     for s in _states(counts):
+        check()  # once per state: each is a pass over every pair
         if not any(s):
             dp[s] = np.full(n, math.inf)
             dp[s][0] = 0.0
@@ -278,21 +282,45 @@ def _linearized(con: Contraction) -> Contraction:
     return Contraction(tuple(con.nodes[old] for old in order), tuple(edges))
 
 
+_WAY_OUT = ("use method 'slicegraph' or 'auto' (--method auto), or coarsen the graph (place(..., fuse=True) or "
+            "granularity='module')")
+
+
+def _table_bytes(n: int, ideals: int, pairs: int, n_classes: int) -> int:
+    """Bytes of the DP's tables: per pair its ideals' indices and one cost per class (with numpy
+    temporaries), per ideal its membership as bool, float32 and float64 rows (measured: 60 bytes a
+    pair with two classes, on BERT operator graphs)."""
+    return pairs * (32 + 16 * n_classes) + ideals * n * 13 + 8 * n * n
+
+
+def _admit(budget: Budget, n: int, ideals: int, pairs: int, n_classes: int) -> None:
+    """Refuse tables that would not fit the memory budget (ModelTooLargeError)."""
+    need = _table_bytes(n, ideals, pairs, n_classes)
+    budget.admit_memory(need, f"the DP over {n:,} supernodes, {ideals:,} ideals and {pairs:,} ideal pairs")
+
+
 def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], ideal_limit: int,
-          linearize: bool) -> list[_Run]:
+          linearize: bool, budget: Budget) -> list[_Run]:
     """The DP over every distinct contraction of the graph (one unless backward edges join classes)."""
     runs = []
-    for order, con in contractions(problem.graph).items():
+    contracted = contractions(problem.graph)
+    budget.check("contracting the graph")
+    for order, con in contracted.items():
         if linearize:
             con = _linearized(con)
-        ideals = enumerate_ideals(len(con.nodes), con.edges, ideal_limit)
-        pc = _PairCosts(problem, con, ideals, classes)
-        dp = _run_dp(pc, counts)
+        n = len(con.nodes)
+        if n < ideal_limit:  # (else enumerate_ideals refuses it at once) a chain's tables, the smallest there are
+            _admit(budget, n, n + 1, (n + 1) * (n + 2) // 2, len(classes))
+        ideals = enumerate_ideals(n, con.edges, ideal_limit, tick=budget.ticks("enumerating ideals", every=64))
+        _admit(budget, n, len(ideals), ideals.pairs, len(classes))
+        pc = _PairCosts(problem, con, ideals, classes, tick=budget.ticks("computing the pieces' costs", every=64))
+        dp = _run_dp(pc, counts, lambda: budget.check("running the DP"))
         runs.append(_Run(order, con, ideals, pc, dp, float(dp[tuple(counts)][-1])))
     return runs
 
 
-def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize: bool = False) -> Plan:
+def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize: bool = False,
+          time_limit: float | None = None) -> Plan:
     """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
 
     A training graph whose backward edges join colour classes is solved over both contractions
@@ -305,6 +333,8 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
         ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
         linearize: DPL (Sec. 5.1.2): search only the splits along one DFS topological order,
             in O(|V|^2) pairs; the plan is contiguous but not proven optimal (status "feasible").
+        time_limit: seconds for everything (contraction, ideals, pair costs, the DP); the DP has no
+            plan before it ends, so the limit raises SolverLimitError. ``None``: no limit.
 
     Returns:
         A Plan whose objective is the optimal max-load among contiguous splits (status
@@ -314,11 +344,14 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     Raises:
         TooManyIdealsError: if a contraction of the graph has more than ``ideal_limit`` ideals.
         InfeasibleError: if no contiguous split fits (memory, supported devices).
+        SolverLimitError: if the time limit passed first.
+        ModelTooLargeError: if the tables would not fit in the solver memory budget
+            (:data:`torchplace.solvers.limits.MEMORY_BUDGET`).
     """
-    t0 = time.perf_counter()
+    budget = Budget("ideals DP", time_limit, way_out=_WAY_OUT)
     classes = device_classes(problem)
     counts = [len(c.devices) for c in classes]
-    runs = _runs(problem, classes, counts, ideal_limit, linearize)
+    runs = _runs(problem, classes, counts, ideal_limit, linearize, budget)
     run = min(runs, key=lambda r: r.value)  # first on ties
     best = run.value
     if math.isinf(best):
@@ -326,17 +359,17 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     pieces = _backtrack(run.pc, run.dp, counts)
     stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, pieces))
     plan = Plan.build(
-        problem, stages, solver="dpl" if linearize else "dp", seconds=time.perf_counter() - t0,
+        problem, stages, solver="dpl" if linearize else "dp", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",
         meta={"ideals": len(run.ideals), "ideal_pairs": run.ideals.pairs, "dp_value": best, "contiguous": True,
               "backward_order": run.backward_order},
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
         raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
-    plan.seconds = time.perf_counter() - t0
+    plan.seconds = budget.elapsed()
     return plan
 
 
-def solve_linearized(problem: Problem) -> Plan:
+def solve_linearized(problem: Problem, *, time_limit: float | None = None) -> Plan:
     """DPL (Tarnawski Sec. 5.1.2): :func:`solve` over the splits of one DFS topological order."""
-    return solve(problem, linearize=True)
+    return solve(problem, linearize=True, time_limit=time_limit)

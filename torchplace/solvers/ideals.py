@@ -9,7 +9,7 @@ Ideals are Python ints used as bitsets over nodes ``0..n-1``; they are listed le
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +45,16 @@ class Ideals:
         return int(self.sub_index.size)
 
 
-def _levels(n: int, preds: Sequence[int], limit: int) -> tuple[list[int], list[list[int]]]:
+def _too_many(limit: int) -> TooManyIdealsError:
+    return TooManyIdealsError(
+        f"the graph has more than {limit} ideals, too many for the exact DP; raise "
+        "ideal_limit=, coarsen the graph (granularity='module' with leaf_modules=), "
+        "or use a heuristic solver",
+        limit,
+    )
+
+
+def _levels(n: int, preds: Sequence[int], limit: int, tick: Callable[[], None]) -> tuple[list[int], list[list[int]]]:
     """Grow ideals one node at a time; return them and each ideal's immediate sub-ideals."""
     sets = [0]
     index = {0: 0}
@@ -54,6 +63,7 @@ def _levels(n: int, preds: Sequence[int], limit: int) -> tuple[list[int], list[l
     while level:
         nxt: list[int] = []
         for ideal in level:
+            tick()
             me = index[ideal]
             for v in range(n):
                 bit = 1 << v
@@ -64,12 +74,7 @@ def _levels(n: int, preds: Sequence[int], limit: int) -> tuple[list[int], list[l
                 if j is None:
                     j = index[grown] = len(sets)
                     if j >= limit:
-                        raise TooManyIdealsError(
-                            f"the graph has more than {limit} ideals, too many for the exact DP; raise "
-                            "ideal_limit=, coarsen the graph (granularity='module' with leaf_modules=), "
-                            "or use a heuristic solver",
-                            limit,
-                        )
+                        raise _too_many(limit)
                     sets.append(grown)
                     immediate.append([])
                     nxt.append(grown)
@@ -78,12 +83,13 @@ def _levels(n: int, preds: Sequence[int], limit: int) -> tuple[list[int], list[l
     return sets, immediate
 
 
-def _closure(immediate: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _closure(immediate: list[list[int]], tick: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
     """Transitive, reflexive closure of the immediate-sub relation, as CSR (self last)."""
     below: list[int] = []
     indptr = [0]
     chunks: list[np.ndarray] = []
     for i, subs in enumerate(immediate):
+        tick()
         mask = 0
         for j in subs:
             mask |= below[j] | (1 << j)
@@ -96,20 +102,32 @@ def _closure(immediate: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(indptr, dtype=np.int64), np.concatenate(chunks)
 
 
-def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT) -> Ideals:
+def _no_tick() -> None:
+    return None
+
+
+def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT,
+                     tick: Callable[[], None] = _no_tick) -> Ideals:
     """All ideals of the DAG on nodes ``0..n-1`` with ``edges``.
 
+    Args:
+        tick: called once per ideal while enumerating and closing (e.g. a time limit's check,
+            :meth:`torchplace.solvers.limits.Budget.ticks`); what it raises propagates.
+
     Raises:
-        TooManyIdealsError: if there are more than ``limit`` ideals.
+        TooManyIdealsError: if there are more than ``limit`` ideals (at once when ``n + 1``, the
+            prefixes of a topological order, already are).
     """
+    if n + 1 > limit:
+        raise _too_many(limit)
     preds = [0] * n
     for u, v in edges:
         preds[v] |= 1 << u
-    sets, immediate = _levels(n, preds, limit)
+    sets, immediate = _levels(n, preds, limit, tick)
     membership = np.zeros((len(sets), n), dtype=bool)
     for i, s in enumerate(sets):
         if s:
             bits = np.unpackbits(np.frombuffer(s.to_bytes((n + 7) // 8, "little"), dtype=np.uint8), bitorder="little")
             membership[i] = bits[:n].astype(bool)
-    indptr, index = _closure(immediate)
+    indptr, index = _closure(immediate, tick)
     return Ideals(sets, membership, indptr, index)

@@ -41,7 +41,7 @@ import heapq
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +54,13 @@ from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, finest_contraction
 from torchplace.solvers.dp import DeviceClass, device_classes, pieces_to_stages
+from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
 
 __all__ = ["Search", "progress_bar", "slice_graph", "solve"]
 
 _TOL = 1e-9
+_WAY_OUT = "coarsen the graph (place(..., fuse=True) or granularity='module')"
 
 
 class _Timeout(Exception):
@@ -85,17 +87,20 @@ class _Instance:
         return len(self.con.nodes)
 
 
-def _prepare(problem: Problem) -> _Instance:
+def _prepare(problem: Problem, tick: Callable[[], None] = lambda: None) -> _Instance:
+    """The instance's arrays; ``tick`` is called once per supernode and producer (a time limit's check)."""
     if problem.objective != "throughput":
         raise ValueError(f"slicegraph minimises max load; objective {problem.objective!r} is not supported")
     g, (_, con) = problem.graph, finest_contraction(problem.graph)
     classes = device_classes(problem)
     times = np.zeros((len(classes), len(con.nodes)))
     mem = np.zeros(len(con.nodes), dtype=np.int64)
+    record = dict(g.records())  # one lookup per node (graphs of 10^5 nodes are prepared within a limit)
     for i, s in enumerate(con.nodes):
-        mem[i] = sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in s.members)
+        tick()
+        mem[i] = sum(record[v].param_bytes + record[v].temp_bytes for v in s.members)
         for c, cl in enumerate(classes):
-            times[c, i] = math.fsum(g.record(v).time_on(cl.kind) for v in s.members)
+            times[c, i] = math.fsum(record[v].time_on(cl.kind) for v in s.members)
     if (times < 0).any():
         raise ValueError("node times must be non-negative")
     bad = ~np.isfinite(times)
@@ -104,6 +109,7 @@ def _prepare(problem: Problem) -> _Instance:
     costs: list[float] = []
     indptr, supers = [0], []
     for u in g:
+        tick()
         cost = problem.transfer_time(u)
         group = sorted({super_of[u], *(super_of[w] for w in g.successors(u))})
         if cost > 0 and len(group) > 1:  # a producer whose consumers all share its supernode never pays
@@ -324,24 +330,28 @@ def _slice(inst: _Instance, order: np.ndarray, *, bound: float = math.inf, guess
 class Search:
     """Slices orders one by one and keeps the best split; stops at the deadline.
 
-    The first order is always sliced completely (a plan is needed); later ones are abandoned when
-    the deadline passes (``timed_out``). Orders already seen are answered from a cache. Searches
-    over orders (:func:`solve`, :func:`torchplace.solvers.brkga.solve`) propose orders with
-    :meth:`order`, score them with :meth:`evaluate`, and finish with :meth:`plan`.
+    Every order, the first included, is abandoned when the deadline passes (``timed_out``); the
+    plan is then the best split found (status ``"time_limit"``), and without one the search raises
+    SolverLimitError. Orders already seen are answered from a cache. Searches over orders
+    (:func:`solve`, :func:`torchplace.solvers.brkga.solve`) propose orders with :meth:`order`,
+    score them with :meth:`evaluate`, and finish with :meth:`plan`.
 
     Args:
         problem: a throughput problem.
         time_limit: seconds from construction (preparation included); ``None`` for no limit.
+        name: the search, for messages.
 
     Raises:
         ValueError: for a latency problem or negative node times.
+        SolverLimitError: if the time limit passes while the graph is prepared.
     """
 
-    def __init__(self, problem: Problem, time_limit: float | None):
-        self.t0 = time.monotonic()  # the time limit covers the preparation too
-        self.problem, self.inst = problem, _prepare(problem)
-        self.deadline = None if time_limit is None else self.t0 + time_limit
+    def __init__(self, problem: Problem, time_limit: float | None, name: str = "SliceGraph"):
+        self.budget = Budget(name, time_limit, way_out=_WAY_OUT)  # covers the preparation too
+        self.t0, self.deadline = self.budget.start, self.budget.deadline
+        self.problem, self.inst = problem, _prepare(problem, self.budget.ticks("preparing the graph", every=4096))
         self.guess = simple_lower_bound(problem)
+        self.budget.check("preparing the graph")
         self.best_value = math.inf
         self.best_pieces: list[tuple[int, list[int]]] | None = None
         self.first_order: np.ndarray | None = None
@@ -366,9 +376,8 @@ class Search:
         if self.first_order is None:
             self.first_order = order
         bound = min(bound, self.best_value)
-        deadline = self.deadline if self.best_pieces is not None else None
         try:
-            res = _slice(self.inst, order, bound=bound, guess=self.guess, deadline=deadline)
+            res = _slice(self.inst, order, bound=bound, guess=self.guess, deadline=self.deadline)
         except _Timeout:
             self.timed_out = True
             return math.inf
@@ -382,21 +391,26 @@ class Search:
         return res.value
 
     def plan(self, solver: str, interrupted: bool, meta: dict[str, Any]) -> Plan:
-        """The best split found as a Plan (status ``"feasible"``, the simple lower bound).
+        """The best split found as a Plan (the simple lower bound; status ``"time_limit"`` when
+        the deadline cut the search short, else ``"feasible"``).
 
         ``meta`` adds to the search's own (``orders``, ``history``, ``interrupted``, ``timed_out``).
 
         Raises:
             InfeasibleError: if no evaluated order has a split that fits (what would make one fit).
+            SolverLimitError: if the deadline passed before any split was found.
         """
+        if self.best_pieces is None and self.timed_out:
+            raise self.budget.time_error("slicing the first topological order", " before any split was found")
         if self.best_pieces is None:
             raise _infeasible(self.problem, self.inst, self.first_order, self.evaluated)
         stages = order_stages(self.problem.graph, pieces_to_stages(self.inst.con, self.inst.classes, self.best_pieces))
         seconds = time.monotonic() - self.t0
         plan = Plan.build(
-            self.problem, stages, solver=solver, seconds=seconds, lower_bound=simple_lower_bound(self.problem),
-            status="feasible", meta={"orders": self.evaluated, "history": self.history, "interrupted": interrupted,
-                                     "timed_out": self.timed_out, "contiguous": True, **meta},
+            self.problem, stages, solver=solver, seconds=seconds, lower_bound=self.guess,
+            status="time_limit" if self.timed_out else "feasible",
+            meta={"orders": self.evaluated, "history": self.history, "interrupted": interrupted,
+                  "timed_out": self.timed_out, "contiguous": True, **meta},
         )
         # prefix sums and the sweep over D cancel terms: round-off grows with the graph's total cost
         scale = float(self.inst.xfer.sum() + self.inst.times.sum(axis=1).max(initial=0.0))
@@ -475,16 +489,18 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
         orders: topological orders (node ids) to slice first, e.g. a DFS order.
         seed: seeds the random priorities (same seed, same plan).
         random_orders: how many random orders to slice after ``orders``.
-        time_limit: seconds; the first order is always sliced, the search stops when it passes.
+        time_limit: seconds for everything (preparation included); the search stops when it passes.
         progress: show a tqdm bar (default: when stderr is a terminal).
 
     Returns:
-        A Plan with status ``"feasible"`` and the simple lower bound; ``meta`` holds ``orders``
-        (sliced), ``history`` ([orders, seconds, objective] at each improvement), ``timed_out``
-        and ``interrupted`` (Ctrl-C returns the best plan so far).
+        A Plan with status ``"feasible"`` (``"time_limit"`` when the limit cut the search short) and
+        the simple lower bound; ``meta`` holds ``orders`` (sliced), ``history`` ([orders, seconds,
+        objective] at each improvement), ``timed_out`` and ``interrupted`` (Ctrl-C returns the
+        best plan so far).
 
     Raises:
         InfeasibleError: if no searched order has a split that fits.
+        SolverLimitError: if the time limit passed before any split was found.
     """
     search = Search(problem, time_limit)
     inst = search.inst

@@ -45,6 +45,8 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.baechi.etf import DeviceRule, list_schedule
 from torchplace.solvers.baechi.state import ListState, check_latency
+from torchplace.solvers.limits import Budget
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import MilpResult, solve_model
 
 __all__ = ["build_lp", "favourite_children", "m_sct", "sct_costs"]
@@ -66,11 +68,12 @@ def sct_costs(problem: Problem) -> tuple[dict[str, float], dict[tuple[str, str],
     return p, c, split
 
 
-def build_lp(problem: Problem) -> pyo.ConcreteModel:
-    """The relaxed SCT program of the module docstring (Baechi eq. (2), ``x`` continuous)."""
+def build_lp(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteModel:
+    """The relaxed SCT program of the module docstring (Baechi eq. (2), ``x`` continuous); with a
+    ``budget``, building stops when it runs out (SolverLimitError)."""
     g = problem.graph
     p, c, split = sct_costs(problem)
-    m = pyo.ConcreteModel(name="sct_lp")
+    m = budgeted_model(budget, "sct_lp")
     # tasks in topological order, and precedence edges
     m.V = pyo.Set(initialize=g.topological_order(), ordered=True)
     m.E = pyo.Set(initialize=sorted(g.edges), dimen=2, ordered=True)
@@ -124,7 +127,8 @@ def m_sct(problem: Problem, *, threshold: float = 0.5, sequential_comm: bool = F
         threshold: ``x_ij`` below it makes ``j`` the favourite child of ``i`` (Baechi uses 0.1).
         sequential_comm: sequential communication queues in the scheduler's estimate (Sec. 3.4).
         device_rule: device choice of non-pinned nodes, as in :func:`m_etf`.
-        time_limit: seconds HiGHS may spend on the LP.
+        time_limit: seconds for building and solving the LP (the list scheduling after it is not
+            counted: under a second on every shared workload).
 
     Returns:
         A ``"feasible"`` non-contiguous plan; ``meta`` holds ``lp_status``, ``lp_objective``,
@@ -136,8 +140,9 @@ def m_sct(problem: Problem, *, threshold: float = 0.5, sequential_comm: bool = F
     """
     t0 = time.perf_counter()
     check_latency(problem, "m-SCT")
-    model = build_lp(problem)
-    lp = solve_model(model, name="m-SCT LP relaxation", time_limit=time_limit)
+    budget = Budget("m-SCT LP relaxation", time_limit, way_out="use method 'm-etf'")
+    model = build_lp(problem, budget=budget)
+    lp = solve_model(model, name="m-SCT LP relaxation", budget=budget)
     parent_of = favourite_children(model, threshold)
     state = ListState(problem, sequential_comm=sequential_comm)
     list_schedule(state, solver="m-SCT", device_rule=device_rule, favourite_parent=parent_of)

@@ -53,8 +53,11 @@ from torchplace.errors import InfeasibleError, SolverLimitError
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
+from torchplace.solvers.limits import Budget
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.maxload import Units, assignment_units, row, time_unit
+from torchplace.solvers.milp.size import bottleneck_size
 
 __all__ = ["build_bottleneck", "guess_the_bottleneck_bound", "three_superblock_bound"]
 
@@ -71,7 +74,8 @@ def _rest_classes(problem: Problem, device: int) -> list[tuple[int, int]]:
     return out
 
 
-def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, *, guess: bool) -> pyo.ConcreteModel:
+def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, *, guess: bool,
+                     budget: Budget | None = None) -> pyo.ConcreteModel:
     """The bottleneck-set MIP with ``device``'s class as the greatest-work class (module docstring).
 
     Args:
@@ -79,15 +83,20 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
         device: index of a device of the guessed class.
         floor: ``L``, the work the bottleneck set must reach (14).
         guess: add one superblock per class of the other devices (Sec. 3.3); else Sec. 3.2.
+        budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
         InfeasibleError: if a constraint is constant and false (the class cannot be the bottleneck).
+        ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
+        SolverLimitError: if ``budget``'s deadline passes while building.
     """
+    if budget is not None:
+        budget.admit(bottleneck_size(problem, units, device, guess))
     devices = problem.cluster.devices
     dev = devices[device]
     rest = _rest_classes(problem, device) if guess else []
     part = {k: (d, n) for k, (d, n) in enumerate(rest)}
-    m = pyo.ConcreteModel(name="bottleneck-set MIP")
+    m = budgeted_model(budget, "bottleneck-set MIP")
     m.unit = unit = time_unit(units, problem)  # seconds per model time unit
     # Sets
     m.U = pyo.Set(initialize=range(len(units.members)))  # units
@@ -155,11 +164,12 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     return m
 
 
-def _class_bound(problem: Problem, units: Units, device: int, floor: float, guess: bool, time_limit: float | None) -> float:
-    """Proven optimum of one bottleneck-set MIP (``inf`` when the class cannot be the bottleneck)."""
+def _class_bound(problem: Problem, units: Units, device: int, floor: float, guess: bool, budget: Budget) -> float:
+    """Proven optimum of one bottleneck-set MIP (``inf`` when the class cannot be the bottleneck);
+    the floor when the budget stops it before it proves more (too large, or out of time)."""
     try:
-        m = build_bottleneck(problem, units, device, floor, guess=guess)
-        res = solve_model(m, name="bottleneck-set MIP", time_limit=time_limit, mip_gap=1e-9)
+        m = build_bottleneck(problem, units, device, floor, guess=guess, budget=budget)
+        res = solve_model(m, name="bottleneck-set MIP", mip_gap=1e-9, budget=budget)
     except InfeasibleError:
         return math.inf
     except SolverLimitError as e:  # no incumbent: keep what it proved, at least the floor
@@ -168,10 +178,11 @@ def _class_bound(problem: Problem, units: Units, device: int, floor: float, gues
 
 
 def _bound(problem: Problem, guess: bool, time_limit: float | None) -> float:
+    budget = Budget("bottleneck-set MIP bound", time_limit)
     floor = simple_lower_bound(problem)
     units = assignment_units(problem)
     index = {d.name: i for i, d in enumerate(problem.cluster.devices)}
-    best = min(_class_bound(problem, units, index[c.devices[0]], floor, guess, time_limit)
+    best = min(_class_bound(problem, units, index[c.devices[0]], floor, guess, budget)
                for c in device_classes(problem))
     if math.isinf(best):
         raise InfeasibleError("no placement satisfies memory, support and colocation: every device class fails")
@@ -186,7 +197,9 @@ def three_superblock_bound(problem: Problem, *, time_limit: float | None = 60.0)
 
     Args:
         problem: a throughput problem; contiguity is ignored (the bound holds for every split).
-        time_limit: seconds per MIP (one per device class); at the limit its proven bound counts.
+        time_limit: seconds for all the MIPs (one per device class), building included; a MIP the
+            limit stops contributes its proven bound, one it leaves no time for (or too large
+            for the memory budget) the simple bound.
 
     Returns:
         A proven lower bound on the optimal max-load, at least :func:`simple_lower_bound`.
@@ -205,7 +218,8 @@ def guess_the_bottleneck_bound(problem: Problem, *, time_limit: float | None = 6
 
     Args:
         problem: a throughput problem; contiguity is ignored (the bound holds for every split).
-        time_limit: seconds per MIP (one per device class); at the limit its proven bound counts.
+        time_limit: seconds for all the MIPs (one per device class), building included (see
+            :func:`three_superblock_bound`).
 
     Returns:
         A proven lower bound on the optimal max-load, at least :func:`simple_lower_bound`.

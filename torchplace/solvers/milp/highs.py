@@ -4,21 +4,72 @@
 goes through :func:`solve_model`, which sets the limit and the relative gap on an
 ``appsi.solvers.Highs`` instance, checks the termination condition, and returns the incumbent's
 value and the proven bound as plain floats.
+
+With a :class:`~torchplace.solvers.limits.Budget` the limit covers the hand-over too: appsi
+translates the model constraint by constraint in Python (often longer than building it), so the
+constraints go over in chunks with the budget checked between them, and HiGHS gets the time left
+minus a reserve for reading the solution back and building the plan. HiGHS's MIP presolve looks at
+its clock rarely (a 39k-row latency IP ran 4 s past a 1 s limit in presolve), so when the time
+left is shorter than presolve may take, HiGHS runs without it and stops on time.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
 from pyomo.contrib import appsi
 
 from torchplace.errors import InfeasibleError, SolverLimitError
+from torchplace.solvers.limits import Budget
 
 __all__ = ["MilpResult", "solve_model"]
 
 _TC = appsi.base.TerminationCondition
+_CHUNK = 2048  # constraints handed to HiGHS between two looks at the budget
+# Time kept back from HiGHS for reading the solution and building the plan, as a share of the
+# hand-over time (both scale with the model; measured below a fifth), at most a tenth of the limit.
+_RESERVE_SHARE = 0.25
+# HiGHS 1.15's presolve took 7-77 us per nonzero on the shared workloads' models (the most on
+# big-M latency IPs), checking its time limit only between some of its passes.
+_PRESOLVE_SECONDS_PER_NONZERO = 80e-6
+# appsi re-scans the whole model before a solve unless told nothing changed since set_instance
+_NO_UPDATES = ("check_for_new_or_removed_constraints", "check_for_new_or_removed_vars",
+               "check_for_new_or_removed_params", "check_for_new_objective", "update_constraints",
+               "update_vars", "update_params", "update_named_expressions", "update_objective")
+
+
+class _BudgetedHighs(appsi.solvers.Highs):
+    """appsi's HiGHS interface handing the constraints over in chunks, checking a budget between them."""
+
+    budget: Budget | None = None
+
+    def add_constraints(self, cons: Sequence[object]) -> None:
+        for start in range(0, len(cons), _CHUNK):
+            if self.budget is not None:
+                self.budget.check("handing the model to HiGHS")
+            super().add_constraints(list(cons[start:start + _CHUNK]))
+
+    def nonzeros(self) -> int:
+        """Nonzeros of the model handed over."""
+        return int(self._solver_model.getNumNz())
+
+
+def _highs_seconds(budget: Budget, handover: float) -> float:
+    """Seconds HiGHS may run: what is left of the budget after a reserve for the plan, which
+    grows with the model as the hand-over time does (``handover`` seconds).
+
+    Raises:
+        SolverLimitError: if nothing is left.
+    """
+    left = budget.remaining()
+    assert left is not None and budget.time_limit is not None
+    reserve = min(0.1 * budget.time_limit, _RESERVE_SHARE * handover)
+    if left - reserve <= 0:
+        raise budget.time_error("handing the model to HiGHS", ", leaving HiGHS no time")
+    return left - reserve
 
 
 @dataclass(frozen=True)
@@ -29,7 +80,7 @@ class MilpResult:
         status: ``"optimal"`` (within ``mip_gap``) or ``"time_limit"`` (incumbent, not proven).
         objective: value of the incumbent loaded into the model's variables.
         bound: best proven lower bound (minimisation).
-        seconds: wall time of the solve (model build excluded).
+        seconds: wall time of the hand-over to HiGHS and the solve (model build excluded).
     """
 
     status: str
@@ -47,6 +98,7 @@ def solve_model(
     verbose: bool = False,
     warm_start: bool = False,
     presolve: bool = True,
+    budget: Budget | None = None,
 ) -> MilpResult:
     """Minimise ``model`` with HiGHS and load the incumbent into its variables.
 
@@ -58,12 +110,16 @@ def solve_model(
         warm_start: start from the values already in the model's variables (an incumbent).
         presolve: run HiGHS's presolve. A model whose bound must hold where presolve has been
             seen to cut off the optimum turns it off (see :mod:`torchplace.solvers.milp.moirai`).
+        budget: the solver's budget (instead of ``time_limit``): the hand-over checks it, and
+            HiGHS gets what is left of it.
 
     Raises:
         InfeasibleError: if HiGHS proves the model infeasible.
-        SolverLimitError: if the limit stopped HiGHS before it found any feasible solution.
+        SolverLimitError: if the limit stopped HiGHS before it found any feasible solution, or
+            passed while the model was handed over.
+        ModelTooLargeError: if the hand-over outgrew the budget's memory.
     """
-    solver = appsi.solvers.Highs()
+    solver = _BudgetedHighs()
     if not solver.available():
         raise RuntimeError("HiGHS is not available: pip install highspy")
     solver.config.load_solution = False
@@ -72,11 +128,22 @@ def solve_model(
     solver.config.warmstart = warm_start
     if not presolve:
         solver.highs_options = {"presolve": "off"}
+    t0 = time.perf_counter()
+    if budget is not None:
+        solver.budget = budget
+        solver.set_instance(model)
+        for flag in _NO_UPDATES:
+            setattr(solver.update_config, flag, False)
+        if budget.deadline is not None:
+            time_limit = _highs_seconds(budget, time.perf_counter() - t0)
+            if time_limit < _PRESOLVE_SECONDS_PER_NONZERO * solver.nonzeros():
+                solver.highs_options = {"presolve": "off"}  # it would run past the deadline
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
-    t0 = time.perf_counter()
     res = solver.solve(model)
     seconds = time.perf_counter() - t0
+    if budget is not None and budget.time_limit is not None:
+        time_limit = budget.time_limit  # what the user asked for, in messages
     tc = res.termination_condition
     if tc in (_TC.infeasible, _TC.infeasibleOrUnbounded):
         raise InfeasibleError(f"{name}: HiGHS proved that no placement satisfies the constraints")

@@ -54,7 +54,6 @@ sends it to one device after another (see ``tests/test_milp_latency.py``).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +64,11 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
+from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
+from torchplace.solvers.milp.size import latency_size
 from torchplace.solvers.ordering import order_stages
 
 __all__ = ["build", "extract", "solve"]
@@ -138,14 +140,21 @@ def _symmetric_pairs(lay: _Layout) -> list[int]:
             if (lay.accels[a].kind, lay.accels[a].memory_bytes) == (lay.accels[a - 1].kind, lay.accels[a - 1].memory_bytes)]
 
 
-def build(problem: Problem, *, q: int = 1) -> pyo.ConcreteModel:
+def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.ConcreteModel:
     """The IP of Tarnawski Fig. 6 (Fig. 5 when ``q == 1``) for ``problem`` (see the module docstring).
+
+    Args:
+        budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
         ValueError: for a non-latency objective, ``q < 1``, or a contiguous problem the IP cannot honour.
         InfeasibleError: if some node can run on no device of the cluster.
+        ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
+        SolverLimitError: if ``budget``'s deadline passes while building.
     """
     _check(problem, q)
+    if budget is not None:
+        budget.admit(latency_size(problem, q))
     g, lay = problem.graph, _layout(problem, q)
     order = {v: t for t, v in enumerate(lay.nodes)}
     slots = range(len(lay.accels) * q)
@@ -156,7 +165,7 @@ def build(problem: Problem, *, q: int = 1) -> pyo.ConcreteModel:
     sym = _symmetric_pairs(lay)
     head = _heads(problem, lay)
 
-    m = pyo.ConcreteModel(name=f"tarnawski-latency-q{q}")
+    m = budgeted_model(budget, f"tarnawski-latency-q{q}")
     # -- Sets
     m.V = pyo.Set(initialize=lay.nodes, ordered=True, doc="nodes, topological order")
     m.E = pyo.Set(initialize=sorted(g.edges, key=lambda e: (order[e[0]], order[e[1]])), dimen=2, doc="edges")
@@ -301,7 +310,8 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
             separate subgraphs). Training graphs need ``q >= 2`` for a device to hold a forward and
             a backward subgraph.
         q: contiguous subgraphs per accelerator (App. A.1).
-        time_limit: seconds HiGHS may run; mip_gap: its relative gap.
+        time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
+            and the plan (HiGHS gets what is left); ``None``: no limit. mip_gap: HiGHS's relative gap.
 
     Returns:
         A Plan whose objective is the cost model's simulated latency; its status is ``"feasible"``
@@ -312,19 +322,21 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
     Raises:
         ValueError: see :func:`build`.
         InfeasibleError: if no placement meets memory, colocation and contiguity.
-        SolverLimitError: if the time limit passed before any placement was found.
+        SolverLimitError: if the time limit passed before any placement was found (also while the
+            model was built).
+        ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
-    t0 = time.perf_counter()
-    model = build(problem, q=q)
+    budget = Budget(f"latency IP (Tarnawski App. A, q={q})", time_limit)
+    model = build(problem, q=q, budget=budget)
     try:
-        res = solve_model(model, name=f"latency IP (Tarnawski App. A, q={q})", time_limit=time_limit, mip_gap=mip_gap)
+        res = solve_model(model, name=f"latency IP (Tarnawski App. A, q={q})", mip_gap=mip_gap, budget=budget)
     except InfeasibleError as e:
         raise _infeasible(problem, q) from e
     stages = extract(model, problem)
     rows, cols = _size(model)
     meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
             "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
-    plan = Plan.build(problem, stages, solver="milp-latency", seconds=time.perf_counter() - t0,
+    plan = Plan.build(problem, stages, solver="milp-latency", seconds=budget.elapsed(),
                       lower_bound=latency_lower_bound(problem),
                       status="time_limit" if res.status == "time_limit" else "feasible", meta=meta)
     if plan.objective <= plan.lower_bound * (1 + 1e-9):

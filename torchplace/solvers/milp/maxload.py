@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -72,9 +71,12 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
+from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.contiguity import stages_from_assignment
 from torchplace.solvers.milp.highs import MilpResult, solve_model
+from torchplace.solvers.milp.size import maxload_size
 
 __all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit"]
 
@@ -219,21 +221,27 @@ def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -
         raise ValueError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
 
 
-def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "none") -> pyo.ConcreteModel:
+def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "none",
+          budget: Budget | None = None) -> pyo.ConcreteModel:
     """The max-load IP of Fig. 7 for ``problem`` (see the module docstring).
 
     Args:
         contiguous: add (16); ``None`` takes ``problem.contiguous``.
         symmetry: ``"none"``, ``"index"`` or ``"load"`` (module docstring).
+        budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
         InfeasibleError: if some unit fits on no device.
+        ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
+        SolverLimitError: if ``budget``'s deadline passes while building.
     """
     contiguous = problem.contiguous if contiguous is None else contiguous
     units = assignment_units(problem)
+    if budget is not None:
+        budget.admit(maxload_size(problem, units, contiguous, symmetry))
     devices = problem.cluster.devices
     pays = [d for d, dev in enumerate(devices) if dev.pays_transfer]
-    m = pyo.ConcreteModel(name="max-load IP")
+    m = budgeted_model(budget, "max-load IP")
     m.units = units
     m.unit = time_unit(units, problem)  # seconds per model time unit
     # Sets
@@ -388,7 +396,8 @@ def solve(
         contiguous: each device's forward and backward nodes contiguous (``None``: the problem's
             own setting). A non-contiguous plan is validated against
             ``dataclasses.replace(problem, contiguous=False)``.
-        time_limit: seconds HiGHS may run; the model build is not counted.
+        time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
+            and the plan (HiGHS gets what is left). ``None``: no limit.
         mip_gap: relative gap at which HiGHS stops.
         warm_start: a plan whose assignment HiGHS starts from as its first incumbent (see
             :func:`initialize`).
@@ -402,17 +411,20 @@ def solve(
 
     Raises:
         InfeasibleError: if no placement satisfies memory, support and colocation (and contiguity).
-        SolverLimitError: if the time limit passed before HiGHS found any placement.
+        SolverLimitError: if the time limit passed before HiGHS found any placement (also while
+            the model was built).
+        ModelTooLargeError: if the model would not fit in the solver memory budget or the time
+            limit (:mod:`torchplace.solvers.limits`).
     """
-    t0 = time.perf_counter()
+    budget = Budget("max-load IP", time_limit)
     contiguous = problem.contiguous if contiguous is None else contiguous
     target = problem if problem.contiguous == contiguous else replace(problem, contiguous=contiguous)
-    m = build(target, contiguous=contiguous, symmetry=symmetry)
+    m = build(target, contiguous=contiguous, symmetry=symmetry, budget=budget)
     if warm_start is not None:
         initialize(m, target, warm_start.assignment, symmetry)
-    build_seconds = time.perf_counter() - t0
+    build_seconds = budget.elapsed()
     kwargs = {"warm_start": warm_start is not None}
-    scaled = solve_model(m, name="max-load IP", time_limit=time_limit, mip_gap=mip_gap, **kwargs)
+    scaled = solve_model(m, name="max-load IP", mip_gap=mip_gap, budget=budget, **kwargs)
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = stages_from_assignment(target, extract(m, target))
     objective = costmodel.evaluate_stages(target, stages)[0]
@@ -425,7 +437,7 @@ def solve(
         "build_seconds": build_seconds, "solve_seconds": res.seconds, "contiguous": contiguous,
         "symmetry": symmetry,
     }
-    plan = Plan.build(target, stages, solver="maxload-ip", seconds=time.perf_counter() - t0,
+    plan = Plan.build(target, stages, solver="maxload-ip", seconds=budget.elapsed(),
                       lower_bound=bound, status=res.status, meta=meta)
     if res.status == "optimal" and not math.isclose(objective, res.objective, rel_tol=max(mip_gap, 1e-6), abs_tol=1e-9):
         raise AssertionError(f"max-load IP value {res.objective} differs from the cost model's {objective}")

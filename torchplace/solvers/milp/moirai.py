@@ -59,7 +59,6 @@ no slower on these models (example-1: 2 s against 7 s).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import networkx as nx
@@ -70,8 +69,11 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage, stages_from_order
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound, round_up_bound
+from torchplace.solvers.limits import Budget
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.moirai_data import derive, port_pairs
+from torchplace.solvers.milp.size import moirai_size
 
 __all__ = ["build", "extract", "initialize", "solve"]
 
@@ -85,18 +87,28 @@ _BOUND_SLACK = 1e-7
 _BIG_M_SLACK = 1e-5
 
 
-def build(problem: Problem) -> pyo.ConcreteModel:
+def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteModel:
     """The MILP (4)-(8) of the module docstring for a latency ``problem`` (times in ``model.unit`` s).
+
+    Args:
+        budget: refuse a model too large for it (counted before its index sets are listed:
+            :func:`~torchplace.solvers.milp.size.moirai_size`), and stop building when it runs out.
 
     Raises:
         ValueError: if ``problem.objective`` is not ``"latency"``.
         InfeasibleError: if some node can run on no device.
+        ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
+        SolverLimitError: if ``budget``'s deadline passes while building.
     """
     if problem.objective != "latency":
         raise ValueError(f"the MOIRAI MILP minimises latency; problem.objective is {problem.objective!r}")
+    if budget is not None:
+        budget.admit(moirai_size(problem))
     data = derive(problem)
+    if budget is not None:
+        budget.check("listing the model's index sets")
     into, out, free = port_pairs(data)
-    m = pyo.ConcreteModel(name=_NAME)
+    m = budgeted_model(budget, _NAME)
     m.unit = data.unit  # seconds per time unit of the model
     m.horizon = data.horizon  # big-M, in time units
     m.positions = len(data.nodes)  # big-M of the plan-order constraints
@@ -290,6 +302,8 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     ``dataclasses.replace(problem, contiguous=False)``.
 
     Args:
+        time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
+            and the plan (HiGHS gets what is left). ``None``: no limit.
         warm_start: a plan for ``problem`` (e.g. m-SCT's) that HiGHS starts from as its first
             incumbent (:func:`initialize`); the result is never slower than it.
 
@@ -305,16 +319,19 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     Raises:
         ValueError: for a throughput problem.
         InfeasibleError: if no placement meets memory, colocation and device support.
-        SolverLimitError: if the time limit passed before HiGHS found any placement.
+        SolverLimitError: if the time limit passed before HiGHS found any placement (also while
+            the model was built).
+        ModelTooLargeError: if the model would not fit in the solver memory budget or the time
+            limit (e.g. an operator graph of hundreds of nodes: fuse it, or use method 'auto').
     """
-    t0 = time.perf_counter()
+    budget = Budget(_NAME, time_limit)
     problem = dataclasses.replace(problem, contiguous=False)
-    model = build(problem)
+    model = build(problem, budget=budget)
     if warm_start is not None:
         initialize(model, problem, warm_start.stages)
     try:
-        res = solve_model(model, name=_NAME, time_limit=time_limit, mip_gap=mip_gap, verbose=verbose,
-                          presolve=False, warm_start=warm_start is not None)
+        res = solve_model(model, name=_NAME, mip_gap=mip_gap, verbose=verbose, presolve=False,
+                          warm_start=warm_start is not None, budget=budget)
     except InfeasibleError as e:
         need = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
         caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
@@ -328,6 +345,6 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     slack = mip_gap * simulated + _BIG_M_SLACK * model.horizon * model.unit
     status = res.status if res.status == "time_limit" else (
         "optimal" if simulated <= milp_objective + slack else "feasible")
-    return Plan.build(problem, stages, solver="moirai", seconds=time.perf_counter() - t0,
+    return Plan.build(problem, stages, solver="moirai", seconds=budget.elapsed(),
                       lower_bound=round_up_bound(problem, max(milp_bound, latency_lower_bound(problem))), status=status,
                       meta={"milp_objective": milp_objective, "milp_bound": milp_bound, **_size(model)})

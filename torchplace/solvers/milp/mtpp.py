@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pyomo.environ as pyo
 
@@ -46,6 +45,8 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
+from torchplace.solvers.limits import Budget
+from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.maxload import (
     Units,
@@ -54,6 +55,7 @@ from torchplace.solvers.milp.maxload import (
     row,
     time_unit,
 )
+from torchplace.solvers.milp.size import mtpp_size
 
 __all__ = ["build", "extract", "solve"]
 
@@ -76,15 +78,22 @@ def _class_tables(problem: Problem, units: Units, unit: float):
     return classes, rep, times, ok
 
 
-def build(problem: Problem) -> pyo.ConcreteModel:
+def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteModel:
     """Archer's Fig. 3 MIP for ``problem``, generalised to device classes (module docstring).
+
+    Args:
+        budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
         ValueError: for a training graph.
         InfeasibleError: if some unit fits on no device.
+        ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
+        SolverLimitError: if ``budget``'s deadline passes while building.
     """
     _check_inference(problem)
     units = assignment_units(problem)
+    if budget is not None:
+        budget.admit(mtpp_size(problem, units))
     unit = time_unit(units, problem)  # seconds per model time unit
     classes, rep, times, ok = _class_tables(problem, units, unit)
     n_units, k = len(units.members), len(problem.cluster)
@@ -95,7 +104,7 @@ def build(problem: Problem) -> pyo.ConcreteModel:
     edges = sorted({(units.of[u], units.of[v]) for u, v in problem.graph.edges} - {(i, i) for i in range(n_units)})
     cut = [(p, w) for p, ws in units.fanout.items() for w in ws] if any(pays) else []
     multi = len(classes) > 1
-    m = pyo.ConcreteModel(name="MTPP MIP")
+    m = budgeted_model(budget, "MTPP MIP")
     m.units, m.multi, m.unit = units, multi, unit
     # Sets
     m.U = pyo.Set(initialize=range(n_units))  # units, topological
@@ -175,20 +184,26 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
         lower bound is the simple bound, valid for every split; the MIP's proven bound, valid among
         acyclic-quotient splits only, is ``meta["milp_bound"]``.
 
+    Args:
+        time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
+            and the plan (HiGHS gets what is left). ``None``: no limit.
+
     Raises:
         ValueError: for a training graph.
         InfeasibleError: if no acyclic-quotient split fits.
-        SolverLimitError: if the time limit passed before HiGHS found any split.
+        SolverLimitError: if the time limit passed before HiGHS found any split (also while the
+            model was built).
+        ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
-    t0 = time.perf_counter()
-    m = build(problem)
-    build_seconds = time.perf_counter() - t0
-    scaled = solve_model(m, name="MTPP MIP", time_limit=time_limit, mip_gap=mip_gap)
+    budget = Budget("MTPP MIP", time_limit)
+    m = build(problem, budget=budget)
+    build_seconds = budget.elapsed()
+    scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget)
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
     plan = Plan.build(
-        problem, stages, solver="mtpp-mip", seconds=time.perf_counter() - t0,
+        problem, stages, solver="mtpp-mip", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status=res.status,
         meta={"milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols,
               "build_seconds": build_seconds, "solve_seconds": res.seconds, "contiguous": True},
