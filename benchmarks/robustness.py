@@ -40,6 +40,7 @@ from torchplace.errors import TorchplaceError
 
 WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
 BERT24 = WORKLOADS / "dnn-partitioning" / "throughput" / "LayerGraphs" / "bert24_inference.json"
+BERT12 = WORKLOADS / "dnn-partitioning" / "throughput" / "OperatorGraphs" / "bert_l-12_inference.json"
 QUICK = {"progress": False, "repeats": 1, "warmup": 0}
 DEVICES = ["cpu:0", "cpu:1"]
 
@@ -298,6 +299,8 @@ def cases(tmp: Path) -> list[Case]:
     for option, value in (("--batch", "-2"), ("--microbatches", "2.5"), ("--devices", "potato")):
         add("cli", f"plan mlp {option} {value}", lambda o=option, v=value: _cli(["plan", "mlp", o, v]))
     add("cli", "unknown method", lambda: _cli(["solve", str(BERT24), "--method", "simplex"]))
+    add("cli", "moirai MILP on bert_l-12 operators, --time-limit 5",
+        lambda: _cli(["solve", str(BERT12), "--method", "moirai", "--objective", "latency", "--time-limit", "5"]))
     return out
 
 

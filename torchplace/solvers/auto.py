@@ -181,13 +181,13 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
     plans: list[Plan] = []
     proven: list[float] = []
     for name in ("m-sct", "m-etf"):
-        try:  # m-SCT's LP runs within the time left; m-ETF takes no limit (milliseconds)
+        try:  # each scheduler runs within the time left
             plan = call_method(name, problem, time_limit=_remaining(deadline))
         except InfeasibleError as e:
             tried[name] = f"infeasible: {e}"
             continue
         except SolverLimitError:
-            tried[name] = "no LP solution within the time limit"
+            tried[name] = "no schedule within the time limit"
             continue
         tried[name] = plan.objective
         plans.append(plan)
@@ -195,5 +195,8 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
         start = min(plans, key=lambda p: p.objective) if plans else None
         _run_milp("moirai", problem, deadline, tried, plans, proven, warm_start=start)
     if not plans:
+        if all(isinstance(t, str) and t.startswith("no schedule") for t in tried.values()):
+            raise SolverLimitError(f"no scheduler finished within the time limit: {tried}; raise the time limit "
+                                   f"or coarsen the graph (place(..., fuse=True))", None)
         raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
     return _best(problem, plans, [b for b in proven if math.isfinite(b)], tried, t0)

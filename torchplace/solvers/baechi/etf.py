@@ -25,14 +25,16 @@ from typing import Literal
 
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.baechi.state import ListState, check_latency
+from torchplace.solvers.baechi.state import SCHEDULER_WAY_OUT, ListState, check_latency
+from torchplace.solvers.limits import Budget
 
 __all__ = ["DeviceRule", "list_schedule", "m_etf"]
 
 DeviceRule = Literal["finish", "start"]
 
 
-def m_etf(problem: Problem, *, sequential_comm: bool = False, device_rule: DeviceRule = "finish") -> Plan:
+def m_etf(problem: Problem, *, sequential_comm: bool = False, device_rule: DeviceRule = "finish",
+          time_limit: float | None = None) -> Plan:
     """Place and order ``problem``'s nodes with m-ETF (Baechi Sec. 2.3).
 
     Args:
@@ -40,6 +42,8 @@ def m_etf(problem: Problem, *, sequential_comm: bool = False, device_rule: Devic
         sequential_comm: model one transfer at a time per device port in the scheduler's own
             estimate (Baechi Sec. 3.4); the cost model always serializes ports.
         device_rule: ``"finish"`` (default, see the module docstring) or ``"start"`` (Baechi's rule).
+        time_limit: seconds for the whole schedule; a list scheduler has no plan before it has
+            placed every node, so the limit raises :class:`SolverLimitError`.
 
     Returns:
         A ``"feasible"`` plan over ``dataclasses.replace(problem, contiguous=False)``; its objective
@@ -47,17 +51,19 @@ def m_etf(problem: Problem, *, sequential_comm: bool = False, device_rule: Devic
 
     Raises:
         InfeasibleError: when a ready node fits on no device (naming it and the free bytes).
+        SolverLimitError: when the time limit passes before every node is placed.
         ValueError: for a problem whose objective is not latency, or an unknown ``device_rule``.
     """
     t0 = time.perf_counter()
     check_latency(problem, "m-ETF")
-    state = ListState(problem, sequential_comm=sequential_comm)
-    list_schedule(state, solver="m-ETF", device_rule=device_rule)
+    budget = Budget("m-ETF", time_limit, way_out=SCHEDULER_WAY_OUT)
+    state = ListState(problem, sequential_comm=sequential_comm, check=lambda: budget.check("preparing"))
+    list_schedule(state, solver="m-ETF", device_rule=device_rule, budget=budget)
     return state.plan("m-etf", t0, {"device_rule": device_rule})
 
 
 def list_schedule(state: ListState, *, solver: str, device_rule: DeviceRule = "finish",
-                  favourite_parent: Mapping[str, str] | None = None) -> None:
+                  favourite_parent: Mapping[str, str] | None = None, budget: Budget | None = None) -> None:
     """Schedule every node of ``state``'s problem by the ETF rule.
 
     With ``favourite_parent`` (m-SCT), a ready node whose favourite parent was the last node placed
@@ -66,7 +72,9 @@ def list_schedule(state: ListState, *, solver: str, device_rule: DeviceRule = "f
 
     Raises:
         InfeasibleError: when a ready node fits on no device.
+        SolverLimitError: when ``budget``'s deadline passes before every node is placed.
     """
+    tick = budget.ticks("scheduling", every=16) if budget is not None else (lambda: None)
     if device_rule not in ("finish", "start"):
         raise ValueError(f"device_rule must be 'finish' or 'start', got {device_rule!r}")
     g, topo = state.problem.graph, state.topo
@@ -74,6 +82,7 @@ def list_schedule(state: ListState, *, solver: str, device_rule: DeviceRule = "f
     ready = {v: None for v in topo if missing[v] == 0}
     cache: dict[tuple[str, str], float] = {}
     while ready:
+        tick()
         best: tuple[tuple[float, int, int], str, str] | None = None
         for v in ready:
             devices, pinned = _candidates(state, v, favourite_parent)

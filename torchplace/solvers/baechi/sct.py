@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pyomo.environ as pyo
 
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.baechi.etf import DeviceRule, list_schedule
-from torchplace.solvers.baechi.state import ListState, check_latency
+from torchplace.solvers.baechi.state import SCHEDULER_WAY_OUT, ListState, check_latency
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import MilpResult, solve_model
@@ -52,14 +52,17 @@ from torchplace.solvers.milp.highs import MilpResult, solve_model
 __all__ = ["build_lp", "favourite_children", "m_sct", "sct_costs"]
 
 
-def sct_costs(problem: Problem) -> tuple[dict[str, float], dict[tuple[str, str], float], set[tuple[str, str]]]:
-    """``p_i``, ``c_ij`` and the edges that must communicate (module docstring, heterogeneous data)."""
+def sct_costs(problem: Problem, tick: Callable[[], None] = lambda: None,
+              ) -> tuple[dict[str, float], dict[tuple[str, str], float], set[tuple[str, str]]]:
+    """``p_i``, ``c_ij`` and the edges that must communicate (module docstring, heterogeneous data);
+    ``tick`` is called once per edge (a time limit's check)."""
     g, devices = problem.graph, problem.cluster.devices
     runs = {v: [d for d in devices if math.isfinite(problem.node_time(v, d))] for v in g}
     p = {v: min((problem.node_time(v, d) for d in runs[v]), default=0.0) for v in g}
     c: dict[tuple[str, str], float] = {}
     split: set[tuple[str, str]] = set()
     for u, v in g.edges:
+        tick()
         colocated = g.record(u).colocation is not None and g.record(u).colocation == g.record(v).colocation
         pairs = [(a, b) for a in runs[u] for b in runs[v] if a.name != b.name]
         c[u, v] = 0.0 if colocated or not pairs else math.fsum(problem.link_time(u, a, b) for a, b in pairs) / len(pairs)
@@ -72,7 +75,7 @@ def build_lp(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteM
     """The relaxed SCT program of the module docstring (Baechi eq. (2), ``x`` continuous); with a
     ``budget``, building stops when it runs out (SolverLimitError)."""
     g = problem.graph
-    p, c, split = sct_costs(problem)
+    p, c, split = sct_costs(problem, budget.ticks("computing the LP's costs", every=256) if budget else lambda: None)
     m = budgeted_model(budget, "sct_lp")
     # tasks in topological order, and precedence edges
     m.V = pyo.Set(initialize=g.topological_order(), ordered=True)
@@ -127,8 +130,8 @@ def m_sct(problem: Problem, *, threshold: float = 0.5, sequential_comm: bool = F
         threshold: ``x_ij`` below it makes ``j`` the favourite child of ``i`` (Baechi uses 0.1).
         sequential_comm: sequential communication queues in the scheduler's estimate (Sec. 3.4).
         device_rule: device choice of non-pinned nodes, as in :func:`m_etf`.
-        time_limit: seconds for building and solving the LP (the list scheduling after it is not
-            counted: under a second on every shared workload).
+        time_limit: seconds for everything: building and solving the LP, then the list schedule
+            (which has no plan before every node is placed).
 
     Returns:
         A ``"feasible"`` non-contiguous plan; ``meta`` holds ``lp_status``, ``lp_objective``,
@@ -144,8 +147,9 @@ def m_sct(problem: Problem, *, threshold: float = 0.5, sequential_comm: bool = F
     model = build_lp(problem, budget=budget)
     lp = solve_model(model, name="m-SCT LP relaxation", budget=budget)
     parent_of = favourite_children(model, threshold)
-    state = ListState(problem, sequential_comm=sequential_comm)
-    list_schedule(state, solver="m-SCT", device_rule=device_rule, favourite_parent=parent_of)
+    budget.way_out = SCHEDULER_WAY_OUT
+    state = ListState(problem, sequential_comm=sequential_comm, check=lambda: budget.check("preparing"))
+    list_schedule(state, solver="m-SCT", device_rule=device_rule, favourite_parent=parent_of, budget=budget)
     return state.plan("m-sct", t0, _lp_meta(model, lp, parent_of, threshold))
 
 

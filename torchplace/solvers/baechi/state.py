@@ -22,7 +22,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchplace.devices import Device
@@ -32,6 +32,9 @@ from torchplace.problem import Problem
 from torchplace.solvers.baechi.memsim import simulate_memory
 
 __all__ = ["ListState", "check_latency"]
+
+SCHEDULER_WAY_OUT = "coarsen the graph first (place(..., fuse=True) or granularity='module')"
+"""What to do when a list scheduler runs out of time."""
 
 
 def check_latency(problem: Problem, solver: str) -> None:
@@ -62,23 +65,33 @@ class ListState:
         problem: a latency problem.
         sequential_comm: model Baechi's sequential communication queues (Sec. 3.4).
         device_order: the devices in the order ties are broken (default: the cluster's order).
+        check: called between the preparation's steps (a time limit's check).
     """
 
     def __init__(self, problem: Problem, *, sequential_comm: bool = False,
-                 device_order: tuple[Device, ...] | None = None) -> None:
+                 device_order: tuple[Device, ...] | None = None, check: Callable[[], None] = lambda: None) -> None:
         self.problem = problem
         self.sequential_comm = sequential_comm
         self.devices = device_order or problem.cluster.devices
-        self.topo = {v: i for i, v in enumerate(problem.graph.topological_order())}
-        self.preds = {v: sorted(problem.graph.predecessors(v), key=self.topo.__getitem__) for v in self.topo}
-        self.group_of, self.members = _groups(problem)
         g = problem.graph
-        self.need = {k: sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in m) for k, m in self.members.items()}
-        self.time = {(v, d.name): problem.node_time(v, d) for v in self.topo for d in self.devices}
-        self.runs = {
-            k: frozenset(d.name for d in self.devices if all(math.isfinite(self.time[v, d.name]) for v in m))
+        self.topo = {v: i for i, v in enumerate(g.topological_order())}
+        check()
+        self.preds = {v: sorted(g.predecessors(v), key=self.topo.__getitem__) for v in self.topo}
+        check()
+        self.group_of, self.members = _groups(problem)
+        records = dict(g.records())
+        self.need = {k: sum(records[v].param_bytes + records[v].temp_bytes for v in m) for k, m in self.members.items()}
+        check()
+        kinds = {d.kind for d in self.devices}
+        by_kind = {(v, kind): r.time_on(kind) for v, r in records.items() for kind in kinds}
+        self.time = {(v, d.name): by_kind[v, d.kind] for v in self.topo for d in self.devices}
+        check()
+        runs_kind = {
+            k: frozenset(kind for kind in kinds if all(math.isfinite(by_kind[v, kind]) for v in m))
             for k, m in self.members.items()
         }
+        self.runs = {k: frozenset(d.name for d in self.devices if d.kind in on) for k, on in runs_kind.items()}
+        check()
         self.by_name = {d.name: d for d in self.devices}
         self.used = dict.fromkeys(self.by_name, 0)
         self.avail = dict.fromkeys(self.by_name, 0.0)

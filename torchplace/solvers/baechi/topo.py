@@ -31,20 +31,24 @@ from typing import Literal
 from torchplace.devices import Device
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.baechi.state import ListState, check_latency
+from torchplace.solvers.baechi.state import SCHEDULER_WAY_OUT, ListState, check_latency
+from torchplace.solvers.limits import Budget
 
 __all__ = ["fastest_first", "m_topo"]
 
 Share = Literal["balanced", "capacity"]
 
 
-def m_topo(problem: Problem, *, share: Share = "balanced", sequential_comm: bool = False) -> Plan:
+def m_topo(problem: Problem, *, share: Share = "balanced", sequential_comm: bool = False,
+           time_limit: float | None = None) -> Plan:
     """Place ``problem``'s nodes with m-TOPO (Baechi Sec. 2.2).
 
     Args:
         problem: a latency problem.
         share: ``"balanced"`` (Baechi's per-device share ``m_d``) or ``"capacity"``.
         sequential_comm: sequential communication queues in the scheduler's estimate (Sec. 3.4).
+        time_limit: seconds for the whole placement (no plan exists before every node is placed,
+            so the limit raises :class:`SolverLimitError`).
 
     Returns:
         A ``"feasible"`` non-contiguous plan; ``meta["memory_share"]`` is ``m_d`` (``None`` for
@@ -52,17 +56,23 @@ def m_topo(problem: Problem, *, share: Share = "balanced", sequential_comm: bool
 
     Raises:
         InfeasibleError: when a node fits on no device.
+        SolverLimitError: when the time limit passes before every node is placed.
         ValueError: for a non-latency problem or an unknown ``share``.
     """
     t0 = time.perf_counter()
     check_latency(problem, "m-TOPO")
     if share not in ("balanced", "capacity"):
         raise ValueError(f"share must be 'balanced' or 'capacity', got {share!r}")
-    state = ListState(problem, sequential_comm=sequential_comm, device_order=fastest_first(problem))
+    budget = Budget("m-TOPO", time_limit, way_out=SCHEDULER_WAY_OUT)
+    order = fastest_first(problem)
+    state = ListState(problem, sequential_comm=sequential_comm, device_order=order,
+                      check=lambda: budget.check("preparing"))
     needs = state.need.values()
     limit = sum(needs) / len(state.devices) + max(needs, default=0) if share == "balanced" else math.inf
     pointer = 0
+    tick = budget.ticks("placing", every=64)
     for v in state.topo:
+        tick()
         k = state.group_of[v]
         if k in state.group_device:
             state.place(v, state.group_device[k])
@@ -88,13 +98,14 @@ def _fill(state: ListState, v: str, pointer: int, limit: float) -> tuple[str, in
 
 def fastest_first(problem: Problem) -> tuple[Device, ...]:
     """The cluster's devices by the time the whole graph would take on each (stable)."""
-    g = problem.graph
+    records = [r for _, r in problem.graph.records()]
 
-    def total(d: Device) -> float:
+    def total(kind: str) -> float:
         out = 0.0
-        for v, r in g.records():
-            t = problem.node_time(v, d)
+        for r in records:
+            t = r.time_on(kind)
             out += t if math.isfinite(t) else max((x for x in r.times.values() if math.isfinite(x)), default=0.0)
         return out
 
-    return tuple(sorted(problem.cluster.devices, key=total))
+    by_kind = {kind: total(kind) for kind in {d.kind for d in problem.cluster.devices}}
+    return tuple(sorted(problem.cluster.devices, key=lambda d: by_kind[d.kind]))

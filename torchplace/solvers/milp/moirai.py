@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import networkx as nx
 import pyomo.environ as pyo
@@ -271,20 +272,27 @@ def initialize(model: pyo.ConcreteModel, problem: Problem, stages: Sequence[Stag
     for (v, k), var in model.x.items():
         var.value = float(dev[v] == k)
     for v in model.V:
-        model.S[v].value = sched.start[v] / unit
+        _set(model.S[v], sched.start[v] / unit)
         model.r[v].value = float(pos[v])
     moved = {(t.node, t.dst): t.start / unit for t in sched.transfers}
     for u, d in model.T:
         made = dev[u] != d and any(dev[w] == d for w in g.successors(u))
         model.y[u, d].value = float(made)
-        model.TS[u, d].value = moved.get((u, d), sched.finish[u] / unit)
+        _set(model.TS[u, d], moved.get((u, d), sched.finish[u] / unit))
     for (u, k, d), var in model.w.items():
         var.value = model.y[u, d].value * float(dev[u] == k)
     for (i, j), var in model.delta.items():
         var.value = float(pos[i] < pos[j])
     for (u, v), var in model.pi.items():
         var.value = float(pos[u] < pos[v])
-    model.makespan.value = sched.makespan / unit
+    _set(model.makespan, sched.makespan / unit)
+
+
+def _set(var: Any, value: float) -> None:
+    """A start value, within the variable's bounds: the horizon bounds every plan's times, so a
+    value past it is float rounding, and Pyomo would warn about it."""
+    lo, hi = var.bounds
+    var.value = min(max(value, lo if lo is not None else value), hi if hi is not None else value)
 
 
 def _size(model: pyo.ConcreteModel) -> dict[str, int]:
