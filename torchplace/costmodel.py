@@ -16,7 +16,12 @@ devices: the time per sample of a pipeline in steady state (Tarnawski Sec. 5.1).
 A device holding several stages (non-contiguous splits) is charged for the union of its nodes.
 
 Memory of a device is ``sum_{v in S} (param_bytes_v + temp_bytes_v)`` plus a copy of every
-tensor that nodes in ``S`` read but whose owner (the node charged for it) is elsewhere.
+tensor that nodes in ``S`` read but whose owner (the node charged for it) is elsewhere. A training
+graph profiled from a model carries a :class:`~torchplace.problem.Pipeline`: then working memory is
+one micro-batch's, and the activations kept for backward (``saved_bytes``) count once per
+micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
+position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
+while its forward compute counts twice (:func:`memory`, :func:`in_flight`).
 
 Latency (MOIRAI Sec. III-D, eqs. (4a)-(8); Baechi Sec. 4.2): one sample runs through
 :func:`simulate`. A plan is a sequence of stages, and its *plan order* lists the nodes stage by
@@ -53,11 +58,14 @@ __all__ = [
     "StageLike",
     "Transfer",
     "device_cost",
+    "device_memory",
     "evaluate",
+    "in_flight",
     "evaluate_stages",
     "memory",
     "plan_order",
     "simulate",
+    "stage_input_bytes",
     "transfers",
 ]
 
@@ -101,25 +109,100 @@ def transfers(problem: Problem, nodes: Collection[str]) -> tuple[float, float]:
     return math.fsum(problem.transfer_time(u) for u in sorted(incoming)), outgoing
 
 
-def memory(problem: Problem, nodes: Iterable[str]) -> int:
-    """Bytes a device needs for ``nodes``: parameters plus working memory.
+def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False) -> int:
+    """Bytes a device needs for ``nodes``.
 
-    A tensor several nodes read (:meth:`OpGraph.shared_tensors`) is in its owner's
-    ``param_bytes``; a device that holds some of its readers but not its owner holds a copy and
-    pays for it too, so every tensor is counted once per device that holds it.
+    Parameters (and, on backward nodes, gradients and optimizer state) plus working memory. A
+    tensor several nodes read (:meth:`OpGraph.shared_tensors`) is in its owner's ``param_bytes``; a
+    device that holds some of its readers but not its owner holds a copy and pays for it too, so
+    every tensor is counted once per device that holds it.
+
+    With a training :class:`~torchplace.problem.Pipeline` of ``m`` micro-batches (the graph's bytes
+    are those of the whole step's batch; one micro-batch is ``ceil(bytes / m)``):
+
+        params + working(one micro-batch) + in_flight x saved(one micro-batch)
+
+    where ``saved`` is what the forward nodes keep for backward, or with ``recompute`` only the
+    stage's inputs, plus one micro-batch's saved activations while it is recomputed. ``in_flight``
+    is the number of micro-batches whose activations the device holds at its peak
+    (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``.
     """
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
-    own = sum(g.record(v).param_bytes + g.record(v).temp_bytes for v in members)
+    params = sum(g.record(v).param_bytes for v in members)
     copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
-    return own + copies
+    work = sum(g.record(v).temp_bytes for v in members)
+    p = problem.pipeline
+    if p is None or problem.mode != "training":
+        return params + copies + work
+    m = p.microbatches
+    k = m if in_flight is None else in_flight
+    saved = sum(g.record(v).saved_bytes for v in members)
+    activations = k * _per_microbatch(saved, m)
+    if recompute:
+        activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)
+    return params + copies + _per_microbatch(work, m) + activations
 
 
-def device_cost(problem: Problem, nodes: Collection[str], device: Device) -> StageCost:
-    """Cost of placing node set ``nodes`` on ``device``."""
+def _per_microbatch(nbytes: int, m: int) -> int:
+    return -(-nbytes // m)
+
+
+def stage_input_bytes(problem: Problem, nodes: Collection[str]) -> int:
+    """Bytes of the forward values a node set reads from outside it (what a recomputing stage
+    keeps), each producer once."""
+    g = problem.graph
+    members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
+    producers = {u for v in members if not g.record(v).backward for u in g.predecessors(v)
+                 if u not in members and not g.record(u).backward}
+    return sum(g.record(u).output_bytes for u in producers)
+
+
+def in_flight(problem: Problem, stages: Sequence[StageLike]) -> dict[str, int]:
+    """Micro-batches whose activations each device holds at its peak, under the problem's
+    :class:`~torchplace.problem.Pipeline` (every device: ``m`` without one).
+
+    The devices are ranked by their first forward stage; with ``S`` of them, the one at position
+    ``j`` holds ``min(m, S - j)`` under 1F1B (its warm-up forwards before its first backward) and
+    ``m`` under GPipe.
+    """
+    g, p = problem.graph, problem.pipeline
+    m = p.microbatches if p is not None else 1
+    first: dict[str, int] = {}
+    for i, s in enumerate(stages):
+        if any(not g.record(v).backward for v in s.nodes):
+            first.setdefault(s.device, i)
+    ranked = sorted(first, key=first.__getitem__)
+    holds = {s.device: m for s in stages}
+    if p is not None and p.schedule == "1f1b":
+        holds.update({d: min(m, len(ranked) - j) for j, d in enumerate(ranked)})
+    return holds
+
+
+def _recomputes(stages: Iterable[StageLike]) -> set[str]:
+    return {s.device for s in stages if getattr(s, "recompute", False)}
+
+
+def device_cost(problem: Problem, nodes: Collection[str], device: Device, *, in_flight: int | None = None,
+                recompute: bool = False) -> StageCost:
+    """Cost of placing node set ``nodes`` on ``device`` (recomputing its forward nodes' activations
+    in the backward pass runs them twice)."""
     compute = math.fsum(problem.node_time(v, device) for v in nodes)
+    if recompute:
+        compute += math.fsum(problem.node_time(v, device) for v in nodes if not problem.graph.record(v).backward)
     t_in, t_out = transfers(problem, nodes) if device.pays_transfer else (0.0, 0.0)
-    return StageCost(device.name, len(nodes), compute, t_in, t_out, memory(problem, nodes))
+    mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute)
+    return StageCost(device.name, len(nodes), compute, t_in, t_out, mem)
+
+
+def device_memory(problem: Problem, stages: Sequence[StageLike]) -> dict[str, int]:
+    """Bytes each device of a plan needs (:func:`memory` with the plan's in-flight micro-batches
+    and recomputation)."""
+    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
+    return {
+        d: memory(problem, nodes, in_flight=holds[d], recompute=d in recomputing)
+        for d, nodes in _nodes_by_device(stages).items()
+    }
 
 
 def _nodes_by_device(stages: Iterable[StageLike]) -> dict[str, list[str]]:
@@ -138,8 +221,10 @@ def evaluate_stages(problem: Problem, stages: Sequence[StageLike]) -> tuple[floa
     if problem.objective == "latency":
         sched = simulate(problem, stages)
         return sched.makespan, sched.costs(problem)
+    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
     costs = [
-        device_cost(problem, set(nodes), problem.cluster.device(name))
+        device_cost(problem, set(nodes), problem.cluster.device(name), in_flight=holds[name],
+                    recompute=name in recomputing)
         for name, nodes in _nodes_by_device(stages).items()
     ]
     return max((c.load for c in costs), default=0.0), costs

@@ -48,6 +48,8 @@ class NodeRecord:
             pairs not listed fall back to ``transfer_time`` or the cluster's links.
         colocation: nodes with the same non-``None`` value must share a device.
         backward: ``True`` for backward-pass nodes of a training graph.
+        saved_bytes: bytes a forward node keeps for the backward pass (its saved activations) for
+            the graph's unit of work; used with :class:`~torchplace.problem.Pipeline`.
     """
 
     name: str
@@ -62,6 +64,7 @@ class NodeRecord:
     link_times: Mapping[str, float] = field(default_factory=dict)
     colocation: str | None = None
     backward: bool = False
+    saved_bytes: int = 0
 
     def time_on(self, kind: str) -> float:
         """Seconds on a device of ``kind``; ``math.inf`` if the node cannot run there."""
@@ -140,7 +143,7 @@ def _flag(value: Any, where: str) -> bool:
 
 _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "name": _text, "op": _text, "fx_nodes": _texts, "module": _text,
-    "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes,
+    "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
     "colocation": _optional_text, "backward": _flag,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)

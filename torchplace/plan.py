@@ -28,10 +28,16 @@ _FORMAT = "torchplace.plan/1"
 
 @dataclass(frozen=True)
 class Stage:
-    """A piece of the graph run by one device; stages run in plan order."""
+    """A piece of the graph run by one device; stages run in plan order.
+
+    ``recompute`` (training with a :class:`~torchplace.problem.Pipeline` that allows it): the
+    stage's device keeps only its inputs in the forward pass and recomputes its activations in the
+    backward pass (a device recomputes if any of its stages says so).
+    """
 
     device: str
     nodes: tuple[str, ...]
+    recompute: bool = False
 
 
 @dataclass
@@ -127,12 +133,16 @@ class Plan:
                     f"it has times for {sorted(g.record(v).times)}"
                 )
             per_device[dev].append(v)
-        for dev, nodes in per_device.items():
+        needs = costmodel.device_memory(problem, self.stages)
+        for dev in per_device:
             cap = devices[dev].memory_bytes
-            used = costmodel.memory(problem, nodes)
+            used = needs[dev]
             if cap is not None and used > cap:
                 raise InvalidPlanError(f"device {dev!r} needs {used} bytes but has {cap}")
         _check_colocation(g, assignment)
+        if any(s.recompute for s in self.stages) and not (problem.pipeline and problem.pipeline.recompute):
+            raise InvalidPlanError("a stage recomputes its activations, but the problem has no training pipeline "
+                                   "that allows recomputation (Problem.pipeline.recompute)")
         if problem.contiguous:
             _check_contiguity(problem, per_device)
         _check_stage_order(self.stages, g)
@@ -170,7 +180,8 @@ class Plan:
             "seconds": self.seconds,
             "status": self.status,
             "assignment": self.assignment,
-            "stages": [{"device": s.device, "nodes": list(s.nodes)} for s in self.stages],
+            "stages": [{"device": s.device, "nodes": list(s.nodes), **({"recompute": True} if s.recompute else {})}
+                       for s in self.stages],
             "costs": [asdict(c) for c in self.costs],
             "meta": self.meta,
         }

@@ -78,7 +78,10 @@ def _stages(items: Any, source: str) -> list[Stage]:
             if v in stage_of:
                 raise WorkloadFormatError(f"{where}.nodes[{j}]: node {v!r} is also in stages[{stage_of[v]}]")
             stage_of[v] = i
-        stages.append(Stage(device, tuple(s["nodes"])))
+        recompute = s.get("recompute", False)
+        if not isinstance(recompute, bool):
+            raise WorkloadFormatError(f"{where}.recompute: expected true or false, got {brief(recompute)}")
+        stages.append(Stage(device, tuple(s["nodes"]), recompute))
     return stages
 
 

@@ -7,10 +7,38 @@ from typing import Literal
 from torchplace.devices import Cluster, Device
 from torchplace.graph import OpGraph
 
-__all__ = ["Mode", "Objective", "Problem"]
+__all__ = ["Mode", "Objective", "Pipeline", "Problem", "Schedule"]
 
 Objective = Literal["throughput", "latency"]
 Mode = Literal["inference", "training"]
+Schedule = Literal["gpipe", "1f1b"]
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How a training pipeline runs, which decides the memory its activations take.
+
+    Attributes:
+        microbatches: ``m``, the micro-batches of one step; the graph's unit of work (its times and
+            bytes) is the whole step's batch, so one micro-batch is ``1/m`` of its activations.
+        schedule: ``"gpipe"`` (fill-drain: every device holds the activations of all ``m``
+            micro-batches before the first backward) or ``"1f1b"`` (PipeDream-flush: the device at
+            position ``j`` of ``S`` in the pipeline holds at most ``min(m, S - j)``; Narayanan et
+            al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021).
+        recompute: whether a solver may let a device recompute its activations in the backward
+            pass (keeping only its inputs, at the cost of running its forward nodes again).
+    """
+
+    microbatches: int = 1
+    schedule: Schedule = "1f1b"
+    recompute: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive whole number, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +56,9 @@ class Problem:
             side (forward / backward), with the devices' pieces in an order in which data only
             flows forward — the space of the ideals DP (Fact 5.2). ``False`` lets a device hold
             several pieces (Sec. 5.2).
+        pipeline: for a training graph profiled from a model, how its pipeline runs (memory of
+            activations in flight, recomputation); ``None`` for graphs whose per-node memory is
+            given as it is (the published workloads).
     """
 
     graph: OpGraph
@@ -35,6 +66,7 @@ class Problem:
     objective: Objective = "throughput"
     mode: Mode = "inference"
     contiguous: bool = True
+    pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in ("throughput", "latency"):
