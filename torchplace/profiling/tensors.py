@@ -8,9 +8,10 @@ tied embedding and output layer, a module called twice) is listed with all its r
 cost model charges it on every device that holds a copy (:func:`torchplace.costmodel.memory`).
 
 The result goes into ``OpGraph.meta["state"]`` (JSON): for each tensor, by its first name,
-``{"bytes", "names", "owner", "readers"}`` where ``names`` are all its names in the model (tied
-weights have several, e.g. ``transformer.wte.weight`` and ``lm_head.weight``) and ``owner`` /
-``readers`` are node ids.
+``{"bytes", "names", "owner", "readers", "trainable"}`` where ``names`` are all its names in the
+model (tied weights have several, e.g. ``transformer.wte.weight`` and ``lm_head.weight``),
+``owner`` / ``readers`` are node ids and ``trainable`` says whether it is a parameter that
+requires grad (an optimizer keeps a gradient and state for it).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class TensorUse:
     nbytes: int
     owner: int | None = None
     readers: list[int] = field(default_factory=list)
+    trainable: bool = False
 
 
 def _read_by(node: fx.Node, gm: fx.GraphModule) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,6 +56,11 @@ def _read_by(node: fx.Node, gm: fx.GraphModule) -> Iterator[tuple[str, torch.Ten
             value = fetch_attr(gm, str(a.target))
             if isinstance(value, torch.Tensor):
                 yield str(a.target), value
+
+
+def _trainable(model: nn.Module) -> set[_Key]:
+    """The storages of the model's parameters that require grad (what an optimizer updates)."""
+    return {storage_key(p) for p in model.parameters() if p.requires_grad and p.device.type != "meta"}
 
 
 def _model_names(model: nn.Module) -> dict[_Key, list[str]]:
@@ -92,12 +99,13 @@ def tensor_uses(groups: Sequence[Sequence[fx.Node]], order: Sequence[int], gm: f
         model: the traced model (the names of its tensors).
     """
     names = _model_names(model)
+    trainable = _trainable(model)
     uses: dict[_Key, TensorUse] = {}
     for i in order:
         for n in groups[i]:
             for name, t in _read_by(n, gm):
                 key = storage_key(t)
-                use = uses.setdefault(key, TensorUse(list(names.get(key, [name])), key[2]))
+                use = uses.setdefault(key, TensorUse(list(names.get(key, [name])), key[2], trainable=key in trainable))
                 if use.owner is None:
                     use.owner = i
                 if i not in use.readers:
@@ -105,7 +113,8 @@ def tensor_uses(groups: Sequence[Sequence[fx.Node]], order: Sequence[int], gm: f
     read = list(uses.values())
     for key, model_names in names.items():
         if key not in uses and order:
-            uses[key] = TensorUse(list(model_names), key[2], _owner_of_unread(model_names[0], read, order[0]))
+            uses[key] = TensorUse(list(model_names), key[2], _owner_of_unread(model_names[0], read, order[0]),
+                                  trainable=key in trainable)
     return list(uses.values())
 
 
@@ -116,6 +125,7 @@ def state_meta(uses: Sequence[TensorUse], ids: Sequence[str]) -> dict[str, dict]
             "bytes": use.nbytes, "names": list(use.names),
             "owner": ids[use.owner] if use.owner is not None else None,
             "readers": [ids[i] for i in use.readers],
+            "trainable": use.trainable,
         }
         for use in uses
     }

@@ -127,15 +127,18 @@ class StageParameters:
                     self.home[id(tensor)], home_device[id(tensor)] = place, device
                     move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
         self._replicas: list[_Replica] = []
+        self._by_stage: dict[int, list[_Replica]] = {}
         owned: set[int] = set()
-        for stage, device, place in zip(stages, devices, places):
+        for index, (stage, device, place) in enumerate(zip(stages, devices, places)):
             foreign = [
                 (path, kind, slot, tensor) for path, _, kind, slot, tensor in _slots(stage)
                 if self.home[id(tensor)] != place and (isolate or home_device[id(tensor)] != device)
             ]
             for path, kind, slot, tensor in foreign:
                 owner = _own_path(stage, path, owned)
-                self._replicas.append(_Replica(owner, slot, kind, tensor, device, home_device[id(tensor)] == device))
+                replica = _Replica(owner, slot, kind, tensor, device, home_device[id(tensor)] == device)
+                self._replicas.append(replica)
+                self._by_stage.setdefault(index, []).append(replica)
         self.refresh()
 
     @property
@@ -146,4 +149,11 @@ class StageParameters:
     def refresh(self) -> None:
         """Bring every replica up to date with its home tensor; call before each run."""
         for replica in self._replicas:
+            replica.refresh()
+
+    def refresh_stage(self, index: int) -> None:
+        """Bring stage ``index``'s replicas up to date; call before each of its runs when a run
+        is a micro-batch of a training step (under grad, each gets a fresh differentiable copy,
+        so every micro-batch's backward has its own path to the home tensor)."""
+        for replica in self._by_stage.get(index, ()):
             replica.refresh()

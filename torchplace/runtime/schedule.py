@@ -9,8 +9,11 @@ fill-drain forward schedule (Huang et al., "GPipe", https://arxiv.org/abs/1811.0
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["clock_cycles", "segments", "worker_orders"]
+__all__ = ["Action", "clock_cycles", "gpipe", "one_f_one_b", "per_worker", "segments", "training_schedule",
+           "worker_orders"]
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
@@ -97,3 +100,99 @@ def worker_orders(
         for microbatch, segment in tick:
             orders[segment_workers[segment]].append((microbatch, segment))
     return orders
+
+
+# -- training schedules ------------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of a training schedule: the forward (``"F"``) or backward (``"B"``) pass of one
+    stage on one micro-batch."""
+
+    kind: Literal["F", "B"]
+    microbatch: int
+    stage: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}.{self.stage}"
+
+
+def gpipe(num_microbatches: int, num_stages: int) -> list[Action]:
+    """GPipe's fill-drain schedule (Huang et al. 2019) as one global order: every forward by
+    :func:`clock_cycles`, then every backward by the mirrored clock (the last stage first).
+
+    Example:
+        >>> gpipe(2, 2)
+        [F0.0, F0.1, F1.0, F1.1, B0.1, B0.0, B1.1, B1.0]
+    """
+    m, n = num_microbatches, num_stages
+    forward = [Action("F", i, s) for tick in clock_cycles(m, n) for i, s in tick]
+    backward = [Action("B", i, n - 1 - r) for tick in clock_cycles(m, n) for i, r in tick]
+    return forward + backward
+
+
+def _one_f_one_b_stage(m: int, n: int, s: int) -> list[Action]:
+    """Stage ``s``'s own order under 1F1B (PipeDream-flush, Narayanan et al. 2021): ``n - s - 1``
+    warm-up forwards, then one forward and one backward in turn, then the remaining backwards."""
+    warmup = min(n - s - 1, m)
+    order = [Action("F", i, s) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Action("F", warmup + i, s), Action("B", i, s)]
+    order += [Action("B", i, s) for i in range(m - warmup, m)]
+    return order
+
+
+def one_f_one_b(num_microbatches: int, num_stages: int) -> list[Action]:
+    """1F1B as one global order: each stage's :func:`_one_f_one_b_stage` sequence, run in clock
+    ticks of unit time (an action starts once the stage is free and its dependency, the forward of
+    the stage before or the backward of the stage after, finished in an earlier tick), listed by
+    tick and then by stage.
+
+    Example:
+        >>> one_f_one_b(3, 2)
+        [F0.0, F1.0, F0.1, B0.1, B0.0, F1.1, F2.0, B1.1, B1.0, F2.1, B2.1, B2.0]
+    """
+    m, n = num_microbatches, num_stages
+    pending = {s: _one_f_one_b_stage(m, n, s) for s in range(n)}
+    done: dict[Action, int] = {}
+    out: list[tuple[int, int, Action]] = []
+    tick = 0
+    while any(pending.values()):
+        for s in range(n):
+            if not pending[s]:
+                continue
+            a = pending[s][0]
+            dep = Action("F", a.microbatch, s - 1) if a.kind == "F" else Action("B", a.microbatch, s + 1)
+            first, last = (a.kind == "F" and s == 0), (a.kind == "B" and s == n - 1)
+            if first or last or done.get(dep, tick) < tick:
+                done[a] = tick
+                out.append((tick, s, pending[s].pop(0)))
+        tick += 1
+    return [a for _, _, a in sorted(out)]
+
+
+def training_schedule(schedule: str, num_microbatches: int, num_stages: int) -> list[Action]:
+    """``"gpipe"`` or ``"1f1b"`` as one global order of actions (see :func:`gpipe`, :func:`one_f_one_b`).
+
+    Raises:
+        ValueError: for another schedule name or negative sizes.
+    """
+    if num_microbatches < 0 or num_stages < 0:
+        raise ValueError(f"a schedule needs non-negative sizes (micro-batches {num_microbatches}, stages {num_stages})")
+    if schedule == "gpipe":
+        return gpipe(num_microbatches, num_stages)
+    if schedule == "1f1b":
+        return one_f_one_b(num_microbatches, num_stages)
+    raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+
+
+def per_worker(actions: Sequence[Action], stage_workers: Sequence[str]) -> dict[str, list[Action]]:
+    """Each worker's actions, in the order of the global list.
+
+    A worker that owns several stages runs their actions interleaved as the global order lists
+    them. Because that order runs every action after the ones it needs, the earliest pending
+    action of all the workers can always run: no worker waits in a cycle.
+    """
+    out: dict[str, list[Action]] = {w: [] for w in stage_workers}
+    for a in actions:
+        out[stage_workers[a.stage]].append(a)
+    return out

@@ -1,0 +1,118 @@
+"""Training schedules as data, and the training executor: gradients equal the unsplit model's
+(issue 10, item 4)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx, nn
+
+from torchplace.errors import StageError
+from torchplace.runtime import GraphIO, split_stages
+from torchplace.runtime.schedule import Action, gpipe, one_f_one_b, per_worker, training_schedule
+from torchplace.runtime.split import compute_nodes
+from torchplace.runtime.training import TrainingExecutor
+
+
+def test_gpipe_runs_every_forward_then_every_backward_by_the_clock():
+    assert [repr(a) for a in gpipe(2, 3)] == [
+        "F0.0", "F0.1", "F1.0", "F0.2", "F1.1", "F1.2", "B0.2", "B0.1", "B1.2", "B0.0", "B1.1", "B1.0"]
+
+
+def test_one_f_one_b_per_stage_orders_are_warmup_steady_cooldown():
+    order = one_f_one_b(4, 3)
+    by_stage = {s: [repr(a) for a in order if a.stage == s] for s in range(3)}
+    assert by_stage[0] == ["F0.0", "F1.0", "F2.0", "B0.0", "F3.0", "B1.0", "B2.0", "B3.0"]
+    assert by_stage[1] == ["F0.1", "F1.1", "B0.1", "F2.1", "B1.1", "F3.1", "B2.1", "B3.1"]
+    assert by_stage[2] == ["F0.2", "B0.2", "F1.2", "B1.2", "F2.2", "B2.2", "F3.2", "B3.2"]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m, n", [(1, 1), (1, 3), (3, 1), (4, 3), (2, 5), (7, 4)])
+def test_a_schedule_runs_every_action_once_after_what_it_needs(name, m, n):
+    order = training_schedule(name, m, n)
+    assert sorted(order) == sorted(Action(k, i, s) for k in "FB" for i in range(m) for s in range(n))
+    seen: set[Action] = set()
+    for a in order:
+        needs = [Action("F", a.microbatch, a.stage - 1)] if a.kind == "F" and a.stage else []
+        if a.kind == "B":
+            needs = [Action("F", a.microbatch, a.stage)] + ([Action("B", a.microbatch, a.stage + 1)] if a.stage < n - 1 else [])
+        assert all(d in seen for d in needs), (a, needs)
+        seen.add(a)
+
+
+def test_1f1b_holds_at_most_the_stages_to_the_end_in_flight():
+    m, n = 6, 3
+    for s in range(n):
+        live = peak = 0
+        for a in one_f_one_b(m, n):
+            if a.stage == s:
+                live += 1 if a.kind == "F" else -1
+                peak = max(peak, live)
+        assert peak == min(m, n - s)
+    assert max(sum(1 if a.kind == "F" else -1 for a in gpipe(m, n)[:k] if a.stage == 0) for k in range(2 * m * n)) == m
+
+
+def test_per_worker_keeps_the_global_order():
+    order = gpipe(2, 3)
+    split = per_worker(order, ["a", "b", "a"])
+    assert split["b"] == [a for a in order if a.stage == 1]
+    assert split["a"] == [a for a in order if a.stage != 1]
+
+
+class Net(nn.Module):
+    """A skip connection across stages and a parameter used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        g = torch.tanh(self.b(h)) + h
+        return self.c(g) + self.c(h)
+
+
+def _executor(model, stages_count, devices=None, isolate=True):
+    gm = fx.symbolic_trace(model)
+    nodes = compute_nodes(gm.graph)
+    stage_of = {n.name: min(i * stages_count // len(nodes), stages_count - 1) for i, n in enumerate(nodes)}
+    stages = split_stages(gm, stage_of, stages_count)
+    workers = devices or [f"cpu:{i}" for i in range(stages_count)]
+    return TrainingExecutor(stages, ["cpu"] * stages_count, workers, GraphIO(gm), isolate=isolate)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, workers", [(1, None), (2, None), (3, None), (4, ["cpu:0", "cpu:1", "cpu:0", "cpu:1"])])
+def test_gradients_equal_the_unsplit_model_on_the_same_microbatches(schedule, stages, workers):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    executor = _executor(model, stages, workers)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    losses = executor.step((x,), {}, y, nn.functional.mse_loss, 4, schedule)
+    expected = []
+    for xs, ys in zip(x.tensor_split(4), y.tensor_split(4)):
+        loss = nn.functional.mse_loss(reference(xs), ys)
+        (loss / 4).backward()
+        expected.append(loss.detach())
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(losses, expected))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_failing_backward_names_the_stage_microbatch_and_direction():
+    executor = _executor(Net(), 2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+
+    def bad_loss(out, target):  # a vector, not a scalar
+        return (out - target).sum(dim=0)
+
+    with pytest.raises(StageError, match="loss of micro-batch 0.*scalar"):
+        executor.step((x,), {}, y, bad_loss, 2, "1f1b")
+    model = Net()
+    executor = _executor(model, 2)
+    model.c.register_full_backward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(StageError, match=r"stage 1 .* backward pass of micro-batch \d: RuntimeError: boom"):
+        executor.step((x,), {}, y, nn.functional.mse_loss, 2, "1f1b")

@@ -1,0 +1,222 @@
+"""Profile a traced model for training and build its training graph (Tarnawski et al. 2020, Sec. 5.3).
+
+For every compute fx node, :func:`measure_backward` runs the node alone on leaves of its inputs and
+times ``torch.autograd.grad`` of its outputs (gradients for its inputs and its parameters), and
+records what autograd saves for that backward (``torch.autograd.graph.saved_tensors_hooks``; bytes
+of the node's saved activations, parameters excluded, each storage once) and the bytes of the
+gradients it sends back to its inputs.
+
+:func:`training_graph` then gives each forward node ``v`` of the (profiled) forward OpGraph a
+backward node ``v:backward``, as in the published training workloads: colocated with ``v`` (they
+work on the same weights), an edge ``v -> v:backward`` (the saved activations) and, for every
+forward edge ``u -> v``, an edge ``v:backward -> u:backward`` (the gradient of ``u``'s output).
+The backward node's time is the measured backward time; its ``param_bytes`` hold the gradients and
+optimizer state of the trainable parameters ``v`` owns (``optimizer``: ``"sgd"`` 0, ``"momentum"``
+1, ``"adam"`` / ``"adamw"`` 2 state tensors per parameter, or a number); its output is the
+gradient it sends back. The forward node keeps ``saved_bytes``.
+
+Kinds that are not present here get an estimated backward time of twice the estimated forward
+time (a backward pass computes gradients for both inputs and weights: about twice the FLOPs).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from tqdm.auto import tqdm
+
+from torchplace.errors import UsageError
+from torchplace.fxutil import is_compute
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
+from torchplace.profiling.trace import Traced
+
+__all__ = ["OPTIMIZER_STATE", "BackwardCost", "measure_backward", "optimizer_state_factor", "training_graph"]
+
+OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "sgd+momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+"""State tensors an optimizer keeps per parameter (momentum: one buffer; Adam: two moments)."""
+
+
+def optimizer_state_factor(optimizer: str | float | int) -> float:
+    """Bytes of optimizer state per byte of trainable parameter.
+
+    Raises:
+        UsageError: for an unknown optimizer name or a negative / non-finite number.
+    """
+    if isinstance(optimizer, str):
+        key = optimizer.lower().replace(" ", "")
+        if key not in OPTIMIZER_STATE:
+            raise UsageError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}; or give the bytes "
+                             "of state per parameter byte as a number (e.g. optimizer=2.0 for Adam)")
+        return OPTIMIZER_STATE[key]
+    from torchplace.checks import non_negative_float
+
+    return non_negative_float(optimizer, "optimizer")
+
+
+@dataclass(frozen=True)
+class BackwardCost:
+    """What one fx node's backward costs: seconds, activations it saves, gradient bytes it sends."""
+
+    seconds: float
+    saved_bytes: int
+    grad_bytes: int
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+class _Probe(fx.Interpreter):
+    """Runs the graph (no grad, for the values) and probes each compute node's backward."""
+
+    def __init__(self, gm: fx.GraphModule, params: set[int], writers: set[str], cuda: bool) -> None:
+        super().__init__(gm)
+        self.params, self.writers, self.cuda = params, writers, cuda
+        self.seconds: dict[str, float] = {}
+        self.saved: dict[str, int] = {}
+        self.grad_bytes: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if is_compute(n):
+            self._probe(n)
+        return out
+
+    def _probe(self, n: fx.Node) -> None:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves: list[torch.Tensor] = []
+        activations = 0
+
+        def leaf(t: Any) -> Any:
+            nonlocal activations
+            if not _floating(t):
+                return t
+            x = t.detach().requires_grad_(True)
+            leaves.append(x)
+            if storage_address(t) not in self.params:
+                activations += t.numel() * t.element_size()
+            return x.clone() if n.name in self.writers else x  # an in-place op may not write a leaf
+
+        args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_address(t)
+            if key is not None and key not in self.params:
+                saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if _floating(t) and t.requires_grad]
+        targets = leaves + self._module_params(n)
+        seconds = 0.0
+        if outs and targets:
+            grads = [torch.ones_like(t) for t in outs]
+            self._sync()
+            start = time.perf_counter()
+            torch.autograd.grad(outs, targets, grads, allow_unused=True)
+            self._sync()
+            seconds = time.perf_counter() - start
+        self.seconds[n.name] = seconds
+        self.saved[n.name] = sum(saved.values()) if outs else 0
+        self.grad_bytes[n.name] = activations if outs else 0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _module_params(self, n: fx.Node) -> list[torch.Tensor]:
+        if n.op != "call_module":
+            return []
+        return [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
+
+
+def measure_backward(traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None,
+                     *, kind: str = "cpu", warmup: int = 1, repeats: int = 3,
+                     progress: bool = True) -> dict[str, BackwardCost]:
+    """Backward seconds (median of ``repeats`` after ``warmup``), saved and gradient bytes of every
+    compute fx node, on the first device of ``kind`` (``"cpu"`` or ``"cuda"``, where CUDA times are
+    taken between synchronizations); the model's parameters and buffers are restored afterwards."""
+    gm, device = traced.gm, torch.device("cpu" if kind == "cpu" else f"{kind}:0")
+    if device.type != "cpu":
+        gm = copy.deepcopy(gm).to(device)
+    params = {storage_address(t) for t in named_state(gm).values()} - {None}
+    writers = set(traced.effects.written)
+    samples: dict[str, list[float]] = {}
+    probe = _Probe(gm, params, writers, device.type == "cuda")  # type: ignore[arg-type]
+    snapshot = StateSnapshot(gm)
+    try:
+        with torch.no_grad():
+            for i in tqdm(range(warmup + repeats), desc=f"profiling backward on {kind}", disable=not progress,
+                          leave=False):
+                inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+                                              traced.flat_inputs(example_inputs, example_kwargs))
+                probe.run(*inputs)
+                if i >= warmup:
+                    for name, t in probe.seconds.items():
+                        samples.setdefault(name, []).append(t)
+    finally:
+        snapshot.restore()
+    return {
+        name: BackwardCost(statistics.median(ts), probe.saved[name], probe.grad_bytes[name])
+        for name, ts in samples.items()
+    }
+
+
+def _trainable_owned(graph: OpGraph) -> dict[str, int]:
+    """Bytes of trainable parameters each node owns (``meta["state"]``)."""
+    out: dict[str, int] = {}
+    for entry in (graph.meta.get("state") or {}).values():
+        if entry.get("trainable") and entry.get("owner") is not None:
+            out[entry["owner"]] = out.get(entry["owner"], 0) + int(entry["bytes"])
+    return out
+
+
+def backward_id(node: str) -> str:
+    """The id of forward node ``node``'s backward node."""
+    return f"{node}:backward"
+
+
+def training_graph(graph: OpGraph, backward: Mapping[str, Mapping[str, BackwardCost]], optimizer: str | float,
+                   estimated: Iterable[str] = ()) -> OpGraph:
+    """The training graph of a profiled forward OpGraph (see the module docstring).
+
+    Args:
+        graph: the forward OpGraph with times for every device kind.
+        backward: ``{kind: {fx node: BackwardCost}}`` for the kinds measured.
+        optimizer: see :func:`optimizer_state_factor`.
+        estimated: kinds whose backward time is estimated as twice the forward time.
+    """
+    factor = optimizer_state_factor(optimizer)
+    trainable = _trainable_owned(graph)
+    measured = next(iter(backward.values()), {})
+    out = OpGraph(meta={**graph.meta, "training": {"optimizer": optimizer, "state_factor": factor}})
+    for v, r in graph.records():
+        label = r.colocation if r.colocation is not None else f"layer:{v}"
+        saved = sum(measured[f].saved_bytes for f in r.fx_nodes if f in measured)
+        grads = sum(measured[f].grad_bytes for f in r.fx_nodes if f in measured)
+        times = {kind: math.fsum(costs[f].seconds for f in r.fx_nodes if f in costs) for kind, costs in backward.items()}
+        times.update({kind: 2.0 * r.times[kind] for kind in estimated if kind in r.times})
+        out.add_node(v, replace(r, colocation=label, saved_bytes=saved))
+        out.add_node(backward_id(v), NodeRecord(
+            name=f"{r.name} (backward)", op=f"backward:{r.op}", module=r.module,
+            param_bytes=int(round(trainable.get(v, 0) * (1.0 + factor))), output_bytes=grads, temp_bytes=grads,
+            times=times, colocation=label, backward=True,
+        ))
+    for u, v in graph.edges:
+        out.add_edge(u, v)
+        out.add_edge(backward_id(v), backward_id(u))
+    for v in graph:
+        out.add_edge(v, backward_id(v))
+    return out
+

@@ -1,0 +1,289 @@
+"""One training step of a split model: forward and backward passes as a schedule of actions.
+
+:meth:`TrainingExecutor.step` runs a global order of :class:`~torchplace.runtime.schedule.Action` s
+(GPipe or 1F1B, :func:`~torchplace.runtime.schedule.training_schedule`), each worker thread its own
+actions in that order (:func:`~torchplace.runtime.schedule.per_worker`):
+
+* **F(i, s)** waits for the inputs of stage ``s`` on micro-batch ``i`` (and the stages its in-place
+  ordering edges name), gives the stage each input as a fresh autograd leaf on its device (a stage
+  boundary), and runs it with grad enabled; the outputs keep their autograd history inside the
+  stage. After the forward of the micro-batch's last stage the same worker computes the loss on
+  leaves of the model's outputs, ``loss_fn(output, target) / m``, and back-propagates it to them.
+* **B(i, s)** waits until every gradient for the stage's outputs has arrived (one from each later
+  stage that read the value, one from the loss if it is a model output), calls
+  ``torch.autograd.backward`` on those outputs, which accumulates the parameters' ``.grad``
+  (the model's own parameters, wherever they are, :mod:`~torchplace.runtime.params`), and sends
+  the gradient of each input leaf back to the device that produced the value, where the
+  contributions are summed.
+
+Gradients therefore equal those of the unsplit model run on the same micro-batches with the loss
+averaged over them: for a loss that is a mean over its samples and equal micro-batches, the
+gradients of one full-batch step (up to float rounding). A stage that fails raises
+:class:`~torchplace.errors.StageError` naming the stage, micro-batch and direction; every wait polls
+a stop event, so nothing hangs. Copies use the default CUDA stream of each device (no overlap of
+copies and compute in training steps yet).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchplace.errors import StageError
+from torchplace.runtime.devices import normalize_device
+from torchplace.runtime.microbatch import scatter
+from torchplace.runtime.params import StageParameters
+from torchplace.runtime.schedule import Action, per_worker, training_schedule
+from torchplace.runtime.split import StageModule
+from torchplace.runtime.values import Values
+
+__all__ = ["TrainingExecutor"]
+
+_POLL_S = 0.05
+_JOIN_S = 5.0
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _leaf(value: Any) -> Any:
+    """A stage-boundary copy of ``value``: same memory, no history, requiring grad where the value
+    is a floating-point tensor that does."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+    return value
+
+
+@dataclass
+class _Step:
+    """The shared state of one step."""
+
+    values: list[Values]
+    pending: dict[tuple[int, str], int]
+    grads: dict[tuple[int, str], Any] = field(default_factory=dict)
+    leaves: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
+    done: set[Action] = field(default_factory=set)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        with self.cond:
+            while not ready():
+                if self.stop.is_set():
+                    raise _Stopped
+                self.cond.wait(_POLL_S)
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.stop.set()
+            self.cond.notify_all()
+
+
+class TrainingExecutor:
+    """Run training steps of a model's stages on one worker thread per device.
+
+    Args:
+        stages: the forward stages from :func:`~torchplace.runtime.split.split_stages`, in order.
+        stage_devices: the torch device of each stage.
+        stage_workers: the worker key (plan device) of each stage.
+        graph_io: the :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
+        stage_params: the stages' parameter homes and replicas (made here if not given).
+        isolate: give every worker its own memory (a test aid, :class:`~torchplace.runtime.values.Values`).
+    """
+
+    def __init__(self, stages: Sequence[StageModule], stage_devices: Sequence[str], stage_workers: Sequence[str],
+                 graph_io: Any, *, stage_params: StageParameters | None = None, isolate: bool = False) -> None:
+        if not len(stages) == len(stage_devices) == len(stage_workers) or not stages:
+            raise ValueError("a training executor needs one device and one worker per stage, and a stage")
+        self.stages = list(stages)
+        self.devices = [normalize_device(d) for d in stage_devices]
+        self.workers = list(stage_workers)
+        self.graph_io = graph_io
+        self.isolate = isolate
+        self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
+        self._producer = {name: s for s, stage in enumerate(self.stages) for name in stage.outputs}
+        self._consumers: dict[str, int] = {}
+        for stage in self.stages:
+            for name in stage.inputs:
+                self._consumers[name] = self._consumers.get(name, 0) + 1
+        self._lock = threading.Lock()
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def step(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any,
+             loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int, schedule: str = "1f1b") -> list[torch.Tensor]:
+        """Forward and backward of one batch in ``microbatches`` micro-batches; returns each
+        micro-batch's loss (detached). Parameters' ``.grad`` accumulate ``d(mean loss)/dp``.
+
+        Raises:
+            StageError: a stage's forward or backward, or the loss, raised (the original is chained).
+        """
+        with self._lock:
+            chunks = scatter(args, kwargs, microbatches)
+            targets = _split_target(target, len(chunks))
+            actions = training_schedule(schedule, len(chunks), len(self.stages))
+            state = self._start(chunks)
+            threads = [
+                threading.Thread(target=self._work, args=(state, w, order, targets, loss_fn, len(chunks)),
+                                 name=f"torchplace-train-{w}", daemon=True)
+                for w, order in per_worker(actions, self.workers).items() if order
+            ]
+            for t in threads:
+                t.start()
+            try:
+                for t in threads:
+                    while t.is_alive():
+                        t.join(_POLL_S)
+            except BaseException as error:  # Ctrl-C: stop the workers before it propagates
+                state.fail(error)
+                for t in threads:
+                    t.join(_JOIN_S)
+                raise
+            if state.error is not None:
+                raise state.error
+            return [state.losses[i] for i in range(len(chunks))]
+
+    def _start(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _Step:
+        values = []
+        for a, k in chunks:
+            bound = self.graph_io.bind_inputs(a, k)
+            values.append(Values(bound, bound, self.isolate))
+        outputs = set(self.graph_io.output_names)
+        pending = {}
+        for i in range(len(chunks)):
+            for name in self._producer:
+                pending[i, name] = self._consumers.get(name, 0) + (name in outputs)
+        return _Step(values, pending)
+
+    def _work(self, state: _Step, worker: str, order: Sequence[Action], targets: Sequence[Any],
+              loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
+        try:
+            with torch.enable_grad():
+                for action in order:
+                    if action.kind == "F":
+                        self._forward(state, action, worker)
+                        if action.stage == len(self.stages) - 1:
+                            self._loss(state, action.microbatch, targets[action.microbatch], loss_fn, m)
+                    else:
+                        self._backward(state, action, worker)
+                    with state.cond:
+                        state.done.add(action)
+                        state.cond.notify_all()
+        except _Stopped:
+            return
+        except StageError as error:
+            state.fail(error)
+        except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
+            wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            state.fail(wrapped)
+
+    # -- the actions ------------------------------------------------------------------------------------
+    def _forward(self, state: _Step, a: Action, worker: str) -> None:
+        stage, device = self.stages[a.stage], self.devices[a.stage]
+        values = state.values[a.microbatch]
+        state.wait(lambda: all(n in values for n in stage.inputs)
+                   and all(Action("F", a.microbatch, s) in state.done for s in stage.waits_for))
+        try:
+            with state.cond:
+                got = [values.get(n, worker, device, None) for n in stage.inputs]
+            leaves = [_leaf(v) for v in got]
+            self.stage_params.refresh_stage(a.stage)
+            outputs = stage.forward(*leaves)
+            with state.cond:
+                values.wrote(stage.writes, worker)
+                values.put(zip(stage.outputs, outputs), worker)
+                state.leaves[a.microbatch, a.stage] = dict(zip(stage.inputs, leaves))
+                state.outputs[a.microbatch, a.stage] = tuple(outputs)
+                state.cond.notify_all()
+        except Exception as error:
+            raise StageError(f"stage {a.stage} on {worker} failed in the forward pass of micro-batch "
+                             f"{a.microbatch}: {type(error).__name__}: {error}") from error
+
+    def _loss(self, state: _Step, i: int, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
+        values = state.values[i]
+        names = list(self.graph_io.output_names)
+        state.wait(lambda: all(n in values for n in names))
+        try:
+            with state.cond:
+                leaves = {n: _leaf(values.originals[n]) for n in names}
+            loss = loss_fn(self.graph_io(leaves), target)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+            (loss / m).backward()
+        except Exception as error:
+            raise StageError(f"the loss of micro-batch {i} failed: {type(error).__name__}: {error}") from error
+        with state.cond:
+            for n, leaf in leaves.items():
+                if n in self._producer:
+                    self._contribute(state, i, n, leaf)
+            state.losses[i] = loss.detach()
+            state.cond.notify_all()
+
+    def _backward(self, state: _Step, a: Action, worker: str) -> None:
+        stage = self.stages[a.stage]
+        key = (a.microbatch, a.stage)
+        state.wait(lambda: all(state.pending[a.microbatch, n] == 0 for n in stage.outputs))
+        try:
+            with state.cond:
+                pairs = [(o, state.grads.pop((a.microbatch, n), None)) for n, o in zip(stage.outputs, state.outputs.pop(key))]
+                leaves = state.leaves.pop(key)
+            tensors, grads = _with_grads(pairs)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        except Exception as error:
+            raise StageError(f"stage {a.stage} on {worker} failed in the backward pass of micro-batch "
+                             f"{a.microbatch}: {type(error).__name__}: {error}") from error
+        with state.cond:
+            for n, leaf in leaves.items():
+                if n in self._producer:
+                    self._contribute(state, a.microbatch, n, leaf)
+            state.cond.notify_all()
+
+    def _contribute(self, state: _Step, i: int, name: str, leaf: Any) -> None:
+        """Add ``leaf``'s gradient to the gradient of value ``name`` (on the producer's device);
+        called with ``state.cond`` held."""
+        original = state.values[i].originals[name]
+        grad = _grad_like(leaf, original)
+        if grad is not None:
+            have = state.grads.get((i, name))
+            state.grads[i, name] = grad if have is None else _add(have, grad)
+        state.pending[i, name] -= 1
+
+
+def _grad_like(leaf: Any, original: Any) -> Any:
+    """The gradient a leaf received, on the original value's device (``None`` if there is none)."""
+    if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+        return leaf.grad.to(original.device) if isinstance(original, torch.Tensor) else leaf.grad
+    return None
+
+
+def _add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def _with_grads(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs that received a gradient and need one, with their gradients."""
+    tensors, grads = [], []
+    for output, grad in pairs:
+        if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            tensors.append(output)
+            grads.append(grad)
+    return tensors, grads
+
+
+def _split_target(target: Any, chunks: int) -> list[Any]:
+    """The target split along dim 0 like the inputs (:func:`~torchplace.runtime.microbatch.scatter`)."""
+    leaves, spec = tree_flatten(target)
+    columns = [t.tensor_split(chunks) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks for t in leaves]
+    return [tree_unflatten([c[i] for c in columns], spec) for i in range(chunks)]
