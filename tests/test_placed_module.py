@@ -255,3 +255,103 @@ def test_a_model_with_no_operators_gets_a_one_stage_plan(tmp_path):
         assert torch.equal(placed(x), x)
     placed.plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json").stages == placed.plan.stages
+
+
+class SharedLayer(nn.Module):
+    """One module called in two places."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) + self.a(self.b(x))
+
+
+def test_refresh_replicas_after_a_write_through_data(monkeypatch):
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+    torch.manual_seed(0)
+    model = SharedLayer().eval()
+    x = torch.randn(4, 8)
+    from torchplace.plan import Plan as _Plan, stages_from_order
+    probe = _place(model, (x,), ["cpu:0", "cpu:1"], microbatches=1)
+    order = probe.problem.graph.topological_order()
+    assignment = {v: "cpu:0" if i == 0 else "cpu:1" for i, v in enumerate(order)}
+    plan = _Plan.build(probe.problem, stages_from_order(probe.problem, order, assignment), solver="manual",
+                       seconds=0.0, lower_bound=0.0)
+    placed = _place(model, (x,), ["cpu:0", "cpu:1"], microbatches=1, plan=plan)
+    assert placed._executor.stage_params.replicas == 2  # a.weight and a.bias on cpu:1
+    with torch.no_grad():
+        model.a.weight.data.mul_(2)  # moves neither the version counter nor the memory
+        placed.refresh_replicas()
+        assert torch.equal(placed(x), model(x))
+        model.a.weight.mul_(2)  # an ordinary in-place update is noticed by itself
+        assert torch.equal(placed(x), model(x))
+
+
+def test_calling_the_model_after_model_train_is_refused():
+    model, inputs = build("mlp", batch=4)
+    placed = _place(model, inputs, microbatches=1)
+    model.train()
+    with pytest.raises(UnsupportedError, match="training mode"):
+        placed(*inputs)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), model(*inputs))
+
+
+def test_the_decorator_refuses_train_mode():
+    net = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(MLP)()
+    with pytest.raises(UnsupportedError, match="placed for inference"):
+        net.train()
+
+
+class SparseBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("adj", torch.eye(8).to_sparse())
+
+    def forward(self, x):
+        return torch.sparse.mm(self.adj, self.a(x).t()).t()
+
+
+def test_a_sparse_buffer_is_placed_with_fx():
+    model = SparseBuffer().eval()
+    x = torch.randn(4, 8)
+    placed = _place(model, (x,), microbatches=1, trace_method="fx")
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+
+
+class IdentityWithState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.register_buffer("b", torch.zeros(2))
+
+    def forward(self, x):
+        return x
+
+
+def test_a_model_with_no_operators_maps_its_tensors_to_its_one_stage():
+    placed = _place(IdentityWithState(), (torch.randn(4, 3),))
+    assert placed.device_map() == {"": placed.plan.stages[0].device}
+
+
+class WritesItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.a.weight.mul_(1.0)  # an in-place write of a parameter in forward
+        return self.a(x)
+
+
+def test_a_forward_that_writes_a_parameter_is_refused_rather_than_changed():
+    model = WritesItsWeight()
+    before = model.a.weight.detach().clone()
+    with pytest.raises(UnsupportedError, match="writes its parameter 'a.weight'"):
+        _place(model, (torch.randn(4, 8),))
+    assert torch.equal(model.a.weight, before)

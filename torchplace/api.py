@@ -18,7 +18,7 @@ from torchplace import solvers
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, make_cluster
-from torchplace.errors import InvalidPlanError, UsageError
+from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
@@ -111,6 +111,11 @@ def place(
             f"got {objective!r}"
         )
     solvers.check_method(solver, objective)
+    for name, flag in (("contiguous", contiguous), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"{name} must be True or False, got {brief(flag)}")
+    if fuse is not None and not isinstance(fuse, bool):
+        raise UsageError(f"fuse must be True, False or None (fuse only big graphs), got {brief(fuse)}")
     microbatches = positive_int(microbatches, "microbatches")
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
@@ -122,8 +127,14 @@ def place(
     else:
         cluster = make_cluster(devices, max_memory)
     given = _load_plan(plan) if plan is not None else None
+    modes = {m: m.training for m in model.modules()}
     model.eval()
-    try_example_call(model, args, kwargs)
+    try:
+        try_example_call(model, args, kwargs)
+    except BaseException:
+        for m, mode in modes.items():  # a refused call leaves the model as it was
+            m.training = mode
+        raise
     with torch.no_grad():
         traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method)
         kinds = sorted({d.kind for d in cluster.devices})
@@ -195,6 +206,12 @@ class _LazyPlaced(nn.Module):
         if self.placed is None:
             self.__dict__["placed"] = place(self.module, self._devices, args, example_kwargs=kwargs, **self._options)
         return self.placed(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> _LazyPlaced:
+        if mode:
+            raise UnsupportedError("this model is placed for inference on its first call, with its graph traced in "
+                                   "eval mode: train() would change nothing; train the undecorated model instead")
+        return super().train(False)
 
     @property
     def plan(self) -> Plan:

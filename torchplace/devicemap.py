@@ -25,12 +25,15 @@ def _within(module: str, path: str) -> bool:
     return module == path or module.startswith(f"{path}.") or not path
 
 
-def tensor_devices(problem: Problem, assignment: Mapping[str, str]) -> dict[str, str]:
-    """Every tensor name of ``graph.meta["state"]`` -> the device that holds it under that name."""
+def tensor_devices(problem: Problem, assignment: Mapping[str, str], default: str | None = None) -> dict[str, str]:
+    """Every tensor name of ``graph.meta["state"]`` -> the device that holds it under that name
+    (``default`` for a tensor no node owns: a model with no operators has them all there)."""
     g = problem.graph
     out: dict[str, str] = {}
     for entry in (g.meta.get("state") or {}).values():
         if entry.get("owner") is None:
+            if default is not None:
+                out.update(dict.fromkeys(entry["names"], default))
             continue
         home = assignment[entry["owner"]]
         for name in entry["names"]:
@@ -50,9 +53,10 @@ def _by_node_modules(problem: Problem, assignment: Mapping[str, str]) -> dict[st
     return out
 
 
-def device_map(problem: Problem, assignment: Mapping[str, str]) -> dict[str, str]:
-    """The plan's ``device_map`` (see the module docstring)."""
-    leaves = tensor_devices(problem, assignment) or _by_node_modules(problem, assignment)
+def device_map(problem: Problem, assignment: Mapping[str, str], default: str | None = None) -> dict[str, str]:
+    """The plan's ``device_map`` (see the module docstring); ``default``: the device of tensors no
+    node owns (the one stage of a model with no operators)."""
+    leaves = tensor_devices(problem, assignment, default) or _by_node_modules(problem, assignment)
     out: dict[str, str] = {}
 
     def under(path: str) -> dict[str, str]:

@@ -37,7 +37,9 @@ def _home_unread_tensors(model: nn.Module, problem: Problem, plan: Plan) -> None
     """Move the model's tensors that no stage reads (BatchNorm's ``num_batches_tracked`` in eval
     mode) to the device of the node that owns them in the cost model (``graph.meta["state"]``)."""
     state = problem.graph.meta.get("state") or {}
-    device_of = {v: problem.cluster.device(s.device).torch_device for s in plan.stages for v in s.nodes}
+    device_of: dict[str | None, str] = {v: problem.cluster.device(s.device).torch_device for s in plan.stages for v in s.nodes}
+    if plan.stages:  # a tensor no node owns (a model with no operators) goes to the first stage
+        device_of[None] = problem.cluster.device(plan.stages[0].device).torch_device
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     for name, entry in state.items():
         if not entry.get("readers") and entry.get("owner") in device_of and name in tensors:
@@ -56,7 +58,7 @@ class PlacedModule(nn.Module):
         problem: the measured problem the plan was solved for.
         microbatches: how many micro-batches each call's batch is split into (dim 0; always 1
             for the latency objective).
-        stages: the stage modules, in plan order (they call the model's own submodules).
+        stage_modules: the stage modules, in plan order (they call the model's own submodules).
     """
 
     def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1) -> None:
@@ -94,10 +96,24 @@ class PlacedModule(nn.Module):
         self.training = model.training
 
     @property
-    def stages(self) -> tuple[StageModule, ...]:
+    def stage_modules(self) -> tuple[StageModule, ...]:
         return self._stages
 
+    def refresh_replicas(self) -> None:
+        """Copy every tensor a stage reads away from its home device again. A call does this by
+        itself when a tensor changed (an optimizer step, ``load_state_dict``); call it after a
+        write through ``tensor.data``, which PyTorch does not count as a change."""
+        for replica in self._executor.stage_params._replicas:
+            replica.seen = None
+        self._executor.stage_params.refresh()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(m.training for m in self.modules()):
+            raise UnsupportedError(
+                "a module of the placed model is in training mode (model.train() was called after placing?): this "
+                "placement runs the graph traced in eval mode; call placed.eval() (or model.eval()), or place the "
+                "model for training"
+            )
         if isinstance(self._executor, LatencyExecutor):
             return self._executor.run(args, kwargs)
         return self._executor.run(args, kwargs, self.microbatches)

@@ -107,7 +107,7 @@ class Plan:
         (:func:`torchplace.devicemap.device_map`): every module with parameters or buffers."""
         from torchplace.devicemap import device_map
 
-        return device_map(problem, self.assignment)
+        return device_map(problem, self.assignment, self.stages[0].device if self.stages else None)
 
     # -- checking --------------------------------------------------------------------------------
     def validate(self, problem: Problem) -> None:

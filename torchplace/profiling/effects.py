@@ -26,8 +26,10 @@ accessors in graph order and writers ``w_1 .. w_k``:
 * **write-back**: a model input written on a device other than the caller's is copied back into
   the caller's tensor after the call, as eager PyTorch would leave it.
 
-The analysis is dynamic: aliasing is what the example run showed (PyTorch decides some aliasing,
-e.g. ``reshape``, from strides, which do not change with the batch size).
+The analysis is dynamic: aliasing is what the example runs showed. PyTorch decides some aliasing
+from strides (``reshape``, ``contiguous``), and strides of a batch of one differ from those of
+larger batches (which all agree), so tracing runs the analysis at the example batch and at a batch
+of one and keeps the union (:func:`union`).
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from torchplace.errors import UnsupportedError
 from torchplace.fxutil import is_compute
 
-__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state", "storage_address", "version_of"]
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state", "storage_address", "union", "version_of"]
 
 StorageKey = int
 """A storage's address; valid while the run keeps every value alive (no address is reused)."""
@@ -161,7 +164,10 @@ class AccessLog:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaNs included (a NaN that stays a NaN is no write)."""
+    """Equal values, NaNs included (a NaN that stays a NaN is no write); sparse and other
+    non-strided tensors are compared dense."""
+    if a.layout != torch.strided or b.layout != torch.strided:
+        a, b = a.to_dense(), b.to_dense()
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
 
 
@@ -259,34 +265,77 @@ def analyse(graph: fx.Graph, log: AccessLog) -> Effects:
     )
 
 
+def union(effects: Sequence[Effects]) -> Effects:
+    """Effects that hold for every run in ``effects``: the union of their edges, sets and writes
+    (what each run found is a constraint, so all of them together are)."""
+    if len(effects) == 1:
+        return effects[0]
+    after: dict[str, set[str]] = {}
+    written: dict[str, set[str]] = {}
+    for e in effects:
+        for v, us in e.after.items():
+            after.setdefault(v, set()).update(us)
+        for w, names in e.written.items():
+            written.setdefault(w, set()).update(names)
+    return Effects(
+        after={v: frozenset(us) for v, us in after.items()},
+        colocated=tuple(dict.fromkeys(c for e in effects for c in e.colocated)),
+        merged=tuple(dict.fromkeys(m for e in effects for m in e.merged)),
+        written={w: frozenset(n) for w, n in written.items()},
+        written_state=tuple(sorted({s for e in effects for s in e.written_state})),
+    )
+
+
 class StateSnapshot:
-    """The values and version counters of a model's parameters and buffers, to restore later.
+    """A model's buffers (copied) and parameters (version counters), to restore later.
 
     Tracing and profiling run the model; a model that updates its buffers in forward (BatchNorm
-    in training, counters) must come out of :func:`torchplace.place` as it went in.
+    in training, counters) must come out of :func:`torchplace.place` as it went in. Parameters are
+    not copied (that would double the model's memory while placing it, for models that do not fit
+    one device); a forward that writes a parameter in place cannot be undone, and :meth:`restore`
+    refuses it with :class:`~torchplace.errors.UnsupportedError`.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._tensors = named_state(model)
+        params = {id(p) for p in model.parameters()}
         with torch.no_grad():
-            self._saved = {name: t.detach().clone() for name, t in self._tensors.items()}
-        self._versions = {name: version_of(t) for name, t in self._tensors.items()}
+            self._saved = {name: t.detach().clone() for name, t in self._tensors.items() if id(t) not in params}
+        self._versions = {name: _identity(t) for name, t in self._tensors.items()}
 
     def changed(self) -> list[str]:
-        """Names of the tensors written since the snapshot (moved version counter or new value)."""
+        """Names of the tensors written since the snapshot (moved version counter, new memory, or
+        for a buffer a new value)."""
         out = []
         for name, t in self._tensors.items():
-            version = self._versions[name]
-            if (version is not None and version_of(t) != version) or not _same(t, self._saved[name]):
+            before = self._versions[name]
+            saved = self._saved.get(name)
+            if _identity(t) != before or (saved is not None and not _same(t, saved)):
                 out.append(name)
         return out
 
     def restore(self) -> None:
-        """Write the saved values back into every tensor that was written."""
+        """Write the saved values back into every buffer that was written.
+
+        Raises:
+            UnsupportedError: if a parameter was written (it was not copied, so it cannot be).
+        """
+        changed = self.changed()
+        lost = [n for n in changed if n not in self._saved]
+        if lost:
+            raise UnsupportedError(
+                f"the model writes its parameter {lost[0]!r} in place in forward; torchplace runs the model while "
+                "placing it and does not copy parameters to undo that: make it a buffer, or update it outside forward"
+            )
         with torch.no_grad():
-            for name in self.changed():
+            for name in changed:
                 self._tensors[name].copy_(self._saved[name])
-        self._versions = {name: version_of(t) for name, t in self._tensors.items()}
+        self._versions = {name: _identity(t) for name, t in self._tensors.items()}
+
+
+def _identity(t: torch.Tensor) -> tuple[int | None, int]:
+    """A tensor's version counter and the address of its memory (``.data`` assignments change it)."""
+    return version_of(t), t.data_ptr() if t.layout == torch.strided else id(t)
 
 
 def named_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -29,7 +29,11 @@ _Key = tuple[int, int, int]
 
 
 def storage_key(t: torch.Tensor) -> _Key:
-    """Identity of a tensor's memory: tied weights share it."""
+    """Identity of a tensor's memory: tied weights share it. A sparse (or other non-strided)
+    tensor is its own memory: its id, no offset, and the bytes of its values and indices."""
+    if t.layout != torch.strided:
+        parts = (t._values(), t._indices()) if t.layout == torch.sparse_coo else ()
+        return (id(t), 0, sum(int(p.numel() * p.element_size()) for p in parts))
     return (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel() * t.element_size()))
 
 
@@ -112,9 +116,9 @@ def tensor_uses(groups: Sequence[Sequence[fx.Node]], order: Sequence[int], gm: f
                     use.readers.append(i)
     read = list(uses.values())
     for key, model_names in names.items():
-        if key not in uses and order:
-            uses[key] = TensorUse(list(model_names), key[2], _owner_of_unread(model_names[0], read, order[0]),
-                                  trainable=key in trainable)
+        if key not in uses:
+            owner = _owner_of_unread(model_names[0], read, order[0]) if order else None
+            uses[key] = TensorUse(list(model_names), key[2], owner, trainable=key in trainable)
     return list(uses.values())
 
 

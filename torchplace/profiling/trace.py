@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import TraceError, UsageError
 from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, tensor_bytes
 from torchplace.graph import OpGraph
-from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state
+from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.opgraph import build_opgraph
 
 __all__ = ["Traced", "trace"]
@@ -219,9 +219,9 @@ class _Recorder(fx.Interpreter):
     """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]``, and what
     each node reads and writes in an :class:`AccessLog` (every value is kept alive for the log)."""
 
-    def __init__(self, gm: fx.GraphModule, log: AccessLog) -> None:
+    def __init__(self, gm: fx.GraphModule, log: AccessLog, shapes: bool = True) -> None:
         super().__init__(gm, garbage_collect_values=False)
-        self.log = log
+        self.log, self.shapes = log, shapes
 
     def run_node(self, n: fx.Node) -> Any:
         with self._set_current_node(n):
@@ -235,6 +235,8 @@ class _Recorder(fx.Interpreter):
             self.log.constant(n, out)
         elif token is not None:
             self.log.after(n, token, out)
+        if not self.shapes:
+            return out
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         n.meta["torchplace"] = TensorInfo(
             shapes=tuple(tuple(t.shape) for t in tensors),
@@ -246,17 +248,36 @@ class _Recorder(fx.Interpreter):
 
 def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
             example_kwargs: Mapping[str, Any]) -> Effects:
-    """Shape propagation and the in-place analysis on one real run (no grad) of copies of the
-    inputs; the model's parameters and buffers are restored afterwards."""
+    """Shape propagation and the in-place analysis on real runs (no grad) of copies of the
+    inputs; the model's parameters and buffers are restored afterwards.
+
+    The analysis runs at the example batch and at a batch of one, and keeps the union: PyTorch
+    decides some aliasing from strides (``h.t().contiguous()`` is a copy, but an alias of ``h``
+    when a dimension has size one), and strides of a batch of one differ from those of any larger
+    batch, while all larger batches agree."""
     inputs = flat_inputs(gm, example_inputs, example_kwargs, copy=True)
-    log = AccessLog(named_state(gm))
     snapshot = StateSnapshot(model)
+    runs = [(inputs, True)]
+    single = pytree.tree_map_only(torch.Tensor, lambda t: t[:1] if t.dim() > 0 and t.shape[0] > 1 else t, inputs)
+    if any(a is not b for a, b in zip(pytree.tree_leaves(single), pytree.tree_leaves(inputs))):
+        runs.append((single, False))
+    effects = []
     try:
-        with torch.no_grad():
-            _Recorder(gm, log).run(*inputs)
+        for values, shapes in runs:
+            log = AccessLog(named_state(gm))
+            try:
+                with torch.no_grad():
+                    _Recorder(gm, log, shapes).run(*values)
+            except Exception:
+                if shapes:
+                    raise
+                continue  # the model does not run on one sample: no call of it can have one
+            finally:
+                snapshot.restore()
+            effects.append(analyse(gm.graph, log))
     finally:
         snapshot.restore()
-    return analyse(gm.graph, log)
+    return union(effects)
 
 
 def trace(

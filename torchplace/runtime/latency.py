@@ -50,7 +50,7 @@ from torchplace.runtime.devices import (
 )
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.split import StageModule
-from torchplace.runtime.values import Values
+from torchplace.runtime.values import Values, written_inputs
 
 __all__ = ["LatencyExecutor", "StageSpan"]
 
@@ -184,6 +184,7 @@ class LatencyExecutor:
         self.workers = list(stage_workers)
         self.graph_io = graph_io
         self.isolate = isolate
+        self._written_inputs = written_inputs(self.stages, graph_io)
         self._order: dict[str, list[int]] = {}
         for index, worker in enumerate(self.workers):
             self._order.setdefault(worker, []).append(index)
@@ -210,7 +211,8 @@ class LatencyExecutor:
         with self._lock:
             self.stage_params.refresh()
             bound = self.graph_io.bind_inputs(args, kwargs)
-            board = _Board(Values(bound, bound, self.isolate), dict(self._readers), frozenset(self.graph_io.output_names))
+            board = _Board(Values(bound, bound, self.isolate, self._written_inputs), dict(self._readers),
+                           frozenset(self.graph_io.output_names))
             mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             first, *others = self._order
             try:
@@ -232,6 +234,7 @@ class LatencyExecutor:
             names = list(self.graph_io.output_names)
             for name in names:
                 wait_for_producers(board.events.get(name, []), torch.device("cpu"), None)
+            board.values.finish()
             return self.graph_io({n: board.values.originals[n] for n in names})
 
     def _jobs(self, worker: str) -> queue.SimpleQueue:

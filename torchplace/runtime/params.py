@@ -7,12 +7,14 @@ the moved tensor and ``state_dict()`` keeps the model's keys. The home is the de
 stage, in plan order, that reads the tensor.
 
 A tensor that stages on other devices read as well (GPT-2's tied ``wte`` / ``lm_head`` weight, a
-module called twice) gets a *replica* on each such device, installed in that stage only (the
-module path to the slot is cloned for the stage; the model keeps the home tensor):
+module called twice) gets one *replica* on each such device, shared by the stages there that read
+it (the module path to each slot is cloned for its stage; the model keeps the home tensor), as the
+cost model charges one copy per device:
 
 * with grad disabled, or for a tensor that does not require grad, the replica is a copy, made
   again before a call whenever the home tensor changed (an optimizer step or ``load_state_dict``
-  moves its version counter or its memory);
+  moves its version counter or its memory). A write through ``tensor.data`` moves neither:
+  after one, call ``PlacedModule.refresh_replicas()``;
 * with grad enabled and a tensor that requires grad, the replica is ``home.to(device)`` made for
   each call, so the gradients of every use flow back into the one home tensor.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,23 +33,23 @@ from torchplace.profiling.effects import version_of
 __all__ = ["StageParameters", "move_in_place"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Replica:
-    """One slot of one stage that holds a replica of a home tensor."""
+    """The one replica of a home tensor on one plan device, and the stage slots that hold it."""
 
-    owner: nn.Module
-    slot: str
-    kind: str  # "_parameters" or "_buffers"
     home: torch.Tensor
     device: torch.device
     clone: bool  # a copy even on the home's torch device (isolated logical devices)
+    slots: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (owner, "_parameters"/"_buffers", name)
     seen: tuple[int, int | None, torch.device] | None = None
 
-    def install(self, value: torch.Tensor | None) -> None:
-        getattr(self.owner, self.kind)[self.slot] = value
+    def install(self, value: torch.Tensor) -> None:
+        for owner, kind, slot in self.slots:
+            getattr(owner, kind)[slot] = nn.Parameter(value, requires_grad=False) if (
+                kind == "_parameters" and not value.requires_grad) else value
 
     def refresh(self) -> None:
-        """Make the slot hold a replica that reflects the home tensor now (see the module docs)."""
+        """Make the slots hold a replica that reflects the home tensor now (see the module docs)."""
         if torch.is_grad_enabled() and self.home.requires_grad:
             self.install(self.home.clone() if self.clone else self.home.to(self.device))
             self.seen = None
@@ -57,7 +59,7 @@ class _Replica:
             with torch.no_grad():
                 value = self.home.detach().to(self.device)
                 value = value.clone() if self.clone else value
-            self.install(nn.Parameter(value, requires_grad=False) if self.kind == "_parameters" else value)
+            self.install(value)
             self.seen = state
 
 
@@ -126,7 +128,7 @@ class StageParameters:
                 if id(tensor) not in self.home:
                     self.home[id(tensor)], home_device[id(tensor)] = place, device
                     move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
-        self._replicas: list[_Replica] = []
+        replicas: dict[tuple[int, str], _Replica] = {}
         self._by_stage: dict[int, list[_Replica]] = {}
         owned: set[int] = set()
         for index, (stage, device, place) in enumerate(zip(stages, devices, places)):
@@ -136,14 +138,18 @@ class StageParameters:
             ]
             for path, kind, slot, tensor in foreign:
                 owner = _own_path(stage, path, owned)
-                replica = _Replica(owner, slot, kind, tensor, device, home_device[id(tensor)] == device)
-                self._replicas.append(replica)
-                self._by_stage.setdefault(index, []).append(replica)
+                replica = replicas.setdefault(
+                    (id(tensor), place), _Replica(tensor, device, home_device[id(tensor)] == device))
+                replica.slots.append((owner, kind, slot))
+                mine = self._by_stage.setdefault(index, [])
+                if not any(r is replica for r in mine):
+                    mine.append(replica)
+        self._replicas = list(replicas.values())
         self.refresh()
 
     @property
     def replicas(self) -> int:
-        """How many stage slots hold a replica."""
+        """How many replicas there are: one per tensor and plan device that reads it away from home."""
         return len(self._replicas)
 
     def refresh(self) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from torchplace.errors import StageError
+from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import (
     autograd_mode,
     normalize_device,
@@ -55,7 +55,7 @@ from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.split import StageModule
-from torchplace.runtime.values import Values
+from torchplace.runtime.values import Values, written_inputs
 
 __all__ = ["PipelineExecutor"]
 
@@ -180,6 +180,7 @@ class PipelineExecutor:
         self._segments = segments(self.workers)
         self._drops = _drop_schedule(self.stages, assemble_output.output_names)
         self._needed = {n for s in self.stages for n in s.inputs} | set(assemble_output.output_names)
+        self._written_inputs = written_inputs(self.stages, assemble_output)
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
@@ -238,10 +239,11 @@ class PipelineExecutor:
         inner: list[queue.Queue] = [queue.Queue(maxsize=self.queue_size) for _ in self._segments[1:]]
         queues: list[queue.Queue] = [queue.Queue(), *inner, queue.Queue()]
         state = _RunState(queues, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        for index, (args, kwargs) in enumerate(chunks):
-            bound = self.assemble_output.bind_inputs(args, kwargs)
-            carry = {name: value for name, value in bound.items() if name in self._needed}
-            queues[0].put(_Message(index, Values(carry, bound, self.isolate)))
+        bound = [self.assemble_output.bind_inputs(args, kwargs) for args, kwargs in chunks]
+        _check_written_inputs_split(bound, self._written_inputs)
+        for index, values in enumerate(bound):
+            carry = {name: value for name, value in values.items() if name in self._needed}
+            queues[0].put(_Message(index, Values(carry, values, self.isolate, self._written_inputs)))
         return state
 
     def _collect(self, state: _RunState, count: int, threads: Sequence[threading.Thread]) -> list:
@@ -293,6 +295,7 @@ class PipelineExecutor:
             event.record(self._streams[(worker, device)])
             message.events.append((device, event))
         if stages[-1] == len(self.stages) - 1:
+            message.carry.finish()
             message.output = self._assemble(worker, message)
             message.carry = Values({}, ())
 
@@ -326,6 +329,19 @@ class PipelineExecutor:
                 f"assembling the output of micro-batch {message.microbatch} on {worker} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+
+def _check_written_inputs_split(bound: Sequence[Mapping[str, Any]], written: frozenset[str]) -> None:
+    """Refuse micro-batches that would share a written model input (one without a batch
+    dimension): each micro-batch would write it in turn, unlike the model run once per batch."""
+    if len(bound) < 2:
+        return
+    for name in sorted(written):
+        if bound[0].get(name) is bound[1].get(name) and isinstance(bound[0].get(name), torch.Tensor):
+            raise UnsupportedError(
+                f"the model writes its input {name!r} in place, and {name!r} has no batch dimension to split into "
+                "micro-batches, so every micro-batch would write it: place with microbatches=1"
+            )
 
 
 def _check_arguments(

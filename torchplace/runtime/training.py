@@ -39,7 +39,7 @@ from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
 from torchplace.runtime.split import StageModule
-from torchplace.runtime.values import Values
+from torchplace.runtime.values import Values, written_inputs
 
 __all__ = ["TrainingExecutor"]
 
@@ -156,7 +156,7 @@ class TrainingExecutor:
         values = []
         for a, k in chunks:
             bound = self.graph_io.bind_inputs(a, k)
-            values.append(Values(bound, bound, self.isolate))
+            values.append(Values(bound, bound, self.isolate, written_inputs(self.stages, self.graph_io)))
         outputs = set(self.graph_io.output_names)
         pending = {}
         for i in range(len(chunks)):

@@ -5,10 +5,12 @@ and give a stage on another device a copy, made once per (name, device) and reus
 there. In-place writes (:mod:`torchplace.profiling.effects`) make two exceptions, applied by
 :meth:`Values.wrote` after each stage that writes memory in place:
 
-* every copy of a written value (and of its aliases) is forgotten, so a later reader copies the
-  new value;
-* a model input that the stage wrote through its copy is copied back into the caller's tensor,
-  as eager PyTorch would leave it.
+* every copy of a written value (and of its aliases) on another device is forgotten, so a later
+  reader copies the new value;
+* a model input that a stage wrote through its copy makes that copy the input's value from then
+  on (later readers, and views taken there, see the write); :meth:`Values.finish` copies it back
+  into the caller's tensor at the end of the call, as eager PyTorch would leave it. A written
+  input is never dropped before then.
 
 The placement keeps every other write on the device that owns the memory (the writers of a
 tensor share its producer's device), so the originals are the values written.
@@ -21,9 +23,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from torchplace.errors import UnsupportedError
 from torchplace.runtime.devices import to_device
 
-__all__ = ["Values"]
+__all__ = ["Values", "written_inputs"]
 
 
 def _on(value: Any, device: torch.device) -> bool:
@@ -49,12 +52,16 @@ class Values:
             GPUs. A test aid that shows on the CPU what placement on separate memories does.
     """
 
-    def __init__(self, originals: Mapping[str, Any], inputs: Collection[str], isolate: bool = False) -> None:
+    def __init__(self, originals: Mapping[str, Any], inputs: Collection[str], isolate: bool = False,
+                 written_inputs: Collection[str] = ()) -> None:
         self.originals: dict[str, Any] = dict(originals)
         self._home: dict[str, str] = {}
         self._inputs = frozenset(inputs)
         self._isolate = isolate
         self._copies: dict[tuple[str, str], Any] = {}
+        self._written = frozenset(n for n in written_inputs if n in self.originals)
+        self._caller = {n: self.originals[n] for n in self._written}
+        _check_no_alias(self._caller, {n: v for n, v in self.originals.items() if n in self._inputs})
 
     def __contains__(self, name: object) -> bool:
         return name in self.originals
@@ -82,23 +89,55 @@ class Values:
             self._home[name] = place
 
     def drop(self, name: str) -> None:
-        """Forget ``name`` and its copies (no later stage reads it)."""
+        """Forget ``name`` and its copies (no later stage reads it); a written input stays until
+        :meth:`finish`."""
+        if name in self._written:
+            return
         self.originals.pop(name, None)
         self._forget_copies((name,))
 
     def wrote(self, names: Collection[str], place: str) -> None:
-        """After a stage on ``place`` wrote the memory of ``names`` in place: copy written model
-        inputs back into the caller's tensors and forget every copy of ``names``."""
+        """After a stage on ``place`` wrote the memory of ``names`` in place: a model input written
+        through its copy here takes that copy as its value; every other copy of ``names`` is
+        forgotten."""
         for name in names:
-            copy = self._copies.get((name, place))
-            if name in self._inputs and copy is not None and name in self.originals:
-                with torch.no_grad():
-                    tree_map(_copy_into, self.originals[name], copy)
+            copy = self._copies.pop((name, place), None)
+            if name in self._inputs and copy is not None:
+                self.originals[name] = copy
+                self._home[name] = place
         self._forget_copies(names)
+
+    def finish(self) -> None:
+        """Copy the value of every written model input back into the caller's tensor."""
+        with torch.no_grad():
+            for name, caller in self._caller.items():
+                tree_map(_copy_into, caller, self.originals[name])
 
     def _forget_copies(self, names: Collection[str]) -> None:
         for key in [k for k in list(self._copies) if k[0] in names]:
             self._copies.pop(key, None)
+
+
+def written_inputs(stages: Iterable[Any], graph_io: Any) -> frozenset[str]:
+    """The model inputs that some stage writes in place (``StageModule.writes``)."""
+    placeholders = set(getattr(graph_io, "placeholder_names", ()))
+    return frozenset(n for s in stages for n in getattr(s, "writes", ()) if n in placeholders)
+
+
+def _check_no_alias(written: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    """Refuse a call in which a written model input shares memory with another input: the split
+    model copies them apart, where eager PyTorch would let one see the other's write."""
+    owner: dict[int, str] = {}
+    for name, value in inputs.items():
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel():
+                key = t.untyped_storage().data_ptr()
+                other = owner.setdefault(key, name)
+                if other != name and (name in written or other in written):
+                    raise UnsupportedError(
+                        f"inputs {other!r} and {name!r} share memory and the model writes {sorted(written)[0]!r} in "
+                        "place: pass separate tensors (e.g. x.clone()) to the placed model"
+                    )
 
 
 def _copy_into(original: Any, copy: Any) -> Any:
