@@ -21,8 +21,9 @@ from torchplace.devices import Cluster, Device, check_attached, make_cluster
 from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
-from torchplace.problem import Problem
-from torchplace.profiling import profile, trace
+from torchplace.problem import Pipeline, Problem
+from torchplace.profiling import present_kinds, profile, trace
+from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
 __all__ = ["PlacedModule", "place", "placed"]
 
@@ -34,6 +35,10 @@ def place(
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     objective: str = "throughput",
+    mode: str = "inference",
+    optimizer: str | float = "adamw",
+    schedule: str = "1f1b",
+    recompute: bool = True,
     contiguous: bool = True,
     time_limit: float | None = None,
     microbatches: int = 4,
@@ -72,6 +77,18 @@ def place(
         example_kwargs: keyword inputs of that call (``{"input_ids": ids, "attention_mask": m}``).
         objective: ``"throughput"`` (min time per sample of a pipeline of micro-batches) or
             ``"latency"`` (min time of one sample; devices run independent branches at once).
+        mode: ``"inference"`` or ``"training"``: the model is traced in training mode, every
+            operator's backward is timed too, and the plan is solved for a training pipeline
+            (Tarnawski Sec. 5.3): forward and backward of a node on one device, memory for
+            parameters, gradients, optimizer state and the activations the schedule keeps in
+            flight (:mod:`torchplace.costmodel`). ``placed(x)`` then runs with autograd (its
+            backward is the usual ``loss.backward()``), ``placed.step(x, target=y, loss_fn=f)``
+            runs ``schedule``; ``placed.eval()`` runs the model's eval-mode graph on the same devices.
+        optimizer: training: the optimizer whose state the memory model counts (``"sgd"``,
+            ``"momentum"``, ``"adam"``, ``"adamw"``, or state bytes per parameter byte).
+        schedule: training: ``"1f1b"`` (PipeDream-flush) or ``"gpipe"`` (fill-drain).
+        recompute: training: whether the solver may let a device recompute its activations in
+            the backward pass where memory demands it.
         contiguous: whether each device must hold one contiguous piece (throughput only; with
             ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
@@ -105,13 +122,19 @@ def place(
         InvalidPlanError: ``plan`` does not place this model's graph.
     """
     model = check_model(model)
+    if mode not in ("inference", "training"):
+        raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    if mode == "training" and objective != "throughput":
+        raise UsageError("training is placed for throughput (a pipeline of micro-batches); use objective='throughput'")
+    if mode == "training" and schedule not in ("gpipe", "1f1b"):
+        raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective not in ("throughput", "latency"):
         raise UsageError(
             f"objective must be 'throughput' (pipelined time per sample) or 'latency' (time of one sample), "
             f"got {objective!r}"
         )
     solvers.check_method(solver, objective)
-    for name, flag in (("contiguous", contiguous), ("progress", progress)):
+    for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
@@ -127,27 +150,46 @@ def place(
     else:
         cluster = make_cluster(devices, max_memory)
     given = _load_plan(plan) if plan is not None else None
+    training = mode == "training"
+    if training:
+        optimizer_state_factor(optimizer)
     modes = {m: m.training for m in model.modules()}
-    model.eval()
+    model.train(training)
     try:
         try_example_call(model, args, kwargs)
     except BaseException:
-        for m, mode in modes.items():  # a refused call leaves the model as it was
-            m.training = mode
+        for m, was in modes.items():  # a refused call leaves the model as it was
+            m.training = was
         raise
     with torch.no_grad():
-        traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method)
-        kinds = sorted({d.kind for d in cluster.devices})
-        graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress)
-    problem = Problem(graph, cluster, objective=objective, mode="inference",  # type: ignore[arg-type]
-                      contiguous=contiguous and objective == "throughput")
+        traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
+                       training=training)
+    kinds = sorted({d.kind for d in cluster.devices})
+    graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training)
+    pipeline = None
+    if training:
+        graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress)
+        pipeline = Pipeline(microbatches, schedule, recompute)  # type: ignore[arg-type]
+    problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
+                      contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
         solved = _replan(problem, given)
     elif len(graph) == 0:
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    return PlacedModule(traced, problem, solved, microbatches)
+    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+
+
+def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],
+                    optimizer: str | float, warmup: int, repeats: int, progress: bool) -> Any:
+    """The training graph: every node's backward timed on each kind present (twice the forward
+    estimate elsewhere), with gradients and optimizer state (:mod:`torchplace.profiling.training`)."""
+    present = present_kinds()
+    measured = {kind: measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1), repeats=repeats,
+                                       progress=progress)
+                for kind in kinds if kind in present}
+    return training_graph(graph, measured, optimizer, estimated=[k for k in kinds if k not in present])
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:
@@ -208,10 +250,10 @@ class _LazyPlaced(nn.Module):
         return self.placed(*args, **kwargs)
 
     def train(self, mode: bool = True) -> _LazyPlaced:
-        if mode:
+        if mode and self._options.get("mode", "inference") != "training":
             raise UnsupportedError("this model is placed for inference on its first call, with its graph traced in "
-                                   "eval mode: train() would change nothing; train the undecorated model instead")
-        return super().train(False)
+                                   "eval mode: train() would change nothing; decorate with mode='training' to train it")
+        return super().train(mode)
 
     @property
     def plan(self) -> Plan:

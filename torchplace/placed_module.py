@@ -11,18 +11,21 @@ placement exists, ``load_state_dict(assign=True)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchplace.errors import UnsupportedError, UsageError
-from torchplace.plan import Plan
+from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
-from torchplace.profiling import Traced
+from torchplace.profiling import Traced, trace
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
 from torchplace.runtime.devices import normalize_device
-from torchplace.runtime.params import move_in_place
+from torchplace.runtime.params import StageParameters, move_in_place
+from torchplace.runtime.remap import stage_assignment
+from torchplace.runtime.training import TrainingExecutor
 
 __all__ = ["PlacedModule"]
 
@@ -31,6 +34,19 @@ _SAVE_INSTEAD = (
     "torchplace.place(model, devices, example_inputs, plan='plan.json') and placed.load_state_dict(torch.load("
     "'weights.pt'))"
 )
+
+
+def _fx_names(stage: StageModule) -> list[str]:
+    return [n.name for n in stage.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def _forward_stages(problem: Problem, plan: Plan) -> list[Stage]:
+    """The stages a forward run executes: all of them, or for a training plan the ones with
+    forward nodes (autograd runs the backward nodes, on the devices of their forward nodes)."""
+    if problem.mode != "training":
+        return list(plan.stages)
+    run = [s for s in plan.stages if any(not problem.graph.record(v).backward for v in s.nodes)]
+    return run or list(plan.stages[:1])
 
 
 def _home_unread_tensors(model: nn.Module, problem: Problem, plan: Plan) -> None:
@@ -61,28 +77,33 @@ class PlacedModule(nn.Module):
         stage_modules: the stage modules, in plan order (they call the model's own submodules).
     """
 
-    def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1) -> None:
+    def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1,
+                 example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None) -> None:
         super().__init__()
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
-        stage_of = {
-            fx_name: i
-            for i, stage in enumerate(plan.stages)
-            for v in stage.nodes
-            for fx_name in problem.graph.record(v).fx_nodes
-        }
-        stages = split_stages(traced.gm, stage_of, len(plan.stages), traced.effects)
+        self._traced, self._example, self._eval = traced, example, None
+        self._for_training = problem.mode == "training"
+        run = _forward_stages(problem, plan)
+        stage_of = {f: i for i, s in enumerate(run) for v in s.nodes for f in problem.graph.record(v).fx_nodes}
+        stages = split_stages(traced.gm, stage_of, len(run), traced.effects)
         self._stages = tuple(stages)
-        devices = [problem.cluster.device(s.device) for s in plan.stages]
-        torch_devices, workers = [d.torch_device for d in devices], [d.name for d in devices]
-        isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
+        devices = [problem.cluster.device(s.device) for s in run]
+        self._torch_devices, self._workers = [d.torch_device for d in devices], [d.name for d in devices]
+        self._isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
         self._executor: PipelineExecutor | LatencyExecutor
+        self._trainer: TrainingExecutor | None = None
         if problem.objective == "latency":
             self.microbatches = 1
-            self._executor = LatencyExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
+            self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+                                             isolate=self._isolate)
         else:
-            self._executor = PipelineExecutor(stages, torch_devices, workers, GraphIO(traced.gm), isolate=isolate)
+            self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+                                              isolate=self._isolate)
+        if self._for_training:
+            self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+                                             stage_params=self._executor.stage_params, isolate=self._isolate)
         if traced.model is not None:
             _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)
@@ -103,20 +124,74 @@ class PlacedModule(nn.Module):
         """Copy every tensor a stage reads away from its home device again. A call does this by
         itself when a tensor changed (an optimizer step, ``load_state_dict``); call it after a
         write through ``tensor.data``, which PyTorch does not count as a change."""
-        for replica in self._executor.stage_params._replicas:
-            replica.seen = None
-        self._executor.stage_params.refresh()
+        for executor in (self._executor, self._eval):
+            if executor is not None:
+                executor.stage_params.forget()
+                executor.stage_params.refresh()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if any(m.training for m in self.modules()):
+        training = {m.training for m in self.modules()}
+        if len(training) > 1:
+            raise UnsupportedError("some modules of the placed model are in training mode and some in eval mode; "
+                                   "call placed.train() or placed.eval() so that all agree")
+        if training == {True} and not self._for_training:
             raise UnsupportedError(
                 "a module of the placed model is in training mode (model.train() was called after placing?): this "
                 "placement runs the graph traced in eval mode; call placed.eval() (or model.eval()), or place the "
-                "model for training"
+                "model for training (mode='training')"
             )
-        if isinstance(self._executor, LatencyExecutor):
-            return self._executor.run(args, kwargs)
-        return self._executor.run(args, kwargs, self.microbatches)
+        executor = self._eval_executor() if self._for_training and training == {False} else self._executor
+        if isinstance(executor, LatencyExecutor):
+            return executor.run(args, kwargs)
+        return executor.run(args, kwargs, self.microbatches)
+
+    def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], schedule: str | None = None,
+             **kwargs: Any) -> list[torch.Tensor]:
+        """One training step of the batch ``(args, kwargs)`` through the plan's pipeline schedule
+        (or ``schedule``: ``"1f1b"`` or ``"gpipe"``, which the plan's memory need not allow for).
+
+        The batch is split into :attr:`microbatches` micro-batches (dim 0, ``target`` too); each
+        micro-batch's ``loss_fn(output, target)`` is back-propagated scaled by ``1/m``, so the
+        parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss: for a loss that
+        is a mean over samples and equal micro-batches, the gradient of the full batch's loss.
+        Call ``optimizer.step()`` and ``optimizer.zero_grad()`` around it as usual.
+
+        Returns:
+            Each micro-batch's loss (detached).
+
+        Raises:
+            UnsupportedError: if the model was placed for inference, or is in eval mode.
+            StageError: a stage's forward or backward failed (named with its micro-batch).
+        """
+        if self._trainer is None or self.problem.pipeline is None:
+            raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
+        if not all(m.training for m in self.modules()):
+            raise UnsupportedError("step() trains: call placed.train() first (it is in eval mode)")
+        if schedule not in (None, "1f1b", "gpipe"):
+            raise UsageError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+        return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
+                                  schedule or self.problem.pipeline.schedule)
+
+    def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
+        """The eval-mode graph of a model placed for training, split like the training graph
+        (:func:`~torchplace.runtime.remap.stage_assignment`); traced on the first eval-mode call."""
+        if self._eval is None:
+            traced, model = self._traced, self._traced.model
+            if self._example is None or model is None:
+                raise UnsupportedError("eval mode of this training placement needs the model and its example inputs; "
+                                       "build it with torchplace.place(..., mode='training')")
+            args, kwargs = self._example
+            with torch.no_grad():
+                other = trace(model, args, kwargs, granularity=traced.granularity, leaf_modules=traced.leaf_types,
+                              method=traced.method)
+            known = {f: i for i, stage in enumerate(self._stages) for f in _fx_names(stage)}
+            stage_of = stage_assignment(other.gm.graph, other.effects, known, self._workers)
+            stages = split_stages(other.gm, stage_of, len(self._stages), other.effects)
+            params = StageParameters(stages, [normalize_device(d) for d in self._torch_devices], self._workers,
+                                     self._isolate, homes=self._executor.stage_params)
+            self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
+                                          isolate=self._isolate, stage_params=params)
+        return self._eval
 
     def device_map(self) -> dict[str, str]:
         """Where each module's weights live, in accelerate's ``device_map`` form."""
@@ -124,13 +199,13 @@ class PlacedModule(nn.Module):
 
     # -- what a placed model refuses ----------------------------------------------------------------
     def train(self, mode: bool = True) -> PlacedModule:
-        if mode:
+        if mode and not self._for_training:
             raise UnsupportedError(
                 "this model was placed for inference, and its traced graph runs in eval mode (dropout off, "
                 "BatchNorm on running statistics): calling train() would change nothing and silently; train "
                 "the unplaced model, or place it for training when torchplace supports it"
             )
-        return super().train(False)
+        return super().train(mode)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PlacedModule:
         raise UnsupportedError(

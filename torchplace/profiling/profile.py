@@ -111,7 +111,7 @@ def _restoring(snapshot: StateSnapshot) -> Iterator[None]:
 
 def _measure(
     traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any], kind: str,
-    warmup: int, repeats: int, progress: bool,
+    warmup: int, repeats: int, progress: bool, grad: bool = False,
 ) -> dict[str, float]:
     """Median seconds per compute fx node over ``repeats`` runs after ``warmup`` runs.
 
@@ -121,7 +121,7 @@ def _measure(
     samples: dict[str, list[float]] = {}
     bar = tqdm(range(warmup + repeats), desc=f"profiling on {kind}", disable=not progress, leave=False)
     snapshot = StateSnapshot(gm)
-    with torch.no_grad(), _restoring(snapshot):
+    with torch.set_grad_enabled(grad), _restoring(snapshot):
         for i in bar:
             _, inputs = _on_device(traced.gm, traced.flat_inputs(example_inputs, example_kwargs), kind, copy_module=False)
             timer = _CudaTimer() if kind == "cuda" else _CpuTimer()
@@ -157,6 +157,7 @@ def profile(
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
+    grad: bool = False,
 ) -> OpGraph:
     """Time every node of ``traced.graph`` on each device kind.
 
@@ -169,6 +170,7 @@ def profile(
         warmup: untimed runs before measuring.
         repeats: timed runs; each fx node's time is the median over them.
         progress: show a tqdm bar over the runs.
+        grad: time with autograd recording, as a training forward pass runs.
 
     Returns:
         A new :class:`OpGraph` with the same nodes, edges and meta, and ``times`` filled in.
@@ -182,7 +184,7 @@ def profile(
     times: dict[str, dict[str, float]] = {}
     for kind in dict.fromkeys(kinds):
         if kind in present:
-            fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress)
+            fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
             times[kind] = _node_times(traced.graph, fx_times)
         else:
             times[kind] = estimate_times(traced, example_inputs, kind, example_kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ class Traced:
         effects: the graph's in-place writes and what they force on a placement
             (:mod:`torchplace.profiling.effects`).
         model: the traced model (whose parameters and buffers ``gm`` shares).
+        granularity, leaf_types: how it was traced (to trace it again alike).
     """
 
     gm: fx.GraphModule
@@ -65,6 +66,8 @@ class Traced:
     method: str
     effects: Effects = field(default_factory=Effects)
     model: nn.Module | None = None
+    granularity: str = "operator"
+    leaf_types: tuple[type, ...] = ()
 
     def flat_inputs(self, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
         """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
@@ -288,6 +291,7 @@ def trace(
     granularity: str = "operator",
     leaf_modules: Iterable[type] = (),
     method: str = "auto",
+    training: bool = False,
 ) -> Traced:
     """Trace ``model`` into a GraphModule and an :class:`OpGraph` with sizes (no times yet).
 
@@ -301,6 +305,8 @@ def trace(
             leaves). Ops outside every leaf are their own nodes.
         leaf_modules: module classes never traced into.
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx, falling back to export).
+        training: the graph will be trained: the accessors of memory written in place become one
+            node each (a stage boundary is an autograd leaf, which an in-place op may not write).
 
     Returns:
         A :class:`Traced`; each fx node's :class:`TensorInfo` is in ``node.meta["torchplace"]``.
@@ -323,5 +329,7 @@ def trace(
     kwargs = dict(example_kwargs or {})
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level)
     effects = _record(gm, model, example_inputs, kwargs)
-    graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=effects)
-    return Traced(gm=gm, graph=graph, method=used, effects=effects, model=model)
+    grouping = replace(effects, merged=effects.merged + effects.colocated, colocated=()) if training else effects
+    graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=grouping)
+    return Traced(gm=gm, graph=graph, method=used, effects=effects, model=model, granularity=granularity,
+                  leaf_types=leaf_types)

@@ -115,14 +115,20 @@ class StageParameters:
         isolate: treat every plan device as its own memory even where two share a torch device,
             so replicas are made between logical CPUs too (a test aid).
 
+        homes: the homes another split of the same model already gave its tensors (``home`` and
+            ``home_device`` of its StageParameters): they stay there, and stages elsewhere get
+            replicas (an eval-mode split of a model placed for training).
+
     Attributes:
         home: ``id(tensor)`` -> the plan device that holds it.
+        home_device: ``id(tensor)`` -> its torch device.
     """
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], places: Sequence[str],
-                 isolate: bool = False) -> None:
-        self.home: dict[int, str] = {}
-        home_device: dict[int, torch.device] = {}
+                 isolate: bool = False, homes: StageParameters | None = None) -> None:
+        self.home: dict[int, str] = dict(homes.home) if homes else {}
+        self.home_device: dict[int, torch.device] = dict(homes.home_device) if homes else {}
+        home_device = self.home_device
         for stage, device, place in zip(stages, devices, places):
             for path, _, _, slot, tensor in _slots(stage):
                 if id(tensor) not in self.home:
@@ -156,6 +162,11 @@ class StageParameters:
         """Bring every replica up to date with its home tensor; call before each run."""
         for replica in self._replicas:
             replica.refresh()
+
+    def forget(self) -> None:
+        """Treat every replica as stale: the next :meth:`refresh` copies them all again."""
+        for replica in self._replicas:
+            replica.seen = None
 
     def refresh_stage(self, index: int) -> None:
         """Bring stage ``index``'s replicas up to date; call before each of its runs when a run

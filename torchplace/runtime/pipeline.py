@@ -152,6 +152,8 @@ class PipelineExecutor:
         queue_size: the capacity of each queue between segments (at least 1).
         isolate: give every worker its own memory even on one torch device (a test aid, see
             :class:`~torchplace.runtime.values.Values`).
+        stage_params: the stages' parameter homes and replicas, when another executor of the same
+            stages made them already (made here otherwise).
 
     Raises:
         ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
@@ -169,6 +171,7 @@ class PipelineExecutor:
         assemble_output: Any,
         queue_size: int = 2,
         isolate: bool = False,
+        stage_params: StageParameters | None = None,
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
         self.stages = list(stages)
@@ -184,7 +187,7 @@ class PipelineExecutor:
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
-        self.stage_params = StageParameters(self.stages, self.devices, self.workers, isolate)
+        self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def _make_streams(self) -> dict[tuple[str, torch.device], Any]:
         """One CUDA stream per (worker, CUDA device) pair."""

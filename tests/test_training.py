@@ -1,0 +1,183 @@
+"""Training placed models: gradients, optimizer steps, BatchNorm statistics and tied weights equal the
+unsplit model's on the same micro-batches (issue 10, item 5).
+
+Every comparison runs with ``TORCHPLACE_ISOLATE_DEVICES=1`` (each logical CPU has memory of its own,
+so values and gradients crossing devices are real copies). The models have no dropout (or dropout
+0): the masks come from one random generator, drawn in pipeline order, so they could not match.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace.errors import UnsupportedError
+from torchplace.models import MLP, ResidualCNN
+
+DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
+QUICK = {"progress": False, "repeats": 1, "warmup": 1}
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch):
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+
+
+def _encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=63, eos_token_id=63)
+    return GPT2LMHeadModel(config)
+
+
+def _data(name: str, batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return (torch.randn(batch, 32, generator=g),), torch.randn(batch, 10, generator=g), nn.functional.mse_loss
+    if name == "resnet":
+        return (torch.randn(batch, 3, 8, 8, generator=g),), torch.randint(0, 10, (batch,), generator=g), nn.functional.cross_entropy
+    if name == "encoder":
+        return (torch.randn(batch, 5, 16, generator=g),), torch.randn(batch, 5, 16, generator=g), nn.functional.mse_loss
+    ids = torch.randint(0, 64, (batch, 12), generator=g)
+
+    def lm_loss(out, target):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    return (ids,), ids.roll(-1, dims=1), lm_loss
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+        return _gpt2()
+    return {"mlp": lambda: MLP(), "resnet": lambda: ResidualCNN(), "encoder": _encoder}[name]()
+
+
+def _reference_step(model, inputs, target, loss_fn, m):
+    """The unsplit model on the same micro-batches, the loss averaged over them."""
+    losses = []
+    for part, tpart in zip(zip(*(t.tensor_split(m) for t in inputs)), target.tensor_split(m)):
+        loss = loss_fn(model(*part), tpart)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _close_grads(placed_model, reference):
+    for (name, p), q in zip(placed_model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _place(model, inputs, n, **options):
+    return torchplace.place(model, DEVICES[n], inputs, mode="training", **{**QUICK, "microbatches": 4, **options})
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("name", ["mlp", "resnet", "encoder", "gpt2"])
+def test_a_step_gives_the_unsplit_model_s_gradients(name, n, contiguous):
+    """Both schedules, one after the other, on one placement (BatchNorm's statistics carry over)."""
+    model = _model(name).train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data(name)
+    placed = _place(model, inputs, n, contiguous=contiguous)
+    for schedule in ("1f1b", "gpipe"):
+        model.zero_grad()
+        reference.zero_grad()
+        losses = placed.step(*inputs, target=target, loss_fn=loss_fn, schedule=schedule)
+        expected = _reference_step(reference, inputs, target, loss_fn, 4)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+        _close_grads(model, reference)
+        for (name_, b), c in zip(model.named_buffers(), reference.buffers()):  # BatchNorm, per micro-batch
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name_)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet"])
+def test_transparent_autograd_gives_the_same_gradients(name):
+    model = _model(name).train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data(name)
+    placed = _place(model, inputs, 2)
+    loss_fn(placed(*inputs), target).backward()
+    parts = [reference(*p) for p in zip(*(t.tensor_split(4) for t in inputs))]
+    loss_fn(torch.cat(parts), target).backward()
+    _close_grads(model, reference)
+
+
+def test_twenty_adamw_steps_follow_unsplit_training():
+    model = _model("resnet").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("resnet")
+    placed = _place(model, inputs, 3, contiguous=False)
+    opt, ref_opt = torch.optim.AdamW(placed.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    curve, ref_curve = [], []
+    for _ in range(20):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        curve.append(torch.stack(placed.step(*inputs, target=target, loss_fn=loss_fn)).mean())
+        ref_curve.append(torch.stack(_reference_step(reference, inputs, target, loss_fn, 4)).mean())
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(torch.stack(curve), torch.stack(ref_curve), rtol=1e-4, atol=1e-5)
+    assert curve[-1] < curve[0]  # it trains
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    for b, c in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_weights_get_both_uses_gradients_and_stay_one_tensor():
+    model = _model("gpt2").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("gpt2")
+    placed = _place(model, inputs, 3)
+    head = next(v for v, r in placed.problem.graph.records() if r.module == "lm_head" and not r.backward)
+    wte = next(v for v, r in placed.problem.graph.records() if r.module == "transformer.wte" and not r.backward)
+    assign = placed.plan.assignment
+    placed.step(*inputs, target=target, loss_fn=loss_fn)
+    _reference_step(reference, inputs, target, loss_fn, 4)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+    assert sum(1 for p in placed.parameters() if p is model.lm_head.weight) == 1  # one Parameter, one .grad
+    if assign[head] != assign[wte]:  # lm_head ran on a replica; its gradient reached the one weight
+        assert placed._executor.stage_params.replicas >= 1
+
+
+def test_one_placed_module_trains_and_evaluates():
+    model = _model("resnet").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("resnet")
+    placed = _place(model, inputs, 2, microbatches=1)
+    placed.step(*inputs, target=target, loss_fn=loss_fn)
+    _reference_step(reference, inputs, target, loss_fn, 1)
+    placed.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), reference(*inputs))  # running statistics, not the batch's
+    with pytest.raises(UnsupportedError, match="train"):
+        placed.step(*inputs, target=target, loss_fn=loss_fn)
+    placed.train()
+    reference.train()
+    placed.step(*inputs, target=target, loss_fn=loss_fn)
+    _reference_step(reference, inputs, target, loss_fn, 1)
+    _close_grads(model, reference)
+
+
+def test_a_model_placed_for_inference_does_not_train():
+    model = _model("mlp")
+    inputs, target, loss_fn = _data("mlp")
+    placed = torchplace.place(model, DEVICES[2], inputs, **QUICK)
+    with pytest.raises(UnsupportedError, match="mode='training'"):
+        placed.step(*inputs, target=target, loss_fn=loss_fn)
