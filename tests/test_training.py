@@ -181,3 +181,28 @@ def test_a_model_placed_for_inference_does_not_train():
     placed = torchplace.place(model, DEVICES[2], inputs, **QUICK)
     with pytest.raises(UnsupportedError, match="mode='training'"):
         placed.step(*inputs, target=target, loss_fn=loss_fn)
+
+
+def test_with_a_mean_loss_a_step_matches_one_full_batch_step():
+    """Equal micro-batches and a loss that is a mean over samples: the 1/m scaling gives the full
+    batch's gradient (to float rounding: the sums are grouped differently)."""
+    model = _model("mlp").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("mlp")
+    placed = _place(model, inputs, 2)
+    placed.step(*inputs, target=target, loss_fn=loss_fn)
+    loss_fn(reference(*inputs), target).backward()
+    _close_grads(model, reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_and_cpu_training_gives_the_unsplit_gradients(monkeypatch):
+    monkeypatch.delenv("TORCHPLACE_ISOLATE_DEVICES")
+    model = _model("resnet").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("resnet")
+    placed = torchplace.place(model, ["cuda:0", "cpu"], inputs, mode="training", microbatches=4, **QUICK)
+    placed.step(*inputs, target=target, loss_fn=loss_fn)
+    _reference_step(reference, inputs, target, loss_fn, 4)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-4, msg=name)  # CUDA rounds differently
