@@ -116,3 +116,43 @@ def test_a_failing_backward_names_the_stage_microbatch_and_direction():
     model.c.register_full_backward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(StageError, match=r"stage 1 .* backward pass of micro-batch \d: RuntimeError: boom"):
         executor.step((x,), {}, y, nn.functional.mse_loss, 2, "1f1b")
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+@pytest.mark.parametrize("recompute", [(True, False), (False, True), (True, True)])
+def test_recomputed_stages_give_the_same_gradients_and_statistics(recompute):
+    torch.manual_seed(0)
+    model = WithBatchNorm().train()
+    reference = copy.deepcopy(model)
+    gm = fx.symbolic_trace(model)
+    nodes = compute_nodes(gm.graph)
+    stage_of = {n.name: 0 if i < 2 else 1 for i, n in enumerate(nodes)}
+    stages = split_stages(gm, stage_of, 2)
+    executor = TrainingExecutor(stages, ["cpu", "cpu"], ["cpu:0", "cpu:1"], GraphIO(gm), isolate=True,
+                                recompute=recompute)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    executor.step((x,), {}, y, nn.functional.mse_loss, 3, "1f1b")
+    for xs, ys in zip(x.tensor_split(3), y.tensor_split(3)):
+        (nn.functional.mse_loss(reference(xs), ys) / 3).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    for b, c in zip(model.buffers(), reference.buffers()):  # the statistics advanced once per micro-batch
+        assert torch.equal(b, c)
+
+
+def test_a_stage_with_dropout_is_not_recomputed():
+    from torchplace.errors import UnsupportedError
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    gm = fx.symbolic_trace(model)
+    stages = split_stages(gm, {n.name: 0 for n in compute_nodes(gm.graph)}, 1)
+    with pytest.raises(UnsupportedError, match="random numbers"):
+        TrainingExecutor(stages, ["cpu"], ["cpu:0"], GraphIO(gm), recompute=[True])

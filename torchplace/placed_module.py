@@ -102,8 +102,10 @@ class PlacedModule(nn.Module):
             self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                               isolate=self._isolate)
         if self._for_training:
+            recomputing = {s.device for s in plan.stages if s.recompute}
             self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
-                                             stage_params=self._executor.stage_params, isolate=self._isolate)
+                                             stage_params=self._executor.stage_params, isolate=self._isolate,
+                                             recompute=[w in recomputing for w in self._workers])
         if traced.model is not None:
             _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchplace.errors import StageError
+from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import normalize_device
 from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
@@ -99,12 +99,22 @@ class TrainingExecutor:
         graph_io: the :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
         stage_params: the stages' parameter homes and replicas (made here if not given).
         isolate: give every worker its own memory (a test aid, :class:`~torchplace.runtime.values.Values`).
+        recompute: per stage, whether its forward pass keeps only its inputs and its backward pass
+            runs the forward again with grad first (activation recomputation, Chen et al. 2016):
+            the buffers the stage updates (BatchNorm's statistics) are put back after the second
+            run, so they advance once. A stage that draws random numbers or writes a model input
+            in place cannot be recomputed exactly and is refused.
     """
 
     def __init__(self, stages: Sequence[StageModule], stage_devices: Sequence[str], stage_workers: Sequence[str],
-                 graph_io: Any, *, stage_params: StageParameters | None = None, isolate: bool = False) -> None:
+                 graph_io: Any, *, stage_params: StageParameters | None = None, isolate: bool = False,
+                 recompute: Sequence[bool] = ()) -> None:
         if not len(stages) == len(stage_devices) == len(stage_workers) or not stages:
             raise ValueError("a training executor needs one device and one worker per stage, and a stage")
+        self.recompute = tuple(recompute) or (False,) * len(stages)
+        for s, again in enumerate(self.recompute):
+            if again:
+                _check_recomputable(stages[s], s, graph_io)
         self.stages = list(stages)
         self.devices = [normalize_device(d) for d in stage_devices]
         self.workers = list(stage_workers)
@@ -198,7 +208,11 @@ class TrainingExecutor:
                 got = [values.get(n, worker, device, None) for n in stage.inputs]
             leaves = [_leaf(v) for v in got]
             self.stage_params.refresh_stage(a.stage)
-            outputs = stage.forward(*leaves)
+            if self.recompute[a.stage]:  # keep only the inputs; the outputs carry no history
+                with torch.no_grad():
+                    outputs = tuple(_needs_grad(o) for o in stage.forward(*leaves))
+            else:
+                outputs = stage.forward(*leaves)
             with state.cond:
                 values.wrote(stage.writes, worker)
                 values.put(zip(stage.outputs, outputs), worker)
@@ -236,11 +250,17 @@ class TrainingExecutor:
         state.wait(lambda: all(state.pending[a.microbatch, n] == 0 for n in stage.outputs))
         try:
             with state.cond:
-                pairs = [(o, state.grads.pop((a.microbatch, n), None)) for n, o in zip(stage.outputs, state.outputs.pop(key))]
+                outputs = state.outputs.pop(key)
                 leaves = state.leaves.pop(key)
-            tensors, grads = _with_grads(pairs)
+                grads_in = [state.grads.pop((a.microbatch, n), None) for n in stage.outputs]
+            restore = None
+            if self.recompute[a.stage]:
+                outputs, restore = self._recompute(a.stage, leaves)
+            tensors, grads = _with_grads(list(zip(outputs, grads_in)))
             if tensors:
                 torch.autograd.backward(tensors, grads)
+            if restore is not None:
+                restore()
         except Exception as error:
             raise StageError(f"stage {a.stage} on {worker} failed in the backward pass of micro-batch "
                              f"{a.microbatch}: {type(error).__name__}: {error}") from error
@@ -249,6 +269,22 @@ class TrainingExecutor:
                 if n in self._producer:
                     self._contribute(state, a.microbatch, n, leaf)
             state.cond.notify_all()
+
+    def _recompute(self, index: int, leaves: Mapping[str, Any]) -> tuple[tuple[Any, ...], Callable[[], None]]:
+        """Stage ``index``'s forward again, with grad, on the inputs it kept, and a function that
+        puts back the buffers it updates (they advanced in the first run); call it after the
+        backward, which may check the versions of what it saved."""
+        stage = self.stages[index]
+        buffers = [(b, b.detach().clone()) for b in stage.buffers()]
+        self.stage_params.refresh_stage(index)
+        outputs = tuple(stage.forward(*(leaves[n] for n in stage.inputs)))
+
+        def restore() -> None:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+        return outputs, restore
 
     def _contribute(self, state: _Step, i: int, name: str, leaf: Any) -> None:
         """Add ``leaf``'s gradient to the gradient of value ``name`` (on the producer's device);
@@ -259,6 +295,31 @@ class TrainingExecutor:
             have = state.grads.get((i, name))
             state.grads[i, name] = grad if have is None else _add(have, grad)
         state.pending[i, name] -= 1
+
+
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "exponential", "geometric",
+           "cauchy", "log_normal", "uniform_")
+
+
+def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
+    """Refuse recomputing a stage whose second run would differ from its first."""
+    for n in stage.graph.nodes:
+        name = str(n.target).lower() if n.op != "call_module" else type(stage.get_submodule(str(n.target))).__name__.lower()
+        if n.op in ("call_function", "call_method", "call_module") and any(r in name for r in _RANDOM):
+            raise UnsupportedError(f"stage {index} draws random numbers ({n.name}: {n.target}), so recomputing its "
+                                   "activations would not reproduce them: place without recomputation (recompute=False)")
+    written = set(stage.writes) & set(getattr(graph_io, "placeholder_names", ()))
+    if written:
+        raise UnsupportedError(f"stage {index} writes the model input {sorted(written)[0]!r} in place, which a second run "
+                               "would write again: place without recomputation (recompute=False)")
+
+
+def _needs_grad(value: Any) -> Any:
+    """An output of a recomputing stage's forward (run without grad), marked as one whose
+    gradient the stage wants back when it is a floating-point tensor."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.requires_grad_(True)
+    return value
 
 
 def _grad_like(leaf: Any, original: Any) -> Any:
