@@ -25,7 +25,9 @@ copies and compute in training steps yet).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +129,11 @@ class TrainingExecutor:
             for name in stage.inputs:
                 self._consumers[name] = self._consumers.get(name, 0) + 1
         self._lock = threading.Lock()
+        self.saved: SavedBytes | None = None
+
+    def track_saved(self, on: bool = True) -> None:
+        """Measure the activations each worker keeps for backward (peaks in ``self.saved.peak``)."""
+        self.saved = SavedBytes() if on else None
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any,
@@ -177,7 +184,7 @@ class TrainingExecutor:
     def _work(self, state: _Step, worker: str, order: Sequence[Action], targets: Sequence[Any],
               loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._saved_tracking(worker):
                 for action in order:
                     if action.kind == "F":
                         self._forward(state, action, worker)
@@ -196,6 +203,13 @@ class TrainingExecutor:
             wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
             wrapped.__cause__ = error
             state.fail(wrapped)
+
+    def _saved_tracking(self, worker: str) -> Any:
+        """While a worker runs: count the bytes autograd saves for backward on it, each storage once
+        while any saved reference to it lives (:attr:`peak_saved`), when ``track_saved`` is set."""
+        if self.saved is None:
+            return contextlib.nullcontext()
+        return self.saved.hooks(worker)
 
     # -- the actions ------------------------------------------------------------------------------------
     def _forward(self, state: _Step, a: Action, worker: str) -> None:
@@ -320,6 +334,53 @@ def _needs_grad(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.requires_grad_(True)
     return value
+
+
+class SavedBytes:
+    """Bytes of tensors autograd keeps for backward, per worker: live now and at the peak.
+
+    A saved tensor is boxed when autograd packs it; the box lives as long as autograd keeps it,
+    and its storage counts once per worker while any box of it lives.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._refs: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def hooks(self, worker: str) -> Any:
+        def pack(t: torch.Tensor) -> Any:
+            if t.layout != torch.strided or isinstance(t, torch.nn.Parameter):
+                return t
+            box = _Box(t)
+            key, nbytes = (worker, t.untyped_storage().data_ptr()), t.untyped_storage().nbytes()
+            with self._lock:
+                self._refs[key] = self._refs.get(key, 0) + 1
+                if self._refs[key] == 1:
+                    self.live[worker] = self.live.get(worker, 0) + nbytes
+                    self.peak[worker] = max(self.peak.get(worker, 0), self.live[worker])
+            weakref.finalize(box, self._release, key, nbytes)
+            return box
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return packed.tensor if isinstance(packed, _Box) else packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _release(self, key: tuple[str, int], nbytes: int) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if self._refs[key] == 0:
+                del self._refs[key]
+                self.live[key[0]] -= nbytes
+
+
+class _Box:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 def _grad_like(leaf: Any, original: Any) -> Any:
