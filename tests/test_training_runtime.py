@@ -156,3 +156,11 @@ def test_a_stage_with_dropout_is_not_recomputed():
     stages = split_stages(gm, {n.name: 0 for n in compute_nodes(gm.graph)}, 1)
     with pytest.raises(UnsupportedError, match="random numbers"):
         TrainingExecutor(stages, ["cpu"], ["cpu:0"], GraphIO(gm), recompute=[True])
+
+
+def test_a_dropout_of_zero_or_in_eval_mode_is_recomputed():
+    for model in (nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 4)),
+                  nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4)).eval()):
+        gm = fx.symbolic_trace(model)
+        stages = split_stages(gm, {n.name: 0 for n in compute_nodes(gm.graph)}, 1)
+        TrainingExecutor(stages, ["cpu"], ["cpu:0"], GraphIO(gm), recompute=[True])
