@@ -15,7 +15,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from torchplace.errors import StageError
+
 __all__ = [
+    "as_stage_error",
     "autograd_mode",
     "move_module",
     "normalize_device",
@@ -89,3 +92,12 @@ def autograd_mode(grad_enabled: bool, inference_mode: bool) -> Iterator[None]:
     """Apply the caller's thread-local autograd modes in a worker thread."""
     with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
         yield
+
+
+def as_stage_error(worker: str, error: BaseException) -> StageError:
+    """``error`` as the :class:`~torchplace.errors.StageError` a worker reports (chained from it)."""
+    if isinstance(error, StageError):
+        return error
+    wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

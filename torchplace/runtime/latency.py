@@ -43,6 +43,7 @@ import torch
 
 from torchplace.errors import StageError
 from torchplace.runtime.devices import (
+    as_stage_error,
     autograd_mode,
     normalize_device,
     stream_context,
@@ -261,11 +262,7 @@ class LatencyExecutor:
         except _Stopped:
             return
         except Exception as error:  # noqa: BLE001 - every failure must reach the caller
-            if not isinstance(error, StageError):
-                wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
-                wrapped.__cause__ = error
-                error = wrapped
-            board.fail(error)
+            board.fail(as_stage_error(worker, error))
 
     def _run_stage(self, board: _Board, worker: str, index: int) -> None:
         stage, device = self.stages[index], self.devices[index]

@@ -46,6 +46,7 @@ import torch
 
 from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import (
+    as_stage_error,
     autograd_mode,
     normalize_device,
     stream_context,
@@ -281,12 +282,8 @@ class PipelineExecutor:
                     _put(state.queues[segment + 1], message, state.stop)
         except _Stopped:
             return
-        except StageError as error:
-            state.fail(error)
         except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
-            wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
-            wrapped.__cause__ = error
-            state.fail(wrapped)
+            state.fail(as_stage_error(worker, error))
 
     def _run_segment(self, state: _RunState, worker: str, segment: int, message: _Message) -> None:
         """Run one segment's stages on a message; assemble the output after the last stage."""

@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchplace.errors import StageError, UnsupportedError
-from torchplace.runtime.devices import normalize_device
+from torchplace.runtime.devices import as_stage_error, normalize_device
 from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
@@ -197,12 +197,8 @@ class TrainingExecutor:
                         state.cond.notify_all()
         except _Stopped:
             return
-        except StageError as error:
-            state.fail(error)
         except BaseException as error:  # noqa: BLE001 - every failure must reach the caller
-            wrapped = StageError(f"worker {worker} failed: {type(error).__name__}: {error}")
-            wrapped.__cause__ = error
-            state.fail(wrapped)
+            state.fail(as_stage_error(worker, error))
 
     def _saved_tracking(self, worker: str) -> Any:
         """While a worker runs: count the bytes autograd saves for backward on it, each storage once
