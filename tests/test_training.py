@@ -128,6 +128,8 @@ def test_twenty_adamw_steps_follow_unsplit_training():
         ref_opt.zero_grad()
         curve.append(torch.stack(placed.step(*inputs, target=target, loss_fn=loss_fn)).mean())
         ref_curve.append(torch.stack(_reference_step(reference, inputs, target, loss_fn, 4)).mean())
+        norm = nn.utils.clip_grad_norm_(placed.parameters(), 1.0)  # over parameters on several devices
+        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 1.0), rtol=1e-5, atol=1e-6)
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(torch.stack(curve), torch.stack(ref_curve), rtol=1e-4, atol=1e-5)
