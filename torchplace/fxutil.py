@@ -12,7 +12,16 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-__all__ = ["COMPUTE_OPS", "TensorInfo", "bind_placeholders", "fetch_attr", "flat_inputs", "is_compute", "tensor_bytes"]
+__all__ = [
+    "COMPUTE_OPS",
+    "TensorInfo",
+    "bind_placeholders",
+    "fetch_attr",
+    "flat_inputs",
+    "is_compute",
+    "pin_devices",
+    "tensor_bytes",
+]
 
 COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
 """fx node ops that become OpGraph nodes and that a plan assigns to stages."""
@@ -112,3 +121,47 @@ def tensor_bytes(value: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
     )
+
+
+def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:
+    """Make every device constant in ``gm``'s graph ``device``; returns how many were changed.
+
+    ``torch.export`` records the device a factory op or conversion ran on at trace time as a
+    constant (``arange(n, device=x.device)`` becomes ``aten.arange(n, device=cpu)``; the same holds
+    for ``full``, ``zeros``, ``to``, ``_assert_tensor_metadata`` ...), where the model computed it
+    from its inputs. A graph moved to another device would then build those tensors on the old one
+    and fail (or check the wrong device). torchplace decides where every operator runs, so a
+    piece of graph placed on ``device`` computes all its values there: every ``torch.device`` in a
+    node's arguments, and every ``device=`` keyword given as a string, becomes ``device``, and the
+    constant tensors the graph reads (``get_attr`` of a plain tensor attribute, not a parameter or
+    buffer: what fx makes of ``torch.zeros(3)`` in ``forward``) move there. Values are unchanged (a
+    tensor's device does not change its numbers; transfers between pieces are the runtime's job).
+    Recompiles ``gm`` when anything changed.
+    """
+
+    def pin(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value != device else value
+
+    changed = 0
+    state = {id(t) for t in (*gm.parameters(), *gm.buffers())}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = str(node.target).rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            value = getattr(module, name, None)
+            if isinstance(value, torch.Tensor) and id(value) not in state and value.device != device:
+                setattr(module, name, value.to(device))
+                changed += 1
+            continue
+        if node.op not in COMPUTE_OPS:
+            continue
+        args = fx.node.map_aggregate(node.args, pin)
+        kwargs = dict(fx.node.map_aggregate(node.kwargs, pin))
+        if isinstance(kwargs.get("device"), str) and torch.device(kwargs["device"]) != device:
+            kwargs["device"] = device
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed

@@ -23,7 +23,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from torchplace.fxutil import is_compute
+from torchplace.fxutil import is_compute, pin_devices
 from torchplace.graph import OpGraph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.estimate import estimate_times
@@ -49,24 +49,31 @@ class _CpuTimer:
 
 
 class _CudaTimer:
-    """CUDA-event timer; ``elapsed()`` synchronizes, then returns seconds per fx node name."""
+    """CUDA-event timer; ``elapsed()`` synchronizes, then returns seconds per fx node name.
+
+    A node's time is the larger of its GPU time (between two events) and the host time spent
+    launching it: a small kernel finishes before the host has launched the next one, so a chain of
+    them runs at the host's pace (measured on an H100: a 3-node stage predicted at 0.03 ms from
+    GPU time alone took 0.45 ms).
+    """
 
     def __init__(self) -> None:
-        self._events: dict[str, tuple[Any, Any]] = {}
+        self._events: dict[str, tuple[Any, Any, int]] = {}
 
     def start(self) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        return ev
+        return ev, time.perf_counter_ns()
 
     def stop(self, name: str, token: Any) -> None:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._events[name] = (token, end)
+        start, host_start = token
+        self._events[name] = (start, end, time.perf_counter_ns() - host_start)
 
     def elapsed(self) -> dict[str, float]:
         torch.cuda.synchronize()
-        return {n: s.elapsed_time(e) * 1e-3 for n, (s, e) in self._events.items()}
+        return {n: max(s.elapsed_time(e) * 1e-3, host * 1e-9) for n, (s, e, host) in self._events.items()}
 
 
 class _TimingInterpreter(fx.Interpreter):
@@ -98,7 +105,11 @@ def _on_device(
         return gm, inputs
     device = torch.device(f"{kind}:0")
     moved = pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, inputs)
-    return (copy.deepcopy(gm).to(device) if copy_module else gm), moved
+    if not copy_module:
+        return gm, moved
+    moved_gm = copy.deepcopy(gm).to(device)
+    pin_devices(moved_gm, device)
+    return moved_gm, moved
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from torchplace.errors import UsageError
-from torchplace.fxutil import is_compute
+from torchplace.fxutil import is_compute, pin_devices
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
 from torchplace.profiling.trace import Traced
@@ -150,6 +150,7 @@ def measure_backward(traced: Traced, example_inputs: Sequence[Any], example_kwar
     gm, device = traced.gm, torch.device("cpu" if kind == "cpu" else f"{kind}:0")
     if device.type != "cpu":
         gm = copy.deepcopy(gm).to(device)
+        pin_devices(gm, device)
     params = {storage_address(t) for t in named_state(gm).values()} - {None}
     writers = set(traced.effects.written)
     samples: dict[str, list[float]] = {}

@@ -17,6 +17,10 @@ cost model charges one copy per device:
   after one, call ``PlacedModule.refresh_replicas()``;
 * with grad enabled and a tensor that requires grad, the replica is ``home.to(device)`` made for
   each call, so the gradients of every use flow back into the one home tensor.
+
+Binding a stage to its device also pins the device constants of its graph to that device
+(:func:`~torchplace.fxutil.pin_devices`: ``torch.export`` records ``arange(n, device=x.device)``
+with the trace-time device).
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from torchplace.errors import UnsupportedError
+from torchplace.fxutil import pin_devices
 from torchplace.profiling.effects import version_of
 
 __all__ = ["StageParameters", "move_in_place"]
@@ -130,6 +135,8 @@ class StageParameters:
         self.home_device: dict[int, torch.device] = dict(homes.home_device) if homes else {}
         home_device = self.home_device
         for stage, device, place in zip(stages, devices, places):
+            if isinstance(stage, fx.GraphModule):
+                pin_devices(stage, device)
             for path, _, _, slot, tensor in _slots(stage):
                 if id(tensor) not in self.home:
                     self.home[id(tensor)], home_device[id(tensor)] = place, device
