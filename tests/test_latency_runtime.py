@@ -10,6 +10,7 @@ from torch import nn
 
 from torchplace.errors import StageError
 from torchplace.runtime import LatencyExecutor
+from torchplace.runtime.workers import WorkerThreads
 
 
 class _IO:
@@ -138,14 +139,14 @@ def test_a_worker_that_cannot_start_stops_the_run_and_leaves_the_executor_usable
     stages = [_Stage(("x",), ("a",), lambda x: x), _Stage(("a",), ("b",), lambda x: x + 1),
               _Stage(("b",), ("out",), lambda x: x * 2)]
     ex = LatencyExecutor(stages, ["cpu"] * 3, ["w0", "w1", "w2"], _IO())
-    jobs = LatencyExecutor._jobs
+    submit = WorkerThreads.submit
 
-    def refuse_w2(self, worker):
+    def refuse_w2(self, worker, *args):
         if worker == "w2":
             raise RuntimeError("can't start new thread")
-        return jobs(self, worker)
+        return submit(self, worker, *args)
 
-    monkeypatch.setattr(LatencyExecutor, "_jobs", refuse_w2)
+    monkeypatch.setattr(WorkerThreads, "submit", refuse_w2)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         ex.run((torch.zeros(1),), {})  # w1's job was queued and waits for w0's value: it must stop
     monkeypatch.undo()

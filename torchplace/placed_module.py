@@ -156,7 +156,8 @@ class PlacedModule(nn.Module):
         micro-batch's ``loss_fn(output, target)`` is back-propagated scaled by ``1/m``, so the
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss: for a loss that
         is a mean over samples and equal micro-batches, the gradient of the full batch's loss.
-        Call ``optimizer.step()`` and ``optimizer.zero_grad()`` around it as usual.
+        Tensors of ``target`` are moved to the device of the model's outputs (the last stage's)
+        when they are elsewhere. Call ``optimizer.step()`` and ``optimizer.zero_grad()`` around it as usual.
 
         Returns:
             Each micro-batch's loss (detached).

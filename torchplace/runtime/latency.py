@@ -30,11 +30,8 @@ How it works (one :meth:`LatencyExecutor.run` call):
 """
 from __future__ import annotations
 
-import functools
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +47,7 @@ from torchplace.runtime.devices import (
     wait_for_producers,
 )
 from torchplace.runtime.params import StageParameters
+from torchplace.runtime.workers import WorkerThreads
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
 
@@ -198,9 +196,7 @@ class LatencyExecutor:
                 self._readers[name] = self._readers.get(name, 0) + 1
         self.last_spans: list[StageSpan] = []
         self._lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue] = {}
-        # the pool threads hold no reference to the executor between runs; this ends them with it
-        weakref.finalize(self, _stop_pool, self._queues)
+        self._threads = WorkerThreads("latency")
         self.stage_params = StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -218,10 +214,9 @@ class LatencyExecutor:
             first, *others = self._order
             try:
                 for worker in others:
-                    jobs = self._jobs(worker)
                     with board.cond:
                         board.busy += 1  # only jobs actually queued are waited for
-                    jobs.put(functools.partial(self._pool_job, board, worker, mode))
+                    self._threads.submit(worker, self._pool_job, board, worker, mode)
                 self._work(board, first, mode)
                 board.wait_done()
             except BaseException as error:  # Ctrl-C: stop the others before it propagates
@@ -237,14 +232,6 @@ class LatencyExecutor:
                 wait_for_producers(board.events.get(name, []), torch.device("cpu"), None)
             board.values.finish()
             return self.graph_io({n: board.values.originals[n] for n in names})
-
-    def _jobs(self, worker: str) -> queue.SimpleQueue:
-        """The job queue of ``worker``'s pool thread, started on first use."""
-        if worker not in self._queues:
-            jobs: queue.SimpleQueue = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(jobs,), name=f"torchplace-latency-{worker}", daemon=True).start()
-            self._queues[worker] = jobs
-        return self._queues[worker]
 
     def _pool_job(self, board: _Board, worker: str, mode: tuple[bool, bool]) -> None:
         try:
@@ -285,15 +272,3 @@ class LatencyExecutor:
         board.publish(index, worker, dict(zip(stage.outputs, outputs)), made)
         with board.cond:
             board.spans.append(StageSpan(index, worker, start, time.perf_counter()))
-
-
-def _serve(jobs: queue.SimpleQueue) -> None:
-    """A pool thread: run jobs until the executor is gone (``None``)."""
-    while (job := jobs.get()) is not None:
-        job()
-        del job  # drop the executor until the next run
-
-
-def _stop_pool(queues: Mapping[str, queue.SimpleQueue]) -> None:
-    for jobs in queues.values():
-        jobs.put(None)

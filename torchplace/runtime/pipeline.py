@@ -55,6 +55,7 @@ from torchplace.runtime.devices import (
 from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.params import StageParameters
+from torchplace.runtime.workers import Job, WorkerThreads
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
 
@@ -188,6 +189,7 @@ class PipelineExecutor:
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
+        self._threads = WorkerThreads("pipeline")
         self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def _make_streams(self) -> dict[tuple[str, torch.device], Any]:
@@ -220,15 +222,8 @@ class PipelineExecutor:
             chunks = scatter(args, kwargs, microbatches)
             state = self._start_state(chunks)
             orders = worker_orders(len(chunks), [worker for worker, _ in self._segments])
-            threads = [
-                threading.Thread(
-                    target=self._work, args=(state, worker, order), name=f"torchplace-{worker}",
-                    daemon=True,
-                )
-                for worker, order in orders.items()
-            ]
-            for thread in threads:
-                thread.start()
+            threads = [self._threads.submit(worker, self._work, state, worker, order)
+                       for worker, order in orders.items()]
             try:
                 outputs = self._collect(state, len(chunks), threads)
             finally:
@@ -250,7 +245,7 @@ class PipelineExecutor:
             queues[0].put(_Message(index, Values(carry, values, self.isolate, self._written_inputs)))
         return state
 
-    def _collect(self, state: _RunState, count: int, threads: Sequence[threading.Thread]) -> list:
+    def _collect(self, state: _RunState, count: int, threads: Sequence[Job]) -> list:
         """Wait for the ``count`` outputs in micro-batch order; re-raise a worker's error."""
         results: list[Any] = []
         last = state.queues[-1]

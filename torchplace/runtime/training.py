@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import as_stage_error, normalize_device
@@ -42,6 +42,7 @@ from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
+from torchplace.runtime.workers import WorkerThreads
 
 __all__ = ["TrainingExecutor"]
 
@@ -51,6 +52,16 @@ _JOIN_S = 5.0
 
 class _Stopped(Exception):
     pass
+
+
+def _beside(target: Any, output: Any) -> Any:
+    """``target`` with its tensors on the device of ``output``'s tensors when they share one device
+    (the last stage's): a caller's target on the CPU meets outputs that a plan left on a GPU."""
+    devices = {t.device for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+    if len(devices) != 1:
+        return target
+    device = devices.pop()
+    return tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), target)
 
 
 def _leaf(value: Any) -> Any:
@@ -129,6 +140,7 @@ class TrainingExecutor:
             for name in stage.inputs:
                 self._consumers[name] = self._consumers.get(name, 0) + 1
         self._lock = threading.Lock()
+        self._threads = WorkerThreads("train")
         self.saved: SavedBytes | None = None
 
     def track_saved(self, on: bool = True) -> None:
@@ -149,13 +161,8 @@ class TrainingExecutor:
             targets = _split_target(target, len(chunks))
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
-            threads = [
-                threading.Thread(target=self._work, args=(state, w, order, targets, loss_fn, len(chunks)),
-                                 name=f"torchplace-train-{w}", daemon=True)
-                for w, order in per_worker(actions, self.workers).items() if order
-            ]
-            for t in threads:
-                t.start()
+            threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, len(chunks))
+                       for w, order in per_worker(actions, self.workers).items() if order]
             try:
                 for t in threads:
                     while t.is_alive():
@@ -240,7 +247,8 @@ class TrainingExecutor:
         try:
             with state.cond:
                 leaves = {n: _leaf(values.originals[n]) for n in names}
-            loss = loss_fn(self.graph_io(leaves), target)
+            output = self.graph_io(leaves)
+            loss = loss_fn(output, _beside(target, output))
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")

@@ -1,0 +1,97 @@
+"""Long-lived worker threads, one per plan device, shared by every executor's runs.
+
+Each worker key (``"cuda:0"``, ``"cpu:1"``) gets a daemon thread, started on first use and kept for
+later calls. CUDA libraries keep per-thread state (cuDNN and cuBLAS handles among it), so a thread
+started for every call pays for it on every call: measured on an H100, a 28-operator CNN stage
+took 19.4 ms per call from a fresh thread, 1.0 ms from a kept one and 0.9 ms in the caller's own.
+
+A job still running when the next call needs its worker (a stage that ignored its run's stop
+signal) keeps its thread; the worker gets a fresh one, so one stuck job never blocks later calls.
+The threads hold no reference to their owner and end when it is garbage-collected.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Job", "WorkerThreads"]
+
+
+class Job:
+    """One submitted call; ``is_alive`` and ``join`` read like a thread's."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None  # what escaped the callable, if anything
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the job has run; False if ``timeout`` passed first."""
+        return self._done.wait(timeout)
+
+
+@dataclass
+class _Slot:
+    jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    current: Job | None = None
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """A worker thread: run jobs until told to stop (``None``)."""
+    while (item := jobs.get()) is not None:
+        fn, args, job = item
+        del item
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - the thread must live on for later calls
+            job.error = error
+        finally:
+            job._done.set()
+        del fn, args, job  # hold nothing of the owner between calls
+
+
+def _stop(slots: dict[str, _Slot]) -> None:
+    for slot in slots.values():
+        slot.jobs.put(None)
+
+
+class WorkerThreads:
+    """One kept thread per worker key (see the module docstring).
+
+    Args:
+        prefix: thread names are ``torchplace-<prefix>-<worker>``.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _stop, self._slots)
+
+    def submit(self, worker: str, fn: Callable[..., Any], *args: Any) -> Job:
+        """Run ``fn(*args)`` on ``worker``'s thread; returns at once. Meant for one job per worker
+        at a time (a run's): a worker whose last job is still running gets a fresh thread."""
+        job = Job()
+        with self._lock:
+            slot = self._slots.get(worker)
+            if slot is None or (slot.current is not None and slot.current.is_alive()):
+                fresh = _Slot()
+                threading.Thread(target=_serve, args=(fresh.jobs,), name=f"torchplace-{self._prefix}-{worker}",
+                                 daemon=True).start()  # may raise ("can't start new thread"): nothing changed yet
+                if slot is not None:
+                    slot.jobs.put(None)  # the busy thread ends after its job
+                slot = self._slots[worker] = fresh
+            slot.current = job
+            slot.jobs.put((fn, args, job))
+        return job
+
+    def busy(self) -> list[str]:
+        """Workers whose latest job has not finished (after a run: none, unless a stage hangs)."""
+        with self._lock:
+            return [w for w, slot in self._slots.items() if slot.current is not None and slot.current.is_alive()]
