@@ -17,8 +17,9 @@ from torch import nn
 from torchplace import solvers
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
-from torchplace.devices import Cluster, Device, check_attached, make_cluster
+from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
+from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
@@ -45,6 +46,7 @@ def place(
     granularity: str = "operator",
     leaf_modules: Iterable[type | str] = (),
     max_memory: Mapping[str, int | str] | None = None,
+    share_cores: bool = False,
     solver: str = "auto",
     fuse: bool | None = None,
     trace_method: str = "auto",
@@ -97,6 +99,11 @@ def place(
         leaf_modules: module classes, or their names (``["GPT2Block"]``), to keep whole (like
             accelerate's ``no_split_module_classes``).
         max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
+        share_cores: split this machine's cores among the CPU devices: each CPU worker computes,
+            and the CPU is profiled, with its share of intra-op threads, so logical CPUs stop
+            competing for every core. CPU kernels round by thread count: outputs then equal the
+            model run with that many threads (``torch.set_num_threads``), not bit for bit the
+            model run with all of them. ``Device(..., threads=)`` sets one device's count.
         solver: a name from :data:`torchplace.solvers.METHODS`, or ``"auto"``.
         fuse: solve on a coarsened graph (MOIRAI fusion rules + Baechi co-placement,
             :func:`torchplace.fusion.coarsen`) and expand the plan back to every operator. Fusion
@@ -134,7 +141,8 @@ def place(
             f"got {objective!r}"
         )
     solvers.check_method(solver, objective)
-    for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute)):
+    for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
+                       ("share_cores", share_cores)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
@@ -148,7 +156,7 @@ def place(
         check_attached(devices)
         cluster = devices
     else:
-        cluster = make_cluster(devices, max_memory)
+        cluster = make_cluster(devices, max_memory, share_cores=share_cores)
     given = _load_plan(plan) if plan is not None else None
     training = mode == "training"
     if training:
@@ -165,10 +173,12 @@ def place(
         traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
                        training=training)
     kinds = sorted({d.kind for d in cluster.devices})
-    graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training)
+    threads = kind_threads(cluster)
+    graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training,
+                    threads=threads)
     pipeline = None
     if training:
-        graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress)
+        graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
         pipeline = Pipeline(microbatches, schedule, recompute)  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
@@ -182,13 +192,18 @@ def place(
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],
-                    optimizer: str | float, warmup: int, repeats: int, progress: bool) -> Any:
+                    optimizer: str | float, warmup: int, repeats: int, progress: bool,
+                    threads: Mapping[str, int]) -> Any:
     """The training graph: every node's backward timed on each kind present (twice the forward
-    estimate elsewhere), with gradients and optimizer state (:mod:`torchplace.profiling.training`)."""
+    estimate elsewhere) with that kind's threads, with gradients and optimizer state
+    (:mod:`torchplace.profiling.training`)."""
     present = present_kinds()
-    measured = {kind: measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1), repeats=repeats,
-                                       progress=progress)
-                for kind in kinds if kind in present}
+    measured = {}
+    for kind in kinds:
+        if kind in present:
+            with intra_op_threads(threads.get(kind)):
+                measured[kind] = measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1),
+                                                  repeats=repeats, progress=progress)
     return training_graph(graph, measured, optimizer, estimated=[k for k in kinds if k not in present])
 
 

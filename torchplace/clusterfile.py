@@ -30,7 +30,7 @@ __all__ = ["FORMAT", "cluster_from_json", "cluster_to_json", "load_cluster", "sa
 
 FORMAT = "torchplace.cluster/1"  # the "format" field of a cluster file
 _TOP_KEYS = {"format", "description", "bandwidth", "latency", "topology", "devices", "links"}
-_DEVICE_KEYS = {"name", "kind", "torch_device", "memory", "description"}
+_DEVICE_KEYS = {"name", "kind", "torch_device", "memory", "threads", "description"}
 _LINK_KEYS = {"src", "dst", "bandwidth", "latency", "bidirectional", "description"}
 _REQUIRED = object()  # a _value default: the field must be present and not null
 
@@ -69,6 +69,12 @@ def _torch_device(value: Any) -> str:
     return str(value)
 
 
+def _threads(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a positive whole number of threads, got {brief(value)}")
+    return value
+
+
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"expected true or false, got {brief(value)}")
@@ -82,6 +88,7 @@ def _device_from_json(obj: Any, where: str, source: str) -> Device:
         torch_device=_value(_torch_device, d, "torch_device", "meta", where, source),
         kind=_value(_text, d, "kind", _REQUIRED, where, source),
         memory_bytes=_value(parse_memory, d, "memory", None, where, source),
+        threads=_value(_threads, d, "threads", None, where, source),
     )
 
 
@@ -201,7 +208,8 @@ def load_cluster(path: str | Path) -> Cluster:
          "bandwidth": [bytes/s or "25GB/s"; default 12e9], "latency": [s or "5us"; default 1e-5],
          "topology": ["mesh" (default) | "graph"],
          "devices": [{"name": str, "kind": str, "torch_device": [str; default "meta"],
-                      "memory": [bytes or "16GiB"; null/absent = unlimited]}, ...],
+                      "memory": [bytes or "16GiB"; null/absent = unlimited],
+                      "threads": [intra-op threads of its worker; absent = the process's]}, ...],
          "links": [[{"src": name, "dst": name, "bandwidth": [..; default: top level],
                      "latency": [..; default: top level], "bidirectional": [bool; default true]}, ...]]}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +39,7 @@ __all__ = [
     "Topology",
     "check_attached",
     "discover_devices",
+    "kind_threads",
     "make_cluster",
     "parse_bandwidth",
     "parse_memory",
@@ -61,12 +62,17 @@ class Device:
         torch_device: the torch device its tensors live on (``"cpu"`` for logical CPUs).
         kind: device kind used to look up node times (``"cpu"``, ``"cuda"``, ``"accel"``).
         memory_bytes: capacity for this device's stages; ``None`` means unlimited.
+        threads: intra-op threads its worker computes with (``None``: the process's setting);
+            profiling times the device's kind with it. ``make_cluster(..., share_cores=True)``
+            splits this machine's cores among the CPU devices, so two logical CPUs do not fight
+            over the same cores.
     """
 
     name: str
     torch_device: str
     kind: str
     memory_bytes: int | None = None
+    threads: int | None = None
 
     @property
     def pays_transfer(self) -> bool:
@@ -273,6 +279,8 @@ def _check_device(d: Any) -> None:
         raise UsageError(f"device {d.name!r}: torch_device {e}") from None
     if d.memory_bytes is not None:
         non_negative_int(d.memory_bytes, f"device {d.name!r}: memory_bytes", unit="of bytes (or None: unlimited)")
+    if d.threads is not None and (isinstance(d.threads, bool) or not isinstance(d.threads, int) or d.threads < 1):
+        raise UsageError(f"device {d.name!r}: threads must be a positive whole number (or None), got {brief(d.threads)}")
 
 
 def _widest_routes(names: Sequence[str], direct: Mapping[tuple[str, str], Link]) -> dict[tuple[str, str], _Route]:
@@ -350,6 +358,7 @@ def make_cluster(
     max_memory: Mapping[str, int | str] | None = None,
     bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     latency: float = DEFAULT_LINK_LATENCY,
+    share_cores: bool = False,
 ) -> Cluster:
     """Build a :class:`Cluster` of this machine's devices from device strings (or :class:`Device` s).
 
@@ -365,6 +374,10 @@ def make_cluster(
         max_memory: per-device caps in bytes or strings (``{"cuda:0": "20GiB"}``), like
             accelerate's ``max_memory``. Devices not named keep their discovered capacity.
         bandwidth, latency: the default link (bytes/s, s).
+        share_cores: give the CPU devices named by strings an equal share of this process's cores
+            as their ``threads`` (intra-op threads per worker). Pipelines over logical CPUs then
+            stop competing for every core; CPU kernels round by thread count, so outputs equal
+            the model run with that many threads rather than bit for bit the model run with all.
 
     Raises:
         UsageError: (a ``ValueError``) for a single string instead of a list, an unknown device
@@ -388,7 +401,29 @@ def make_cluster(
     for i, d in enumerate(out):
         if d.name in caps:
             try:
-                out[i] = Device(d.name, d.torch_device, d.kind, parse_memory(caps[d.name]))
+                out[i] = replace(d, memory_bytes=parse_memory(caps[d.name]))
             except UsageError as e:
                 raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
+    if share_cores:
+        out = _share_cores(out, [isinstance(spec, str) for spec in devices])
     return Cluster(tuple(out), bandwidth=bandwidth, latency=latency)
+
+
+def kind_threads(cluster: Cluster) -> dict[str, int]:
+    """Intra-op threads to profile each device kind with: the fewest any of its devices has
+    (devices without ``threads`` are left out; kinds with none are absent)."""
+    out: dict[str, int] = {}
+    for d in cluster.devices:
+        if d.threads is not None:
+            out[d.kind] = min(out.get(d.kind, d.threads), d.threads)
+    return out
+
+
+def _share_cores(devices: Sequence[Device], named: Sequence[bool]) -> list[Device]:
+    """Give each CPU device named by a string an equal share of this process's cores as its
+    ``threads`` (at least one); a :class:`Device` the caller built keeps its own ``threads``."""
+    cpus = [i for i, d in enumerate(devices) if d.kind == "cpu" and named[i]]
+    if not cpus:
+        return list(devices)
+    share = max(1, machine.cpu_cores() // len(cpus))
+    return [replace(d, threads=share) if i in cpus else d for i, d in enumerate(devices)]

@@ -7,6 +7,10 @@ replace :func:`cuda_count` and :func:`cuda_memory` to act as a machine with GPUs
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import psutil
 
 from torchplace.errors import UsageError
@@ -27,6 +31,32 @@ def cuda_memory(index: int) -> int:
     import torch
 
     return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads in the calling thread (``None``: as is),
+    then put the previous count back. torch's OpenMP thread count belongs to the calling thread
+    (``torch.set_num_threads`` also sets the default of threads started later, and MKL's count)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def cpu_memory() -> int:

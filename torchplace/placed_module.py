@@ -91,21 +91,23 @@ class PlacedModule(nn.Module):
         self._stages = tuple(stages)
         devices = [problem.cluster.device(s.device) for s in run]
         self._torch_devices, self._workers = [d.torch_device for d in devices], [d.name for d in devices]
+        self._threads = [d.threads for d in devices]
         self._isolate = os.environ.get("TORCHPLACE_ISOLATE_DEVICES", "") not in ("", "0")
         self._executor: PipelineExecutor | LatencyExecutor
         self._trainer: TrainingExecutor | None = None
         if problem.objective == "latency":
             self.microbatches = 1
             self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
-                                             isolate=self._isolate)
+                                             isolate=self._isolate, stage_threads=self._threads)
         else:
             self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
-                                              isolate=self._isolate)
+                                              isolate=self._isolate, stage_threads=self._threads)
         if self._for_training:
             recomputing = {s.device for s in plan.stages if s.recompute}
             self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                              stage_params=self._executor.stage_params, isolate=self._isolate,
-                                             recompute=[w in recomputing for w in self._workers])
+                                             recompute=[w in recomputing for w in self._workers],
+                                             stage_threads=self._threads)
         if traced.model is not None:
             _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)
@@ -193,7 +195,7 @@ class PlacedModule(nn.Module):
             params = StageParameters(stages, [normalize_device(d) for d in self._torch_devices], self._workers,
                                      self._isolate, homes=self._executor.stage_params)
             self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
-                                          isolate=self._isolate, stage_params=params)
+                                          isolate=self._isolate, stage_params=params, stage_threads=self._threads)
         return self._eval
 
     def device_map(self) -> dict[str, str]:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from torchplace.fxutil import is_compute, pin_devices
 from torchplace.graph import OpGraph
+from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.estimate import estimate_times
 from torchplace.profiling.trace import Traced
@@ -169,6 +170,7 @@ def profile(
     repeats: int = 5,
     progress: bool = True,
     grad: bool = False,
+    threads: Mapping[str, int | None] | None = None,
 ) -> OpGraph:
     """Time every node of ``traced.graph`` on each device kind.
 
@@ -182,6 +184,8 @@ def profile(
         repeats: timed runs; each fx node's time is the median over them.
         progress: show a tqdm bar over the runs.
         grad: time with autograd recording, as a training forward pass runs.
+        threads: intra-op threads to time each kind with, as its devices' workers will run
+            (``Device.threads``; missing: the process's setting).
 
     Returns:
         A new :class:`OpGraph` with the same nodes, edges and meta, and ``times`` filled in.
@@ -195,7 +199,8 @@ def profile(
     times: dict[str, dict[str, float]] = {}
     for kind in dict.fromkeys(kinds):
         if kind in present:
-            fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
+            with intra_op_threads((threads or {}).get(kind)):
+                fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
             times[kind] = _node_times(traced.graph, fx_times)
         else:
             times[kind] = estimate_times(traced, example_inputs, kind, example_kwargs)

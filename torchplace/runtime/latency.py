@@ -47,6 +47,7 @@ from torchplace.runtime.devices import (
     wait_for_producers,
 )
 from torchplace.runtime.params import StageParameters
+from torchplace.machine import intra_op_threads
 from torchplace.runtime.workers import WorkerThreads
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
@@ -158,6 +159,8 @@ class LatencyExecutor:
         graph_io: a :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
         isolate: give every worker its own memory even on one torch device (a test aid, see
             :class:`~torchplace.runtime.values.Values`).
+        stage_threads: intra-op threads of each stage's worker (``Device.threads``; ``None``:
+            the process's setting), applied in the worker's thread.
 
     Attributes:
         last_spans: when each stage ran in the last :meth:`run`, in finishing order.
@@ -170,6 +173,7 @@ class LatencyExecutor:
         stage_workers: list[str],
         graph_io: Any,
         isolate: bool = False,
+        stage_threads: Sequence[int | None] | None = None,
     ) -> None:
         if not len(stages) == len(stage_devices) == len(stage_workers):
             raise ValueError(
@@ -196,7 +200,7 @@ class LatencyExecutor:
                 self._readers[name] = self._readers.get(name, 0) + 1
         self.last_spans: list[StageSpan] = []
         self._lock = threading.Lock()
-        self._threads = WorkerThreads("latency")
+        self._threads = WorkerThreads("latency", {w: n for w, n in zip(self.workers, stage_threads or ())})
         self.stage_params = StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -217,7 +221,8 @@ class LatencyExecutor:
                     with board.cond:
                         board.busy += 1  # only jobs actually queued are waited for
                     self._threads.submit(worker, self._pool_job, board, worker, mode)
-                self._work(board, first, mode)
+                with intra_op_threads(self._threads.threads.get(first)):  # the caller's thread works too
+                    self._work(board, first, mode)
                 board.wait_done()
             except BaseException as error:  # Ctrl-C: stop the others before it propagates
                 board.fail(error)

@@ -156,6 +156,8 @@ class PipelineExecutor:
             :class:`~torchplace.runtime.values.Values`).
         stage_params: the stages' parameter homes and replicas, when another executor of the same
             stages made them already (made here otherwise).
+        stage_threads: intra-op threads of each stage's worker (``Device.threads``; ``None``:
+            the process's setting), applied in the worker's thread.
 
     Raises:
         ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
@@ -174,6 +176,7 @@ class PipelineExecutor:
         queue_size: int = 2,
         isolate: bool = False,
         stage_params: StageParameters | None = None,
+        stage_threads: Sequence[int | None] | None = None,
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
         self.stages = list(stages)
@@ -189,7 +192,7 @@ class PipelineExecutor:
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
-        self._threads = WorkerThreads("pipeline")
+        self._threads = WorkerThreads("pipeline", {w: n for w, n in zip(self.workers, stage_threads or ())})
         self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
 
     def _make_streams(self) -> dict[tuple[str, torch.device], Any]:

@@ -117,11 +117,13 @@ class TrainingExecutor:
             the buffers the stage updates (BatchNorm's statistics) are put back after the second
             run, so they advance once. A stage that draws random numbers or writes a model input
             in place cannot be recomputed exactly and is refused.
+        stage_threads: intra-op threads of each stage's worker (``Device.threads``; ``None``:
+            the process's setting), applied in the worker's thread.
     """
 
     def __init__(self, stages: Sequence[StageModule], stage_devices: Sequence[str], stage_workers: Sequence[str],
                  graph_io: Any, *, stage_params: StageParameters | None = None, isolate: bool = False,
-                 recompute: Sequence[bool] = ()) -> None:
+                 recompute: Sequence[bool] = (), stage_threads: Sequence[int | None] | None = None) -> None:
         if not len(stages) == len(stage_devices) == len(stage_workers) or not stages:
             raise ValueError("a training executor needs one device and one worker per stage, and a stage")
         self.recompute = tuple(recompute) or (False,) * len(stages)
@@ -140,7 +142,7 @@ class TrainingExecutor:
             for name in stage.inputs:
                 self._consumers[name] = self._consumers.get(name, 0) + 1
         self._lock = threading.Lock()
-        self._threads = WorkerThreads("train")
+        self._threads = WorkerThreads("train", {w: n for w, n in zip(self.workers, stage_threads or ())})
         self.saved: SavedBytes | None = None
 
     def track_saved(self, on: bool = True) -> None:

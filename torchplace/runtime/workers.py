@@ -8,15 +8,22 @@ took 19.4 ms per call from a fresh thread, 1.0 ms from a kept one and 0.9 ms in 
 A job still running when the next call needs its worker (a stage that ignored its run's stop
 signal) keeps its thread; the worker gets a fresh one, so one stuck job never blocks later calls.
 The threads hold no reference to their owner and end when it is garbage-collected.
+
+A worker may have its own count of intra-op threads (``Device.threads``: the machine's cores
+split among logical CPU devices). torch's OpenMP thread count is per calling thread, so each
+job runs under :func:`~torchplace.machine.intra_op_threads` on its worker's thread, and two
+logical CPUs no longer both spread every operator over all cores.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from torchplace.machine import intra_op_threads
 
 __all__ = ["Job", "WorkerThreads"]
 
@@ -45,10 +52,11 @@ class _Slot:
 def _serve(jobs: queue.SimpleQueue) -> None:
     """A worker thread: run jobs until told to stop (``None``)."""
     while (item := jobs.get()) is not None:
-        fn, args, job = item
+        fn, args, job, threads = item
         del item
         try:
-            fn(*args)
+            with intra_op_threads(threads):
+                fn(*args)
         except BaseException as error:  # noqa: BLE001 - the thread must live on for later calls
             job.error = error
         finally:
@@ -66,10 +74,12 @@ class WorkerThreads:
 
     Args:
         prefix: thread names are ``torchplace-<prefix>-<worker>``.
+        threads: intra-op threads per worker (missing or ``None``: the process's setting).
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, threads: Mapping[str, int | None] | None = None) -> None:
         self._prefix = prefix
+        self.threads = dict(threads or {})
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
         weakref.finalize(self, _stop, self._slots)
@@ -88,7 +98,7 @@ class WorkerThreads:
                     slot.jobs.put(None)  # the busy thread ends after its job
                 slot = self._slots[worker] = fresh
             slot.current = job
-            slot.jobs.put((fn, args, job))
+            slot.jobs.put((fn, args, job, self.threads.get(worker)))
         return job
 
     def busy(self) -> list[str]:
