@@ -56,6 +56,7 @@ from torchplace.solvers.contract import Contraction, finest_contraction
 from torchplace.solvers.dp import DeviceClass, device_classes, pieces_to_stages
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
+from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 
 __all__ = ["Search", "progress_bar", "slice_graph", "solve"]
 
@@ -470,7 +471,13 @@ def slice_graph(problem: Problem, order: Sequence[str]) -> Plan:
 
     Raises:
         InfeasibleError: if no segmentation fits (memory, devices that can run the operators).
+
+    A training problem with a :class:`~torchplace.problem.Pipeline` is sliced through its
+    per-node memory relaxation and restriction (:mod:`torchplace.solvers.pipelined`): the plan
+    always fits, but the order's best split under the pipeline's memory may be missed.
     """
+    if training_pipeline(problem) is not None:
+        return solve_pipelined(problem, lambda p, time_limit=None: slice_graph(p, order), None)
     search = Search(problem, None)
     inst = search.inst
     search.evaluate(_supernode_order(problem, inst, order))
@@ -498,10 +505,21 @@ def solve(problem: Problem, *, orders: Iterable[Sequence[str]] = (), seed: int =
         objective] at each improvement), ``timed_out`` and ``interrupted`` (Ctrl-C returns the
         best plan so far).
 
+    Training with a :class:`~torchplace.problem.Pipeline`: segment memory here is a sum over
+    nodes, so such a problem is searched through its relaxation (a node's activations of one
+    micro-batch; the plan re-costed at its pipeline positions, recomputing where needed) and, if
+    that plan does not fit as it is, its restriction (all ``m`` micro-batches in flight on every
+    device, no recomputation): :mod:`torchplace.solvers.pipelined`. The plan always fits; its
+    lower bound is the simple bound, which recomputation cannot undercut.
+
     Raises:
         InfeasibleError: if no searched order has a split that fits.
         SolverLimitError: if the time limit passed before any split was found.
     """
+    if training_pipeline(problem) is not None:
+        given_orders = [list(o) for o in orders]
+        return solve_pipelined(problem, solve, time_limit, orders=given_orders, seed=seed,
+                               random_orders=random_orders, progress=progress)
     search = Search(problem, time_limit)
     inst = search.inst
     given = [list(o) for o in orders]
