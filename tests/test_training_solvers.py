@@ -1,0 +1,200 @@
+"""Solvers under a training Pipeline: the ideals DP exact over contiguous splits and recomputation,
+every other solver's plans fitting, and infeasible problems saying what would fit (issue 10,
+items 3 and 7)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from torchplace import costmodel, solvers
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.problem import Pipeline, Problem
+from torchplace.solvers import dp
+from torchplace.solvers.milp import bounds
+
+from .graphs import brute_force_pipelined, pipelined_problems
+
+QUICK = {"brkga": {"population": 6, "generations": 3}, "slicegraph": {"random_orders": 4}}
+
+
+def _solve_or_none(problem: Problem, method: str, **opts):
+    try:
+        return solvers.solve(problem, method, time_limit=30, **opts)
+    except InfeasibleError:
+        return None
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelined_problems())
+def test_dp_is_the_brute_force_optimum_over_splits_and_recomputation(problem):
+    """Every contiguous assignment, every pipeline order of its devices and every recomputation
+    choice per device, costed by the cost model: the DP finds the least max-load that fits, its
+    objective is the cost model's, and it raises exactly when nothing fits."""
+    best = brute_force_pipelined(problem)
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            dp.solve(problem)
+        return
+    plan = dp.solve(problem)
+    assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.status == "optimal" and plan.lower_bound <= plan.objective + 1e-9
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelined_problems())
+def test_every_other_solver_plans_fit_and_never_beat_the_brute_force(problem):
+    """Plans validate under the pipeline's memory (``solvers.solve`` builds them on the true
+    problem), contiguous ones are never better than the best contiguous split, an "optimal" one is
+    that split, and every lower bound holds below it."""
+    best = brute_force_pipelined(problem)
+    for method in ("dpl", "slicegraph", "brkga", "ip", "auto"):
+        plan = _solve_or_none(problem, method, **QUICK.get(method, {}))
+        if plan is None:
+            continue
+        assert plan.objective == costmodel.evaluate(problem, plan)
+        assert plan.objective >= best - 1e-9, method
+        assert plan.lower_bound <= best + 1e-9, method
+        if plan.status == "optimal":
+            assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12), method
+    loose = _solve_or_none(dataclasses.replace(problem, contiguous=False), "ip")
+    if loose is not None:
+        assert loose.lower_bound <= min(best, loose.objective) + 1e-9
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelined_problems(max_forward=2, max_backward=2))
+def test_mip_bounds_hold_under_a_pipeline(problem):
+    """Archer's MIP bounds, computed on the per-node memory relaxation, stay below the best split."""
+    best = brute_force_pipelined(problem)
+    if math.isinf(best):
+        return
+    assert bounds.three_superblock_bound(problem, time_limit=10) <= best + 1e-6
+    assert bounds.guess_the_bottleneck_bound(problem, time_limit=10) <= best + 1e-6
+
+
+# -- hand-worked cases ---------------------------------------------------------------------------
+
+
+def _layers(saved: int, output: int, n: int, fw: float = 1.0, bw: float = 2.0, cpu: float | None = None) -> OpGraph:
+    """f0 -> ... -> f(n-1) -> b(n-1) -> ... -> b0, fi colocated with bi: each forward node keeps
+    ``saved`` bytes for backward and outputs ``output`` bytes (for the whole batch); no parameters,
+    no working memory, no transfer cost. With ``cpu``, a forward node takes that long on a CPU."""
+    g = OpGraph()
+    for i in range(n):
+        fw_times, bw_times = {"accel": fw}, {"accel": bw}
+        if cpu is not None:
+            fw_times, bw_times = {**fw_times, "cpu": cpu}, {**bw_times, "cpu": bw}
+        g.add_node(f"f{i}", NodeRecord(f"f{i}", output_bytes=output, saved_bytes=saved, times=fw_times,
+                                       colocation=f"c{i}", transfer_time=0.0))
+        g.add_node(f"b{i}", NodeRecord(f"b{i}", times=bw_times, colocation=f"c{i}", backward=True,
+                                       transfer_time=0.0))
+        g.add_edge(f"f{i}", f"b{i}")
+        if i:
+            g.add_edge(f"f{i - 1}", f"f{i}")
+            g.add_edge(f"b{i}", f"b{i - 1}")
+    return g
+
+
+def _problem(g: OpGraph, devices: int, cap: int, pipeline: Pipeline) -> Problem:
+    cluster = Cluster(tuple(Device(f"d{i}", "meta", "accel", cap) for i in range(devices)))
+    return Problem(g, cluster, mode="training", pipeline=pipeline)
+
+
+def test_1f1b_fits_where_gpipe_does_not():
+    """Three layers saving 120 bytes each, m = 4 (30 bytes a micro-batch), three devices of 100
+    bytes. One layer per device: 1F1B holds min(4, 3 - j) = 3, 2, 1 micro-batches (90, 60, 30
+    bytes: fits) and the load is 1 + 2 = 3 on each, the total 9 over 3 devices: optimal. GPipe
+    holds 4 everywhere (120 bytes on any device with a layer): nothing fits."""
+    g = _layers(saved=120, output=40, n=3)
+    plan = dp.solve(_problem(g, 3, 100, Pipeline(4, "1f1b", recompute=False)))
+    assert plan.objective == 3.0
+    assert sorted(c.memory for c in plan.costs) == [30, 60, 90]
+    with pytest.raises(InfeasibleError) as e:
+        dp.solve(_problem(g, 3, 100, Pipeline(4, "gpipe", recompute=False)))
+    assert e.value.min_memory_bytes == 120
+    message = str(e.value)
+    assert "at least 120 bytes" in message and "schedule='1f1b'" in message
+    # recomputing d1 keeps f0's output, 4 x 10, and one micro-batch's 30 bytes: 70 <= 100, and d0
+    # (no forward inputs) 30 bytes, d2 4 x 10 + 30 = 70: recomputation would fit too
+    assert "recompute=True" in message
+    assert "microbatches=" not in message  # 1F1B at the same m already fits: no need to say more
+    assert "one more device" not in message  # any device with a layer still holds 120 bytes
+
+
+def test_only_recomputation_fits():
+    """Two layers saving 200 bytes each, m = 2, 1F1B, two devices of 150 bytes. The first device
+    holds min(2, 2) = 2 micro-batches of 100 bytes: 200 > 150, unless it recomputes (it has no
+    forward inputs: 0 x 2 + 100 = 100); the second holds 1 (100 bytes). One device for both holds
+    200 either way. So the only plans recompute on the first device: its load is f0 twice + b0 =
+    1 + 1 + 2 = 4, the second's 1 + 2 = 3."""
+    g = _layers(saved=200, output=20, n=2)
+    problem = _problem(g, 2, 150, Pipeline(2, "1f1b", recompute=True))
+    plan = dp.solve(problem)
+    assert plan.objective == 4.0
+    first = next(s.device for s in plan.stages if "f0" in s.nodes)
+    assert {s.device: s.recompute for s in plan.stages} == {first: True, ({"d0", "d1"} - {first}).pop(): False}
+    assert brute_force_pipelined(problem) == 4.0
+
+
+def test_without_recomputation_the_error_names_it_and_the_micro_batches_that_fit():
+    """The case above without recomputation: the least memory is 200 (the first device's two
+    micro-batches); recomputation fits; with m = 3 the first device holds 2 x ceil(200 / 3) = 134
+    <= 150 and the second 67, so 3 micro-batches fit (m = 2 is the problem's own)."""
+    g = _layers(saved=200, output=20, n=2)
+    with pytest.raises(InfeasibleError) as e:
+        dp.solve(_problem(g, 2, 150, Pipeline(2, "1f1b", recompute=False)))
+    assert e.value.min_memory_bytes == 200
+    message = str(e.value)
+    assert "recompute=True" in message and "microbatches=3 " in message
+    assert "schedule=" not in message and "one more device" not in message
+    assert "\n" not in message
+
+
+def test_the_error_names_another_device_when_one_more_fits():
+    """Three layers of 100 saved bytes, GPipe with m = 1, two devices of 150 bytes: a device holds
+    one layer (100), two do not fit (200). Three layers need three devices."""
+    g = _layers(saved=100, output=10, n=3)
+    with pytest.raises(InfeasibleError) as e:
+        dp.solve(_problem(g, 2, 150, Pipeline(1, "gpipe", recompute=False)))
+    assert e.value.min_memory_bytes == 200
+    message = str(e.value)
+    assert "one more device like 'd0'" in message
+    assert "50 bytes more than the largest limit" in message
+    # 1F1B with m = 2: f0 alone first holds 2 x 50, f1 and f2 last hold 1 x 100: both fit
+    assert "microbatches=2 with schedule='1f1b'" in message
+    # recomputing keeps inputs plus one micro-batch's 200 bytes on a two-layer device: no help
+    assert "recompute=True" not in message
+
+
+def test_a_heuristic_falls_back_to_all_micro_batches_in_flight():
+    """GPipe, m = 4, no recomputation, three layers saving 120 bytes each, an accelerator of 130
+    bytes and a CPU ten times slower. The relaxation counts one micro-batch per node (30 bytes a
+    layer) and puts all three on the accelerator (load 3), where GPipe holds 4 x 90 = 360 bytes:
+    its plan does not fit. The restriction counts 4 x 30 = 120 bytes a layer, so the accelerator
+    takes one layer and the CPU two (load 20), the optimum (the DP's)."""
+    g = _layers(saved=120, output=40, n=3, bw=0.0, cpu=10.0)
+    cluster = Cluster((Device("acc", "meta", "accel", 130), Device("cpu", "cpu", "cpu")))
+    problem = Problem(g, cluster, mode="training", pipeline=Pipeline(4, "gpipe", recompute=False))
+    plan = solvers.solve(problem, "slicegraph")
+    assert plan.meta["pipeline_memory"] == "conservative"
+    assert plan.objective == 20.0 == dp.solve(problem).objective
+    assert plan.lower_bound <= 3.0  # the relaxation's optimum bounds the true one
+
+
+@pytest.mark.parametrize("method", ["slicegraph", "ip"])
+def test_a_heuristic_s_plan_recomputes_where_its_position_needs_it(method):
+    """The recomputation case above: the relaxation (100 bytes a layer) splits the layers one per
+    device; at its pipeline position the first device holds 200 bytes, so it recomputes (load 4).
+    The restriction (2 x 100 bytes a layer) has no plan. The heuristic's plan is the optimum, but
+    the relaxation's bound (3) cannot prove it, so it is not called optimal."""
+    problem = _problem(_layers(saved=200, output=20, n=2), 2, 150, Pipeline(2, "1f1b", recompute=True))
+    plan = solvers.solve(problem, method)
+    assert plan.objective == 4.0 and plan.meta["pipeline_memory"] == "relaxed"
+    assert [s.recompute for s in plan.stages if "f0" in s.nodes] == [True]
+    assert plan.status == "feasible" and plan.lower_bound <= 3.0
