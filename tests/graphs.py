@@ -147,9 +147,9 @@ def _pipelined_record(draw, name: str, *, colocation: str | None, backward: bool
 @st.composite
 def pipelined_problems(draw, max_forward: int = 3, max_backward: int = 3) -> Problem:
     """A random training graph (:func:`training_problems`' shapes) with saved activations and a
-    :class:`~torchplace.problem.Pipeline` (1-4 micro-batches, GPipe or 1F1B, recomputation allowed
-    or not) on 1-3 accelerators and at most one CPU. The accelerators' memory limit is drawn
-    between a third of the graph's bytes and all of them, where it often binds."""
+    :class:`~torchplace.problem.Pipeline` (1-6 micro-batches, GPipe or 1F1B, recomputation allowed
+    three times in four) on 1-3 accelerators and at most one CPU. The accelerators' memory limit
+    is drawn from a quarter of the graph's bytes to half or all of them, where it often binds."""
     base = draw(training_problems(max_forward, max_backward))
     g = OpGraph()
     for v, r in base.graph.records():
@@ -157,11 +157,11 @@ def pipelined_problems(draw, max_forward: int = 3, max_backward: int = 3) -> Pro
     for u, v in base.graph.edges:
         g.add_edge(u, v)
     total = sum(r.param_bytes + r.temp_bytes + r.saved_bytes for _, r in g.records())
-    cap = draw(st.integers(max(1, total // 3), max(1, total)))
+    cap = draw(st.integers(max(1, total // 4), max(1, total // 2 if draw(st.booleans()) else total)))
     k, cpus = draw(st.integers(1, 3)), draw(st.integers(0, 1))
     devices = [Device(f"acc{i}", "meta", "accel", cap) for i in range(min(k, 3 - cpus))]
     devices += [Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus)]
-    pipeline = Pipeline(draw(st.integers(1, 4)), draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.booleans()))
+    pipeline = Pipeline(draw(st.integers(1, 6)), draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.integers(0, 3)) > 0)
     return Problem(g, Cluster(tuple(devices)), mode="training", pipeline=pipeline)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import networkx as nx
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from torchplace import costmodel, solvers
 from torchplace.devices import Cluster, Device
@@ -15,7 +17,9 @@ from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Pipeline, Problem
 from torchplace.solvers import dp
+from torchplace.solvers.contract import contractions
 from torchplace.solvers.milp import bounds
+from torchplace.solvers.slicegraph import Search
 
 from .graphs import brute_force_pipelined, pipelined_problems
 
@@ -172,29 +176,88 @@ def test_the_error_names_another_device_when_one_more_fits():
     assert "recompute=True" not in message
 
 
-def test_a_heuristic_falls_back_to_all_micro_batches_in_flight():
+def test_the_ip_falls_back_to_all_micro_batches_in_flight():
     """GPipe, m = 4, no recomputation, three layers saving 120 bytes each, an accelerator of 130
     bytes and a CPU ten times slower. The relaxation counts one micro-batch per node (30 bytes a
     layer) and puts all three on the accelerator (load 3), where GPipe holds 4 x 90 = 360 bytes:
     its plan does not fit. The restriction counts 4 x 30 = 120 bytes a layer, so the accelerator
-    takes one layer and the CPU two (load 20), the optimum (the DP's)."""
+    takes one layer and the CPU two (load 20), the optimum (the DP's, and SliceGraph's)."""
     g = _layers(saved=120, output=40, n=3, bw=0.0, cpu=10.0)
     cluster = Cluster((Device("acc", "meta", "accel", 130), Device("cpu", "cpu", "cpu")))
     problem = Problem(g, cluster, mode="training", pipeline=Pipeline(4, "gpipe", recompute=False))
-    plan = solvers.solve(problem, "slicegraph")
+    plan = solvers.solve(problem, "ip")
     assert plan.meta["pipeline_memory"] == "conservative"
-    assert plan.objective == 20.0 == dp.solve(problem).objective
-    assert plan.lower_bound <= 3.0  # the relaxation's optimum bounds the true one
+    assert plan.objective == 20.0 == dp.solve(problem).objective == solvers.solve(problem, "slicegraph").objective
+    assert plan.lower_bound <= 3.0 and plan.status == "feasible"  # the relaxation's optimum bounds the true one
 
 
-@pytest.mark.parametrize("method", ["slicegraph", "ip"])
-def test_a_heuristic_s_plan_recomputes_where_its_position_needs_it(method):
+def test_the_ip_s_plan_recomputes_where_its_position_needs_it():
     """The recomputation case above: the relaxation (100 bytes a layer) splits the layers one per
     device; at its pipeline position the first device holds 200 bytes, so it recomputes (load 4).
-    The restriction (2 x 100 bytes a layer) has no plan. The heuristic's plan is the optimum, but
-    the relaxation's bound (3) cannot prove it, so it is not called optimal."""
+    The restriction (2 x 100 bytes a layer) has no plan. The IP's plan is the optimum, but the
+    relaxation's bound (3) cannot prove it, so it is not called optimal."""
     problem = _problem(_layers(saved=200, output=20, n=2), 2, 150, Pipeline(2, "1f1b", recompute=True))
-    plan = solvers.solve(problem, method)
+    plan = solvers.solve(problem, "ip")
     assert plan.objective == 4.0 and plan.meta["pipeline_memory"] == "relaxed"
     assert [s.recompute for s in plan.stages if "f0" in s.nodes] == [True]
     assert plan.status == "feasible" and plan.lower_bound <= 3.0
+
+
+@pytest.mark.parametrize("method", ["slicegraph", "brkga"])
+def test_slicegraph_slices_at_pipeline_positions(method):
+    """The hand-worked cases, solved by SliceGraph's own DP over the order: 1F1B's positions (3 on
+    three devices of 100 bytes) and the first device recomputing (4)."""
+    layers3 = _problem(_layers(saved=120, output=40, n=3), 3, 100, Pipeline(4, "1f1b", recompute=False))
+    assert solvers.solve(layers3, method).objective == 3.0
+    layers2 = _problem(_layers(saved=200, output=20, n=2), 2, 150, Pipeline(2, "1f1b", recompute=True))
+    plan = solvers.solve(layers2, method)
+    assert plan.objective == 4.0
+    assert [s.recompute for s in plan.stages if "f0" in s.nodes] == [True]
+    with pytest.raises(InfeasibleError, match="method 'dp'"):
+        solvers.solve(_problem(_layers(saved=120, output=40, n=3), 3, 100, Pipeline(4, "gpipe", recompute=False)),
+                      method)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelined_problems())
+def test_slicegraph_over_every_order_is_the_brute_force_optimum(problem):
+    """A split is contiguous iff it segments some topological order of the contracted graph
+    (Archer Sec. 4), so SliceGraph over all of them, each sliced at its pieces' pipeline
+    positions with recomputation, finds the best split that fits (one contraction: the DP's)."""
+    cons = contractions(problem.graph)
+    assume(len(cons) == 1)
+    best = brute_force_pipelined(problem)
+    search = Search(problem, None)
+    con = next(iter(cons.values()))
+    dag = nx.DiGraph(list(con.edges))
+    dag.add_nodes_from(range(len(con.nodes)))
+    for order in nx.all_topological_sorts(dag):
+        search.evaluate(np.array(order))
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            search.plan("slicegraph", False, {})
+        return
+    plan = search.plan("slicegraph", False, {})
+    assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("method", ["dp", "slicegraph"])
+def test_an_orphaned_backward_group_takes_no_pipeline_position(method):
+    """f0 -> f1, b1 -> bo -> b0 with bo orphaned (no forward sibling; its forward image lies
+    between layers 0 and 1, Tarnawski App. E.1), 1F1B with m = 4, three devices of 70 bytes and a
+    fourth left unused. Layer 0 alone holds min(4, 2) = 2 micro-batches of 30 bytes (60): the
+    cost model ranks only devices running a forward stage, so neither bo's device nor the unused
+    one counts. bo alone takes 10, so the optimum is 10; counting bo's device as a position would
+    make layer 0 hold 3 (90 > 70) and push bo onto a layer's device (12)."""
+    g = OpGraph()
+    for name, t, saved, group, back in [("f0", 1.0, 120, "c0", False), ("f1", 1.0, 120, "c1", False),
+                                        ("b0", 1.0, 0, "c0", True), ("b1", 1.0, 0, "c1", True),
+                                        ("bo", 10.0, 0, None, True)]:
+        g.add_node(name, NodeRecord(name, saved_bytes=saved, times={"accel": t}, colocation=group, backward=back,
+                                    transfer_time=0.0))
+    for u, v in [("f0", "f1"), ("f0", "b0"), ("f1", "b1"), ("b1", "bo"), ("bo", "b0")]:
+        g.add_edge(u, v)
+    problem = _problem(g, 4, 70, Pipeline(4, "1f1b", recompute=False))
+    plan = solvers.solve(problem, method)
+    assert plan.objective == 10.0 == brute_force_pipelined(problem)
+    assert costmodel.in_flight(problem, plan.stages)[plan.assignment["f0"]] == 2

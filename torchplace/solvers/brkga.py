@@ -17,7 +17,6 @@ import numpy as np
 
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 from torchplace.solvers.slicegraph import Search, progress_bar
 
 __all__ = ["solve"]
@@ -48,9 +47,8 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
         simple lower bound); ``meta`` as
         :func:`torchplace.solvers.slicegraph.solve`, plus ``generations`` completed.
 
-    Training with a :class:`~torchplace.problem.Pipeline`: searched through the per-node memory
-    relaxation and restriction of :mod:`torchplace.solvers.pipelined`, as SliceGraph is; the plan
-    always fits.
+    Training with a :class:`~torchplace.problem.Pipeline`: each order is decoded exactly under the
+    pipeline's memory, as SliceGraph slices it (1F1B positions, recomputation where needed).
 
     Raises:
         InfeasibleError: if no decoded order has a split that fits.
@@ -60,9 +58,6 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
     Example:
         >>> plan = solve(problem, population=8, generations=4, time_limit=10.0)  # doctest: +SKIP
     """
-    if training_pipeline(problem) is not None:
-        return solve_pipelined(problem, solve, time_limit, seed=seed, population=population, generations=generations,
-                               elite=elite, mutants=mutants, rho=rho, progress=progress)
     n_elite, n_mut = _count(elite, population, "elite"), _count(mutants, population, "mutants")
     if n_elite + n_mut >= population or not 0 <= rho <= 1:
         raise ValueError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "

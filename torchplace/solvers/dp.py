@@ -284,6 +284,14 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     :mod:`~torchplace.solvers.contract`), which together are exactly the contiguous splits; the
     better wins (ties: the reverse order, the paper's mirror image).
 
+    With a training :class:`~torchplace.problem.Pipeline` each piece is costed as the cost model
+    costs its device: one micro-batch's working memory, its activations times the micro-batches
+    in flight at its pipeline position (1F1B) or all ``m`` (GPipe), and, where keeping them does
+    not fit and the pipeline allows it, recomputation (``Stage.recompute``, forward compute
+    twice); the optimum is over contiguous splits and recomputation choices together (module
+    docstring). The search runs over upsets then, so among equal optima it may pick another plan
+    than without a pipeline.
+
     Args:
         problem: a throughput problem; devices are grouped into classes of identical devices.
         ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
@@ -294,12 +302,15 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
 
     Returns:
         A Plan whose objective is the optimal max-load among contiguous splits (status
-        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds`. ``meta`` holds
-        the winning contraction's ``ideals``, ``ideal_pairs`` and ``backward_order``.
+        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds` (recomputation
+        only adds load, so it holds under a pipeline). ``meta`` holds the winning contraction's
+        ``ideals``, ``ideal_pairs`` and ``backward_order``.
 
     Raises:
         TooManyIdealsError: if a contraction of the graph has more than ``ideal_limit`` ideals.
-        InfeasibleError: if no contiguous split fits (memory, supported devices).
+        InfeasibleError: if no contiguous split fits (memory, supported devices); its message
+            says by how much (``min_memory_bytes``) and what would fit
+            (:func:`~torchplace.solvers.dp_infeasible.explain`).
         SolverLimitError: if the time limit passed first.
         ModelTooLargeError: if the tables would not fit in the solver memory budget
             (:data:`torchplace.solvers.limits.MEMORY_BUDGET`).

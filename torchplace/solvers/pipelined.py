@@ -4,9 +4,10 @@ Under a training :class:`~torchplace.problem.Pipeline` of ``m`` micro-batches a 
 not a sum over its nodes (:func:`torchplace.costmodel.memory`): one micro-batch's working memory
 (the ceiling of a sum), the saved activations of the micro-batches in flight at its pipeline
 position (1F1B: ``min(m, S - j)``, Piper 2021 Sec. 3.5), or its stage inputs when it recomputes.
-The ideals DP solves that model exactly (:mod:`torchplace.solvers.dp`); the searches and MILPs
-(SliceGraph, BRKGA, the max-load IP, MTPP) solve through problems whose node memory is a sum, as
-:mod:`torchplace.solvers.shared` does for shared tensors:
+The ideals DP and SliceGraph (hence BRKGA) cost it exactly (:mod:`torchplace.solvers.dp`,
+:mod:`torchplace.solvers.slicegraph_pipeline`); the MILPs (the max-load IP, MTPP, Archer's MIP
+bounds), whose memory rows are sums over nodes, solve through problems whose node memory is a
+sum, as :mod:`torchplace.solvers.shared` does for shared tensors:
 
 1. the *relaxation*: a node needs ``param + floor((temp + saved) / m)`` bytes, never more than its
    share on any device at any position, recomputing or not (``ceil(W/m) + k ceil(A/m) >=
