@@ -10,6 +10,7 @@ import networkx as nx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from torchplace import costmodel, solvers
 from torchplace.devices import Cluster, Device
@@ -85,16 +86,19 @@ def test_mip_bounds_hold_under_a_pipeline(problem):
 # -- hand-worked cases ---------------------------------------------------------------------------
 
 
-def _layers(saved: int, output: int, n: int, fw: float = 1.0, bw: float = 2.0, cpu: float | None = None) -> OpGraph:
+def _layers(saved: int | list[int], output: int, n: int, fw: float = 1.0, bw: float = 2.0,
+            cpu: float | None = None) -> OpGraph:
     """f0 -> ... -> f(n-1) -> b(n-1) -> ... -> b0, fi colocated with bi: each forward node keeps
-    ``saved`` bytes for backward and outputs ``output`` bytes (for the whole batch); no parameters,
-    no working memory, no transfer cost. With ``cpu``, a forward node takes that long on a CPU."""
+    ``saved`` bytes for backward (or ``saved[i]``) and outputs ``output`` bytes (for the whole
+    batch); no parameters, no working memory, no transfer cost. With ``cpu``, a forward node takes
+    that long on a CPU."""
     g = OpGraph()
     for i in range(n):
         fw_times, bw_times = {"accel": fw}, {"accel": bw}
         if cpu is not None:
             fw_times, bw_times = {**fw_times, "cpu": cpu}, {**bw_times, "cpu": bw}
-        g.add_node(f"f{i}", NodeRecord(f"f{i}", output_bytes=output, saved_bytes=saved, times=fw_times,
+        keeps = saved[i] if isinstance(saved, list) else saved
+        g.add_node(f"f{i}", NodeRecord(f"f{i}", output_bytes=output, saved_bytes=keeps, times=fw_times,
                                        colocation=f"c{i}", transfer_time=0.0))
         g.add_node(f"b{i}", NodeRecord(f"b{i}", times=bw_times, colocation=f"c{i}", backward=True,
                                        transfer_time=0.0))
@@ -158,6 +162,22 @@ def test_without_recomputation_the_error_names_it_and_the_micro_batches_that_fit
     assert "recompute=True" in message and "microbatches=3 " in message
     assert "schedule=" not in message and "one more device" not in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("schedule, more", [("1f1b", "microbatches=2 "), ("gpipe", "microbatches=2 with schedule='1f1b'")])
+def test_the_fewest_micro_batches_may_be_fewer_than_the_devices(schedule, more):
+    """Layers saving 10, 10 and 150 bytes, one micro-batch, three devices of 100 bytes: the last
+    layer's device holds 150 (so at least 150 is needed). Under 1F1B with m = 2 the last device
+    holds 1 x 75 and the others 2 x 5: it fits, with m below the device count (where memory is not
+    monotone in m, so each m is tried). Recomputing with one micro-batch in flight saves nothing,
+    and a fourth device leaves the last layer's 150 bytes where they are."""
+    g = _layers(saved=[10, 10, 150], output=10, n=3)
+    with pytest.raises(InfeasibleError) as e:
+        dp.solve(_problem(g, 3, 100, Pipeline(1, schedule, recompute=False)))
+    assert e.value.min_memory_bytes == 150
+    message = str(e.value)
+    assert more in message
+    assert "recompute=True" not in message and "one more device" not in message
 
 
 def test_the_error_names_another_device_when_one_more_fits():
@@ -261,3 +281,55 @@ def test_an_orphaned_backward_group_takes_no_pipeline_position(method):
     plan = solvers.solve(problem, method)
     assert plan.objective == 10.0 == brute_force_pipelined(problem)
     assert costmodel.in_flight(problem, plan.stages)[plan.assignment["f0"]] == 2
+
+
+@st.composite
+def _tied_pipelined(draw):
+    """A pipelined problem with one tensor of 1-16 bytes read by two of its nodes (a tied weight):
+    every device that runs a reader holds a copy (:func:`costmodel.memory`)."""
+    problem = draw(pipelined_problems())
+    nodes = list(problem.graph)
+    owner, reader = draw(st.sampled_from(nodes)), draw(st.sampled_from(nodes))
+    assume(owner != reader)
+    nbytes = draw(st.integers(1, 16))
+    g = OpGraph(meta={"state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner, "readers": [owner, reader]}}})
+    for v, r in problem.graph.records():
+        g.add_node(v, dataclasses.replace(r, param_bytes=r.param_bytes + (nbytes if v == owner else 0)))
+    for u, v in problem.graph.edges:
+        g.add_edge(u, v)
+    return dataclasses.replace(problem, graph=g)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(_tied_pipelined())
+def test_a_tied_weight_under_a_pipeline_is_placed_optimally(problem):
+    """Shared tensors (solvers/shared.py) and a pipeline together: the copy's bytes count on each
+    device holding a reader, never per micro-batch; keeping the readers together or copying the
+    tensor are both exact, so the plan is the brute-force optimum (costed with the copies)."""
+    best = brute_force_pipelined(problem)
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            solvers.solve(problem, "dp")
+        return
+    plan = solvers.solve(problem, "dp")
+    assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.lower_bound <= best + 1e-9
+
+
+def test_a_tied_copy_that_forces_recomputation_does_not_stop_the_search():
+    """f0 (4 s, saves 100 bytes) -> f1 (1 s, owns a 40-byte tensor f0 also reads), 1F1B, m = 2,
+    two devices of 100 bytes. Without the copy (the shared-tensor relaxation) the layers go one per
+    device (load 4; f0's device holds 2 x 50 = 100). With it f0's device needs 140, and fits only
+    recomputing (40 + 0 inputs + 50 = 90), at load 4 + 4 = 8; both layers on one device hold one
+    micro-batch (40 + 50 = 90) at load 5, the optimum, which the colocated variant finds."""
+    g = OpGraph(meta={"state": {"w": {"bytes": 40, "names": ["w"], "owner": "f1", "readers": ["f0", "f1"]}}})
+    for name, t, saved, params, group, back in [("f0", 4.0, 100, 0, "c0", False), ("f1", 1.0, 0, 40, "c1", False),
+                                                ("b0", 0.0, 0, 0, "c0", True), ("b1", 0.0, 0, 0, "c1", True)]:
+        g.add_node(name, NodeRecord(name, param_bytes=params, saved_bytes=saved, times={"accel": t}, colocation=group,
+                                    backward=back, transfer_time=0.0))
+    for u, v in [("f0", "f1"), ("f0", "b0"), ("f1", "b1"), ("b1", "b0")]:
+        g.add_edge(u, v)
+    problem = _problem(g, 2, 100, Pipeline(2, "1f1b", recompute=True))
+    plan = solvers.solve(problem, "dp")
+    assert plan.objective == 5.0 == brute_force_pipelined(problem)
+    assert len({s.device for s in plan.stages}) == 1

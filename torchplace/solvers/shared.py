@@ -105,12 +105,15 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
     first = solve(relaxed(problem), time_limit=share, **opts)
+    found: list[Plan] = []
     try:
-        return _on_truth(problem, first, first.lower_bound, first.status)
+        truth = _on_truth(problem, first, first.lower_bound, first.status)
+        if [s.recompute for s in truth.stages] == [s.recompute for s in first.stages]:
+            return truth  # its load is the relaxation's: its proof carries over
+        found.append(truth)  # it fits only by recomputing more: the restrictions may do better
     except InvalidPlanError:
         pass  # the relaxation's plan needs more memory for the copies than a device has
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
-    found: list[Plan] = []
     errors: list[Exception] = []
     for variant in (colocated, replicated):
         try:
@@ -123,6 +126,6 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
             f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
             f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
         ) from errors[0]
-    best = min(found, key=lambda p: p.objective)
+    best = min(found, key=lambda p: p.objective)  # (ties: the relaxation's, already on the truth)
     status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"
     return _on_truth(problem, best, first.lower_bound, status)
