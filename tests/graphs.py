@@ -161,7 +161,8 @@ def pipelined_problems(draw, max_forward: int = 3, max_backward: int = 3) -> Pro
     k, cpus = draw(st.integers(1, 3)), draw(st.integers(0, 1))
     devices = [Device(f"acc{i}", "meta", "accel", cap) for i in range(min(k, 3 - cpus))]
     devices += [Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus)]
-    pipeline = Pipeline(draw(st.integers(1, 6)), draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.integers(0, 3)) > 0)
+    schedule, recompute = draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.integers(0, 3)) > 0
+    pipeline = Pipeline(draw(st.integers(1, 6)), schedule, recompute)
     return Problem(g, Cluster(tuple(devices)), mode="training", pipeline=pipeline)
 
 

@@ -164,7 +164,8 @@ def test_without_recomputation_the_error_names_it_and_the_micro_batches_that_fit
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("schedule, more", [("1f1b", "microbatches=2 "), ("gpipe", "microbatches=2 with schedule='1f1b'")])
+@pytest.mark.parametrize("schedule, more", [("1f1b", "microbatches=2 "),
+                                            ("gpipe", "microbatches=2 with schedule='1f1b'")])
 def test_the_fewest_micro_batches_may_be_fewer_than_the_devices(schedule, more):
     """Layers saving 10, 10 and 150 bytes, one micro-batch, three devices of 100 bytes: the last
     layer's device holds 150 (so at least 150 is needed). Under 1F1B with m = 2 the last device

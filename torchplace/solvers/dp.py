@@ -191,8 +191,8 @@ def _value(runs: Sequence[_Run], check: Callable[[], None]) -> Callable[[Pipelin
     """The optimum over ``runs``'s pairs for another pipeline, device counts or measure (what
     :func:`~torchplace.solvers.dp_infeasible.explain` asks)."""
     def value(pipeline: Pipeline | None, counts: Sequence[int], measure: str) -> float:
-        return min(float(run_dp(Tables(r.tables.pc, pipeline, measure, sum(counts)), counts, check)[tuple(counts)][:, -1]
-                         .min()) for r in runs)
+        tables = [Tables(r.tables.pc, pipeline, measure, sum(counts)) for r in runs]
+        return min(float(run_dp(t, counts, check)[tuple(counts)][:, -1].min()) for t in tables)
     return value
 
 

@@ -159,7 +159,8 @@ class PairCosts:
         return load
 
     # -- transfers (the frontier trick of the module docstring) ---------------------------------
-    def _counts(self, producers: Sequence[str], members: Callable[[str], Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+    def _counts(self, producers: Sequence[str],
+                members: Callable[[str], Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """``K`` (ideals x producers): how many of each producer's ``members`` each ideal holds;
         and how many members it has."""
         super_of = {v: i for i, s in enumerate(self.con.nodes) for v in s.members}
@@ -225,7 +226,8 @@ class Tables:
 
     def __init__(self, pc: PairCosts, pipeline: Pipeline | None, measure: str = "load", devices: int | None = None):
         self.pc, self.pipeline, self.measure = pc, pipeline, measure
-        self.positions = Positions.of(pipeline, devices if devices is not None else sum(len(c.devices) for c in pc.classes))
+        total = devices if devices is not None else sum(len(c.devices) for c in pc.classes)
+        self.positions = Positions.of(pipeline, total)
         self._cache: dict[tuple[int, int], np.ndarray] = {}
 
     @property

@@ -65,7 +65,8 @@ def prepare(problem: Problem, inst: _Instance) -> PipeInstance:
     def per_super(value) -> np.ndarray:
         return np.array([sum(value(rec[v]) for v in s.members) for s in nodes], dtype=np.int64)
 
-    params, work, saved = (per_super(lambda r, a=a: getattr(r, a)) for a in ("param_bytes", "temp_bytes", "saved_bytes"))
+    params, work, saved = (per_super(lambda r, a=a: getattr(r, a))
+                           for a in ("param_bytes", "temp_bytes", "saved_bytes"))
     fw_time = np.array([[math.fsum(rec[v].times.get(c.kind, 0.0) for v in s.forward) for s in nodes]
                         for c in inst.classes]).reshape(len(inst.classes), len(nodes))
     super_of = {v: i for i, s in enumerate(nodes) for v in s.members}

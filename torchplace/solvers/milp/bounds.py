@@ -39,11 +39,13 @@ to optimality):
 
 A MIP stopped by its time limit contributes its proven bound (never its incumbent), so a bound
 under a limit is still valid but may break the middle inequality; both functions return at least
-the simple bound. Under a training :class:`~torchplace.problem.Pipeline` both bound the per-node
-memory relaxation (:func:`torchplace.solvers.pipelined.relaxed`: no device needs less than it
-says, and recomputation only adds load), so they hold for the true problem. With a CPU class (no transfer cost) the CPU guess of the three-superblock bound
+the simple bound. With a CPU class (no transfer cost) the CPU guess of the three-superblock bound
 is ``min work_cpu(S) >= L``, i.e. little above the simple bound; the per-class superblocks of the
 guess bound are what lift it there.
+
+Under a training :class:`~torchplace.problem.Pipeline` both bound the per-node memory relaxation
+(:func:`torchplace.solvers.pipelined.relaxed`: no device needs less than it says, and
+recomputation only adds load), so they hold for the true problem.
 """
 from __future__ import annotations
 
