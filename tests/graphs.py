@@ -1,8 +1,10 @@
 """Small random problems for property tests, and a brute-force optimum to check solvers against."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
@@ -10,7 +12,7 @@ from torchplace import costmodel
 from torchplace.devices import Cluster, Device
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Stage
-from torchplace.problem import Problem
+from torchplace.problem import Pipeline, Problem
 
 
 @st.composite
@@ -131,4 +133,89 @@ def brute_force_contiguous(problem: Problem) -> float:
         ):
             continue
         best = min(best, costmodel.evaluate_stages(problem, stages)[0])
+    return best
+
+
+def _pipelined_record(draw, name: str, *, colocation: str | None, backward: bool) -> NodeRecord:
+    """A node with bytes of every kind: parameters, working memory, output and, on forward nodes,
+    activations saved for backward (usually more than its output, as in real layers)."""
+    r = _record(draw, name, colocation=colocation, backward=backward)
+    return dataclasses.replace(r, temp_bytes=draw(st.integers(0, 4)), output_bytes=draw(st.integers(0, 4)),
+                               saved_bytes=0 if backward else draw(st.integers(0, 24)))
+
+
+@st.composite
+def pipelined_problems(draw, max_forward: int = 3, max_backward: int = 3) -> Problem:
+    """A random training graph (:func:`training_problems`' shapes) with saved activations and a
+    :class:`~torchplace.problem.Pipeline` (1-6 micro-batches, GPipe or 1F1B, recomputation allowed
+    three times in four) on 1-3 accelerators and at most one CPU. The accelerators' memory limit
+    is drawn from a quarter of the graph's bytes to half or all of them, where it often binds."""
+    base = draw(training_problems(max_forward, max_backward))
+    g = OpGraph()
+    for v, r in base.graph.records():
+        g.add_node(v, _pipelined_record(draw, v, colocation=r.colocation, backward=r.backward))
+    for u, v in base.graph.edges:
+        g.add_edge(u, v)
+    total = sum(r.param_bytes + r.temp_bytes + r.saved_bytes for _, r in g.records())
+    cap = draw(st.integers(max(1, total // 4), max(1, total // 2 if draw(st.booleans()) else total)))
+    k, cpus = draw(st.integers(1, 3)), draw(st.integers(0, 1))
+    devices = [Device(f"acc{i}", "meta", "accel", cap) for i in range(min(k, 3 - cpus))]
+    devices += [Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus)]
+    schedule, recompute = draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.integers(0, 3)) > 0
+    pipeline = Pipeline(draw(st.integers(1, 6)), schedule, recompute)
+    return Problem(g, Cluster(tuple(devices)), mode="training", pipeline=pipeline)
+
+
+def _pipeline_stages(problem: Problem, assign: dict[str, str], order: Sequence[str]) -> list[Stage] | None:
+    """The stages of ``assign`` run in device ``order``: forward pieces in it, backward pieces in it
+    or in its reverse (whichever the backward edges allow); None if neither runs (see
+    :func:`has_pipeline_order`)."""
+    g, pos = problem.graph, {d: i for i, d in enumerate(order)}
+    pairs: dict[bool, set[tuple[str, str]]] = {False: set(), True: set()}
+    for u, v in g.edges:
+        if assign[u] != assign[v] and g.record(u).backward == g.record(v).backward:
+            pairs[g.record(u).backward].add((assign[u], assign[v]))
+    if not all(pos[a] < pos[b] for a, b in pairs[False]):
+        return None
+    if all(pos[a] > pos[b] for a, b in pairs[True]):
+        back = list(reversed(order))
+    elif all(pos[a] < pos[b] for a, b in pairs[True]):
+        back = list(order)
+    else:
+        return None
+    side = {bw: {d: tuple(v for v in g if assign[v] == d and g.record(v).backward == bw) for d in order}
+            for bw in (False, True)}
+    stages = [Stage(d, side[False][d]) for d in order] + [Stage(d, side[True][d]) for d in back]
+    return [s for s in stages if s.nodes]
+
+
+def brute_force_pipelined(problem: Problem) -> float:
+    """Min max-load over every contiguous assignment, every order of its devices that runs as a
+    pipeline, and every recomputation choice per device (when the pipeline allows it), each device
+    costed by :func:`costmodel.device_cost` with the micro-batches :func:`costmodel.in_flight`
+    gives it in that order, and kept only if every device fits its memory."""
+    cluster, units = problem.cluster, _units(problem)
+    choices = (False, True) if problem.pipeline.recompute else (False,)
+    cost: dict[tuple, costmodel.StageCost] = {}
+
+    def device(nodes: tuple[str, ...], d: str, k: int, rc: bool) -> costmodel.StageCost:
+        key = (nodes, d, k, rc)
+        if key not in cost:
+            cost[key] = costmodel.device_cost(problem, set(nodes), cluster.device(d), in_flight=k, recompute=rc)
+        return cost[key]
+
+    best = math.inf
+    for choice in itertools.product(cluster.names, repeat=len(units)):
+        assign = {v: d for unit, d in zip(units, choice) for v in unit}
+        used = sorted(set(choice))
+        held = {d: tuple(v for v in problem.graph if assign[v] == d) for d in used}
+        for order in itertools.permutations(used):
+            stages = _pipeline_stages(problem, assign, order)
+            if stages is None:
+                continue
+            holds = costmodel.in_flight(problem, stages)
+            for rc in itertools.product(choices, repeat=len(used)):
+                costs = [device(held[d], d, holds[d], r) for d, r in zip(used, rc)]
+                if all((cap := cluster.device(c.device).memory_bytes) is None or c.memory <= cap for c in costs):
+                    best = min(best, max(c.load for c in costs))
     return best

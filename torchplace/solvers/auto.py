@@ -11,6 +11,11 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    bound when it ran, and with ``bounds="mip"`` also Archer's three-superblock and
    guess-the-bottleneck bounds (Sec. 3.2-3.3) within the time budget.
 
+Training with a :class:`~torchplace.problem.Pipeline`: the DP, and SliceGraph and BRKGA over each
+order they slice, cost pieces at their 1F1B positions with recomputation; the MILP and the MIP
+bounds work through the per-node memory relaxation and restriction
+(:mod:`torchplace.solvers.pipelined`). Every plan fits and every bound holds.
+
 Latency (MOIRAI Sec. III-D; Baechi Sec. 2): m-SCT and m-ETF always; the MOIRAI MILP within
 ``time_limit`` on graphs of at most ``milp_nodes`` nodes, starting from the better of the two
 schedulers' plans; the best plan wins, and the bound is the best of the combinatorial latency

@@ -47,6 +47,9 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
         simple lower bound); ``meta`` as
         :func:`torchplace.solvers.slicegraph.solve`, plus ``generations`` completed.
 
+    Training with a :class:`~torchplace.problem.Pipeline`: each order is decoded exactly under the
+    pipeline's memory, as SliceGraph slices it (1F1B positions, recomputation where needed).
+
     Raises:
         InfeasibleError: if no decoded order has a split that fits.
         SolverLimitError: if the time limit passed before any split was found.

@@ -7,15 +7,27 @@ where ``s`` counts the devices of each class still unused (the paper's (k', l') 
 and CPUs, generalised to any number of classes of identical devices) and ``I' = I`` means "leave
 this device empty". Training graphs are handled by running the DP on the forward part with each
 forward supernode carrying its backward sibling (Sec. 5.3, App. E.1; see ``contract``), once per
-orientation of the backward pieces when backward edges join colour classes.
+orientation of the backward pieces when backward edges join colour classes. The pieces' costs are
+:mod:`torchplace.solvers.paircosts`.
 
-All pair costs are computed at once with numpy. For nested sets ``I' <= I`` and ``S = I \\ I'``,
-a producer ``u`` (with ``M(u) = {u} + succ(u)``) pays its transfer iff ``M(u)`` is partly in ``S``.
-Writing ``K[J, u] = |M(u) & J|`` and ``P(J) = {u : 0 < K[J, u] < |M(u)|}`` (the frontier of ``J``),
+Training with a :class:`~torchplace.problem.Pipeline` (Piper 2021, Sec. 3.5 and 4): under 1F1B a
+piece's memory depends on the forward pieces *after* it (``min(m, S - j)`` micro-batches in
+flight), so the DP runs over upsets (Piper's downsets, Def. 4.1: the ideals of the reversed
+contraction), adding each piece in front of the pieces already placed, and carries their number
+``q`` as Piper's ``dp[D][k][s]`` carries its suffix sum ``s``:
 
-    comm(I \\ I') = B(I') + sum_{u in P(I)} c_u ([K[I', u] = 0] - [K[I', u] = K[I, u]])
+    dp[s][q][F] = min over c, F' <= F of max(dp[s - e_c][q'][F'], cost_c(F \\ F', k(q')))
 
-with ``B(J) = sum_{u in P(J)} c_u``, so each pair costs O(|frontier of I|) instead of O(|V| + |E|).
+with ``q = min(q' + 1, levels - 1)`` and ``k(q') = min(m, q' + 1)`` for a piece that holds a
+forward node, and ``q = q'``, ``k = m`` for one that does not. Empty pieces (unused devices) keep
+``q``, and so does the cost model: it ranks only the devices that run a forward stage
+(:func:`torchplace.costmodel.in_flight`), so an unused device, or one holding only an orphaned
+backward group, shifts no one's position; the forward stages keep the chain's order in the plan
+(:func:`~torchplace.solvers.ordering.order_stages` is a stable topological sort, and every forward
+edge between pieces points down the chain). ``cost_c`` keeps a piece's activations when that fits
+and else recomputes them if the pipeline allows it (recomputing only adds load), so the DP is
+optimal over contiguous splits and recomputation choices together; GPipe has one level (every
+device holds ``m``).
 """
 from __future__ import annotations
 
@@ -23,191 +35,137 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage
-from torchplace.problem import Problem
+from torchplace.problem import Pipeline, Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, contractions
+from torchplace.solvers.dp_infeasible import explain
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
+from torchplace.solvers.paircosts import DeviceClass, PairCosts, Positions, Tables, device_classes, training_pipeline
 
-__all__ = ["DeviceClass", "device_classes", "pieces_to_stages", "solve", "solve_linearized"]
+__all__ = ["DeviceClass", "Piece", "device_classes", "pieces_to_stages", "run_dp", "solve", "solve_linearized"]
 
-
-@dataclass(frozen=True)
-class DeviceClass:
-    """Identical devices: same kind, memory and transfer rule."""
-
-    kind: str
-    memory: int | None
-    pays_transfer: bool
-    devices: tuple[str, ...]
+Table = dict[tuple[int, ...], np.ndarray]
+"""``dp[s]``: an array (levels, ideals) of optimal max-loads."""
 
 
-def device_classes(problem: Problem) -> list[DeviceClass]:
-    """Group the cluster's devices into classes of identical devices, in first-seen order."""
-    groups: dict[tuple[str, int | None, bool], list[str]] = {}
-    for d in problem.cluster.devices:
-        groups.setdefault((d.kind, d.memory_bytes, d.pays_transfer), []).append(d.name)
-    return [DeviceClass(k, m, p, tuple(names)) for (k, m, p), names in groups.items()]
+class Piece(NamedTuple):
+    """A contiguous piece: its device class, its supernodes, whether its device recomputes."""
 
-
-class _PairCosts:
-    """Cost of every contiguous set ``I \\ I'`` on every device class, as flat arrays over pairs."""
-
-    def __init__(
-        self, problem: Problem, con: Contraction, ideals: Ideals, classes: Sequence[DeviceClass], measure: str = "load",
-        tick: Callable[[], None] = lambda: None,
-    ):
-        self.problem, self.con, self.ideals, self.tick = problem, con, ideals, tick
-        n_ideals = len(ideals)
-        self.owner = np.repeat(np.arange(n_ideals), np.diff(ideals.sub_indptr))  # I of each pair
-        self.sub = ideals.sub_index  # I' of each pair
-        x = ideals.membership.astype(np.float64)
-        if measure == "load":
-            self.comm = self._comm()
-            self.costs = [self._class_cost(c, x) for c in classes]
-        else:  # "memory": the bytes each piece needs, ignoring memory limits
-            self.costs = [self._class_memory(c, x) for c in classes]
-
-    def _super_sum(self, values: dict[str, float]) -> np.ndarray:
-        return np.array([math.fsum(values[v] for v in s.members) for s in self.con.nodes])
-
-    def _diff(self, x: np.ndarray, per_super: np.ndarray) -> np.ndarray:
-        prefix = x @ per_super
-        return prefix[self.owner] - prefix[self.sub]
-
-    def _memory(self, x: np.ndarray) -> np.ndarray:
-        g = self.problem.graph
-        return self._diff(x, self._super_sum({v: float(r.param_bytes + r.temp_bytes) for v, r in g.records()}))
-
-    def _unsupported(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
-        bad = self._super_sum({v: float(c.kind not in r.times) for v, r in self.problem.graph.records()})
-        return self._diff(x, bad) > 0.5
-
-    def _class_cost(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
-        t = self._super_sum({v: (r.times.get(c.kind, 0.0)) for v, r in self.problem.graph.records()})
-        cost = self._diff(x, t)
-        if c.pays_transfer:
-            cost = cost + self.comm
-        infeasible = self._unsupported(c, x)
-        if c.memory is not None:
-            infeasible |= self._memory(x) > c.memory
-        cost[infeasible] = math.inf
-        cost[self.owner == self.sub] = 0.0  # an empty device costs nothing
-        return cost
-
-    def _class_memory(self, c: DeviceClass, x: np.ndarray) -> np.ndarray:
-        cost = self._memory(x) if c.memory is not None else np.zeros(self.sub.size)
-        cost[self._unsupported(c, x)] = math.inf
-        cost[self.owner == self.sub] = 0.0
-        return cost
-
-    def _frontier_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """K (ideals x producers), |M(u)| and c_u for producers with a transfer cost."""
-        g, p = self.problem.graph, self.problem
-        super_of = {v: i for i, s in enumerate(self.con.nodes) for v in s.members}
-        producers = [u for u in g if p.transfer_time(u) > 0 and any(True for _ in g.successors(u))]
-        w = np.zeros((len(self.con.nodes), len(producers)), dtype=np.float32)
-        size = np.zeros(len(producers), dtype=np.int32)
-        for j, u in enumerate(producers):
-            for m in (u, *g.successors(u)):
-                w[super_of[m], j] += 1
-                size[j] += 1
-        k = np.rint(self.ideals.membership.astype(np.float32) @ w).astype(np.int32)
-        c = np.array([p.transfer_time(u) for u in producers], dtype=np.float64)
-        return k, size, c
-
-    def _comm(self) -> np.ndarray:
-        k, size, c = self._frontier_counts()
-        partial = (k > 0) & (k < size)
-        b = partial.astype(np.float64) @ c
-        out = np.empty(self.sub.size, dtype=np.float64)
-        indptr = self.ideals.sub_indptr
-        for i in range(len(self.ideals)):
-            self.tick()
-            lo, hi = indptr[i], indptr[i + 1]
-            subs = self.sub[lo:hi]
-            f = np.flatnonzero(partial[i])
-            ks = k[np.ix_(subs, f)]
-            out[lo:hi] = b[subs] + ((ks == 0).astype(np.float64) - (ks == k[i, f])) @ c[f]
-        return out
+    cls: int
+    supers: list[int]
+    recompute: bool = False
 
 
 def _states(counts: Sequence[int]) -> list[tuple[int, ...]]:
     return sorted(itertools.product(*(range(n + 1) for n in counts)), key=sum)
 
 
-def _run_dp(pc: _PairCosts, counts: Sequence[int],
-            check: Callable[[], None] = lambda: None) -> dict[tuple[int, ...], np.ndarray]:
-    n = len(pc.ideals)
-    starts = pc.ideals.sub_indptr[:-1]
-    full = tuple(counts)
-    dp: dict[tuple[int, ...], np.ndarray] = {}
+def _less(s: tuple[int, ...], c: int) -> tuple[int, ...]:
+    return s[:c] + (s[c] - 1,) + s[c + 1:]
+
+
+def _into(row: np.ndarray, vals: np.ndarray, starts: np.ndarray, last: bool) -> None:
+    """``row[I] = min(row[I], min of vals over I's pairs)`` (only the whole graph's when ``last``)."""
+    if last:
+        row[-1] = min(row[-1], vals.min(initial=math.inf))
+    else:
+        np.minimum(row, np.minimum.reduceat(vals, starts), out=row)
+
+
+def _relax(t: Tables, best: np.ndarray, prev: np.ndarray, c: int, last: bool) -> None:
+    """Every way to put class ``c``'s next device in front of the splits in ``prev``."""
+    pc, pos = t.pc, t.positions
+    indptr = pc.ideals.sub_indptr
+    pairs = slice(indptr[-2], indptr[-1]) if last else slice(None)  # last state: only the whole graph matters
+    sub, starts = pc.sub[pairs], indptr[:-1]
+    for q in range(pos.levels):
+        if pos.levels > 1 and not np.isfinite(prev[q]).any():
+            continue
+        vals = np.maximum(prev[q][sub], t.cost(c, pos.in_flight(q))[pairs])
+        if pos.levels == 1:
+            _into(best[0], vals, starts, last)
+            continue
+        fw = pc.has_forward[pairs]
+        _into(best[pos.after(q)], np.where(fw, vals, math.inf), starts, last)
+        _into(best[q], np.where(fw, math.inf, vals), starts, last)
+
+
+def run_dp(t: Tables, counts: Sequence[int], check: Callable[[], None] = lambda: None) -> Table:
+    """The DP table over the states ``s <= counts`` (module docstring); ``check`` runs once per state."""
+    n, levels, full = len(t.pc.ideals), t.positions.levels, tuple(counts)
+    dp: Table = {}
     for s in _states(counts):
         check()  # once per state: each is a pass over every pair
+        best = np.full((levels, n), math.inf)
         if not any(s):
-            dp[s] = np.full(n, math.inf)
-            dp[s][0] = 0.0
-            continue
-        best = np.full(n, math.inf)
-        for c, cost in enumerate(pc.costs):
-            if s[c] == 0:
-                continue
-            prev = dp[s[:c] + (s[c] - 1,) + s[c + 1:]]
-            if s == full:  # only the whole graph matters in the last state
-                lo, hi = pc.ideals.sub_indptr[-2], pc.ideals.sub_indptr[-1]
-                best[-1] = min(best[-1], np.maximum(prev[pc.sub[lo:hi]], cost[lo:hi]).min())
-            else:
-                best = np.minimum(best, np.minimum.reduceat(np.maximum(prev[pc.sub], cost), starts))
+            best[0, 0] = 0.0
+        for c in range(len(counts)):
+            if s[c]:
+                _relax(t, best, dp[_less(s, c)], c, s == full)
         dp[s] = best
     return dp
 
 
-def _backtrack(pc: _PairCosts, dp: dict[tuple[int, ...], np.ndarray], counts: Sequence[int]):
-    """Pieces (class index, forward-supernode indices) from the first to the last."""
-    s, i = tuple(counts), len(pc.ideals) - 1
-    target = dp[s][i]
-    pieces: list[tuple[int, list[int]]] = []
-    while i != 0:
-        lo, hi = pc.ideals.sub_indptr[i], pc.ideals.sub_indptr[i + 1]
-        for c, cost in enumerate(pc.costs):
-            if s[c] == 0:
-                continue
-            prev_s = s[:c] + (s[c] - 1,) + s[c + 1:]
-            cand = np.maximum(dp[prev_s][pc.sub[lo:hi]], cost[lo:hi])
-            hits = np.flatnonzero(cand <= target)
+def _step(t: Tables, dp: Table, s: tuple[int, ...], i: int, q: int, target: float):
+    """One piece back from ``(s, q, I=i)``: the predecessor state and the piece (None if empty)."""
+    pc, pos = t.pc, t.positions
+    lo, hi = pc.ideals.sub_indptr[i], pc.ideals.sub_indptr[i + 1]
+    for c in range(len(s)):
+        if s[c] == 0:
+            continue
+        prev = dp[_less(s, c)]
+        for q_src in range(pos.levels):
+            k = pos.in_flight(q_src)
+            ok = np.maximum(prev[q_src][pc.sub[lo:hi]], t.cost(c, k)[lo:hi]) <= target
+            if pos.levels > 1:
+                ok &= np.where(pc.has_forward[lo:hi], pos.after(q_src) == q, q_src == q)
+            hits = np.flatnonzero(ok)
             if hits.size:
-                j = int(pc.sub[lo + hits[0]])
-                if j != i:
-                    diff = pc.ideals.membership[i] & ~pc.ideals.membership[j]
-                    pieces.append((c, np.flatnonzero(diff).tolist()))
-                s, i = prev_s, j
-                break
-        else:  # pragma: no cover - dp values always come from some candidate
-            raise AssertionError("DP backtrack found no candidate")
-    return pieces[::-1]
+                pair = lo + int(hits[0])
+                j = int(pc.sub[pair])
+                diff = pc.ideals.membership[i] & ~pc.ideals.membership[j]
+                piece = Piece(c, np.flatnonzero(diff).tolist(), t.recomputes(c, k, pair)) if j != i else None
+                return _less(s, c), j, q_src, piece
+    raise AssertionError("DP backtrack found no candidate")  # pragma: no cover - values come from candidates
 
 
-def pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces) -> list[Stage]:
-    """Stages from pieces ``(class index, supernode indices)``, first to last.
+def backtrack(t: Tables, dp: Table, counts: Sequence[int]) -> list[Piece]:
+    """The optimal split's pieces in the order the DP added them (last piece first over ideals,
+    first piece first over upsets)."""
+    s, i = tuple(counts), len(t.pc.ideals) - 1
+    q = int(np.argmin(dp[s][:, i]))
+    target = dp[s][q, i]
+    pieces: list[Piece] = []
+    while i != 0:
+        s, i, q, piece = _step(t, dp, s, i, q, target)
+        if piece is not None:
+            pieces.append(piece)
+    return pieces
+
+
+def pieces_to_stages(con: Contraction, classes: Sequence[DeviceClass], pieces: Sequence[tuple]) -> list[Stage]:
+    """Stages from pieces (:class:`Piece`, or ``(class index, supernode indices)``), first to last.
 
     Each piece takes the next unused device of its class and becomes a forward stage and, for
-    training graphs, a backward stage (the supernodes' backward siblings, Tarnawski App. E.1).
-    Stage order is not yet the execution order: pass the result to ``order_stages``.
+    training graphs, a backward stage (the supernodes' backward siblings, Tarnawski App. E.1),
+    both recomputing if the piece does. Stage order is not yet the execution order: pass the
+    result to ``order_stages``.
     """
     used = [0] * len(classes)
     stages: list[Stage] = []
-    for c, supers in pieces:
-        device = classes[c].devices[used[c]]
-        used[c] += 1
-        fw = tuple(v for i in supers for v in con.nodes[i].forward)
-        bw = tuple(v for i in supers for v in con.nodes[i].backward)
-        stages += [Stage(device, part) for part in (fw, bw) if part]
+    for piece in map(lambda p: Piece(*p), pieces):
+        device = classes[piece.cls].devices[used[piece.cls]]
+        used[piece.cls] += 1
+        fw = tuple(v for i in piece.supers for v in con.nodes[i].forward)
+        bw = tuple(v for i in piece.supers for v in con.nodes[i].backward)
+        stages += [Stage(device, part, piece.recompute) for part in (fw, bw) if part]
     return stages
 
 
@@ -218,34 +176,24 @@ class _Run:
     backward_order: str
     con: Contraction
     ideals: Ideals
-    pc: _PairCosts
-    dp: dict[tuple[int, ...], np.ndarray]
+    tables: Tables
+    dp: Table
     value: float  # the optimum over this contraction's splits
+    upsets: bool  # run over upsets (a training pipeline): pieces come out first to last
+
+    def pieces(self, counts: Sequence[int]) -> list[Piece]:
+        """The optimal split's pieces, first to last."""
+        pieces = backtrack(self.tables, self.dp, counts)
+        return pieces if self.upsets else pieces[::-1]
 
 
-def _infeasible(problem: Problem, runs: Sequence[_Run], classes: Sequence[DeviceClass],
-                counts: Sequence[int]) -> InfeasibleError:
-    """The error for a problem with no feasible split, stating the smallest memory that would fit.
-
-    The smallest per-device memory is itself a min-max contiguous split, with each piece's bytes as
-    its cost; the same DP finds it (over every contraction searched).
-    """
-    need = min(
-        float(_run_dp(_PairCosts(problem, r.con, r.ideals, classes, measure="memory"), counts)[tuple(counts)][-1])
-        for r in runs
-    )
-    caps = sorted({c.memory for c in classes if c.memory is not None})
-    if math.isinf(need):
-        return InfeasibleError(
-            "some operators cannot run on any of the given devices (no measured time for their kind); "
-            "add a device of a kind that can run them, e.g. 'cpu'"
-        )
-    return InfeasibleError(
-        f"the model does not fit: the best contiguous split needs {int(need)} bytes "
-        f"({need / 2**30:.3f} GiB) on its fullest device, but the memory-limited devices have {caps} bytes; "
-        f"raise max_memory to at least {int(need)} bytes per device or add devices",
-        min_memory_bytes=int(need),
-    )
+def _value(runs: Sequence[_Run], check: Callable[[], None]) -> Callable[[Pipeline | None, Sequence[int], str], float]:
+    """The optimum over ``runs``'s pairs for another pipeline, device counts or measure (what
+    :func:`~torchplace.solvers.dp_infeasible.explain` asks)."""
+    def value(pipeline: Pipeline | None, counts: Sequence[int], measure: str) -> float:
+        tables = [Tables(r.tables.pc, pipeline, measure, sum(counts)) for r in runs]
+        return min(float(run_dp(t, counts, check)[tuple(counts)][:, -1].min()) for t in tables)
+    return value
 
 
 def _dfs_order(con: Contraction) -> list[int]:
@@ -286,23 +234,28 @@ _WAY_OUT = ("use method 'slicegraph' or 'auto' (--method auto), or coarsen the g
             "granularity='module')")
 
 
-def _table_bytes(n: int, ideals: int, pairs: int, n_classes: int) -> int:
+def _table_bytes(n: int, ideals: int, pairs: int, n_classes: int, levels: int = 0) -> int:
     """Bytes of the DP's tables: per pair its ideals' indices and one cost per class (with numpy
     temporaries), per ideal its membership as bool, float32 and float64 rows (measured: 60 bytes a
-    pair with two classes, on BERT operator graphs)."""
-    return pairs * (32 + 16 * n_classes) + ideals * n * 13 + 8 * n * n
+    pair with two classes, on BERT operator graphs). Under a pipeline (``levels`` > 0) each pair
+    also has its byte counts, forward compute per class and a cost per class and level."""
+    pipeline = pairs * (48 + 8 * n_classes * (1 + levels)) if levels else 0
+    return pairs * (32 + 16 * n_classes) + ideals * n * 13 + 8 * n * n + pipeline
 
 
-def _admit(budget: Budget, n: int, ideals: int, pairs: int, n_classes: int) -> None:
+def _admit(budget: Budget, n: int, ideals: int, pairs: int, n_classes: int, levels: int) -> None:
     """Refuse tables that would not fit the memory budget (ModelTooLargeError)."""
-    need = _table_bytes(n, ideals, pairs, n_classes)
+    need = _table_bytes(n, ideals, pairs, n_classes, levels)
     budget.admit_memory(need, f"the DP over {n:,} supernodes, {ideals:,} ideals and {pairs:,} ideal pairs")
 
 
 def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], ideal_limit: int,
           linearize: bool, budget: Budget) -> list[_Run]:
-    """The DP over every distinct contraction of the graph (one unless backward edges join classes)."""
+    """The DP over every distinct contraction of the graph (one unless backward edges join classes);
+    over its upsets under a training pipeline (module docstring)."""
     runs = []
+    pipeline = training_pipeline(problem)
+    levels = Positions.of(pipeline, sum(counts)).levels if pipeline is not None else 0
     contracted = contractions(problem.graph)
     budget.check("contracting the graph")
     for order, con in contracted.items():
@@ -310,12 +263,15 @@ def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int
             con = _linearized(con)
         n = len(con.nodes)
         if n < ideal_limit:  # (else enumerate_ideals refuses it at once) a chain's tables, the smallest there are
-            _admit(budget, n, n + 1, (n + 1) * (n + 2) // 2, len(classes))
-        ideals = enumerate_ideals(n, con.edges, ideal_limit, tick=budget.ticks("enumerating ideals", every=64))
-        _admit(budget, n, len(ideals), ideals.pairs, len(classes))
-        pc = _PairCosts(problem, con, ideals, classes, tick=budget.ticks("computing the pieces' costs", every=64))
-        dp = _run_dp(pc, counts, lambda: budget.check("running the DP"))
-        runs.append(_Run(order, con, ideals, pc, dp, float(dp[tuple(counts)][-1])))
+            _admit(budget, n, n + 1, (n + 1) * (n + 2) // 2, len(classes), levels)
+        edges = con.edges if pipeline is None else tuple((v, u) for u, v in con.edges)  # upsets: Piper Def. 4.1
+        ideals = enumerate_ideals(n, edges, ideal_limit, tick=budget.ticks("enumerating ideals", every=64))
+        _admit(budget, n, len(ideals), ideals.pairs, len(classes), levels)
+        pc = PairCosts(problem, con, ideals, classes, tick=budget.ticks("computing the pieces' costs", every=64))
+        tables = Tables(pc, pipeline)
+        dp = run_dp(tables, counts, lambda: budget.check("running the DP"))
+        value = float(dp[tuple(counts)][:, -1].min())
+        runs.append(_Run(order, con, ideals, tables, dp, value, upsets=pipeline is not None))
     return runs
 
 
@@ -328,6 +284,14 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     :mod:`~torchplace.solvers.contract`), which together are exactly the contiguous splits; the
     better wins (ties: the reverse order, the paper's mirror image).
 
+    With a training :class:`~torchplace.problem.Pipeline` each piece is costed as the cost model
+    costs its device: one micro-batch's working memory, its activations times the micro-batches
+    in flight at its pipeline position (1F1B) or all ``m`` (GPipe), and, where keeping them does
+    not fit and the pipeline allows it, recomputation (``Stage.recompute``, forward compute
+    twice); the optimum is over contiguous splits and recomputation choices together (module
+    docstring). The search runs over upsets then, so among equal optima it may pick another plan
+    than without a pipeline.
+
     Args:
         problem: a throughput problem; devices are grouped into classes of identical devices.
         ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
@@ -338,12 +302,15 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
 
     Returns:
         A Plan whose objective is the optimal max-load among contiguous splits (status
-        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds`. ``meta`` holds
-        the winning contraction's ``ideals``, ``ideal_pairs`` and ``backward_order``.
+        ``"optimal"``) and whose lower bound is the simple bound of :mod:`bounds` (recomputation
+        only adds load, so it holds under a pipeline). ``meta`` holds the winning contraction's
+        ``ideals``, ``ideal_pairs`` and ``backward_order``.
 
     Raises:
         TooManyIdealsError: if a contraction of the graph has more than ``ideal_limit`` ideals.
-        InfeasibleError: if no contiguous split fits (memory, supported devices).
+        InfeasibleError: if no contiguous split fits (memory, supported devices); its message
+            says by how much (``min_memory_bytes``) and what would fit
+            (:func:`~torchplace.solvers.dp_infeasible.explain`).
         SolverLimitError: if the time limit passed first.
         ModelTooLargeError: if the tables would not fit in the solver memory budget
             (:data:`torchplace.solvers.limits.MEMORY_BUDGET`).
@@ -355,9 +322,8 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     run = min(runs, key=lambda r: r.value)  # first on ties
     best = run.value
     if math.isinf(best):
-        raise _infeasible(problem, runs, classes, counts)
-    pieces = _backtrack(run.pc, run.dp, counts)
-    stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, pieces))
+        raise explain(problem, classes, counts, _value(runs, lambda: budget.check("finding what would fit")))
+    stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, run.pieces(counts)))
     plan = Plan.build(
         problem, stages, solver="dpl" if linearize else "dp", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",

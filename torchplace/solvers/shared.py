@@ -13,7 +13,11 @@ assumes, so a problem with shared tensors is solved through problems that are:
    pays for the tensor: a device never holds more than it is charged for). The better plan is
    kept, with the relaxation's bound.
 
-Every returned plan is evaluated and validated on the true problem.
+Every returned plan is evaluated and validated on the true problem. Under a training
+:class:`~torchplace.problem.Pipeline` a variant's plan is taken to the true problem with each
+device recomputing exactly when keeping its activations (and now its copies) does not fit
+(:func:`torchplace.solvers.pipelined.fit`); a plan that had to start recomputing there keeps no
+claim of optimality.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
+from torchplace.solvers.pipelined import fit, training_pipeline
 
 __all__ = ["colocated", "relaxed", "replicated", "solve_shared"]
 
@@ -81,7 +86,12 @@ def colocated(problem: Problem) -> Problem:
 
 
 def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
-    return Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=lower_bound,
+    stages = plan.stages
+    if training_pipeline(problem) is not None:
+        stages = fit(problem, plan.stages) or plan.stages  # (a plan that does not fit raises below)
+        if status == "optimal" and any(a.recompute != b.recompute for a, b in zip(stages, plan.stages)):
+            status = "feasible"  # recomputing for the copies added load the variant did not count
+    return Plan.build(problem, stages, solver=plan.solver, seconds=plan.seconds, lower_bound=lower_bound,
                       status=status, meta=plan.meta)
 
 
@@ -95,12 +105,15 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
     first = solve(relaxed(problem), time_limit=share, **opts)
+    found: list[Plan] = []
     try:
-        return _on_truth(problem, first, first.lower_bound, first.status)
+        truth = _on_truth(problem, first, first.lower_bound, first.status)
+        if [s.recompute for s in truth.stages] == [s.recompute for s in first.stages]:
+            return truth  # its load is the relaxation's: its proof carries over
+        found.append(truth)  # it fits only by recomputing more: the restrictions may do better
     except InvalidPlanError:
         pass  # the relaxation's plan needs more memory for the copies than a device has
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
-    found: list[Plan] = []
     errors: list[Exception] = []
     for variant in (colocated, replicated):
         try:
@@ -113,6 +126,6 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
             f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
             f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
         ) from errors[0]
-    best = min(found, key=lambda p: p.objective)
+    best = min(found, key=lambda p: p.objective)  # (ties: the relaxation's, already on the truth)
     status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"
     return _on_truth(problem, best, first.lower_bound, status)

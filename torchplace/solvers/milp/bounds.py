@@ -42,6 +42,10 @@ under a limit is still valid but may break the middle inequality; both functions
 the simple bound. With a CPU class (no transfer cost) the CPU guess of the three-superblock bound
 is ``min work_cpu(S) >= L``, i.e. little above the simple bound; the per-class superblocks of the
 guess bound are what lift it there.
+
+Under a training :class:`~torchplace.problem.Pipeline` both bound the per-node memory relaxation
+(:func:`torchplace.solvers.pipelined.relaxed`: no device needs less than it says, and
+recomputation only adds load), so they hold for the true problem.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.maxload import Units, assignment_units, row, time_unit
 from torchplace.solvers.milp.size import bottleneck_size
+from torchplace.solvers.pipelined import bounding_problem
 
 __all__ = ["build_bottleneck", "guess_the_bottleneck_bound", "three_superblock_bound"]
 
@@ -178,6 +183,9 @@ def _class_bound(problem: Problem, units: Units, device: int, floor: float, gues
 
 
 def _bound(problem: Problem, guess: bool, time_limit: float | None) -> float:
+    """The bound on ``problem``, or under a training pipeline on its per-node memory relaxation,
+    whose bound holds for it (:func:`~torchplace.solvers.pipelined.bounding_problem`)."""
+    problem = bounding_problem(problem)
     budget = Budget("bottleneck-set MIP bound", time_limit)
     floor = simple_lower_bound(problem)
     units = assignment_units(problem)

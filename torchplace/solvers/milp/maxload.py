@@ -77,6 +77,7 @@ from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.contiguity import stages_from_assignment
 from torchplace.solvers.milp.highs import MilpResult, solve_model
 from torchplace.solvers.milp.size import maxload_size
+from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 
 __all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit"]
 
@@ -409,6 +410,13 @@ def solve(
         (:func:`simple_lower_bound`) for a contiguous one (whose own proven bound, valid among
         contiguous splits only, is ``meta["milp_bound"]``).
 
+    Training with a :class:`~torchplace.problem.Pipeline`: the memory rows (17) are sums over
+    nodes, so the IP solves the per-node relaxation (one micro-batch's activations per node) and,
+    if its plan does not fit at its pipeline positions even recomputing, the restriction (all ``m``
+    in flight, no recomputation): :mod:`torchplace.solvers.pipelined`. The bound is the
+    relaxation's, valid for the true problem; the plan is ``"optimal"`` only when the relaxation's
+    optimum fits as it is.
+
     Raises:
         InfeasibleError: if no placement satisfies memory, support and colocation (and contiguity).
         SolverLimitError: if the time limit passed before HiGHS found any placement (also while
@@ -416,6 +424,9 @@ def solve(
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time
             limit (:mod:`torchplace.solvers.limits`).
     """
+    if training_pipeline(problem) is not None:
+        return solve_pipelined(problem, solve, time_limit, contiguous=contiguous, mip_gap=mip_gap,
+                               warm_start=warm_start, symmetry=symmetry)
     budget = Budget("max-load IP", time_limit)
     contiguous = problem.contiguous if contiguous is None else contiguous
     target = problem if problem.contiguous == contiguous else replace(problem, contiguous=contiguous)

@@ -56,6 +56,7 @@ from torchplace.solvers.milp.maxload import (
     time_unit,
 )
 from torchplace.solvers.milp.size import mtpp_size
+from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 
 __all__ = ["build", "extract", "solve"]
 
@@ -182,7 +183,9 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     Returns:
         A Plan (status ``"optimal"`` or ``"time_limit"``) with one stage per non-empty block. Its
         lower bound is the simple bound, valid for every split; the MIP's proven bound, valid among
-        acyclic-quotient splits only, is ``meta["milp_bound"]``.
+        acyclic-quotient splits only, is ``meta["milp_bound"]``. A problem with a training
+        :class:`~torchplace.problem.Pipeline` (and no backward nodes) is solved through the per-node
+        memory relaxation and restriction of :mod:`torchplace.solvers.pipelined`.
 
     Args:
         time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
@@ -195,6 +198,9 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
             model was built).
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
+    if training_pipeline(problem) is not None:
+        _check_inference(problem)
+        return solve_pipelined(problem, solve, time_limit, mip_gap=mip_gap)
     budget = Budget("MTPP MIP", time_limit)
     m = build(problem, budget=budget)
     build_seconds = budget.elapsed()
