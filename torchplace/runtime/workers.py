@@ -9,8 +9,8 @@ A job still running when the next call needs its worker (a stage that ignored it
 signal) keeps its thread; the worker gets a fresh one, so one stuck job never blocks later calls.
 The threads hold no reference to their owner and end when it is garbage-collected.
 
-A worker may have its own count of intra-op threads (``Device.threads``: the machine's cores
-split among logical CPU devices). torch's OpenMP thread count is per calling thread, so each
+A worker may have its own count of intra-op threads (``Device.threads``; ``share_cores=True``
+splits the machine's cores among the CPU devices). torch's OpenMP thread count is per calling thread, so each
 job runs under :func:`~torchplace.machine.intra_op_threads` on its worker's thread, and two
 logical CPUs no longer both spread every operator over all cores.
 """
