@@ -228,3 +228,17 @@ def test_cuda_and_cpu_placement_gives_the_original_outputs(objective, name, monk
         out, ref = placed(*inputs), reference(*inputs)
     for x, y in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
         torch.testing.assert_close(x.cpu(), y, rtol=1e-4, atol=1e-4)  # CUDA kernels round differently
+
+
+def test_a_transformers_model_with_its_kv_cache_on_gets_the_real_fix():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=1, eos_token_id=1)  # use_cache=True, the default
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TraceError, match=r"returns a DynamicCache .*use_cache=False"):
+        torchplace.place(model, DEVICES[2], (ids,), progress=False, repeats=1, warmup=0)
+    placed = torchplace.place(model, DEVICES[2], (ids,), example_kwargs={"use_cache": False}, progress=False,
+                              repeats=1, warmup=0)  # the fix the message names
+    with torch.no_grad():
+        assert torch.equal(placed(ids, use_cache=False).logits, model(ids, use_cache=False).logits)

@@ -25,6 +25,7 @@ bitwise, but not the fast path.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -180,8 +181,26 @@ class _CaptureFailure(Exception):
         self.method, self.path, self.cls, self.error = method, path, cls, error
 
 
+def _returns_a_cache(failures: list[_CaptureFailure]) -> str | None:
+    """The class name of a key-value cache object export found in the model's output, if any
+    (transformers models return ``past_key_values`` by default: ``use_cache=True``)."""
+    for f in failures:
+        found = re.search(r"Found <class '([\w.]*Cache)'> in output", str(f.error))
+        if f.method == "export" and found:
+            return found.group(1).rsplit(".", 1)[-1]
+    return None
+
+
 def _trace_error(model: nn.Module, failures: list[_CaptureFailure]) -> TraceError:
     """A :class:`TraceError` naming the failing module, the errors, and what to try."""
+    cache = _returns_a_cache(failures)
+    if cache is not None:
+        return TraceError(
+            f"{type(model).__qualname__} returns a {cache} (its key-value cache: use_cache=True), which a placed "
+            f"model cannot return; build the model with use_cache=False (e.g. from_pretrained(..., "
+            f"use_cache=False) or model.config.use_cache = False) or pass example_kwargs={{'use_cache': False}} "
+            f"and call the placed model with use_cache=False"
+        )
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
     hints = [f"pass leaf_modules=({first.cls},) to keep that module whole"] if first.path else []
