@@ -102,6 +102,43 @@ def test_gradients_equal_the_unsplit_model_on_the_same_microbatches(schedule, st
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+class SplitAcross(nn.Module):
+    """``split`` returns a list: a value holding several tensors, read by the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        parts = torch.split(h, 8, dim=1)
+        r = torch.tanh(h).sum(dim=1, keepdim=True)  # the producer's other output shares h's history
+        return self.b(parts[0]) + parts[1][:, :4] + r
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_list_value_crossing_stages_carries_its_gradients(schedule, recompute):
+    """Found as a flaky GPT-2 test: a plan that cut after attention's ``split`` let the consumer's
+    backward run into the producer's graph ("backward through the graph a second time")."""
+    torch.manual_seed(0)
+    model = SplitAcross()
+    reference = copy.deepcopy(model)
+    gm = fx.symbolic_trace(model)
+    first = {"a", "split", "tanh", "sum_1"}
+    stage_of = {n.name: 0 if n.name in first else 1 for n in compute_nodes(gm.graph)}
+    stages = split_stages(gm, stage_of, 2)
+    assert "split" in stages[0].outputs
+    executor = TrainingExecutor(stages, ["cpu", "cpu"], ["cpu:0", "cpu:1"], GraphIO(gm), isolate=True,
+                                recompute=[recompute, False])
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    executor.step((x,), {}, y, nn.functional.mse_loss, 2, schedule)
+    for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+        (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_a_failing_backward_names_the_stage_microbatch_and_direction():
     executor = _executor(Net(), 2)
     x, y = torch.randn(4, 8), torch.randn(4, 4)

@@ -66,10 +66,11 @@ def _beside(target: Any, output: Any) -> Any:
 
 def _leaf(value: Any) -> Any:
     """A stage-boundary copy of ``value``: same memory, no history, requiring grad where the value
-    is a floating-point tensor that does."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
-    return value
+    is a floating-point tensor that does. Values that hold several tensors (the list ``split``
+    returns) are copied tensor by tensor: a consumer's backward must never reach into the
+    producer's graph, or the producer's own backward finds it freed."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad and t.is_floating_point()),
+                         value)
 
 
 @dataclass
@@ -353,11 +354,9 @@ def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
 
 
 def _needs_grad(value: Any) -> Any:
-    """An output of a recomputing stage's forward (run without grad), marked as one whose
-    gradient the stage wants back when it is a floating-point tensor."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.requires_grad_(True)
-    return value
+    """An output of a recomputing stage's forward (run without grad), its floating-point tensors
+    marked as ones whose gradient the stage wants back."""
+    return tree_map_only(torch.Tensor, lambda t: t.requires_grad_(True) if t.is_floating_point() else t, value)
 
 
 class SavedBytes:
@@ -407,24 +406,31 @@ class _Box:
         self.tensor = tensor
 
 
-def _grad_like(leaf: Any, original: Any) -> Any:
-    """The gradient a leaf received, on the original value's device (``None`` if there is none)."""
-    if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
-        return leaf.grad.to(original.device) if isinstance(original, torch.Tensor) else leaf.grad
-    return None
+def _grad_like(leaf: Any, original: Any) -> list[torch.Tensor | None] | None:
+    """The gradients a boundary copy received, one per tensor of the value (``tree_leaves``
+    order), on the original tensors' devices; ``None`` if it received none."""
+    grads = [
+        (mine.grad.to(theirs.device) if isinstance(theirs, torch.Tensor) else mine.grad)
+        if isinstance(mine, torch.Tensor) and mine.grad is not None else None
+        for mine, theirs in zip(tree_leaves(leaf), tree_leaves(original))
+    ]
+    return grads if any(g is not None for g in grads) else None
 
 
-def _add(a: Any, b: Any) -> Any:
-    return a + b
+def _add(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [x if y is None else y if x is None else x + y for x, y in zip(a, b)]
 
 
 def _with_grads(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The outputs that received a gradient and need one, with their gradients."""
+    """The output tensors that received a gradient and need one, with their gradients."""
     tensors, grads = [], []
-    for output, grad in pairs:
-        if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            tensors.append(output)
-            grads.append(grad)
+    for output, received in pairs:
+        if received is None:
+            continue
+        for tensor, grad in zip(tree_leaves(output), received):
+            if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensors.append(tensor)
+                grads.append(grad)
     return tensors, grads
 
 
