@@ -162,14 +162,15 @@ def test_building_stops_at_the_deadline(workloads_dir, monkeypatch, caplog):
     t0 = time.perf_counter()
     with caplog.at_level(logging.ERROR), pytest.raises(SolverLimitError, match="while building the model") as e:
         moirai.solve(problem, time_limit=1.0)
-    assert time.perf_counter() - t0 < 1.0 + 0.5
+    assert time.perf_counter() - t0 < 1.0 + 1.5  # unchecked, the build takes several seconds more
     assert not isinstance(e.value, ModelTooLargeError)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_handing_over_to_highs_stops_at_the_deadline():
     """appsi translates constraint by constraint (this model: seconds); the chunks check the
-    budget in between. (The slack covers a garbage-collector pause under load.)"""
+    budget in between. (The slack covers a garbage-collector pause and a machine shared by several
+    test processes; unchecked, the hand-over takes seconds more.)"""
     m = pyo.ConcreteModel()
     m.I = pyo.RangeSet(0, 60_000)
     m.x = pyo.Var(m.I, bounds=(0, None))
@@ -179,7 +180,7 @@ def test_handing_over_to_highs_stops_at_the_deadline():
     t0 = time.perf_counter()
     with pytest.raises(SolverLimitError, match="while handing the model to HiGHS"):
         highs.solve_model(m, name="test model", budget=budget)
-    assert time.perf_counter() - t0 < 0.3 + 1.0
+    assert time.perf_counter() - t0 < 0.3 + 1.5
 
 
 def test_building_stops_when_the_process_outgrows_the_memory_budget(workloads_dir, monkeypatch):
