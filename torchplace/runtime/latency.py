@@ -47,6 +47,7 @@ from torchplace.runtime.devices import (
     wait_for_producers,
 )
 from torchplace.runtime.params import StageParameters
+from torchplace.runtime.spans import StageSpan
 from torchplace.runtime.workers import WorkerThreads
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
@@ -58,16 +59,6 @@ _POLL_S = 0.05
 
 _STOP_S = 2.0
 """Seconds a failed or interrupted run waits for the other workers to notice the stop."""
-
-
-@dataclass(frozen=True)
-class StageSpan:
-    """When a stage ran in the last :meth:`LatencyExecutor.run` (``time.perf_counter`` seconds)."""
-
-    stage: int
-    worker: str
-    start: float
-    finish: float
 
 
 class _Stopped(Exception):
