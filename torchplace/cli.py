@@ -5,6 +5,7 @@
     torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
     torchplace show PLAN.json                                 print a saved plan
+    torchplace report PLAN.json -o plan.html [--workload W]   one self-contained HTML report
     torchplace demo                                           the end-to-end demo
 
 A user's mistake (a bad option value, a missing or malformed file, a directory where a file
@@ -156,6 +157,21 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from torchplace.plan import Plan
+    from torchplace.report.html import write_report
+
+    plan = Plan.load(args.plan)
+    problem = None
+    if args.workload:
+        problem = _read_workload(args.workload, args.objective, noncontiguous=False)
+        plan.validate(problem)  # a plan of another graph would draw nonsense
+    write_report(args.output, plan, problem, title=args.title or f"torchplace plan: {os.path.basename(args.plan)}",
+                 microbatches=args.microbatches)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from torchplace.demo import main as demo_main
 
@@ -200,6 +216,15 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("show", help="print a saved plan")
     w.add_argument("plan", type=_input_file)
     w.set_defaults(func=_show)
+    r = sub.add_parser("report", help="write one self-contained HTML report of a saved plan")
+    r.add_argument("plan", type=_input_file)
+    r.add_argument("-o", "--output", type=_output_file, required=True, help="the HTML file to write")
+    r.add_argument("--workload", type=_input_file, help="the workload file the plan was solved for (adds the graph, "
+                   "memory by kind and the simulated schedule)")
+    r.add_argument("--objective", choices=["throughput", "latency"], default=None, help="the workload's objective")
+    r.add_argument("--microbatches", type=_count, default=None, help="micro-batches of the drawn pipeline (default 4)")
+    r.add_argument("--title", default=None)
+    r.set_defaults(func=_report)
     d = sub.add_parser("demo", help="place GPT-2 and a residual CNN, check outputs, compare throughput")
     d.add_argument("--quick", action="store_true", help="smaller models and fewer timing runs")
     d.set_defaults(func=_demo)

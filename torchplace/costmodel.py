@@ -58,14 +58,19 @@ __all__ = [
     "StageLike",
     "Transfer",
     "device_cost",
+    "MEMORY_KINDS",
     "device_memory",
+    "device_memory_parts",
     "evaluate",
     "in_flight",
     "evaluate_stages",
     "memory",
+    "memory_parts",
     "plan_order",
     "simulate",
+    "stage_costs",
     "stage_input_bytes",
+    "training_stage_times",
     "transfers",
 ]
 
@@ -127,21 +132,51 @@ def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = No
     is the number of micro-batches whose activations the device holds at its peak
     (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``.
     """
+    return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute).values())
+
+
+MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working", "activations")
+"""The parts :func:`memory_parts` splits a device's memory into, in drawing order."""
+
+
+def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None,
+                 recompute: bool = False) -> dict[str, int]:
+    """:func:`memory` split by kind (:data:`MEMORY_KINDS`); the parts sum to :func:`memory`.
+
+    ``parameters``: the forward nodes' parameters and buffers; ``gradients + optimizer``: what
+    backward nodes hold (gradients and optimizer state); ``shared copies``: copies of tensors owned
+    elsewhere; ``working``: temporaries (one micro-batch's in a training pipeline);
+    ``activations``: what is kept for backward for the micro-batches in flight (0 for inference).
+    """
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
-    params = sum(g.record(v).param_bytes for v in members)
+    params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
+    grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
     copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
     work = sum(g.record(v).temp_bytes for v in members)
+    parts = dict.fromkeys(MEMORY_KINDS, 0)
+    parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": copies, "working": work})
     p = problem.pipeline
     if p is None or problem.mode != "training":
-        return params + copies + work
+        return parts
     m = p.microbatches
     k = m if in_flight is None else in_flight
     saved = sum(g.record(v).saved_bytes for v in members)
     activations = k * _per_microbatch(saved, m)
     if recompute:
         activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)
-    return params + copies + _per_microbatch(work, m) + activations
+    parts.update({"working": _per_microbatch(work, m), "activations": activations})
+    return parts
+
+
+def device_memory_parts(problem: Problem, stages: Sequence[StageLike]) -> dict[str, dict[str, int]]:
+    """:func:`memory_parts` of each device of a plan, with the plan's in-flight micro-batches and
+    recomputation (the parts sum to :func:`device_memory`)."""
+    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
+    return {
+        d: memory_parts(problem, nodes, in_flight=holds[d], recompute=d in recomputing)
+        for d, nodes in _nodes_by_device(stages).items()
+    }
 
 
 def _per_microbatch(nbytes: int, m: int) -> int:
@@ -327,3 +362,54 @@ def simulate(problem: Problem, stages: Sequence[StageLike]) -> Schedule:
             else:  # a 0-s transfer holds no port
                 arrival[(v, dst)] = finish[v]
     return Schedule(max(finish.values(), default=0.0), start, finish, device_of, order, moved)
+
+
+# -- per stage (pictures and fidelity) ----------------------------------------------------------
+def stage_costs(problem: Problem, stages: Sequence[StageLike]) -> list[StageCost]:
+    """The cost of each stage on its own (:func:`device_cost` of its nodes), in plan order.
+
+    For a device with one stage this is the device's cost; a device with several stages is
+    charged per stage here, so a stage's load is what it adds to one micro-batch's pass through
+    the pipeline (the predicted stage time that :mod:`torchplace.report` draws and compares).
+    """
+    recomputing = _recomputes(stages)
+    return [device_cost(problem, set(s.nodes), problem.cluster.device(s.device), in_flight=1,
+                        recompute=s.device in recomputing) for s in stages]
+
+
+def training_stage_times(problem: Problem, stages: Sequence[StageLike]) -> list[tuple[str, float, float]]:
+    """(device, forward seconds, backward seconds) of each stage that holds forward nodes, for the
+    graph's unit of work (the whole batch), in plan order.
+
+    A backward node belongs to the stage of the forward node it shares a colocation group with
+    (the training graph pairs them so); one with no such partner is split evenly over its
+    device's forward stages. A recomputing device's backward also runs its forward again.
+    Forward stages pay their transfers as in :func:`device_cost`.
+    """
+    g = problem.graph
+    forward = [s for s in stages if any(not g.record(v).backward for v in s.nodes)]
+    group_stage = {g.record(v).colocation: i for i, s in enumerate(forward) for v in s.nodes
+                   if not g.record(v).backward and g.record(v).colocation is not None}
+    backward = [0.0] * len(forward)
+    by_device: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(forward):
+        by_device[s.device].append(i)
+    recomputing = _recomputes(stages)
+    for s in stages:
+        device = problem.cluster.device(s.device)
+        for v in s.nodes:
+            r = g.record(v)
+            if not r.backward:
+                continue
+            owners = [group_stage[r.colocation]] if r.colocation in group_stage else by_device.get(s.device, [])
+            for i in owners:
+                backward[i] += problem.node_time(v, device) / len(owners)
+    out = []
+    for i, s in enumerate(forward):
+        device = problem.cluster.device(s.device)
+        nodes = {v for v in s.nodes if not g.record(v).backward}
+        fwd = math.fsum(problem.node_time(v, device) for v in nodes)
+        t_in, t_out = transfers(problem, nodes) if device.pays_transfer else (0.0, 0.0)
+        again = fwd if s.device in recomputing else 0.0
+        out.append((s.device, fwd + t_in + t_out, backward[i] + again))
+    return out

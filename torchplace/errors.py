@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "InfeasibleError",
     "InvalidPlanError",
+    "MissingDependencyError",
     "ModelTooLargeError",
     "SolverLimitError",
     "StageError",
@@ -100,3 +101,7 @@ class ModelTooLargeError(SolverLimitError):
     def __init__(self, message: str, time_limit: float | None, needed_bytes: int | None = None) -> None:
         super().__init__(message, time_limit)
         self.needed_bytes = needed_bytes
+
+
+class MissingDependencyError(TorchplaceError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the pip command."""

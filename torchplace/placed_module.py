@@ -11,7 +11,9 @@ placement exists, ``load_state_dict(assign=True)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +86,8 @@ class PlacedModule(nn.Module):
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
         self._traced, self._example, self._eval = traced, example, None
+        self.last_measurement: Any = None  # set by measure(), shown by report()
+        self._last_spans: Sequence[Any] = ()
         self._for_training = problem.mode == "training"
         run = _forward_stages(problem, plan)
         stage_of = {f: i for i, s in enumerate(run) for v in s.nodes for f in problem.graph.record(v).fx_nodes}
@@ -197,6 +201,98 @@ class PlacedModule(nn.Module):
             self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
                                           isolate=self._isolate, stage_params=params, stage_threads=self._threads)
         return self._eval
+
+    # -- seeing the plan and the runs (torchplace.report) ---------------------------------------------
+    def _run_recorded(self, inputs: Any, kwargs: Mapping[str, Any] | None, target: Any,
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[list[Any], float]:
+        """One call (or, with ``loss_fn``, one training step) and the spans its executor recorded."""
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        kwargs = dict(kwargs or {})
+        if loss_fn is not None:
+            if self._trainer is None:
+                raise UsageError("loss_fn measures a training step, but this model was placed for inference; "
+                                 "leave loss_fn out to measure forward calls")
+            start = time.perf_counter()
+            self.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+            return list(self._trainer.last_spans), time.perf_counter() - start
+        with torch.no_grad():
+            start = time.perf_counter()
+            self(*args, **kwargs)
+            wall = time.perf_counter() - start
+        training = self._for_training and not any(m.training for m in self.modules())
+        executor = self._eval if training and self._eval is not None else self._executor
+        return list(executor.last_spans), wall
+
+    def trace(self, inputs: Any, path: str | Path | None = None, *, kwargs: Mapping[str, Any] | None = None,
+              target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[Any]:
+        """Run ``inputs`` once (a training step with ``target`` and ``loss_fn``) and return its
+        :class:`~torchplace.runtime.spans.StageSpan` s; with ``path``, also write them as a Chrome /
+        Perfetto trace, one track per device (:func:`torchplace.report.trace.write_trace`).
+
+        ``inputs`` is the tuple of positional arguments (or one tensor)."""
+        spans, _ = self._run_recorded(inputs, kwargs, target, loss_fn)
+        if path is not None:
+            from torchplace.report.trace import write_trace
+
+            write_trace(path, spans, list(dict.fromkeys(self._workers)))
+        return spans
+
+    def measure(self, inputs: Any, *, runs: int = 3, warmup: int = 1, kwargs: Mapping[str, Any] | None = None,
+                target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Any:
+        """Time ``runs`` calls on ``inputs`` (after ``warmup``) and compare each stage's measured
+        time and the run's bottleneck (or latency) with the cost model's predictions
+        (:func:`torchplace.report.fidelity.compare`). Predictions are for the example inputs the
+        model was profiled with: measure with inputs of that size. The result is kept for
+        :meth:`report` (``last_measurement``).
+
+        Returns:
+            A :class:`~torchplace.report.fidelity.Measurement` (prints as a table).
+        """
+        from torchplace.report.fidelity import compare
+
+        if runs < 1 or warmup < 0:
+            raise UsageError(f"measure needs runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
+        for _ in range(warmup):
+            self._run_recorded(inputs, kwargs, target, loss_fn)
+        recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]
+        spans = [s for s, _ in recorded]
+        self.last_measurement = compare(self.plan, self.problem, spans, [w for _, w in recorded], self.microbatches,
+                                        training=self._for_training)
+        self._last_spans = spans[-1]
+        return self.last_measurement
+
+    def plot_schedule(self) -> Any:
+        """The plan's predicted schedule (:func:`torchplace.report.plot_schedule`)."""
+        from torchplace.report import plot_schedule
+
+        return plot_schedule(self.plan, self.problem, self.microbatches if self.problem.mode != "training" else None)
+
+    def plot_memory(self) -> Any:
+        """Memory per device by kind (:func:`torchplace.report.plot_memory`)."""
+        from torchplace.report import plot_memory
+
+        return plot_memory(self.plan, self.problem)
+
+    def plot_graph(self, level: str = "module") -> Any:
+        """The graph coloured by device (:func:`torchplace.report.plot_graph`)."""
+        from torchplace.report import plot_graph
+
+        return plot_graph(self.plan, self.problem, level)
+
+    def report(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Write one self-contained HTML report (:func:`torchplace.report.html.render`): the plan,
+        its bound and gap, the three pictures, the device map and, after :meth:`measure`, measured
+        beside predicted."""
+        from torchplace.report.html import write_report
+
+        try:
+            device_map = self.device_map()
+        except Exception:  # noqa: BLE001 - a plan without module paths has no device map; the report says so
+            device_map = None
+        name = type(self._traced.model).__name__ if self._traced.model is not None else "model"
+        return write_report(path, self.plan, self.problem, title=title or f"torchplace plan: {name}",
+                            microbatches=self.microbatches if self.problem.mode != "training" else None,
+                            device_map=device_map, measurement=self.last_measurement, spans=self._last_spans)
 
     def device_map(self) -> dict[str, str]:
         """Where each module's weights live, in accelerate's ``device_map`` form."""

@@ -109,6 +109,33 @@ class Plan:
 
         return device_map(problem, self.assignment, self.stages[0].device if self.stages else None)
 
+    # -- pictures and report (torchplace.report; matplotlib is imported on first use) ---------------
+    def plot_schedule(self, problem: Problem | None = None, microbatches: int | None = None) -> Any:
+        """A Gantt chart per device of the predicted run (:func:`torchplace.report.plot_schedule`):
+        fill-drain for inference, GPipe / 1F1B with backward for training, the latency simulation
+        for latency plans (these two need ``problem``)."""
+        from torchplace.report import plot_schedule
+
+        return plot_schedule(self, problem, microbatches)
+
+    def plot_memory(self, problem: Problem | None = None) -> Any:
+        """Per-device memory stacked by kind against the cap (:func:`torchplace.report.plot_memory`)."""
+        from torchplace.report import plot_memory
+
+        return plot_memory(self, problem)
+
+    def plot_graph(self, problem: Problem, level: str = "module") -> Any:
+        """The graph coloured by device (:func:`torchplace.report.plot_graph`)."""
+        from torchplace.report import plot_graph
+
+        return plot_graph(self, problem, level)
+
+    def report(self, path: str | Path, problem: Problem | None = None, **options: Any) -> Path:
+        """Write a self-contained HTML report of this plan (:func:`torchplace.report.html.render`)."""
+        from torchplace.report.html import write_report
+
+        return write_report(path, self, problem, **options)
+
     # -- checking --------------------------------------------------------------------------------
     def validate(self, problem: Problem) -> None:
         """Reject a plan that misses or repeats a node, uses an unknown device, runs a node where it

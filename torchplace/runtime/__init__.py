@@ -13,9 +13,10 @@ Typical use (the API layer does this)::
 This package never imports :mod:`torchplace.solvers`: it applies a plan, it does not make one.
 """
 from torchplace.runtime.graph_io import GraphIO
-from torchplace.runtime.latency import LatencyExecutor, StageSpan
+from torchplace.runtime.latency import LatencyExecutor
 from torchplace.runtime.pipeline import PipelineExecutor
 from torchplace.runtime.schedule import clock_cycles, segments, worker_orders
+from torchplace.runtime.spans import StageSpan
 from torchplace.runtime.split import StageModule, split_stages
 
 __all__ = [

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from torchplace.errors import StageError
+from torchplace.machine import intra_op_threads
 from torchplace.runtime.devices import (
     as_stage_error,
     autograd_mode,
@@ -47,10 +48,10 @@ from torchplace.runtime.devices import (
     wait_for_producers,
 )
 from torchplace.runtime.params import StageParameters
-from torchplace.machine import intra_op_threads
-from torchplace.runtime.workers import WorkerThreads
+from torchplace.runtime.spans import StageSpan
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
+from torchplace.runtime.workers import WorkerThreads
 
 __all__ = ["LatencyExecutor", "StageSpan"]
 
@@ -59,16 +60,6 @@ _POLL_S = 0.05
 
 _STOP_S = 2.0
 """Seconds a failed or interrupted run waits for the other workers to notice the stop."""
-
-
-@dataclass(frozen=True)
-class StageSpan:
-    """When a stage ran in the last :meth:`LatencyExecutor.run` (``time.perf_counter`` seconds)."""
-
-    stage: int
-    worker: str
-    start: float
-    finish: float
 
 
 class _Stopped(Exception):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ from torchplace.runtime.devices import (
 from torchplace.runtime.microbatch import gather, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.params import StageParameters
+from torchplace.runtime.spans import StageSpan
 from torchplace.runtime.workers import Job, WorkerThreads
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
@@ -92,6 +94,7 @@ class _RunState:
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     trace: list[tuple[str, int, int]] = field(default_factory=list)
+    spans: list[StageSpan] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, error: BaseException) -> None:
@@ -165,6 +168,8 @@ class PipelineExecutor:
     Attributes:
         last_trace: ``(worker, microbatch, stage)`` in the order stages ran in the last
             :meth:`run` (appended by the workers as they finish each stage).
+        last_spans: a :class:`~torchplace.runtime.spans.StageSpan` per (stage, micro-batch) of
+            the last :meth:`run`, in finishing order.
     """
 
     def __init__(
@@ -191,6 +196,7 @@ class PipelineExecutor:
         self._written_inputs = written_inputs(self.stages, assemble_output)
         self._streams = self._make_streams()
         self.last_trace: list[tuple[str, int, int]] = []
+        self.last_spans: list[StageSpan] = []
         self._lock = threading.Lock()
         self._threads = WorkerThreads("pipeline", {w: n for w, n in zip(self.workers, stage_threads or ())})
         self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
@@ -234,6 +240,7 @@ class PipelineExecutor:
                 for thread in threads:
                     thread.join(timeout=_JOIN_S)
                 self.last_trace = list(state.trace)
+                self.last_spans = list(state.spans)
             return gather(outputs)
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
@@ -302,6 +309,7 @@ class PipelineExecutor:
         stage, device = self.stages[index], self.devices[index]
         stream = self._streams.get((worker, device))
         carry = message.carry
+        start = time.perf_counter()
         try:
             wait_for_producers(message.events, device, stream)
             with stream_context(stream):
@@ -316,7 +324,8 @@ class PipelineExecutor:
         carry.put(zip(stage.outputs, outputs), worker)
         for name in self._drops[index]:
             carry.drop(name)
-        state.trace.append((worker, message.microbatch, index))
+        state.trace.append((worker, message.microbatch, index))  # list.append is atomic
+        state.spans.append(StageSpan(index, worker, start, time.perf_counter(), message.microbatch))
 
     def _assemble(self, worker: str, message: _Message) -> Any:
         """Build one micro-batch's output from its carry."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from torchplace.runtime.devices import as_stage_error, normalize_device
 from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
+from torchplace.runtime.spans import StageSpan
 from torchplace.runtime.split import StageModule
 from torchplace.runtime.values import Values, written_inputs
 from torchplace.runtime.workers import WorkerThreads
@@ -84,6 +86,8 @@ class _Step:
     outputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     done: set[Action] = field(default_factory=set)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    spans: list[StageSpan] = field(default_factory=list)
+    began: dict[Action, float] = field(default_factory=dict)  # action -> when its inputs were ready
     cond: threading.Condition = field(default_factory=threading.Condition)
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -145,6 +149,7 @@ class TrainingExecutor:
         self._lock = threading.Lock()
         self._threads = WorkerThreads("train", {w: n for w, n in zip(self.workers, stage_threads or ())})
         self.saved: SavedBytes | None = None
+        self.last_spans: list[StageSpan] = []
 
     def track_saved(self, on: bool = True) -> None:
         """Measure the activations each worker keeps for backward (peaks in ``self.saved.peak``)."""
@@ -164,6 +169,7 @@ class TrainingExecutor:
             targets = _split_target(target, len(chunks))
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
+            self.last_spans = state.spans  # filled by the workers as the step runs
             threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, len(chunks))
                        for w, order in per_worker(actions, self.workers).items() if order]
             try:
@@ -202,6 +208,8 @@ class TrainingExecutor:
                             self._loss(state, action.microbatch, targets[action.microbatch], loss_fn, m)
                     else:
                         self._backward(state, action, worker)
+                    state.spans.append(StageSpan(action.stage, worker, state.began.pop(action), time.perf_counter(),
+                                                 action.microbatch, action.kind))
                     with state.cond:
                         state.done.add(action)
                         state.cond.notify_all()
@@ -223,6 +231,7 @@ class TrainingExecutor:
         values = state.values[a.microbatch]
         state.wait(lambda: all(n in values for n in stage.inputs)
                    and all(Action("F", a.microbatch, s) in state.done for s in stage.waits_for))
+        state.began[a] = time.perf_counter()
         try:
             with state.cond:
                 got = [values.get(n, worker, device, None) for n in stage.inputs]
@@ -269,6 +278,7 @@ class TrainingExecutor:
         stage = self.stages[a.stage]
         key = (a.microbatch, a.stage)
         state.wait(lambda: all(state.pending[a.microbatch, n] == 0 for n in stage.outputs))
+        state.began[a] = time.perf_counter()
         try:
             with state.cond:
                 outputs = state.outputs.pop(key)

@@ -1,0 +1,342 @@
+"""torchplace.report: pictures, the HTML report, Chrome traces of measured runs, predicted vs measured.
+
+Pictures and reports are checked for what they contain (parsed SVG/HTML, trace JSON), not pixel
+by pixel; one test renders the report in headless Chromium where it is installed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import torchplace
+from torchplace import costmodel
+from torchplace.cli import main
+from torchplace.errors import MissingDependencyError, UsageError
+from torchplace.models import build
+from torchplace.report import Picture, plot_graph, plot_memory, plot_schedule, predicted_timeline
+from torchplace.report.html import render
+from torchplace.report.trace import chrome_trace
+from torchplace.runtime.schedule import training_schedule
+from torchplace.solvers import solve
+from torchplace.workloads import read_dnn_partitioning, read_moirai_csv
+
+from tests.conftest import DNN, WORKLOADS
+from tests.graphs import pipelined_problems
+
+pytest.importorskip("matplotlib")
+QUICK = {"progress": False, "repeats": 1, "warmup": 1}
+LAYERS = DNN / "LayerGraphs"
+MOIRAI = WORKLOADS / "moirai" / "example-1__instances.csv"
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    model, inputs = build("mlp", batch=8)
+    return torchplace.place(model, ["cpu:0", "cpu:1"], inputs, microbatches=4, **QUICK), inputs
+
+
+@pytest.fixture(scope="module")
+def latency():
+    model, inputs = build("inception", batch=2)
+    return torchplace.place(model, ["cpu:0", "cpu:1"], inputs, objective="latency", solver="m-etf", **QUICK), inputs
+
+
+@pytest.fixture(scope="module")
+def training():
+    model, inputs = build("mlp", batch=8)
+    placed = torchplace.place(model.train(), ["cpu:0", "cpu:1"], inputs, mode="training", microbatches=4,
+                              schedule="1f1b", **QUICK)
+    return placed, inputs
+
+
+@pytest.fixture(scope="module")
+def workload_plan():
+    problem = read_dnn_partitioning(LAYERS / "resnet50_inference.json")
+    return problem, solve(problem)
+
+
+# -- the cost model's parts ------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(pipelined_problems())
+def test_memory_parts_sum_to_the_cost_model_s_memory(problem):
+    nodes = list(problem.graph)
+    for k in (None, 1, 2):
+        for again in (False, True):
+            parts = costmodel.memory_parts(problem, nodes, in_flight=k, recompute=again)
+            assert set(parts) == set(costmodel.MEMORY_KINDS)
+            assert sum(parts.values()) == costmodel.memory(problem, nodes, in_flight=k, recompute=again)
+
+
+def test_stage_costs_of_one_stage_per_device_are_the_device_costs(workload_plan):
+    problem, plan = workload_plan
+    assert len({s.device for s in plan.stages}) == len(plan.stages)
+    for c, d in zip(costmodel.stage_costs(problem, plan.stages), plan.costs):
+        assert c.device == d.device and c.load == pytest.approx(d.load)
+
+
+# -- predicted timelines -----------------------------------------------------------------------------
+def _no_overlap(bars_or_spans, row=lambda b: b.row, eps=1e-12):
+    rows = defaultdict(list)
+    for b in bars_or_spans:
+        rows[row(b)].append((b.start, b.finish))
+    for spans in rows.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + eps for a, b in zip(spans, spans[1:])), spans
+
+
+def test_fill_drain_timeline_of_two_equal_stages():
+    from torchplace.plan import Plan, Stage
+    from torchplace.costmodel import StageCost
+
+    plan = Plan([Stage("a", ("x",)), Stage("b", ("y",))], 2.0, 2.0, "test", 0.0,
+                costs=[StageCost("a", 1, 2.0, 0, 0, 0), StageCost("b", 1, 2.0, 0, 0, 0)])
+    bars = predicted_timeline(plan, None, microbatches=4)
+    assert len(bars) == 8
+    _no_overlap(bars)
+    assert max(b.finish for b in bars) == pytest.approx((4 + 2 - 1) * 2.0 / 4)  # (m + S - 1) ticks of load / m
+
+
+def test_training_timeline_runs_every_action_once_in_dependency_order(training):
+    placed, _ = training
+    bars = predicted_timeline(placed.plan, placed.problem)
+    p = placed.problem.pipeline
+    n = len(costmodel.training_stage_times(placed.problem, placed.plan.stages))
+    assert sorted((b.kind, b.microbatch, b.stage) for b in bars) == sorted(
+        (a.kind, a.microbatch, a.stage) for a in training_schedule(p.schedule, p.microbatches, n))
+    _no_overlap(bars)
+    finish = {(b.kind, b.microbatch, b.stage): b for b in bars}
+    for (kind, i, s), b in finish.items():
+        if kind == "B":
+            dep = ("B", i, s + 1) if s < n - 1 else ("F", i, n - 1)
+            assert finish[dep].finish <= b.start + 1e-12
+
+
+def test_latency_timeline_is_the_simulation(latency):
+    placed, _ = latency
+    bars = predicted_timeline(placed.plan, placed.problem)
+    sched = costmodel.simulate(placed.problem, placed.plan.stages)
+    nodes = [b for b in bars if b.kind == "node"]
+    assert len(nodes) == len(placed.problem.graph)
+    assert max(b.finish for b in bars) == pytest.approx(placed.plan.objective) == pytest.approx(sched.makespan)
+    _no_overlap(nodes)
+
+
+# -- pictures ---------------------------------------------------------------------------------------
+def test_pictures_are_svg_and_png_and_show_in_notebooks(pipelined, tmp_path):
+    placed, _ = pipelined
+    for picture in (placed.plot_schedule(), placed.plot_memory(), placed.plot_graph(),
+                    placed.plot_graph(level="operator"), placed.plan.plot_schedule()):
+        assert isinstance(picture, Picture)
+        assert picture._repr_svg_().startswith("<svg") and picture._repr_svg_().rstrip().endswith("</svg>")
+        assert picture._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert placed.plot_memory().save(tmp_path / "m.svg").read_text().count("<svg") == 1
+    assert (tmp_path / "m.png").exists() is False and placed.plot_memory().save(tmp_path / "m.png").stat().st_size > 0
+    with pytest.raises(UsageError, match=r"\.png, \.svg or \.pdf"):
+        placed.plot_memory().save(tmp_path / "m.jpeg")
+    with pytest.raises(UsageError, match="level"):
+        placed.plot_graph(level="layer")
+
+
+def test_memory_picture_shows_each_kind_the_cost_model_counts(training):
+    placed, _ = training
+    svg = placed.plot_memory().svg()
+    parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
+    for kind in costmodel.MEMORY_KINDS:
+        assert (kind in svg) == any(p[kind] for p in parts.values()), kind
+
+
+def test_graph_picture_collapses_a_big_graph_to_at_most_max_boxes(workload_plan):
+    from torchplace.report.pictures import graph_groups
+
+    problem, plan = workload_plan
+    h = graph_groups(plan, problem, max_boxes=10)
+    assert len(h) <= max(10, len(plan.stages))
+    assert sum(h.nodes[b]["size"] for b in h) == len(problem.graph)
+    assert "Graph by device" in plot_graph(plan, problem).svg()
+
+
+def test_missing_matplotlib_is_a_clear_error(pipelined, monkeypatch):
+    placed, _ = pipelined
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'torchplace\[report\]'"):
+        placed.plot_schedule()
+
+
+def test_importing_torchplace_and_the_cli_does_not_import_matplotlib():
+    code = ("import sys, torchplace, torchplace.cli, torchplace.report, torchplace.plan; "
+            "sys.exit('matplotlib' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# -- traces of measured runs -----------------------------------------------------------------------
+def _check_trace(path, devices, passes):
+    data = json.loads(Path(path).read_text())
+    events = data["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted(devices)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert passes == len(spans)
+    for e in spans:
+        assert {"name", "ts", "dur", "pid", "tid", "args"} <= set(e) and e["dur"] >= 0 and e["ts"] >= 0
+        assert names[e["tid"]] == e["args"]["device"]
+    _no_overlap([type("S", (), {"start": e["ts"], "finish": e["ts"] + e["dur"], "tid": e["tid"]}) for e in spans],
+                row=lambda s: s.tid, eps=1e-3)
+    return spans
+
+
+def test_trace_of_a_pipelined_run(pipelined, tmp_path):
+    placed, inputs = pipelined
+    spans = placed.trace(inputs, tmp_path / "run.json")
+    stages = len(placed.stage_modules)
+    assert sorted((s.stage, s.microbatch) for s in spans) == [(s, i) for s in range(stages) for i in range(4)]
+    _check_trace(tmp_path / "run.json", {s.device for s in placed.plan.stages}, stages * 4)
+
+
+def test_trace_of_a_latency_run(latency, tmp_path):
+    placed, inputs = latency
+    placed.trace(inputs, tmp_path / "run.json")
+    _check_trace(tmp_path / "run.json", {s.device for s in placed.plan.stages}, len(placed.plan.stages))
+
+
+def test_trace_of_a_training_step_has_forward_and_backward(training, tmp_path):
+    placed, inputs = training
+    target = torch.randint(0, 10, (8,))
+    spans = placed.trace(inputs, tmp_path / "step.json", target=target, loss_fn=torch.nn.functional.cross_entropy)
+    stages = len(placed.stage_modules)
+    assert sorted((s.kind, s.stage, s.microbatch) for s in spans) == sorted(
+        (k, s, i) for k in "FB" for s in range(stages) for i in range(4))
+    events = _check_trace(tmp_path / "step.json", {s.worker for s in spans}, 2 * stages * 4)
+    assert {e["cat"] for e in events} == {"forward", "backward"}
+    placed.zero_grad()
+
+
+def test_chrome_trace_orders_tracks_by_the_given_devices():
+    from torchplace.runtime.spans import StageSpan
+
+    trace = chrome_trace([StageSpan(0, "b", 1.0, 2.0), StageSpan(1, "a", 2.0, 2.5)], devices=["a", "b"])
+    tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert tids == {"a": 0, "b": 1}
+    first = next(e for e in trace["traceEvents"] if e["ph"] == "X")
+    assert first["ts"] == 0 and first["dur"] == pytest.approx(1e6)
+
+
+# -- fidelity ---------------------------------------------------------------------------------------
+def test_measure_compares_every_stage_and_the_objective(pipelined):
+    placed, inputs = pipelined
+    m = placed.measure(inputs, runs=2)
+    assert [s.stage for s in m.stages] == list(range(len(placed.plan.stages)))
+    assert all(s.measured > 0 and s.predicted > 0 for s in m.stages)
+    assert m.predicted_objective == placed.plan.objective and m.measured_objective > 0 and m.measured_wall > 0
+    assert m.runs == 2 and m.microbatches == 4 and "Pearson" in str(m)
+    with pytest.raises(UsageError, match="runs"):
+        placed.measure(inputs, runs=0)
+
+
+def test_measure_of_a_latency_plan_compares_the_makespan(latency):
+    placed, inputs = latency
+    m = placed.measure(inputs, runs=2)
+    assert m.objective == "latency" and m.microbatches == 1 and m.measured_objective > 0
+
+
+# -- the report -------------------------------------------------------------------------------------
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _parse(text: str) -> _Page:
+    page = _Page()
+    page.feed(text)
+    return page
+
+
+def _self_contained(page: _Page) -> None:
+    assert not [t for t, _ in page.tags if t in ("script", "link", "iframe", "img", "object", "embed")]
+    for _, attrs in page.tags:
+        for key in ("src", "href", "xlink:href"):
+            assert not str(attrs.get(key) or "").startswith(("http:", "https:", "//")), attrs
+
+
+def test_report_of_a_measured_placed_model(pipelined, tmp_path):
+    placed, inputs = pipelined
+    placed.measure(inputs, runs=2)
+    text = placed.report(tmp_path / "plan.html").read_text()
+    page = _parse(text)
+    _self_contained(page)
+    ids = {a.get("id") for _, a in page.tags}
+    assert {"summary", "stages", "schedule", "memory", "graph", "device-map", "measured"} <= ids
+    assert sum(t == "svg" for t, _ in page.tags) == 4  # schedule, memory, graph, measured timeline
+    body = " ".join(page.text)
+    assert "proven lower bound" in body and "Pearson" in body and "Measured timeline" in body
+    assert f"{placed.plan.objective:.6g}" in body
+    for module, device in placed.device_map().items():
+        assert module in body and device in body
+
+
+def test_report_of_a_plan_file_alone_and_with_its_workload(workload_plan, tmp_path):
+    problem, plan = workload_plan
+    plan.save(tmp_path / "plan.json")
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "a.html")]) == 0
+    alone = _parse((tmp_path / "a.html").read_text())
+    _self_contained(alone)
+    assert sum(t == "svg" for t, _ in alone.tags) == 2 and "--workload" in " ".join(alone.text)
+    workload = str(LAYERS / "resnet50_inference.json")
+    assert main(["report", str(tmp_path / "plan.json"), "--workload", workload, "-o", str(tmp_path / "b.html")]) == 0
+    both = _parse((tmp_path / "b.html").read_text())
+    assert sum(t == "svg" for t, _ in both.tags) == 3 and "memory" in " ".join(both.text)
+
+
+def test_report_cli_errors_are_one_line(tmp_path, capsys, workload_plan):
+    problem, plan = workload_plan
+    plan.save(tmp_path / "plan.json")
+    assert main(["report", str(tmp_path / "plan.json")]) == 2  # -o is required
+    other = str(LAYERS / "bert24_inference.json")
+    assert main(["report", str(tmp_path / "plan.json"), "--workload", other, "-o", str(tmp_path / "x.html")]) == 2
+    assert capsys.readouterr().err.count("torchplace: error:") == 2
+
+
+def test_latency_report_draws_transfers_on_links(tmp_path):
+    problem = read_moirai_csv(MOIRAI)
+    plan = solve(problem, method="moirai", time_limit=2)
+    text = render(plan, problem)
+    assert " -&gt; " in text or " -> " in text
+    _self_contained(_parse(text))
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed "
+                    "(apt-get install chromium)")
+def test_report_renders_in_headless_chromium(pipelined, tmp_path):
+    from PIL import Image
+
+    placed, inputs = pipelined
+    placed.measure(inputs, runs=1)
+    page = placed.report(tmp_path / "plan.html")
+    shot = tmp_path / "shot.png"
+    run = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", "--window-size=1200,2400",
+                          page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 0, run.stderr[-2000:]
+    assert "CONSOLE" not in run.stderr, [line for line in run.stderr.splitlines() if "CONSOLE" in line]
+    image = Image.open(shot).convert("RGB")
+    colors = image.getcolors(maxcolors=1 << 20) or []
+    non_white = sum(n for n, c in colors if c != (255, 255, 255))
+    assert non_white > 0.05 * image.width * image.height  # figures, not a blank page
+    first_device = (0x4E, 0x79, 0xA7)  # the first device's colour fills schedule bars
+    assert any(sum(abs(a - b) for a, b in zip(c, first_device)) < 12 and n > 500 for n, c in colors)

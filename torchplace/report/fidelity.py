@@ -1,0 +1,144 @@
+"""Predicted vs measured: does the cost model hold for a placed model's real runs?
+
+:func:`compare` takes the spans of a few runs (the executors' ``last_spans``) and their wall
+times, and sets them beside the cost model: each stage's measured seconds per call (its spans
+summed over micro-batches, the median over runs) against :func:`~torchplace.costmodel.stage_costs`
+(or :func:`~torchplace.costmodel.training_stage_times`, forward and backward apart); the run's
+bottleneck (the busiest device's seconds per call, for throughput) or makespan (latency) against
+the plan's objective; and the wall time per call against the predicted timeline's end.
+Predictions are for the graph's unit of work, the example inputs the model was profiled with:
+measure with inputs of that size.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchplace import costmodel
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+from torchplace.report.timeline import predicted_timeline
+from torchplace.runtime.spans import StageSpan
+
+__all__ = ["Measurement", "StageFidelity", "compare", "pearson"]
+
+
+@dataclass(frozen=True)
+class StageFidelity:
+    """One stage pass: predicted and measured seconds per call."""
+
+    stage: int
+    device: str
+    kind: str
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        """Relative error ``(measured - predicted) / predicted`` (``inf`` for a 0-s prediction)."""
+        return (self.measured - self.predicted) / self.predicted if self.predicted > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Predicted vs measured for one placed model (see the module docstring).
+
+    Attributes:
+        stages: per stage (and pass).
+        objective: ``"throughput"`` or ``"latency"``.
+        predicted_objective, measured_objective: the plan's objective; the measured bottleneck
+            device's busy seconds per call (throughput) or the makespan of one call (latency).
+        predicted_wall, measured_wall: the predicted timeline's end; the median wall seconds per call.
+        runs, microbatches: how it was measured.
+    """
+
+    stages: list[StageFidelity]
+    objective: str
+    predicted_objective: float
+    measured_objective: float
+    predicted_wall: float
+    measured_wall: float
+    runs: int
+    microbatches: int
+
+    @property
+    def pearson(self) -> float:
+        """Pearson correlation of predicted and measured stage times (``nan`` with fewer than two
+        stages or no spread)."""
+        return pearson([s.predicted for s in self.stages], [s.measured for s in self.stages])
+
+    @property
+    def median_error(self) -> float:
+        """Median of ``|error|`` over the stages."""
+        errors = [abs(s.error) for s in self.stages if math.isfinite(s.error)]
+        return statistics.median(errors) if errors else math.nan
+
+    def __str__(self) -> str:
+        rows = [f"{'stage':>5}  {'pass':>4}  {'device':>8}  {'predicted':>11}  {'measured':>11}  {'error':>7}"]
+        for s in self.stages:
+            rows.append(f"{s.stage:>5}  {s.kind:>4}  {s.device:>8}  {s.predicted:>11.4g}  {s.measured:>11.4g}  "
+                        f"{100 * s.error:>6.1f}%")
+        what = "bottleneck s/call" if self.objective == "throughput" else "makespan s"
+        rows.append(f"{what}: predicted {self.predicted_objective:.4g}, measured {self.measured_objective:.4g}; "
+                    f"wall per call: predicted {self.predicted_wall:.4g}, measured {self.measured_wall:.4g}; "
+                    f"Pearson {self.pearson:.3f}, median |error| {100 * self.median_error:.1f}% "
+                    f"({self.runs} runs, {self.microbatches} micro-batches)")
+        return "\n".join(rows)
+
+
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
+    if len(xs) < 2:
+        return math.nan
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    syy = math.fsum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def _predicted_stages(plan: Plan, problem: Problem, training: bool) -> dict[tuple[int, str], tuple[str, float]]:
+    if training:
+        out = {}
+        for i, (dev, fwd, bwd) in enumerate(costmodel.training_stage_times(problem, plan.stages)):
+            out[(i, "F")], out[(i, "B")] = (dev, fwd), (dev, bwd)
+        return out
+    return {(i, "F"): (c.device, c.load) for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))}
+
+
+def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], walls: Sequence[float],
+            microbatches: int, training: bool = False) -> Measurement:
+    """Set measured runs beside the cost model (see the module docstring).
+
+    Args:
+        runs: each run's spans; walls: each run's wall seconds.
+        microbatches: micro-batches per run (1 for latency).
+        training: the plan is a training plan: stages are its forward stages, compared pass by
+            pass (forward only when the runs have no backward spans).
+    """
+    predicted = _predicted_stages(plan, problem, training)
+    if training:  # an eval-mode run of a training plan measures the forward passes only
+        kinds = {s.kind for spans in runs for s in spans}
+        predicted = {k: v for k, v in predicted.items() if k[1] in kinds}
+    per_stage: dict[tuple[int, str], list[float]] = defaultdict(list)
+    busy: list[float] = []
+    makespans: list[float] = []
+    for spans in runs:
+        total: dict[tuple[int, str], float] = defaultdict(float)
+        device: dict[str, float] = defaultdict(float)
+        for s in spans:
+            total[(s.stage, s.kind)] += s.seconds
+            device[s.worker] += s.seconds
+        for key in predicted:
+            per_stage[key].append(total.get(key, 0.0))
+        busy.append(max(device.values(), default=0.0))
+        makespans.append(max((s.finish for s in spans), default=0.0) - min((s.start for s in spans), default=0.0))
+    stages = [StageFidelity(i, dev, kind, secs, statistics.median(per_stage[(i, kind)]))
+              for (i, kind), (dev, secs) in sorted(predicted.items())]
+    measured = statistics.median(makespans if problem.objective == "latency" else busy) if runs else math.nan
+    timeline = predicted_timeline(plan, problem, microbatches)
+    return Measurement(stages, problem.objective, plan.objective, measured,
+                       max((b.finish for b in timeline), default=0.0),
+                       statistics.median(walls) if walls else math.nan, len(runs), microbatches)
