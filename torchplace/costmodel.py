@@ -301,6 +301,10 @@ def piper_stage(problem: Problem, nodes: Collection[str], t: int, d: int, s: int
     mem = 0.0
     y = -(-s // d)
     for v in sorted(members):
+        if v not in tmpcs:
+            from torchplace.errors import InvalidPlanError
+
+            raise InvalidPlanError(f"stage {name!r}: no TMPC chosen for node {v!r}")
         x = piper_tmpc(problem, v, t, tmpcs[v])
         fin, fout = piper_edge_bytes(problem, v, x, members)
         compute += x.time / d

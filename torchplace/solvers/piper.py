@@ -123,20 +123,38 @@ class _Stages:
         return arr.time[idx][:, :, None] / d + (edge[:, :, None] / d + resync) / self.par.bandwidth
 
     def table(self, members: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
-        """``{(t, d): TPS over y = 1..ceil(S/d)}`` (``inf`` where nothing fits), feasible ones only."""
+        """``{(t, d): TPS over y = 1..ceil(S/d)}`` (``inf`` where nothing fits), feasible ones only.
+
+        One knapsack call covers every ``(t, d, y)``: the columns of all degrees side by side."""
         idx = np.flatnonzero(members)
         outside = (~members).astype(np.float64)
+        degrees = [t for t in self.columns if self.arrays[t].has[idx].all()]
+        if not degrees:
+            return {}
+        width = sum(len(self.columns[t][1]) for t in degrees)
+        slots = max(self.arrays[t].time.shape[1] for t in degrees)
+        cost = np.full((idx.size, slots, width), np.inf)
+        a, b = np.zeros_like(cost), np.zeros_like(cost)
+        ys = np.empty(width)
+        at = 0
+        for t in degrees:
+            arr, (dt, col_d, col_y, _) = self.arrays[t], self.columns[t]
+            k, end = arr.time.shape[1], at + len(col_d)
+            cost[:, :k, at:end] = self._costs(arr, idx, outside, dt.astype(np.float64))[:, :, col_d]
+            a[:, :k, at:end] = arr.a[idx][:, :, None]
+            b[:, :k, at:end] = arr.b[idx][:, :, None]
+            ys[at:end] = col_y
+            at = end
+        values, _ = self.knapsack(cost, a, b, self.par.memory_bytes, ys)
         out: dict[tuple[int, int], np.ndarray] = {}
-        for t, (dt, col_d, col_y, starts) in self.columns.items():
-            arr = self.arrays[t]
-            if not arr.has[idx].all():
-                continue
-            cost = self._costs(arr, idx, outside, dt.astype(np.float64))
-            values, _ = self.knapsack(cost[:, :, col_d], arr.a[idx], arr.b[idx], self.par.memory_bytes, col_y)
+        offset = 0
+        for t in degrees:
+            dt, _, _, starts = self.columns[t]
             for i, d in enumerate(dt):
-                v = values[starts[i]:starts[i + 1]]
+                v = values[offset + starts[i]:offset + starts[i + 1]]
                 if np.isfinite(v[0]):
                     out[t, int(d)] = v
+            offset += int(starts[-1])
         return out
 
     def picks(self, members: np.ndarray, t: int, d: int, y: int, order: list[str]) -> dict[str, str]:

@@ -2,7 +2,7 @@
 per sample, memory ``sum a * y + b <= M`` for every in-flight count ``y`` at once.
 
 Each function takes ``cost`` as an array ``(nodes, slots, C)`` (a node with fewer TMPCs pads its
-slots with ``cost = inf``), ``a``, ``b`` as ``(nodes, slots)`` and ``ys``, the in-flight count of
+slots with ``cost = inf``), ``a``, ``b`` as ``(nodes, slots)`` or per column, and ``ys``, the in-flight count of
 each of the ``C`` columns (a column is one ``(d, y)``: the costs depend on ``d``, the memory on
 ``y``), and returns the best total cost per column (``inf`` where nothing fits) and the chosen
 slot of every node per column.
@@ -25,13 +25,16 @@ _EPS = 1e-9
 
 
 def _mem(a: np.ndarray, b: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Memory of every (node, slot, combination): ``a * y + b``."""
-    return a[:, :, None] * ys[None, None, :] + b[:, :, None]
+    """Memory of every (node, slot, column): ``a * y + b`` (``a``, ``b`` per column or shared)."""
+    if a.ndim == 2:
+        a, b = a[:, :, None], b[:, :, None]
+    return a * ys[None, None, :] + b
 
 
 def _take(x: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """``x[i, slot[i, c], c]`` for arrays (n, slots, C) and slot (n, C)."""
-    return np.take_along_axis(x, slot[:, None, :], axis=1)[:, 0, :]
+    n, c = slot.shape
+    return x[np.arange(n)[:, None], slot, np.arange(c)[None, :]]
 
 
 def heuristic(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
@@ -110,8 +113,9 @@ def exact(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     ys = np.asarray(ys, dtype=np.float64)
     values = np.full(len(ys), np.inf)
     picks = np.zeros((n, len(ys)), dtype=np.int64)
-    for j, y in enumerate(ys):
-        values[j], picks[:, j] = _exact_one(cost[:, :, j], a * y + b, limit)
+    mem = _mem(a, b, ys)
+    for j in range(len(ys)):
+        values[j], picks[:, j] = _exact_one(cost[:, :, j], mem[:, :, j], limit)
     return values, picks
 
 
@@ -156,11 +160,12 @@ def brute_force(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     values = np.full(len(ys), np.inf)
     picks = np.zeros((n, len(ys)), dtype=np.int64)
     rows = np.arange(n)
+    mem_all = _mem(a, b, ys)
     for combo in itertools.product(range(slots), repeat=n):
         c = np.asarray(combo)
         total = cost[rows, c, :].sum(axis=0)
-        mem = (a[rows, c][:, None] * ys + b[rows, c][:, None]).sum(axis=0)
+        mem = mem_all[rows, c, :].sum(axis=0)
         better = (mem <= limit) & (total < values)
-        values[better] = total
+        values[better] = total[better]
         picks[:, better] = c[:, None]
     return values, picks
