@@ -264,3 +264,15 @@ def test_cli_solves_a_piper_workload(capsys):
     assert out["solver"] == "piper" and len(out["stages"]) >= 2 and "tmpcs" in out["stages"][0]
     assert main(["solve", str(BERT), "--devices", "2", "--memory-gb", "0.5"]) == 2
     assert "no Piper configuration fits" in capsys.readouterr().err
+
+
+def test_piper_plan_file_round_trip(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(BERT), "--devices", "4", "--memory-gb", "80", "-o", str(out)]) == 0
+    capsys.readouterr()
+    from torchplace.plan import Plan
+
+    plan = Plan.load(out)
+    assert plan.stages[0].tmpcs and plan.stages[0].tensor_parallel >= 1
+    assert main(["show", str(out)]) == 0
+    assert "TPS" in capsys.readouterr().out

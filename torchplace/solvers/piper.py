@@ -198,6 +198,8 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
             k0, s0 = first[j]
             if k0 > K:
                 continue
+            if budget is not None:
+                budget.check("filling Piper's table")
             prev = dp[j]
             for (t, d), values in stages.table(member[i] & ~member[j]).items():
                 kd = t * d

@@ -114,7 +114,15 @@ def exact(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     values = np.full(len(ys), np.inf)
     picks = np.zeros((n, len(ys)), dtype=np.int64)
     mem = _mem(a, b, ys)
+    rows = np.arange(n)
     for j in range(len(ys)):
+        fastest = np.argmin(cost[:, :, j], axis=1)
+        if mem[rows, fastest, j].sum() <= limit:  # the fastest TMPCs fit: no MIP needed
+            values[j], picks[:, j] = cost[rows, fastest, j].sum(), fastest
+            continue
+        usable = np.where(np.isfinite(cost[:, :, j]), mem[:, :, j], np.inf)
+        if usable.min(axis=1).sum() > limit:  # not even the smallest TMPCs fit
+            continue
         values[j], picks[:, j] = _exact_one(cost[:, :, j], mem[:, :, j], limit)
     return values, picks
 
