@@ -3,6 +3,7 @@ BERT-32 (../shared/workloads/piper/bert32a100.json, from msr-fiddle/piper, MIT l
 
     python benchmarks/piper.py fig1 [--memory 1 2 8 80] [--devices 8 32 ... 2048]
     python benchmarks/piper.py time            # K=2048, N=512, 8 GiB: the paper's 13-minute case
+    python benchmarks/piper.py fig2 [--microbatches 512]   # TPS vs k from one run per method
     python benchmarks/piper.py knapsack        # App. C: heuristic vs HiGHS on sampled subproblems
 
 fig1 prints, for every memory size and device count (N = 1920 micro-batches, 25 GiB/s, as in the
@@ -79,6 +80,27 @@ def fig1(memories: list[float], devices: list[int]) -> None:
                   flush=True)
 
 
+def fig2(microbatches: int, memory: float, devices: list[int]) -> None:
+    """Fig. 2: one unpruned run per method at K = max(devices) gives the best TPS for every k."""
+    p = problem(max(devices), memory, microbatches)
+    order = p.graph.topological_order()
+    rows = {}
+    for name, opts in (("Piper", {}), ("no TP", {"tensor_parallel": False}), ("no DP", {"data_parallel": False}),
+                       ("no AR", {"recompute": False})):
+        start = time.perf_counter()
+        st = piper._Stages(p, order, data_parallel=opts.get("data_parallel", True),
+                           tensor_parallel=opts.get("tensor_parallel", True), recompute=opts.get("recompute", True),
+                           knapsack=piper_knapsack.heuristic)
+        table = piper.run_dp(p, st, order).dp[-1]
+        rows[name] = [table[k, min(k, st.smax)] for k in devices]
+        print(f"({name}: {time.perf_counter() - start:.1f} s)", flush=True)
+    print(f"N={microbatches}, {memory:g} GiB: best TPS (s) by number of devices k")
+    print("| k | " + " | ".join(rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for i, k in enumerate(devices):
+        print(f"| {k} | " + " | ".join("OOM" if math.isinf(v[i]) else f"{v[i]:.6g}" for v in rows.values()) + " |")
+
+
 def timing(devices: int, microbatches: int, memory: float, repeats: int) -> None:
     p = problem(devices, memory, microbatches)
     for _ in range(repeats):
@@ -152,12 +174,18 @@ def main() -> None:
     t.add_argument("--microbatches", type=int, default=512)
     t.add_argument("--memory", type=float, default=8)
     t.add_argument("--repeats", type=int, default=1)
+    f2 = sub.add_parser("fig2")
+    f2.add_argument("--microbatches", type=int, default=512)
+    f2.add_argument("--memory", type=float, default=8)
+    f2.add_argument("--devices", type=int, nargs="+", default=[8, 16, 22, 32, 64, 128, 256, 512, 1024, 2048])
     k = sub.add_parser("knapsack")
     k.add_argument("--samples", type=int, default=2000)
     k.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.what == "fig1":
         fig1(args.memory, args.devices)
+    elif args.what == "fig2":
+        fig2(args.microbatches, args.memory, args.devices)
     elif args.what == "time":
         timing(args.devices, args.microbatches, args.memory, args.repeats)
     else:
