@@ -38,6 +38,8 @@ from torchplace.solvers.limits import Budget
 
 __all__ = ["Tables", "run_dp", "solve", "work_lower_bound"]
 
+_BLOCK = 256  # rows of the (k, s) grid updated at once
+
 Knapsack = Callable[[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray], tuple[np.ndarray, np.ndarray]]
 KNAPSACKS: dict[str, Knapsack] = {"heuristic": piper_knapsack.heuristic, "exact": piper_knapsack.exact,
                                   "brute-force": piper_knapsack.brute_force}
@@ -210,10 +212,17 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
                     continue
                 s = np.arange(lo_s, s_hi + 1)
                 row = values[(s + d - 1) // d - 1]
-                view = tmp[lo_k:, lo_s:s_hi + 1]
-                np.maximum(prev[k0:K + 1 - kd, s0:s_hi + 1 - d], row, out=view)
-                target = cur[lo_k:, lo_s:s_hi + 1]
-                np.minimum(target, view, out=target)
+                # rows in blocks, each only up to s <= k: no plan has more in flight than devices,
+                # and the closure over s fills the rest
+                for r0 in range(lo_k, K + 1, _BLOCK):
+                    r1 = min(K + 1, r0 + _BLOCK)
+                    top = min(s_hi, r1 - 1)
+                    if top < lo_s:
+                        continue
+                    view = tmp[r0:r1, lo_s:top + 1]
+                    np.maximum(prev[r0 - kd:r1 - kd, lo_s - d:top + 1 - d], row[:top + 1 - lo_s], out=view)
+                    target = cur[r0:r1, lo_s:top + 1]
+                    np.minimum(target, view, out=target)
         np.minimum.accumulate(cur, axis=0, out=cur)
         np.minimum.accumulate(cur, axis=1, out=cur)
         if math.isfinite(upper_bound):
