@@ -276,3 +276,10 @@ def test_piper_plan_file_round_trip(tmp_path, capsys):
     assert plan.stages[0].tmpcs and plan.stages[0].tensor_parallel >= 1
     assert main(["show", str(out)]) == 0
     assert "TPS" in capsys.readouterr().out
+
+
+def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
+    cost = np.array([[[1.0], [5.0]], [[1.0], [5.0]]])
+    a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])
+    values, picks = piper_knapsack.exact(cost, a, b, 15.0, np.array([1.0]))
+    assert values[0] == 6.0 and sorted(picks[:, 0]) == [0, 1]
