@@ -2,6 +2,8 @@
 
     torchplace solve WORKLOAD [--method M] [--noncontiguous] [--objective latency]
                      [--time-limit S] [--bounds mip] [--json]   solve a workload file
+    torchplace solve PIPER.json --method piper [--devices K] [--memory-gb M] [--microbatches N]
+                     [--baseline no-dp|no-tp|no-ar] [--knapsack exact]  Piper (data x tensor x pipeline)
     torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
     torchplace show PLAN.json                                 print a saved plan
@@ -56,6 +58,15 @@ def _seconds(text: str) -> float:
     return float(_checked(positive_float, value, "of seconds"))
 
 
+def _amount(text: str) -> float:
+    """Type of ``--memory-gb`` and ``--bandwidth-gbs``: a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    return float(_checked(positive_float, value))
+
+
 def _count(text: str) -> int:
     """Type of ``--batch``, ``--microbatches``, ``--ideal-limit``: a positive whole number (``4.0`` is 4)."""
     try:
@@ -90,6 +101,29 @@ def _output_file(text: str) -> str:
     return text
 
 
+_PIPER_OPTIONS = ("devices", "memory_gb", "microbatches", "bandwidth_gbs")
+
+
+def _is_piper(path: str) -> bool:
+    """Whether ``path`` is a Piper workload (a JSON object with ``mbsInBatch``)."""
+    from torchplace.files import read_json
+
+    if path.lower().endswith(".csv"):
+        return False
+    data = read_json(path, "workload")
+    return isinstance(data, dict) and "mbsInBatch" in data
+
+
+def _read_piper(args: argparse.Namespace):  # -> Problem
+    from torchplace.workloads import read_piper
+
+    gib = 2**30
+    return read_piper(args.workload, devices=args.devices,
+                      memory_bytes=None if args.memory_gb is None else args.memory_gb * gib,
+                      microbatches=args.microbatches,
+                      bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * gib)
+
+
 def _read_workload(path: str, objective: str | None, noncontiguous: bool):  # -> Problem
     """A dnn-partitioning JSON (throughput by default) or a MOIRAI CSV (latency)."""
     import dataclasses
@@ -108,8 +142,19 @@ def _read_workload(path: str, objective: str | None, noncontiguous: bool):  # ->
 def _solve(args: argparse.Namespace) -> int:
     from torchplace import solvers
 
-    problem = _read_workload(args.workload, args.objective, args.noncontiguous)
-    opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
+    if _is_piper(args.workload):
+        problem = _read_piper(args)
+        baseline = {"no-dp": {"data_parallel": False}, "no-tp": {"tensor_parallel": False},
+                    "no-ar": {"recompute": False}}.get(args.baseline, {})
+        if args.method != "piper-equi":
+            baseline = {**baseline, "knapsack": args.knapsack, "ideal_limit": args.ideal_limit}
+        opts: dict[str, Any] = baseline
+    else:
+        given = [f"--{o.replace('_', '-')}" for o in (*_PIPER_OPTIONS, "baseline", "knapsack") if getattr(args, o)]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to Piper workloads only (a JSON with 'mbsInBatch')")
+        problem = _read_workload(args.workload, args.objective, args.noncontiguous)
+        opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
     plan = solvers.solve(problem, method=args.method, time_limit=args.time_limit, **opts)
     if args.output:
         plan.save(args.output)
@@ -201,6 +246,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print objective, lower_bound, gap, status, assignment, seconds")
     s.add_argument("--ideal-limit", type=_count, default=None, metavar="N", help="most ideals the DP may enumerate")
     s.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
+    s.add_argument("--devices", type=_count, default=None, metavar="K", help="Piper: number of devices (maxDevices)")
+    s.add_argument("--memory-gb", type=_amount, default=None, metavar="G", help="Piper: GiB per device")
+    s.add_argument("--microbatches", type=_count, default=None, metavar="N", help="Piper: micro-batches per batch")
+    s.add_argument("--bandwidth-gbs", type=_amount, default=None, metavar="B", help="Piper: GiB/s between devices")
+    s.add_argument("--baseline", choices=["no-dp", "no-tp", "no-ar"], default=None,
+                   help="Piper: forgo data parallelism, tensor parallelism or recomputation (Sec. 5)")
+    s.add_argument("--knapsack", choices=["heuristic", "exact"], default=None,
+                   help="Piper: the paper's TMPC heuristic (default) or HiGHS exactly (slow)")
     s.set_defaults(func=_solve)
     p = sub.add_parser("plan", help="place a built-in example model and print the plan")
     p.add_argument("model", choices=list(NAMES))

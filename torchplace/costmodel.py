@@ -23,6 +23,22 @@ micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)``
 position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
 while its forward compute counts twice (:func:`memory`, :func:`in_flight`).
 
+Piper (Tarnawski, Narayanan, Phanishayee 2021, Sec. 3-4, App. A-B), when the problem has a
+:class:`~torchplace.problem.Parallel` setting: a stage ``S`` runs on ``d * t`` devices (``d``
+data-parallel replicas of a ``t``-way tensor split), each node ``v`` in the TMPC ``X(v)`` chosen for
+it among ``v``'s configurations for ``t``, and its time per sample is
+
+    TPS(S) = (1/d) sum_{v in S} X(v).p                                       compute
+           + (1/(d B)) [ sum_{(u,v) into S} 2 (c(u,v) + X(v).c^fw(u,v))      edges in
+                       + sum_{(v,w) out of S} 2 (c(v,w) + X(v).c^bw(v,w)) ]  edges out
+           + (1/B) sum_{v in S} 4 (d-1)/d X(v).w / N                          all-reduce
+
+with ``B`` the bandwidth and ``N`` the micro-batches per batch (the weights are all-reduced once per
+batch, as in the authors' code; Sec. 3.4 writes the same per ``d`` micro-batches). Its memory per
+device is ``sum_{v in S} X(v).a * ceil(s/d) + X(v).b`` where ``s`` is the sum of the data-parallel
+degrees of ``S`` and every later stage (the micro-batches in flight, App. A). The objective is the
+max over stages (:func:`piper_stage`).
+
 Latency (MOIRAI Sec. III-D, eqs. (4a)-(8); Baechi Sec. 4.2): one sample runs through
 :func:`simulate`. A plan is a sequence of stages, and its *plan order* lists the nodes stage by
 stage, topologically inside a stage (a topological order of the graph, since every edge goes to
@@ -45,11 +61,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
+from torchplace.graph import TMPC
 from torchplace.problem import Problem
 
 __all__ = [
@@ -66,6 +83,8 @@ __all__ = [
     "evaluate_stages",
     "memory",
     "memory_parts",
+    "piper_resync_bytes",
+    "piper_stage",
     "plan_order",
     "simulate",
     "stage_costs",
@@ -93,10 +112,11 @@ class StageCost:
     transfer_in: float
     transfer_out: float
     memory: int
+    allreduce: float = 0.0
 
     @property
     def load(self) -> float:
-        return self.compute + self.transfer_in + self.transfer_out
+        return self.compute + self.transfer_in + self.transfer_out + self.allreduce
 
 
 def transfers(problem: Problem, nodes: Collection[str]) -> tuple[float, float]:
@@ -253,6 +273,8 @@ def evaluate_stages(problem: Problem, stages: Sequence[StageLike]) -> tuple[floa
     Throughput: the max device load. Latency: the makespan of :func:`simulate`, with each device's
     transfer columns holding the seconds its ports were busy.
     """
+    if problem.parallel is not None:
+        return _piper_evaluate(problem, stages)
     if problem.objective == "latency":
         sched = simulate(problem, stages)
         return sched.makespan, sched.costs(problem)
@@ -268,6 +290,74 @@ def evaluate_stages(problem: Problem, stages: Sequence[StageLike]) -> tuple[floa
 def evaluate(problem: Problem, plan: object) -> float:
     """The objective of a plan (anything with ``.stages``) under ``problem``'s cost model."""
     return evaluate_stages(problem, plan.stages)[0]  # type: ignore[attr-defined]
+
+
+# -- Piper ----------------------------------------------------------------------------------------
+def piper_resync_bytes(param_bytes: float, d: int, microbatches: int) -> float:
+    """Bytes per sample each replica sends to all-reduce ``param_bytes`` of weights ``d`` ways once
+    per batch of ``microbatches`` (Piper Sec. 3.4: ``4 (d-1)/d w``, PipeDream's parameter-server
+    model)."""
+    return 4.0 * (d - 1) * param_bytes / d / microbatches
+
+
+def piper_edge_bytes(problem: Problem, v: str, x: TMPC, members: Collection[str]) -> tuple[float, float]:
+    """(in, out) bytes node ``v`` in TMPC ``x`` moves over edges that cross the boundary of
+    ``members``: ``2 (c + c^fw)`` per edge in, ``2 (c + c^bw)`` per edge out (forward + backward,
+    Piper Sec. 4 and App. B)."""
+    g = problem.graph
+    fin = math.fsum(2.0 * (g.edge_bytes(u, v) + x.sync_in.get(u, 0.0)) for u in g.predecessors(v) if u not in members)
+    fout = math.fsum(2.0 * (g.edge_bytes(v, w) + x.sync_out.get(w, 0.0)) for w in g.successors(v) if w not in members)
+    return fin, fout
+
+
+def piper_tmpc(problem: Problem, v: str, t: int, tmpc_id: str) -> TMPC:
+    """The TMPC ``tmpc_id`` of node ``v`` for degree ``t``.
+
+    Raises:
+        InvalidPlanError: naming the node and the TMPCs it has.
+    """
+    from torchplace.errors import InvalidPlanError
+
+    for x in problem.graph.record(v).tmpcs.get(t, ()):
+        if x.id == tmpc_id:
+            return x
+    have = [x.id for x in problem.graph.record(v).tmpcs.get(t, ())]
+    raise InvalidPlanError(f"node {v!r} has no TMPC {tmpc_id!r} for tensor-parallel degree {t}; it has {have}")
+
+
+def piper_stage(problem: Problem, nodes: Collection[str], t: int, d: int, s: int,
+                tmpcs: Mapping[str, str], name: str = "") -> StageCost:
+    """Piper's cost of one stage (module docstring): ``load`` is its time per sample, ``memory``
+    its bytes per device with ``s`` micro-batches in flight over it and the stages after it."""
+    par = problem.parallel
+    assert par is not None, "piper_stage needs a problem with a Parallel setting"
+    members = set(nodes)
+    compute = t_in = t_out = resync = 0.0
+    mem = 0.0
+    y = -(-s // d)
+    for v in sorted(members):
+        if v not in tmpcs:
+            from torchplace.errors import InvalidPlanError
+
+            raise InvalidPlanError(f"stage {name!r}: no TMPC chosen for node {v!r}")
+        x = piper_tmpc(problem, v, t, tmpcs[v])
+        fin, fout = piper_edge_bytes(problem, v, x, members)
+        compute += x.time / d
+        t_in += fin / d / par.bandwidth
+        t_out += fout / d / par.bandwidth
+        resync += piper_resync_bytes(x.param_bytes, d, par.microbatches) / par.bandwidth
+        mem += x.mem_a * y + x.mem_b
+    return StageCost(name, len(members), compute, t_in, t_out, int(math.ceil(mem)), resync)
+
+
+def _piper_evaluate(problem: Problem, stages: Sequence[StageLike]) -> tuple[float, list[StageCost]]:
+    s = sum(getattr(st, "data_parallel", 1) for st in stages)
+    costs = []
+    for st in stages:
+        d, t = getattr(st, "data_parallel", 1), getattr(st, "tensor_parallel", 1)
+        costs.append(piper_stage(problem, st.nodes, t, d, s, getattr(st, "tmpcs", {}), st.device))
+        s -= d
+    return max((c.load for c in costs), default=0.0), costs
 
 
 # -- latency ------------------------------------------------------------------------------------

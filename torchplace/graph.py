@@ -20,9 +20,38 @@ from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json, write_json
 
-__all__ = ["NodeRecord", "OpGraph", "SharedTensor"]
+__all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor"]
 
 _FORMAT = "torchplace.opgraph/1"
+
+
+@dataclass(frozen=True)
+class TMPC:
+    """A tensor-model-parallel configuration of one node (Piper, Sec. 3.3 and 3.6).
+
+    One way to run a layer on ``t`` devices (``t`` is the key it is listed under in
+    :attr:`NodeRecord.tmpcs`); activation recomputation is a TMPC too.
+
+    Attributes:
+        id: its name, unique among the node's TMPCs for one ``t`` (``"vanilla"``,
+            ``"activation recomp"``).
+        time: ``X.p``, seconds per sample, forward plus backward, the t devices' own traffic included.
+        param_bytes: ``X.w``, bytes of weights on each device (all-reduced under data parallelism).
+        mem_a, mem_b: the affine memory ``X.a * ceil(s/d) + X.b`` bytes per device (Sec. 3.5, App. A).
+        sync_in: ``X.c^fw(u, v)`` by predecessor ``u``: bytes to spread an incoming tensor over the
+            ``t`` devices (App. B).
+        sync_out: ``X.c^bw(v, w)`` by successor ``w``: the same for an outgoing edge's gradient.
+        recompute: whether the configuration recomputes activations in the backward pass.
+    """
+
+    id: str
+    time: float
+    param_bytes: float = 0.0
+    mem_a: float = 0.0
+    mem_b: float = 0.0
+    sync_in: Mapping[str, float] = field(default_factory=dict)
+    sync_out: Mapping[str, float] = field(default_factory=dict)
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +79,8 @@ class NodeRecord:
         backward: ``True`` for backward-pass nodes of a training graph.
         saved_bytes: bytes a forward node keeps for the backward pass (its saved activations) for
             the graph's unit of work; used with :class:`~torchplace.problem.Pipeline`.
+        tmpcs: Piper's configurations by tensor-parallel degree ``t`` (used with
+            :class:`~torchplace.problem.Parallel`; empty otherwise).
     """
 
     name: str
@@ -65,6 +96,7 @@ class NodeRecord:
     colocation: str | None = None
     backward: bool = False
     saved_bytes: int = 0
+    tmpcs: Mapping[int, tuple[TMPC, ...]] = field(default_factory=dict)
 
     def time_on(self, kind: str) -> float:
         """Seconds on a device of ``kind``; ``math.inf`` if the node cannot run there."""
@@ -75,6 +107,9 @@ class NodeRecord:
         d["fx_nodes"] = list(self.fx_nodes)
         d["times"] = dict(self.times)
         d["link_times"] = dict(self.link_times)
+        d["tmpcs"] = {str(t): [asdict(x) for x in xs] for t, xs in self.tmpcs.items()}
+        if not self.tmpcs:
+            del d["tmpcs"]
         return d
 
     @classmethod
@@ -141,11 +176,28 @@ def _flag(value: Any, where: str) -> bool:
     return value
 
 
+def _tmpcs(value: Any, where: str) -> dict[int, tuple[TMPC, ...]]:
+    if not isinstance(value, Mapping):
+        raise WorkloadFormatError(f"{where}: expected an object of TMPC lists by degree, got {brief(value)}")
+    out: dict[int, tuple[TMPC, ...]] = {}
+    for t, xs in value.items():
+        if not str(t).isdigit() or int(t) < 1 or not isinstance(xs, list):
+            raise WorkloadFormatError(f"{where}[{t!r}]: expected a positive degree and a list of TMPCs")
+        out[int(t)] = tuple(
+            TMPC(**{**x, "sync_in": dict(x.get("sync_in", {})), "sync_out": dict(x.get("sync_out", {}))})
+            if isinstance(x, Mapping) else _bad_tmpc(x, f"{where}[{t!r}]") for x in xs)
+    return out
+
+
+def _bad_tmpc(x: Any, where: str) -> TMPC:
+    raise WorkloadFormatError(f"{where}: expected a TMPC object, got {brief(x)}")
+
+
 _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "name": _text, "op": _text, "fx_nodes": _texts, "module": _text,
     "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
-    "colocation": _optional_text, "backward": _flag,
+    "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 
@@ -194,14 +246,23 @@ class OpGraph:
         """Swap the record of an existing node (used by profiling to fill in times)."""
         self.nx.nodes[node_id]["record"] = record
 
-    def add_edge(self, u: str, v: str) -> None:
+    def add_edge(self, u: str, v: str, nbytes: float | None = None) -> None:
+        """Add ``u -> v``; ``nbytes`` is the edge's own transfer size where a workload gives one
+        per edge (Piper's ``c(u, v)``) rather than per producer."""
         for n in (u, v):
             if n not in self.nx:
                 raise ValueError(f"edge ({u!r}, {v!r}) names unknown node {n!r}")
         if u == v:
             raise ValueError(f"self-loop on node {u!r}: an operator cannot consume its own output")
-        self.nx.add_edge(u, v)
+        if nbytes is None:
+            self.nx.add_edge(u, v)
+        else:
+            self.nx.add_edge(u, v, nbytes=float(nbytes))
         self._order = None
+
+    def edge_bytes(self, u: str, v: str) -> float:
+        """Bytes the edge ``u -> v`` carries when given per edge (0 otherwise)."""
+        return float(self.nx.edges[u, v].get("nbytes", 0.0))
 
     # -- reading -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -267,7 +328,7 @@ class OpGraph:
             "format": _FORMAT,
             "meta": self.meta,
             "nodes": [{"id": n, **r.to_dict()} for n, r in self.records()],
-            "edges": [[u, v] for u, v in self.nx.edges],
+            "edges": [[u, v] if b is None else [u, v, b] for u, v, b in self.nx.edges(data="nbytes")],
         }
 
     @classmethod
@@ -296,15 +357,16 @@ class OpGraph:
             g.add_node(node_id, NodeRecord.from_dict({k: v for k, v in nd.items() if k != "id"}, where))
         for i, e in enumerate(data["edges"]):
             where = f"{source}: edges[{i}]"
-            if not isinstance(e, list) or len(e) != 2:
+            if not isinstance(e, list) or len(e) not in (2, 3):
                 raise WorkloadFormatError(f"{where}: expected a [source, destination] pair, got {brief(e)}")
-            u, v = (_node_id(n, where) for n in e)
+            u, v = (_node_id(n, where) for n in e[:2])
+            nbytes = non_negative_float(e[2], f"{where}[2]", unit="of bytes", error=WorkloadFormatError) if len(e) == 3 else None
             for n in (u, v):
                 if n not in g:
                     raise WorkloadFormatError(f"{where}: {n!r} is not the id of any node")
             if u == v:
                 raise WorkloadFormatError(f"{where}: self-loop on node {u!r}")
-            g.add_edge(u, v)
+            g.add_edge(u, v, nbytes)
         try:
             g.check_dag()
         except ValueError as e:
@@ -329,7 +391,7 @@ class OpGraph:
             return NotImplemented
         return (
             list(self.records()) == list(other.records())
-            and sorted(self.nx.edges) == sorted(other.nx.edges)
+            and sorted(self.nx.edges(data="nbytes", default=0.0)) == sorted(other.nx.edges(data="nbytes", default=0.0))
             and self.meta == other.meta
         )
 

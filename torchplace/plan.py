@@ -33,11 +33,18 @@ class Stage:
     ``recompute`` (training with a :class:`~torchplace.problem.Pipeline` that allows it): the
     stage's device keeps only its inputs in the forward pass and recomputes its activations in the
     backward pass (a device recomputes if any of its stages says so).
+
+    Piper plans (a problem with :class:`~torchplace.problem.Parallel`): ``device`` names the
+    stage's group of ``data_parallel * tensor_parallel`` devices, and ``tmpcs`` gives the TMPC id
+    chosen for each node (recomputation is per node, in its TMPC).
     """
 
     device: str
     nodes: tuple[str, ...]
     recompute: bool = False
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    tmpcs: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -149,6 +156,10 @@ class Plan:
         """
         g = problem.graph
         assignment = _check_coverage(self.stages, g)
+        if problem.parallel is not None:
+            _check_parallel(problem, self.stages)
+            _check_stage_order(self.stages, g)
+            return
         devices = {d.name: d for d in problem.cluster.devices}
         per_device: dict[str, list[str]] = defaultdict(list)
         for v, dev in assignment.items():
@@ -183,6 +194,8 @@ class Plan:
             f"Plan by {self.solver} ({status}) in {self.seconds:.3g} s: objective {self.objective:.6g}; "
             f"lower bound for any split {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"
         )
+        if any(s.data_parallel > 1 or s.tensor_parallel > 1 or s.tmpcs for s in self.stages):
+            return "\n".join([head, *_parallel_rows(self)])
         rows = [("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load")]
         cost_of = {c.device: c for c in self.costs}
         for i, s in enumerate(self.stages):
@@ -207,7 +220,9 @@ class Plan:
             "seconds": self.seconds,
             "status": self.status,
             "assignment": self.assignment,
-            "stages": [{"device": s.device, "nodes": list(s.nodes), **({"recompute": True} if s.recompute else {})}
+            "stages": [{"device": s.device, "nodes": list(s.nodes), **({"recompute": True} if s.recompute else {}),
+                        **({"data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel,
+                            "tmpcs": dict(s.tmpcs)} if s.tmpcs else {})}
                        for s in self.stages],
             "costs": [asdict(c) for c in self.costs],
             "meta": self.meta,
@@ -256,6 +271,49 @@ def stages_from_order(problem: Problem, order: Sequence[str], assignment: Mappin
         else:
             stages.append((dev, [v]))
     return [Stage(dev, tuple(nodes)) for dev, nodes in stages]
+
+
+def _parallel_rows(plan: Plan) -> list[str]:
+    """The table of a Piper plan: one row per stage with its degrees and TMPC choices."""
+    rows = [("stage", "devices", "d", "t", "#nodes", "recompute", "compute", "edges", "allreduce", "memory", "TPS")]
+    for i, (s, c) in enumerate(zip(plan.stages, plan.costs)):
+        recomputes = sum("recomp" in x for x in s.tmpcs.values())
+        rows.append((str(i), s.device, str(s.data_parallel), str(s.tensor_parallel), str(len(s.nodes)),
+                     f"{recomputes}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in + c.transfer_out:.4g}",
+                     f"{c.allreduce:.4g}", _fmt_bytes(c.memory), f"{c.load:.6g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
+
+
+def _check_parallel(problem: Problem, stages: Sequence[Stage]) -> None:
+    """Piper's constraints: degrees, device and batch budgets, a TMPC per node, memory per device."""
+    par = problem.parallel
+    assert par is not None
+    used = sum(s.data_parallel * s.tensor_parallel for s in stages)
+    in_flight = sum(s.data_parallel for s in stages)
+    if used > par.devices:
+        raise InvalidPlanError(f"the stages use {used} devices but the problem has {par.devices}")
+    if in_flight > par.microbatches:
+        raise InvalidPlanError(f"the data-parallel degrees sum to {in_flight}, more than the {par.microbatches} "
+                               "micro-batches of a batch")
+    for i, s in enumerate(stages):
+        if s.data_parallel < 1 or s.tensor_parallel < 1 or par.microbatches % s.data_parallel:
+            raise InvalidPlanError(f"stage {i}: data-parallel degree {s.data_parallel} must divide the "
+                                   f"{par.microbatches} micro-batches, tensor-parallel degree must be >= 1")
+        missing = [v for v in s.nodes if v not in s.tmpcs]
+        if missing:
+            raise InvalidPlanError(f"stage {i}: no TMPC chosen for node(s) {missing[:5]}")
+        if s.recompute:
+            raise InvalidPlanError(f"stage {i}: a Piper stage recomputes per node, through its TMPCs, not recompute=True")
+    _, costs = costmodel.evaluate_stages(problem, stages)
+    for i, c in enumerate(costs):
+        if c.memory > par.memory_bytes:
+            raise InvalidPlanError(f"stage {i} ({stages[i].device}) needs {c.memory} bytes per device but a device "
+                                   f"has {par.memory_bytes:.0f}")
+    if problem.contiguous:
+        for i, s in enumerate(stages):
+            if not is_contiguous(problem.graph, set(s.nodes)):
+                raise InvalidPlanError(f"stage {i} is not contiguous (Piper Def. 3.1)")
 
 
 def _fmt_bytes(n: float) -> str:

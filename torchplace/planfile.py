@@ -49,7 +49,7 @@ def _count(value: Any, where: str) -> int:
 
 _COST_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "device": _text, "ops": _count, "compute": _seconds, "transfer_in": _seconds, "transfer_out": _seconds,
-    "memory": _count,
+    "memory": _count, "allreduce": _seconds,
 }  # the check of each StageCost field (fields not listed are taken as they are)
 
 
@@ -81,7 +81,16 @@ def _stages(items: Any, source: str) -> list[Stage]:
         recompute = s.get("recompute", False)
         if not isinstance(recompute, bool):
             raise WorkloadFormatError(f"{where}.recompute: expected true or false, got {brief(recompute)}")
-        stages.append(Stage(device, tuple(s["nodes"]), recompute))
+        parallel = {}
+        for key in ("data_parallel", "tensor_parallel"):
+            if key in s:
+                parallel[key] = _count(s[key], f"{where}.{key}")
+        if "tmpcs" in s:
+            tmpcs = s["tmpcs"]
+            if not isinstance(tmpcs, Mapping) or not all(isinstance(v, str) for v in tmpcs.values()):
+                raise WorkloadFormatError(f"{where}.tmpcs: expected an object of TMPC ids by node, got {brief(tmpcs)}")
+            parallel["tmpcs"] = dict(tmpcs)
+        stages.append(Stage(device, tuple(s["nodes"]), recompute, **parallel))
     return stages
 
 
@@ -93,7 +102,7 @@ def _costs(items: Any, devices: set[str], source: str) -> list[StageCost]:
     out: list[StageCost] = []
     for i, c in enumerate(items):
         where = f"{source}: costs[{i}]"
-        if not isinstance(c, Mapping) or set(c) != known:
+        if not isinstance(c, Mapping) or set(c) not in (known, known - {"allreduce"}):  # plans before Piper
             raise WorkloadFormatError(f"{where}: expected an object with fields {sorted(known)}, got {brief(c)}")
         cost = StageCost(**{k: _COST_FIELDS[k](v, f"{where}.{k}") if k in _COST_FIELDS else v for k, v in c.items()})
         if cost.device not in devices or any(o.device == cost.device for o in out):

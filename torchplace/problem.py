@@ -7,7 +7,7 @@ from typing import Literal
 from torchplace.devices import Cluster, Device
 from torchplace.graph import OpGraph
 
-__all__ = ["Mode", "Objective", "Pipeline", "Problem", "Schedule"]
+__all__ = ["Mode", "Objective", "Parallel", "Pipeline", "Problem", "Schedule"]
 
 Objective = Literal["throughput", "latency"]
 Mode = Literal["inference", "training"]
@@ -42,6 +42,37 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Piper's training setting (Sec. 3.6): ``devices`` identical accelerators of ``memory_bytes``
+    each on a flat network of ``bandwidth`` bytes/s, and at most ``microbatches`` (``N``) micro-
+    batches in a batch, which bounds the sum of data-parallel degrees. A stage may be replicated
+    ``d`` ways (``d`` divides ``N``) and tensor-split ``t`` ways over the TMPCs of its nodes
+    (:attr:`~torchplace.graph.NodeRecord.tmpcs`); its cost is
+    :func:`torchplace.costmodel.piper_stage`.
+    """
+
+    devices: int
+    memory_bytes: float
+    bandwidth: float
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Parallel.{name} must be a positive whole number, got {v!r}")
+        for name in ("memory_bytes", "bandwidth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise ValueError(f"Parallel.{name} must be a positive finite number, got {v!r}")
+
+    @property
+    def max_in_flight(self) -> int:
+        """The largest useful sum of data-parallel degrees: ``min(N, K)``."""
+        return min(self.microbatches, self.devices)
+
+
+@dataclass(frozen=True)
 class Problem:
     """A placement problem.
 
@@ -59,6 +90,8 @@ class Problem:
         pipeline: for a training graph profiled from a model, how its pipeline runs (memory of
             activations in flight, recomputation); ``None`` for graphs whose per-node memory is
             given as it is (the published workloads).
+        parallel: Piper's data x tensor x pipeline setting; when set, a plan's stages carry their
+            degrees and TMPCs and the cluster describes one device of the ``devices`` alike.
     """
 
     graph: OpGraph
@@ -67,6 +100,7 @@ class Problem:
     mode: Mode = "inference"
     contiguous: bool = True
     pipeline: Pipeline | None = None
+    parallel: Parallel | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in ("throughput", "latency"):

@@ -22,7 +22,10 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.auto import solve_auto
 
-__all__ = ["METHODS", "SOLVERS", "Method", "check_method", "solve"]
+__all__ = ["METHODS", "PARALLEL_METHODS", "SOLVERS", "Method", "check_method", "solve"]
+
+PARALLEL_METHODS = ("piper", "piper-equi")
+"""The methods for problems with a :class:`~torchplace.problem.Parallel` setting (and the only ones)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,10 @@ METHODS: dict[str, Method] = {
                          "latency MILP with atomic accelerator subgraphs (Tarnawski App. A)"),
     "moirai": Method("torchplace.solvers.milp.moirai:solve", "latency",
                      "heterogeneous latency MILP (MOIRAI III-D)"),
+    "piper": Method("torchplace.solvers.piper:solve", "throughput",
+                    "data x tensor x pipeline DP with recomputation, Piper problems (Piper 4)"),
+    "piper-equi": Method("torchplace.solvers.piper_equi:solve", "throughput",
+                         "equi-partitioned stages, same d and t everywhere (Piper 5 baseline)"),
     "m-topo": Method("torchplace.solvers.baechi:m_topo", "latency", "Baechi m-TOPO"),
     "m-etf": Method("torchplace.solvers.baechi:m_etf", "latency", "Baechi m-ETF"),
     "m-sct": Method("torchplace.solvers.baechi:m_sct", "latency", "Baechi m-SCT"),
@@ -116,7 +123,8 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
     """Solve ``problem`` with ``method`` (a key of :data:`METHODS`, or ``"auto"``).
 
     ``"auto"`` (:func:`torchplace.solvers.auto.solve_auto`) picks by objective and size and
-    reports the best lower bound it proved. ``time_limit`` (seconds) goes to every method that
+    reports the best lower bound it proved; for a Piper problem (``problem.parallel``) it is
+    ``"piper"``, and only :data:`PARALLEL_METHODS` apply. ``time_limit`` (seconds) goes to every method that
     takes one; other options go to the method when it takes them. A graph with shared tensors
     (tied weights) is solved through problems whose memory is a sum over nodes
     (:mod:`torchplace.solvers.shared`).
@@ -126,6 +134,13 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
             optimises the other objective (:func:`check_method`).
     """
     check_method(method, problem.objective)
+    if problem.parallel is not None:
+        if method == "auto":
+            method = "piper"
+        if method not in PARALLEL_METHODS:
+            raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
+                             f"x pipeline); use one of {list(PARALLEL_METHODS)}")
+        return call_method(method, problem, time_limit=time_limit, **opts)
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":

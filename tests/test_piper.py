@@ -1,0 +1,285 @@
+"""Piper (Tarnawski, Narayanan, Phanishayee 2021): reader, cost model, knapsack, DP vs brute force."""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import WORKLOADS
+from torchplace import costmodel, solvers
+from torchplace.cli import main
+from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError, WorkloadFormatError
+from torchplace.graph import TMPC, NodeRecord, OpGraph
+from torchplace.plan import Stage
+from torchplace.problem import Parallel
+from torchplace.solvers import piper, piper_equi, piper_knapsack
+from torchplace.workloads import read_piper
+from torchplace.workloads.piper import piper_problem
+
+BERT = WORKLOADS / "piper" / "bert32a100.json"
+GIB = 2**30
+
+
+def _bert(**kw):
+    return read_piper(BERT, bandwidth=25 * GIB, **kw)
+
+
+# -- reader ---------------------------------------------------------------------------------------
+def test_reads_bert32a100():
+    p = read_piper(BERT)
+    assert len(p.graph) == 37 and len(list(p.graph.edges)) == 67
+    assert p.parallel == Parallel(devices=10, memory_bytes=80e9, bandwidth=25e9, microbatches=1920)
+    layer = p.graph.record("3")
+    assert sorted(layer.tmpcs) == [1, 2, 4, 8]
+    recomp = layer.tmpcs[8][1]
+    assert recomp.id == "activation recomp" and recomp.recompute and not layer.tmpcs[8][0].recompute
+    assert recomp.sync_in == {"1": 31457280.0, "4": 16777216.0} and recomp.sync_out == {"5": 31457280.0}
+    assert p.graph.edge_bytes("1", "3") == 31457280.0
+
+
+def test_opgraph_json_keeps_tmpcs_and_edge_bytes():
+    g = read_piper(BERT).graph
+    assert OpGraph.from_json(json.loads(json.dumps(g.to_json()))) == g
+
+
+def _broken(tmp_path, change):
+    data = json.loads(BERT.read_text())
+    change(data)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d.pop("mbsInBatch"), "missing field 'mbsInBatch'"),
+    (lambda d: d.update(maxDevices=2.5), "maxDevices"),
+    (lambda d: d.update(bandwidth=0), "bandwidth"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0].update(timePerSample=-1), "nodes[3] (id 3).TMPCs['1'][0].timePerSample"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0].pop("memoryUsageA"), "missing field 'memoryUsageA'"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0]["syncTimeFw"].update({"7": 1.0}), "'7' is not an incoming neighbour"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0]["syncTimeBw"].pop("5"), "missing the outgoing edge with node '5'"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][1].update(id="vanilla"), "TMPC ids repeat"),
+    (lambda d: d["nodes"][3]["TMPCs"].pop("1"), "no TMPC for t=1"),
+    (lambda d: d["nodes"][3]["TMPCs"].update({"x": []}), "tensor-parallel degree"),
+    (lambda d: d["edges"].append({"sourceId": 0, "destId": 99, "communicationCost": 1}), "edges[67].destId"),
+    (lambda d: d["edges"].append(dict(d["edges"][0])), "listed twice"),
+    (lambda d: d["edges"][0].update(communicationCost="big"), "edges[0].communicationCost"),
+])
+def test_malformed_file_names_the_field(tmp_path, change, words):
+    with pytest.raises(WorkloadFormatError, match=None) as e:
+        read_piper(_broken(tmp_path, change))
+    assert words in str(e.value)
+
+
+def test_cycle_is_a_format_error(tmp_path):
+    def cycle(d):
+        d["edges"].append({"sourceId": 36, "destId": 3, "communicationCost": 1})
+        for n in d["nodes"]:
+            for xs in n["TMPCs"].values():
+                for x in xs:
+                    if n["id"] == 36:
+                        x["syncTimeBw"]["3"] = 0
+                    if n["id"] == 3:
+                        x["syncTimeFw"]["36"] = 0
+    with pytest.raises(WorkloadFormatError, match="not a DAG"):
+        read_piper(_broken(tmp_path, cycle))
+
+
+# -- tiny problems --------------------------------------------------------------------------------
+def _tiny(n_nodes, edges, tmpcs, *, devices, memory, microbatches, bandwidth=10.0):
+    g = OpGraph()
+    for v in range(n_nodes):
+        g.add_node(str(v), NodeRecord(str(v), tmpcs=tmpcs[v]))
+    for u, v, c in edges:
+        g.add_edge(str(u), str(v), c)
+    return piper_problem(g, Parallel(devices, float(memory), bandwidth, microbatches))
+
+
+def test_stage_cost_by_hand():
+    x = TMPC("v", time=4.0, param_bytes=10.0, mem_a=3.0, mem_b=5.0, sync_in={"0": 1.0}, sync_out={})
+    x0 = TMPC("v", time=1.0, param_bytes=0.0, mem_a=1.0, mem_b=0.0, sync_in={}, sync_out={"1": 2.0})
+    p = _tiny(2, [(0, 1, 6.0)], [{1: (x0,)}, {2: (x,)}], devices=8, memory=100, microbatches=4)
+    c = costmodel.piper_stage(p, ["1"], t=2, d=2, s=3, tmpcs={"1": "v"})
+    assert c.compute == pytest.approx(2.0)                       # 4 / d
+    assert c.transfer_in == pytest.approx(2 * (6 + 1) / 2 / 10)  # 2 (c + c^fw) / d / B
+    assert c.allreduce == pytest.approx(4 * 1 * 10 / 2 / 4 / 10)  # 4 (d-1)/d w / N / B
+    assert c.memory == 3 * 2 + 5                                  # a ceil(s/d) + b
+    assert c.load == pytest.approx(c.compute + c.transfer_in + c.allreduce)
+
+
+def _tmpc_lists(draw, n_nodes, edges):
+    preds = {v: [u for u, w, _ in edges if w == v] for v in range(n_nodes)}
+    succs = {v: [w for u, w, _ in edges if u == v] for v in range(n_nodes)}
+    num = st.integers(0, 6).map(float)
+    out = []
+    for v in range(n_nodes):
+        by_t = {}
+        for t in draw(st.sampled_from([(1,), (1, 2)])):
+            k = draw(st.integers(1, 2))
+            by_t[t] = tuple(
+                TMPC(f"x{i}", time=draw(st.integers(1, 9)) / t, param_bytes=draw(num), mem_a=draw(num),
+                     mem_b=draw(num), sync_in={str(u): draw(num) for u in preds[v]},
+                     sync_out={str(w): draw(num) for w in succs[v]}, recompute=i == 1)
+                for i in range(k))
+        out.append(by_t)
+    return out
+
+
+@st.composite
+def tiny_problems(draw):
+    n = draw(st.integers(1, 3))
+    pairs = [(u, v) for u in range(n) for v in range(u + 1, n)]
+    chosen = draw(st.lists(st.sampled_from(pairs), unique=True, max_size=4)) if pairs else []
+    edges = [(u, v, float(draw(st.integers(0, 5)))) for u, v in chosen]
+    return _tiny(n, edges, _tmpc_lists(draw, n, edges), devices=draw(st.integers(1, 4)),
+                 memory=draw(st.integers(4, 40)), microbatches=draw(st.sampled_from([1, 2, 3, 4])))
+
+
+def brute_force(problem):
+    """Every ordered split into stages with data flowing forward, every d | N, t and TMPC per node,
+    each costed by the cost model; the least max load, or inf."""
+    par, g = problem.parallel, problem.graph
+    nodes = g.topological_order()
+    best = math.inf
+    for m in range(1, len(nodes) + 1):
+        for labels in itertools.product(range(m), repeat=len(nodes)):
+            stage_of = dict(zip(nodes, labels))
+            if set(labels) != set(range(m)) or any(stage_of[u] > stage_of[v] for u, v in g.edges):
+                continue
+            groups = [tuple(v for v in nodes if stage_of[v] == i) for i in range(m)]
+            degs = [(t, d) for t in (1, 2) for d in range(1, par.microbatches + 1) if par.microbatches % d == 0]
+            for choice in itertools.product(degs, repeat=m):
+                if sum(t * d for t, d in choice) > par.devices or sum(d for _, d in choice) > par.microbatches:
+                    continue
+                options = [[x.id for x in g.record(v).tmpcs.get(t, ())] for grp, (t, _) in zip(groups, choice)
+                           for v in grp]
+                for ids in itertools.product(*options):
+                    it = iter(ids)
+                    stages = [Stage(f"s{i}", grp, data_parallel=d, tensor_parallel=t,
+                                    tmpcs={v: next(it) for v in grp}) for i, (grp, (t, d)) in enumerate(zip(groups, choice))]
+                    load, costs = costmodel.evaluate_stages(problem, stages)
+                    if all(c.memory <= par.memory_bytes for c in costs):
+                        best = min(best, load)
+    return best
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_problems())
+def test_dp_with_an_exact_knapsack_equals_brute_force(problem):
+    expected = brute_force(problem)
+    for prune in (False, True):
+        if math.isinf(expected):
+            with pytest.raises(InfeasibleError):
+                piper.solve(problem, knapsack="brute-force", prune=prune)
+            continue
+        plan = piper.solve(problem, knapsack="brute-force", prune=prune)
+        assert plan.objective == pytest.approx(expected, rel=1e-9)
+        assert plan.objective == costmodel.evaluate(problem, plan)
+        heuristic = piper.solve(problem)  # never better than the optimum
+        assert heuristic.objective >= expected * (1 - 1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 10**6), st.integers(1, 3))
+def test_knapsack_heuristic_is_feasible_and_exact_agrees_with_brute_force(n, seed, slots):
+    rng = np.random.default_rng(seed)
+    cost = rng.integers(1, 20, size=(n, slots, 1)).astype(float)
+    a, b = rng.integers(0, 10, size=(n, slots)).astype(float), rng.integers(0, 10, size=(n, slots)).astype(float)
+    ys, limit = np.array([1.0, 2.0, 3.0]), float(rng.integers(5, 60))
+    cost = np.repeat(cost, 3, axis=2)
+    brute, _ = piper_knapsack.brute_force(cost, a, b, limit, ys)
+    exact, _ = piper_knapsack.exact(cost, a, b, limit, ys)
+    heur, picks = piper_knapsack.heuristic(cost, a, b, limit, ys)
+    np.testing.assert_allclose(exact, brute)
+    assert np.all(heur >= brute - 1e-9) and np.array_equal(np.isinf(heur), np.isinf(brute)) or slots > 2
+    rows = np.arange(n)
+    for j, y in enumerate(ys):
+        if np.isfinite(heur[j]):
+            assert (a[rows, picks[:, j]] * y + b[rows, picks[:, j]]).sum() <= limit
+            assert cost[rows, picks[:, j], j].sum() == pytest.approx(heur[j])
+
+
+# -- bert32a100 -----------------------------------------------------------------------------------
+def test_bert_plan_is_valid_and_beats_the_baselines():
+    p = _bert(devices=16, memory_bytes=8 * GIB)
+    plan = solvers.solve(p)  # auto = piper on a Piper problem
+    assert plan.solver == "piper" and plan.objective == costmodel.evaluate(p, plan)
+    assert plan.objective == pytest.approx(plan.meta["dp_value"], rel=1e-12)
+    assert sum(s.data_parallel * s.tensor_parallel for s in plan.stages) <= 16
+    assert plan.lower_bound <= plan.objective
+    equi = piper_equi.solve(p)
+    assert plan.objective <= equi.objective
+    for opts in ({"data_parallel": False}, {"tensor_parallel": False}, {"recompute": False}):
+        assert plan.objective <= piper.solve(p, **opts).objective * (1 + 1e-12)
+    unpruned = piper.solve(p, prune=False)
+    assert unpruned.objective == plan.objective
+
+
+@pytest.mark.slow
+def test_bert_one_gib_needs_tensor_parallelism_and_recomputation():
+    p = _bert(devices=512, memory_bytes=1 * GIB)  # Fig. 1d: about 45 s here
+    plan = piper.solve(p)
+    assert all(s.tensor_parallel > 1 for s in plan.stages if any(v for v in s.nodes if p.graph.record(v).name
+                                                                   == "ParallelTransformerLayer"))
+    for opts in ({"tensor_parallel": False}, {"recompute": False}):
+        with pytest.raises(InfeasibleError):
+            piper.solve(p, **opts)
+
+
+def test_plan_checks_catch_broken_piper_plans():
+    p = _bert(devices=8, memory_bytes=8 * GIB)
+    plan = piper.solve(p)
+    too_many = [Stage(s.device, s.nodes, data_parallel=s.data_parallel * 4, tensor_parallel=s.tensor_parallel,
+                      tmpcs=s.tmpcs) for s in plan.stages]
+    with pytest.raises(InvalidPlanError, match="devices"):
+        type(plan).build(p, too_many, solver="x", seconds=0, lower_bound=0)
+    vanilla = [Stage(s.device, s.nodes, data_parallel=s.data_parallel, tensor_parallel=s.tensor_parallel,
+                     tmpcs={v: "vanilla" for v in s.nodes}) for s in plan.stages]
+    with pytest.raises(InvalidPlanError, match="bytes per device"):
+        type(plan).build(p, vanilla, solver="x", seconds=0, lower_bound=0)
+    no_tmpc = [Stage(s.device, s.nodes, data_parallel=s.data_parallel) for s in plan.stages]
+    with pytest.raises(InvalidPlanError, match="no TMPC"):
+        type(plan).build(p, no_tmpc, solver="x", seconds=0, lower_bound=0)
+
+
+def test_methods_and_problems_must_match():
+    p = _bert(devices=8)
+    with pytest.raises(UsageError, match="Piper problem"):
+        solvers.solve(p, method="dp")
+    other = copy.copy(p)
+    object.__setattr__(other, "parallel", None)
+    with pytest.raises(UsageError, match="needs a Piper problem"):
+        solvers.solve(other, method="piper")
+
+
+def test_cli_solves_a_piper_workload(capsys):
+    assert main(["solve", str(BERT), "--method", "piper", "--devices", "8", "--memory-gb", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["solver"] == "piper" and len(out["stages"]) >= 2 and "tmpcs" in out["stages"][0]
+    assert main(["solve", str(BERT), "--devices", "2", "--memory-gb", "0.5"]) == 2
+    assert "no Piper configuration fits" in capsys.readouterr().err
+
+
+def test_piper_plan_file_round_trip(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(BERT), "--devices", "4", "--memory-gb", "80", "-o", str(out)]) == 0
+    capsys.readouterr()
+    from torchplace.plan import Plan
+
+    plan = Plan.load(out)
+    assert plan.stages[0].tmpcs and plan.stages[0].tensor_parallel >= 1
+    assert main(["show", str(out)]) == 0
+    assert "TPS" in capsys.readouterr().out
+
+
+def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
+    cost = np.array([[[1.0], [5.0]], [[1.0], [5.0]]])
+    a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])
+    values, picks = piper_knapsack.exact(cost, a, b, 15.0, np.array([1.0]))
+    assert values[0] == 6.0 and sorted(picks[:, 0]) == [0, 1]
