@@ -72,3 +72,42 @@ def test_an_option_the_method_does_not_take_is_an_error(capsys, workloads_dir):
     assert main(["solve", BERT24, "--method", "slicegraph", "--ideal-limit", "10"]) == 2
     err = capsys.readouterr().err
     assert "'slicegraph' does not take ['ideal_limit']" in err and "random_orders" in err
+
+
+_LIGHT_CLI = """
+import json, sys
+from torchplace.cli import main
+workload, plan = sys.argv[1], sys.argv[2]
+for argv in (["solve", workload, "--method", "dp", "--json"], ["solve", workload, "-o", plan],
+             ["show", plan], ["methods"]):
+    assert main(argv) == 0, argv
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "pyomo"))
+print(json.dumps(heavy))
+"""
+
+
+def test_solve_show_and_methods_do_not_import_torch(tmp_path):
+    """`torchplace solve` / `show` / `methods` start in well under a second: no torch, transformers
+    or Pyomo (issue 16, item 3). Run in a fresh process, since this one has imported torch."""
+    workload = tmp_path / "w.json"
+    nodes = [{"id": i, "supportedOnFpga": 1, "cpuLatency": 5.0, "fpgaLatency": 1.0 + i, "isBackwardNode": 0,
+              "size": 1} for i in range(4)]
+    edges = [{"sourceId": i, "destId": i + 1, "cost": 0.5} for i in range(3)]
+    workload.write_text(json.dumps({"maxSizePerFPGA": 10, "maxFPGAs": 2, "maxCPUs": 1, "nodes": nodes, "edges": edges}))
+    r = subprocess.run([sys.executable, "-c", _LIGHT_CLI, str(workload), str(tmp_path / "plan.json")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == []
+
+
+def test_solvers_and_readers_import_light():
+    code = ("import sys, torchplace.solvers, torchplace.workloads, torchplace.solvers.dp, torchplace.model_names; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pyomo')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
+
+
+def test_model_names_match_the_builders():
+    from torchplace import model_names, models
+
+    assert models.NAMES == model_names.NAMES == tuple(models._BUILDERS)

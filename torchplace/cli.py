@@ -172,7 +172,7 @@ def _add_solver_options(s: argparse.ArgumentParser, methods: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from torchplace.models import NAMES
+    from torchplace.model_names import NAMES
     from torchplace.solvers import METHODS
 
     ap = _Parser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
