@@ -2,8 +2,8 @@
 
 Run:  python benchmarks/dp_workloads.py [--repeats 3]
 
-Prints one markdown row per workload: nodes, forward ideals after contraction, ideal pairs, the
-optimum found, the published optimum, our seconds (best of --repeats, reading the file included)
+Prints one markdown row per workload: nodes, supernodes and forward ideals of the contraction
+before and after the safe rules of torchplace/solvers/reduce.py, ideal pairs, the optimum found, the published optimum, our seconds (best of --repeats, reading the file included)
 and the authors' single-threaded C++ DP's seconds on this machine kind (shared/workloads/README.md).
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 
 from torchplace.solvers import dp
+from torchplace.solvers.contract import contractions
+from torchplace.solvers.ideals import enumerate_ideals
 from torchplace.workloads import read_dnn_partitioning
 
 ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "dnn-partitioning" / "throughput"
@@ -48,20 +50,29 @@ def run(name: str, repeats: int) -> tuple[int, dict, float, float]:
     return len(problem.graph), plan.meta, plan.objective, best
 
 
+def ideals_before(name: str, meta: dict) -> int:
+    """Ideals of the winning contraction without the safe rules."""
+    con = contractions(read_dnn_partitioning(ROOT / name).graph)[meta["backward_order"]]
+    return len(enumerate_ideals(len(con.nodes), con.edges, limit=10**7))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     print(f"# DP on dnn-partitioning workloads — {date.today()}, {platform.processor() or platform.machine()}, "
           f"{psutil.cpu_count()} cores, Python {platform.python_version()}\n")
-    print("| workload | nodes | ideals | ideal pairs | optimum | published | match | seconds | C++ seconds | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | nodes | supernodes before → after | ideals before → after | ideal pairs | optimum | published "
+          "| match | seconds | C++ seconds | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (published, cpp) in WORKLOADS.items():
         nodes, meta, obj, secs = run(name, args.repeats)
         match = "yes" if abs(obj - published) <= 1e-4 * published else "NO"
         cpp_s = f"{cpp:.1f}" if cpp is not None else "< 1"
         speed = f"{cpp / secs:.1f}x" if cpp is not None else "-"
-        print(f"| {name} | {nodes} | {meta['ideals']} | {meta['ideal_pairs']} | {obj:.6g} | {published} | {match} "
+        shrink = f"{meta['supernodes_before']} → {meta['supernodes']}"
+        ideals = f"{ideals_before(name, meta)} → {meta['ideals']}"
+        print(f"| {name} | {nodes} | {shrink} | {ideals} | {meta['ideal_pairs']} | {obj:.6g} | {published} | {match} "
               f"| {secs:.3f} | {cpp_s} | {speed} |", flush=True)
 
 

@@ -47,6 +47,7 @@ from torchplace.solvers.dp_infeasible import explain
 from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
+from torchplace.solvers.reduce import Reduced, reduce_contraction
 from torchplace.solvers.paircosts import DeviceClass, PairCosts, Positions, Tables, device_classes, training_pipeline
 
 __all__ = ["DeviceClass", "Piece", "device_classes", "pieces_to_stages", "run_dp", "solve", "solve_linearized"]
@@ -180,11 +181,21 @@ class _Run:
     dp: Table
     value: float  # the optimum over this contraction's splits
     upsets: bool  # run over upsets (a training pipeline): pieces come out first to last
+    reduced: Reduced | None = None  # con is reduced.con, made by the safe rules of solvers/reduce.py
+
+    @property
+    def source(self) -> Contraction:
+        """The contraction the pieces index (the unreduced one)."""
+        return self.reduced.original if self.reduced is not None else self.con
 
     def pieces(self, counts: Sequence[int]) -> list[Piece]:
-        """The optimal split's pieces, first to last."""
+        """The optimal split's pieces, first to last, over :attr:`source`'s supernodes."""
         pieces = backtrack(self.tables, self.dp, counts)
-        return pieces if self.upsets else pieces[::-1]
+        pieces = pieces if self.upsets else pieces[::-1]
+        if self.reduced is None:
+            return pieces
+        expanded = self.reduced.expand([p.supers for p in pieces])
+        return [p._replace(supers=supers) for p, supers in zip(pieces, expanded)]
 
 
 def _value(runs: Sequence[_Run], check: Callable[[], None]) -> Callable[[Pipeline | None, Sequence[int], str], float]:
@@ -250,17 +261,24 @@ def _admit(budget: Budget, n: int, ideals: int, pairs: int, n_classes: int, leve
 
 
 def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], ideal_limit: int,
-          linearize: bool, budget: Budget) -> list[_Run]:
+          linearize: bool, budget: Budget, reduce: bool = True) -> list[_Run]:
     """The DP over every distinct contraction of the graph (one unless backward edges join classes);
-    over its upsets under a training pipeline (module docstring)."""
+    over its upsets under a training pipeline (module docstring); each contraction first shrunk by
+    the safe rules of :mod:`~torchplace.solvers.reduce` when ``reduce`` (not under a pipeline, nor
+    for DPL, whose order the rules would change)."""
     runs = []
     pipeline = training_pipeline(problem)
     levels = Positions.of(pipeline, sum(counts)).levels if pipeline is not None else 0
     contracted = contractions(problem.graph)
     budget.check("contracting the graph")
     for order, con in contracted.items():
+        reduced = None
         if linearize:
             con = _linearized(con)
+        elif reduce and pipeline is None:
+            reduced = reduce_contraction(problem, con)
+            con = reduced.con
+            budget.check("reducing the contraction")
         n = len(con.nodes)
         if n < ideal_limit:  # (else enumerate_ideals refuses it at once) a chain's tables, the smallest there are
             _admit(budget, n, n + 1, (n + 1) * (n + 2) // 2, len(classes), levels)
@@ -271,12 +289,12 @@ def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int
         tables = Tables(pc, pipeline)
         dp = run_dp(tables, counts, lambda: budget.check("running the DP"))
         value = float(dp[tuple(counts)][:, -1].min())
-        runs.append(_Run(order, con, ideals, tables, dp, value, upsets=pipeline is not None))
+        runs.append(_Run(order, con, ideals, tables, dp, value, upsets=pipeline is not None, reduced=reduced))
     return runs
 
 
 def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize: bool = False,
-          time_limit: float | None = None) -> Plan:
+          time_limit: float | None = None, reduce: bool = True) -> Plan:
     """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
 
     A training graph whose backward edges join colour classes is solved over both contractions
@@ -297,6 +315,9 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
         ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
         linearize: DPL (Sec. 5.1.2): search only the splits along one DFS topological order,
             in O(|V|^2) pairs; the plan is contiguous but not proven optimal (status "feasible").
+        reduce: first shrink each contraction by the safe rules of :mod:`~torchplace.solvers.reduce`
+            (leaf merge, chain merge, free-node elimination; same optimum, often far fewer
+            ideals). Not under a training pipeline, nor with ``linearize``.
         time_limit: seconds for everything (contraction, ideals, pair costs, the DP); the DP has no
             plan before it ends, so the limit raises SolverLimitError. ``None``: no limit.
 
@@ -318,17 +339,18 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     budget = Budget("ideals DP", time_limit, way_out=_WAY_OUT)
     classes = device_classes(problem)
     counts = [len(c.devices) for c in classes]
-    runs = _runs(problem, classes, counts, ideal_limit, linearize, budget)
+    runs = _runs(problem, classes, counts, ideal_limit, linearize, budget, reduce)
     run = min(runs, key=lambda r: r.value)  # first on ties
     best = run.value
     if math.isinf(best):
         raise explain(problem, classes, counts, _value(runs, lambda: budget.check("finding what would fit")))
-    stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, run.pieces(counts)))
+    stages = order_stages(problem.graph, pieces_to_stages(run.source, classes, run.pieces(counts)))
     plan = Plan.build(
         problem, stages, solver="dpl" if linearize else "dp", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",
         meta={"ideals": len(run.ideals), "ideal_pairs": run.ideals.pairs, "dp_value": best, "contiguous": True,
-              "backward_order": run.backward_order},
+              "backward_order": run.backward_order, "supernodes": len(run.con.nodes),
+              "supernodes_before": len(run.source.nodes)},
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
         raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
