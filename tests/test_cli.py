@@ -1,6 +1,7 @@
 """The torchplace command."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -111,3 +112,32 @@ def test_model_names_match_the_builders():
     from torchplace import model_names, models
 
     assert models.NAMES == model_names.NAMES == tuple(models._BUILDERS)
+
+
+def test_accelerators_and_cpus_override_the_file(capsys, workloads_dir):
+    """--accelerators K --cpus L solve the file's graph on k accelerators and l CPUs (issue 16 item 5)."""
+    from torchplace.devices import Cluster, Device
+    from torchplace.solvers import dp
+    from torchplace.workloads import read_dnn_partitioning
+
+    assert main(["solve", BERT24, "--method", "dp", "--json", "--accelerators", "2", "--cpus", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["assignment"].values()) <= {"acc0", "acc1"}
+    base = read_dnn_partitioning(BERT24)
+    mem = base.cluster.devices[0].memory_bytes
+    manual = dataclasses.replace(base, cluster=Cluster((Device("acc0", "meta", "accel", mem),
+                                                        Device("acc1", "meta", "accel", mem))))
+    assert out["objective"] == pytest.approx(dp.solve(manual).objective, rel=1e-12)
+    assert out["objective"] > 17.7899  # fewer accelerators than the file's 6: a worse optimum
+    assert read_dnn_partitioning(BERT24, accelerators=2, cpus=0).cluster == manual.cluster
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--accelerators", "0", "--cpus", "0"], "0 accelerators + 0 CPUs"),
+    (["--accelerators", "-1"], "expected a whole number >= 0, got '-1'"),
+    (["--cpus", "1.5"], "expected a whole number >= 0"),
+])
+def test_bad_device_counts_are_one_line_errors(capsys, workloads_dir, argv, message):
+    assert main(["solve", BERT24, "--method", "dp", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchplace: error:") and message in err and err.count("\n") == 1
