@@ -176,3 +176,16 @@ def test_rules_shrink_zero_cost_structure():
     plan = dp.solve(problem)
     assert plan.meta["supernodes_before"] == 18 and plan.meta["supernodes"] == 6
     assert plan.objective == pytest.approx(dp.solve(problem, reduce=False).objective)
+
+
+def test_free_leaves_on_every_layer_are_all_removed():
+    """An Inception-like graph with a free leaf on every layer: the contractions remove every
+    leaf, leaving the graph without them, with the same optimum (and plan cost)."""
+    from torchplace.workloads.synthetic import inception_like
+
+    with_leaves, without = inception_like(3, [2, 3, 3], free_leaves=True), inception_like(3, [2, 3, 3])
+    plan = dp.solve(with_leaves)
+    plain = dp.solve(without)
+    assert plan.meta["supernodes_before"] == 2 * plain.meta["supernodes"] == 2 * plan.meta["supernodes"]
+    assert plan.meta["ideals"] == plain.meta["ideals"]
+    assert plan.objective == pytest.approx(plain.objective, rel=1e-12)

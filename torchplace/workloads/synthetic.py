@@ -19,14 +19,16 @@ __all__ = ["inception_like"]
 
 
 def inception_like(blocks: int, branches: Sequence[int], *, accelerators: int = 4, cpus: int = 1,
-                   seed: int = 0) -> Problem:
+                   free_leaves: bool = False, seed: int = 0) -> Problem:
     """A throughput problem on a chain of ``blocks`` blocks, each with parallel ``branches``
     (their lengths, in layers) between two join layers.
 
     Layers take 1-4 time units on an accelerator and 10-30 on a CPU, outputs 0.2-1.5 units to move,
     and 1-8 MB of parameters; the accelerators hold half the graph's bytes each, so memory is
-    real but not binding for a split over all of them. Seeded: the same arguments give the same
-    problem.
+    real but not binding for a split over all of them. With ``free_leaves`` every layer also
+    feeds a leaf that costs nothing (a shape query, an unused ``getitem``): each multiplies the
+    ideals, and the safe contractions (:mod:`torchplace.solvers.reduce`) remove them all. Seeded:
+    the same arguments give the same problem.
 
     Example:
         >>> p = inception_like(2, [1, 2])  # 2 blocks: in -> (a | b1 -> b2) -> out
@@ -39,6 +41,9 @@ def inception_like(blocks: int, branches: Sequence[int], *, accelerators: int = 
     def layer(name: str) -> str:
         g.add_node(name, NodeRecord(name, times={"accel": rng.uniform(1, 4), "cpu": rng.uniform(10, 30)},
                                     transfer_time=rng.uniform(0.2, 1.5), param_bytes=rng.randint(1, 8) * 2**20))
+        if free_leaves:
+            g.add_node(f"{name}.shape", NodeRecord(f"{name}.shape", times={"accel": 0.0, "cpu": 0.0}, transfer_time=0.0))
+            g.add_edge(name, f"{name}.shape")
         return name
 
     join = layer("stem")
