@@ -64,8 +64,11 @@ class StreamedDP:
         self.comp = [x @ per_super(lambda r, c=c: r.times.get(c.kind, 0.0)) for c in classes]
         self.bad = [x @ per_super(lambda r, c=c: float(c.kind not in r.times)) for c in classes]
         self.params = np.rint(x @ per_super(lambda r: r.param_bytes + r.temp_bytes))
+        # what can bind at all: a class that runs every node, or holds the whole graph, skips the check
+        self.may_be_bad = [bool(b[-1] > 0.5) for b in self.bad]
+        self.may_overflow = [c.memory is not None and self.params[-1] > c.memory for c in classes]
         self._frontier_counts()
-        self.states = sorted(np.ndindex(*(k + 1 for k in self.counts)), key=sum)
+        self.states = list(np.ndindex(*(k + 1 for k in self.counts)))  # s - e_c comes before s
         self.state_index = {s: i for i, s in enumerate(self.states)}
         self.dp = np.full((len(sets), len(self.states)), math.inf)  # dp[I][s]: rows gather fast
 
@@ -101,14 +104,15 @@ class StreamedDP:
             f = np.flatnonzero(self.partial[i])
             ks = self.k[np.ix_(subs, f)]
             comm = self.b[subs] + ((ks == 0).astype(np.float64) - (ks == self.k[i, f])) @ self.c[f]
-        params = self.params[i] - self.params[subs]
+        params = self.params[i] - self.params[subs] if any(self.may_overflow) else None
         out = []
         for ci, cls in enumerate(self.classes):
             load = self.comp[ci][i] - self.comp[ci][subs]
             if cls.pays_transfer and comm is not None:
-                load = load + comm
-            load[(self.bad[ci][i] - self.bad[ci][subs]) > 0.5] = math.inf
-            if cls.memory is not None:
+                load += comm
+            if self.may_be_bad[ci]:
+                load[(self.bad[ci][i] - self.bad[ci][subs]) > 0.5] = math.inf
+            if self.may_overflow[ci]:
                 load[params > cls.memory] = math.inf
             out.append(load)
         return out
@@ -124,20 +128,23 @@ class StreamedDP:
         rows = {c: (np.array([self.state_index[s] for s in states if s[c]]),
                     np.array([self.state_index[self._less(s, c)] for s in states if s[c]]))
                 for c in range(len(self.classes))}
+        empty = [[self.state_index[self._less(s, c)] for c in range(len(s)) if s[c]] for s in states]
         for i in range(1, len(self.sets)):
             self.tick()
             subs = self.subs(i)
+            below = dp[subs]  # (sub-ideals, states): one gather for every class
             best = np.full(len(states), math.inf)
             for c, cost in enumerate(self.costs(i, subs)):
                 to, frm = rows[c]
                 if to.size:
-                    vals = np.maximum(dp[subs][:, frm], cost[:, None]).min(axis=0, initial=math.inf)
-                    best[to] = np.minimum(best[to], vals)
-            for si, s in enumerate(states):  # empty devices: states in order of size
-                for c in range(len(s)):
-                    if s[c]:
-                        best[si] = min(best[si], best[self.state_index[self._less(s, c)]])
-            dp[i] = best
+                    vals = np.maximum(below, cost[:, None]).min(axis=0, initial=math.inf)  # per source state
+                    best[to] = np.minimum(best[to], vals[frm])
+            row = best.tolist()
+            for si, sources in enumerate(empty):  # a device left empty: s - e_c comes first
+                for sj in sources:
+                    if row[sj] < row[si]:
+                        row[si] = row[sj]
+            dp[i] = row
         return float(dp[-1, self.state_index[self.counts]])
 
     def pieces(self) -> list[tuple[int, list[int]]]:
