@@ -285,7 +285,7 @@ def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int
         if linearize:
             con = _linearized(con)
         elif reduce and pipeline is None:
-            reduced = reduce_contraction(problem, con)
+            reduced = reduce_contraction(problem, con, budget.ticks("reducing the contraction", every=256))
             con = reduced.con
             budget.check("reducing the contraction")
         n = len(con.nodes)

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torchplace.problem import Problem
@@ -253,7 +253,7 @@ def _crossing_is_free(s: _State, n: int) -> bool:
     return all(s.cost(u) == 0.0 for u, _ in s.crossing(n))
 
 
-def reduce_contraction(problem: Problem, con: Contraction) -> Reduced:
+def reduce_contraction(problem: Problem, con: Contraction, tick: Callable[[], None] = lambda: None) -> Reduced:
     """Apply the three rules of the module docstring to ``con`` until none applies.
 
     Supernodes are visited in topological order, again after any change near them, so the result
@@ -263,14 +263,20 @@ def reduce_contraction(problem: Problem, con: Contraction) -> Reduced:
         problem: a throughput problem without a training pipeline (the rules' proofs assume the
             cost model without one).
         con: a contraction of ``problem.graph`` (:func:`~torchplace.solvers.contract.contractions`).
+        tick: called once per supernode visited (a time limit's check); what it raises propagates.
 
     Returns:
         The reduced contraction and the map back (:class:`Reduced`).
     """
+    if not any(0.0 in r.times.values() for _, r in problem.graph.records()):
+        # every rule moves or drops only nodes with zero time somewhere: nothing to do (and a
+        # 200,000-node graph is not walked for nothing)
+        return Reduced(con, con, tuple((i,) for i in range(len(con.nodes))), ())
     s = _State(problem, con)
     work = list(range(len(con.nodes)))[::-1]  # a stack: pops in topological order
     queued = set(work)
     while work:
+        tick()
         n = work.pop()
         queued.discard(n)
         if n not in s.group:
