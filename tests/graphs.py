@@ -219,3 +219,24 @@ def brute_force_pipelined(problem: Problem) -> float:
                 if all((cap := cluster.device(c.device).memory_bytes) is None or c.memory <= cap for c in costs):
                     best = min(best, max(c.load for c in costs))
     return best
+
+
+@st.composite
+def zero_rich_problems(draw, max_nodes: int = 7) -> Problem:
+    """:func:`problems` or :func:`training_problems` where about half the nodes cost nothing
+    (zero time on the kinds they run on, often no bytes, often a free output), some of them
+    CPU-only, and the accelerators' memory is often tight: the structure the safe contractions
+    of :mod:`torchplace.solvers.reduce` act on, and the cases where a careless rule goes wrong."""
+    base = draw(st.one_of(problems(max_nodes), training_problems()))
+    g = OpGraph()
+    for v, r in base.graph.records():
+        if draw(st.booleans()):
+            times = {k: 0.0 for k in r.times}
+            if draw(st.integers(0, 4)) == 0:
+                times = {"cpu": 0.0}  # an unsupported (CPU-only) free node
+            r = dataclasses.replace(r, times=times, param_bytes=draw(st.sampled_from([0, 0, 0, 3])),
+                                    transfer_time=float(draw(st.sampled_from([0, 0, 1, 5]))))
+        g.add_node(v, r)
+    for u, v in base.graph.edges:
+        g.add_edge(u, v)
+    return dataclasses.replace(base, graph=g)

@@ -1,6 +1,7 @@
 """The torchplace command."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,3 +73,71 @@ def test_an_option_the_method_does_not_take_is_an_error(capsys, workloads_dir):
     assert main(["solve", BERT24, "--method", "slicegraph", "--ideal-limit", "10"]) == 2
     err = capsys.readouterr().err
     assert "'slicegraph' does not take ['ideal_limit']" in err and "random_orders" in err
+
+
+_LIGHT_CLI = """
+import json, sys
+from torchplace.cli import main
+workload, plan = sys.argv[1], sys.argv[2]
+for argv in (["solve", workload, "--method", "dp", "--json"], ["solve", workload, "-o", plan],
+             ["show", plan], ["methods"]):
+    assert main(argv) == 0, argv
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "pyomo"))
+print(json.dumps(heavy))
+"""
+
+
+def test_solve_show_and_methods_do_not_import_torch(tmp_path):
+    """`torchplace solve` / `show` / `methods` start in well under a second: no torch, transformers
+    or Pyomo (issue 16, item 3). Run in a fresh process, since this one has imported torch."""
+    workload = tmp_path / "w.json"
+    nodes = [{"id": i, "supportedOnFpga": 1, "cpuLatency": 5.0, "fpgaLatency": 1.0 + i, "isBackwardNode": 0,
+              "size": 1} for i in range(4)]
+    edges = [{"sourceId": i, "destId": i + 1, "cost": 0.5} for i in range(3)]
+    workload.write_text(json.dumps({"maxSizePerFPGA": 10, "maxFPGAs": 2, "maxCPUs": 1, "nodes": nodes, "edges": edges}))
+    r = subprocess.run([sys.executable, "-c", _LIGHT_CLI, str(workload), str(tmp_path / "plan.json")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == []
+
+
+def test_solvers_and_readers_import_light():
+    code = ("import sys, torchplace.solvers, torchplace.workloads, torchplace.solvers.dp, torchplace.model_names; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pyomo')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
+
+
+def test_model_names_match_the_builders():
+    from torchplace import model_names, models
+
+    assert models.NAMES == model_names.NAMES == tuple(models._BUILDERS)
+
+
+def test_accelerators_and_cpus_override_the_file(capsys, workloads_dir):
+    """--accelerators K --cpus L solve the file's graph on k accelerators and l CPUs (issue 16 item 5)."""
+    from torchplace.devices import Cluster, Device
+    from torchplace.solvers import dp
+    from torchplace.workloads import read_dnn_partitioning
+
+    assert main(["solve", BERT24, "--method", "dp", "--json", "--accelerators", "2", "--cpus", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["assignment"].values()) <= {"acc0", "acc1"}
+    base = read_dnn_partitioning(BERT24)
+    mem = base.cluster.devices[0].memory_bytes
+    manual = dataclasses.replace(base, cluster=Cluster((Device("acc0", "meta", "accel", mem),
+                                                        Device("acc1", "meta", "accel", mem))))
+    assert out["objective"] == pytest.approx(dp.solve(manual).objective, rel=1e-12)
+    assert out["objective"] > 17.7899  # fewer accelerators than the file's 6: a worse optimum
+    assert read_dnn_partitioning(BERT24, accelerators=2, cpus=0).cluster == manual.cluster
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--accelerators", "0", "--cpus", "0"], "0 accelerators + 0 CPUs"),
+    (["--accelerators", "-1"], "expected a whole number >= 0, got '-1'"),
+    (["--cpus", "1.5"], "expected a whole number >= 0"),
+])
+def test_bad_device_counts_are_one_line_errors(capsys, workloads_dir, argv, message):
+    assert main(["solve", BERT24, "--method", "dp", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchplace: error:") and message in err and err.count("\n") == 1

@@ -2,6 +2,7 @@
 
     torchplace solve WORKLOAD [--method M] [--noncontiguous] [--objective latency]
                      [--time-limit S] [--bounds mip] [--json]   solve a workload file
+                     [--accelerators K] [--cpus L]             ... with k accelerators and l CPUs
     torchplace solve PIPER.json --method piper [--devices K] [--memory-gb M] [--microbatches N]
                      [--baseline no-dp|no-tp|no-ar] [--knapsack exact]  Piper (data x tensor x pipeline)
     torchplace methods                                        list the solvers
@@ -79,6 +80,14 @@ def _count(text: str) -> int:
     return int(_checked(positive_int, value))
 
 
+def _count_or_zero(text: str) -> int:
+    """Type of ``--accelerators`` / ``--cpus``: a whole number >= 0."""
+    try:
+        return 0 if float(text) == 0 else _count(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+
+
 def _input_file(text: str) -> str:
     """Type of a file to read: it exists and is not a directory."""
     if os.path.isdir(text):
@@ -124,13 +133,21 @@ def _read_piper(args: argparse.Namespace):  # -> Problem
                       bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * gib)
 
 
-def _read_workload(path: str, objective: str | None, noncontiguous: bool):  # -> Problem
-    """A dnn-partitioning JSON (throughput by default) or a MOIRAI CSV (latency)."""
+def _read_workload(path: str, objective: str | None, noncontiguous: bool, accelerators: int | None = None,
+                   cpus: int | None = None):  # -> Problem
+    """A dnn-partitioning JSON (throughput by default; ``accelerators`` / ``cpus`` override its
+    counts) or a MOIRAI CSV (latency; its devices are given per task, so no override)."""
     import dataclasses
 
     from torchplace.workloads import read_dnn_partitioning, read_moirai_csv
 
-    problem = read_moirai_csv(path) if path.lower().endswith(".csv") else read_dnn_partitioning(path)
+    if path.lower().endswith(".csv"):
+        if accelerators is not None or cpus is not None:
+            raise UsageError("--accelerators / --cpus apply to dnn-partitioning JSON workloads; a MOIRAI CSV "
+                             "gives a time per task and device, so its devices are fixed")
+        problem = read_moirai_csv(path)
+    else:
+        problem = read_dnn_partitioning(path, accelerators=accelerators, cpus=cpus)
     changes: dict[str, object] = {}
     if objective is not None:
         changes["objective"] = objective
@@ -143,6 +160,8 @@ def _solve(args: argparse.Namespace) -> int:
     from torchplace import solvers
 
     if _is_piper(args.workload):
+        if args.accelerators is not None or args.cpus is not None:
+            raise UsageError("--accelerators/--cpus apply to dnn-partitioning workloads; a Piper workload takes --devices")
         problem = _read_piper(args)
         baseline = {"no-dp": {"data_parallel": False}, "no-tp": {"tensor_parallel": False},
                     "no-ar": {"recompute": False}}.get(args.baseline, {})
@@ -153,7 +172,7 @@ def _solve(args: argparse.Namespace) -> int:
         given = [f"--{o.replace('_', '-')}" for o in (*_PIPER_OPTIONS, "baseline", "knapsack") if getattr(args, o)]
         if given:
             raise UsageError(f"{', '.join(given)} apply to Piper workloads only (a JSON with 'mbsInBatch')")
-        problem = _read_workload(args.workload, args.objective, args.noncontiguous)
+        problem = _read_workload(args.workload, args.objective, args.noncontiguous, args.accelerators, args.cpus)
         opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
     plan = solvers.solve(problem, method=args.method, time_limit=args.time_limit, **opts)
     if args.output:
@@ -233,7 +252,7 @@ def _add_solver_options(s: argparse.ArgumentParser, methods: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from torchplace.models import NAMES
+    from torchplace.model_names import NAMES
     from torchplace.solvers import METHODS
 
     ap = _Parser(prog="torchplace", description="Optimal placement of PyTorch models across devices.")
@@ -245,6 +264,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --method auto: also compute Archer's MIP lower bounds")
     s.add_argument("--json", action="store_true", help="print objective, lower_bound, gap, status, assignment, seconds")
     s.add_argument("--ideal-limit", type=_count, default=None, metavar="N", help="most ideals the DP may enumerate")
+    s.add_argument("--accelerators", type=_count_or_zero, default=None, metavar="K",
+                   help="accelerators (k) instead of the workload file's maxFPGAs")
+    s.add_argument("--cpus", type=_count_or_zero, default=None, metavar="L", help="CPUs (l) instead of the file's maxCPUs")
     s.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
     s.add_argument("--devices", type=_count, default=None, metavar="K", help="Piper: number of devices (maxDevices)")
     s.add_argument("--memory-gb", type=_amount, default=None, metavar="G", help="Piper: GiB per device")

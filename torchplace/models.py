@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchplace.model_names import NAMES
+
 __all__ = ["MLP", "NAMES", "InceptionBlock", "InceptionCNN", "ResidualBlock", "ResidualCNN", "build"]
 
 Built = tuple[nn.Module, tuple[Any, ...]]
@@ -175,7 +177,8 @@ _BUILDERS: dict[str, Callable[[int], Built]] = {
     "gpt2": _gpt2,
     "bert": _bert,
 }
-NAMES: tuple[str, ...] = tuple(_BUILDERS)
+if tuple(_BUILDERS) != NAMES:  # the CLI lists NAMES without importing this module
+    raise RuntimeError(f"torchplace.model_names.NAMES {NAMES} does not match the builders {tuple(_BUILDERS)}")
 
 
 def leaf_modules_for(name: str) -> tuple[type, ...]:

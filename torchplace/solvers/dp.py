@@ -39,14 +39,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from torchplace.errors import InfeasibleError, ModelTooLargeError
+
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.contract import Contraction, contractions
 from torchplace.solvers.dp_infeasible import explain
-from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, enumerate_ideals
+from torchplace.solvers.dp_stream import StreamedDP, stream_bytes
+from torchplace.solvers.ideals import DEFAULT_IDEAL_LIMIT, Ideals, below_masks, enumerate_ideals, ideal_sets
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
+from torchplace.solvers.reduce import Reduced, reduce_contraction
 from torchplace.solvers.paircosts import DeviceClass, PairCosts, Positions, Tables, device_classes, training_pipeline
 
 __all__ = ["DeviceClass", "Piece", "device_classes", "pieces_to_stages", "run_dp", "solve", "solve_linearized"]
@@ -175,16 +179,32 @@ class _Run:
 
     backward_order: str
     con: Contraction
-    ideals: Ideals
-    tables: Tables
-    dp: Table
+    ideals: Ideals | None  # None when streamed
+    tables: Tables | None
+    dp: Table | None
     value: float  # the optimum over this contraction's splits
     upsets: bool  # run over upsets (a training pipeline): pieces come out first to last
+    reduced: Reduced | None = None  # con is reduced.con, made by the safe rules of solvers/reduce.py
+    streamed: StreamedDP | None = None  # the DP ran without the pair table (solvers/dp_stream.py)
+    counts_ideals: tuple[int, int] = (0, 0)  # (ideals, ideal pairs)
+
+    @property
+    def source(self) -> Contraction:
+        """The contraction the pieces index (the unreduced one)."""
+        return self.reduced.original if self.reduced is not None else self.con
 
     def pieces(self, counts: Sequence[int]) -> list[Piece]:
-        """The optimal split's pieces, first to last."""
-        pieces = backtrack(self.tables, self.dp, counts)
-        return pieces if self.upsets else pieces[::-1]
+        """The optimal split's pieces, first to last, over :attr:`source`'s supernodes."""
+        if self.streamed is not None:
+            pieces = [Piece(c, supers) for c, supers in self.streamed.pieces()]
+        else:
+            assert self.tables is not None and self.dp is not None
+            pieces = backtrack(self.tables, self.dp, counts)
+            pieces = pieces if self.upsets else pieces[::-1]
+        if self.reduced is None:
+            return pieces
+        expanded = self.reduced.expand([p.supers for p in pieces])
+        return [p._replace(supers=supers) for p, supers in zip(pieces, expanded)]
 
 
 def _value(runs: Sequence[_Run], check: Callable[[], None]) -> Callable[[Pipeline | None, Sequence[int], str], float]:
@@ -250,33 +270,76 @@ def _admit(budget: Budget, n: int, ideals: int, pairs: int, n_classes: int, leve
 
 
 def _runs(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], ideal_limit: int,
-          linearize: bool, budget: Budget) -> list[_Run]:
+          linearize: bool, budget: Budget, reduce: bool = True, stream: bool | None = None) -> list[_Run]:
     """The DP over every distinct contraction of the graph (one unless backward edges join classes);
-    over its upsets under a training pipeline (module docstring)."""
+    over its upsets under a training pipeline (module docstring); each contraction first shrunk by
+    the safe rules of :mod:`~torchplace.solvers.reduce` when ``reduce`` (not under a pipeline, nor
+    for DPL, whose order the rules would change)."""
     runs = []
     pipeline = training_pipeline(problem)
     levels = Positions.of(pipeline, sum(counts)).levels if pipeline is not None else 0
     contracted = contractions(problem.graph)
     budget.check("contracting the graph")
     for order, con in contracted.items():
+        reduced = None
         if linearize:
             con = _linearized(con)
+        elif reduce and pipeline is None:
+            reduced = reduce_contraction(problem, con, budget.ticks("reducing the contraction", every=256))
+            con = reduced.con
+            budget.check("reducing the contraction")
         n = len(con.nodes)
         if n < ideal_limit:  # (else enumerate_ideals refuses it at once) a chain's tables, the smallest there are
             _admit(budget, n, n + 1, (n + 1) * (n + 2) // 2, len(classes), levels)
         edges = con.edges if pipeline is None else tuple((v, u) for u, v in con.edges)  # upsets: Piper Def. 4.1
-        ideals = enumerate_ideals(n, edges, ideal_limit, tick=budget.ticks("enumerating ideals", every=64))
-        _admit(budget, n, len(ideals), ideals.pairs, len(classes), levels)
+        sets, immediate = ideal_sets(n, edges, ideal_limit, tick=budget.ticks("enumerating ideals", every=64))
+        below = below_masks(immediate, budget.ticks("closing the ideals", every=64))
+        del immediate
+        pairs = len(sets) + sum(m.bit_count() for m in below)
+        too_big = _table_bytes(n, len(sets), pairs, len(classes)) > budget.memory_bytes
+        if pipeline is None and (stream or (stream is None and too_big)):
+            runs.append(_streamed(problem, order, con, reduced, sets, below, pairs, classes, counts, budget))
+            continue
+        _admit(budget, n, len(sets), pairs, len(classes), levels)
+        ideals = enumerate_ideals(n, edges, ideal_limit, tick=budget.ticks("listing ideal pairs", every=64),
+                                  found=(sets, below))
         pc = PairCosts(problem, con, ideals, classes, tick=budget.ticks("computing the pieces' costs", every=64))
         tables = Tables(pc, pipeline)
         dp = run_dp(tables, counts, lambda: budget.check("running the DP"))
         value = float(dp[tuple(counts)][:, -1].min())
-        runs.append(_Run(order, con, ideals, tables, dp, value, upsets=pipeline is not None))
+        runs.append(_Run(order, con, ideals, tables, dp, value, upsets=pipeline is not None, reduced=reduced,
+                         counts_ideals=(len(ideals), ideals.pairs)))
     return runs
 
 
+STREAM_SECONDS_PER_PAIR = 2.5e-9
+"""Measured cost of one pair and state of the streamed DP on the 2-core benchmark machine
+(its estimate of time, checked against the time limit before it starts)."""
+
+
+def _streamed(problem: Problem, order: str, con: Contraction, reduced: Reduced | None, sets: list[int],
+              below: list[int], pairs: int, classes: Sequence[DeviceClass], counts: Sequence[int],
+              budget: Budget) -> _Run:
+    """The DP of :mod:`~torchplace.solvers.dp_stream` when the pair table would not fit: admitted
+    only if its own memory fits the budget and its estimated time the time left."""
+    n, n_states = len(con.nodes), math.prod(k + 1 for k in counts)
+    widest = max(m.bit_count() for m in below) + 1
+    producers = sum(1 for u in problem.graph if problem.transfer_time(u) > 0)
+    what = f"the streamed DP over {n:,} supernodes, {len(sets):,} ideals and {pairs:,} ideal pairs"
+    budget.admit_memory(stream_bytes(n, len(sets), n_states, producers, widest), what)
+    estimate = pairs * n_states * len(classes) * STREAM_SECONDS_PER_PAIR
+    left = budget.remaining()
+    if left is not None and estimate > left:
+        raise ModelTooLargeError(f"{budget.what}: {what} would take about {estimate:.0f} s, more than the "
+                                 f"{left:.0f} s left of the time limit; {_WAY_OUT}", budget.time_limit)
+    sd = StreamedDP(problem, con, sets, below, classes, counts, tick=budget.ticks("running the streamed DP", every=16))
+    value = sd.run()
+    return _Run(order, con, None, None, None, value, upsets=False, reduced=reduced, streamed=sd,
+                counts_ideals=(len(sets), pairs))
+
+
 def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize: bool = False,
-          time_limit: float | None = None) -> Plan:
+          time_limit: float | None = None, reduce: bool = True, stream: bool | None = None) -> Plan:
     """Optimal contiguous max-load split (Tarnawski Sec. 5.1.1), training included (Sec. 5.3).
 
     A training graph whose backward edges join colour classes is solved over both contractions
@@ -297,6 +360,12 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
         ideal_limit: stop with TooManyIdealsError past this many ideals (per contraction).
         linearize: DPL (Sec. 5.1.2): search only the splits along one DFS topological order,
             in O(|V|^2) pairs; the plan is contiguous but not proven optimal (status "feasible").
+        reduce: first shrink each contraction by the safe rules of :mod:`~torchplace.solvers.reduce`
+            (leaf merge, chain merge, free-node elimination; same optimum, often far fewer
+            ideals). Not under a training pipeline, nor with ``linearize``.
+        stream: run the DP ideal by ideal without the pair table (:mod:`~torchplace.solvers.dp_stream`;
+            memory O(ideals x states)); ``None`` (default): when the table would not fit the memory
+            budget. Not under a training pipeline.
         time_limit: seconds for everything (contraction, ideals, pair costs, the DP); the DP has no
             plan before it ends, so the limit raises SolverLimitError. ``None``: no limit.
 
@@ -318,17 +387,21 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     budget = Budget("ideals DP", time_limit, way_out=_WAY_OUT)
     classes = device_classes(problem)
     counts = [len(c.devices) for c in classes]
-    runs = _runs(problem, classes, counts, ideal_limit, linearize, budget)
+    runs = _runs(problem, classes, counts, ideal_limit, linearize, budget, reduce, stream)
     run = min(runs, key=lambda r: r.value)  # first on ties
     best = run.value
+    if math.isinf(best) and any(r.streamed is not None for r in runs):
+        raise InfeasibleError("no contiguous split fits the devices (memory, supported kinds); "
+                              "add devices or memory, or use method 'slicegraph' to see what comes closest")
     if math.isinf(best):
         raise explain(problem, classes, counts, _value(runs, lambda: budget.check("finding what would fit")))
-    stages = order_stages(problem.graph, pieces_to_stages(run.con, classes, run.pieces(counts)))
+    stages = order_stages(problem.graph, pieces_to_stages(run.source, classes, run.pieces(counts)))
     plan = Plan.build(
         problem, stages, solver="dpl" if linearize else "dp", seconds=budget.elapsed(),
         lower_bound=simple_lower_bound(problem), status="feasible" if linearize else "optimal",
-        meta={"ideals": len(run.ideals), "ideal_pairs": run.ideals.pairs, "dp_value": best, "contiguous": True,
-              "backward_order": run.backward_order},
+        meta={"ideals": run.counts_ideals[0], "ideal_pairs": run.counts_ideals[1], "streamed": run.streamed is not None, "dp_value": best, "contiguous": True,
+              "backward_order": run.backward_order, "supernodes": len(run.con.nodes),
+              "supernodes_before": len(run.source.nodes)},
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
         raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from torchplace.errors import TooManyIdealsError
 
-__all__ = ["DEFAULT_IDEAL_LIMIT", "Ideals", "enumerate_ideals"]
+__all__ = ["DEFAULT_IDEAL_LIMIT", "Ideals", "below_masks", "enumerate_ideals", "ideal_sets"]
 
 DEFAULT_IDEAL_LIMIT = 20_000
 
@@ -47,9 +47,10 @@ class Ideals:
 
 def _too_many(limit: int) -> TooManyIdealsError:
     return TooManyIdealsError(
-        f"the graph has more than {limit} ideals, too many for the exact DP; raise "
-        "ideal_limit=, coarsen the graph (granularity='module' with leaf_modules=), "
-        "or use a heuristic solver",
+        f"the graph has more than {limit} ideals, too many for the exact DP; use method 'slicegraph' "
+        "(--method slicegraph: SliceGraph over topological orders, polynomial in the nodes, fits any graph) "
+        "or 'auto', raise ideal_limit= (--ideal-limit), or coarsen the graph "
+        "(granularity='module' with leaf_modules=)",
         limit,
     )
 
@@ -83,17 +84,25 @@ def _levels(n: int, preds: Sequence[int], limit: int, tick: Callable[[], None]) 
     return sets, immediate
 
 
-def _closure(immediate: list[list[int]], tick: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
-    """Transitive, reflexive closure of the immediate-sub relation, as CSR (self last)."""
+def below_masks(immediate: list[list[int]], tick: Callable[[], None]) -> list[int]:
+    """Per ideal, the bitset of the indices of its proper sub-ideals (the transitive closure of the
+    immediate-sub relation). ``sum(m.bit_count()) + len(masks)`` is the number of ideal pairs."""
     below: list[int] = []
-    indptr = [0]
-    chunks: list[np.ndarray] = []
-    for i, subs in enumerate(immediate):
+    for subs in immediate:
         tick()
         mask = 0
         for j in subs:
             mask |= below[j] | (1 << j)
         below.append(mask)
+    return below
+
+
+def _closure(below: list[int], tick: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
+    """The reflexive closure of ``below``, as CSR (self last)."""
+    indptr = [0]
+    chunks: list[np.ndarray] = []
+    for i, mask in enumerate(below):
+        tick()
         nbytes = (i + 8) // 8
         bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
         idx = np.flatnonzero(bits).astype(np.int32)
@@ -106,13 +115,9 @@ def _no_tick() -> None:
     return None
 
 
-def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT,
-                     tick: Callable[[], None] = _no_tick) -> Ideals:
-    """All ideals of the DAG on nodes ``0..n-1`` with ``edges``.
-
-    Args:
-        tick: called once per ideal while enumerating and closing (e.g. a time limit's check,
-            :meth:`torchplace.solvers.limits.Budget.ticks`); what it raises propagates.
+def ideal_sets(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT,
+               tick: Callable[[], None] = _no_tick) -> tuple[list[int], list[list[int]]]:
+    """The ideals as bitsets by size, and each one's immediate sub-ideals (by index).
 
     Raises:
         TooManyIdealsError: if there are more than ``limit`` ideals (at once when ``n + 1``, the
@@ -123,11 +128,33 @@ def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFA
     preds = [0] * n
     for u, v in edges:
         preds[v] |= 1 << u
-    sets, immediate = _levels(n, preds, limit, tick)
+    return _levels(n, preds, limit, tick)
+
+
+def enumerate_ideals(n: int, edges: Sequence[tuple[int, int]], limit: int = DEFAULT_IDEAL_LIMIT,
+                     tick: Callable[[], None] = _no_tick,
+                     found: tuple[list[int], list[int]] | None = None) -> Ideals:
+    """All ideals of the DAG on nodes ``0..n-1`` with ``edges``.
+
+    Args:
+        tick: called once per ideal while enumerating and closing (e.g. a time limit's check,
+            :meth:`torchplace.solvers.limits.Budget.ticks`); what it raises propagates.
+        found: ``(sets, below)`` from :func:`ideal_sets` and :func:`below_masks`, when the caller
+            already has them (to count the pairs before building their table).
+
+    Raises:
+        TooManyIdealsError: if there are more than ``limit`` ideals (at once when ``n + 1``, the
+            prefixes of a topological order, already are).
+    """
+    if found is None:
+        sets, immediate = ideal_sets(n, edges, limit, tick)
+        below = below_masks(immediate, tick)
+    else:
+        sets, below = found
     membership = np.zeros((len(sets), n), dtype=bool)
     for i, s in enumerate(sets):
         if s:
             bits = np.unpackbits(np.frombuffer(s.to_bytes((n + 7) // 8, "little"), dtype=np.uint8), bitorder="little")
             membership[i] = bits[:n].astype(bool)
-    indptr, index = _closure(immediate, tick)
+    indptr, index = _closure(below, tick)
     return Ideals(sets, membership, indptr, index)

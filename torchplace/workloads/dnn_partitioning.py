@@ -21,7 +21,7 @@ from typing import Any
 
 from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.devices import Cluster, Device
-from torchplace.errors import WorkloadFormatError
+from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.files import read_json
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
@@ -105,12 +105,20 @@ def _edge_costs(edges: list[Any], ids: set[str], path: str) -> tuple[list[tuple[
     return pairs, cost
 
 
-def _cluster(data: Mapping[str, Any], path: str) -> Cluster:
-    """``maxFPGAs`` accelerators of ``maxSizePerFPGA`` bytes and ``maxCPUs`` CPUs."""
+def _cluster(data: Mapping[str, Any], path: str, accelerators: int | None = None, cpus: int | None = None) -> Cluster:
+    """``maxFPGAs`` accelerators of ``maxSizePerFPGA`` bytes and ``maxCPUs`` CPUs (or the counts given)."""
     where = f"{path}: top level"
     k, l_ = _count(data, "maxFPGAs", where), _count(data, "maxCPUs", where)
     mem = _count(data, "maxSizePerFPGA", where, unit="of bytes")
+    for name, given in (("accelerators", accelerators), ("cpus", cpus)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 0):
+            raise UsageError(f"{name} must be a whole number >= 0, got {given!r}")
+    k = k if accelerators is None else accelerators
+    l_ = l_ if cpus is None else cpus
     if not 1 <= k + l_ <= MAX_DEVICES:
+        if accelerators is not None or cpus is not None:
+            raise UsageError(f"{k} accelerators + {l_} CPUs: a workload needs between 1 and {MAX_DEVICES} devices; "
+                             "change --accelerators / --cpus")
         raise WorkloadFormatError(
             f"{path}: maxFPGAs + maxCPUs is {k + l_}; a workload needs between 1 and {MAX_DEVICES} devices"
         )
@@ -119,13 +127,19 @@ def _cluster(data: Mapping[str, Any], path: str) -> Cluster:
     return Cluster(tuple(devices))
 
 
-def read_dnn_partitioning(path: str | Path) -> Problem:
+def read_dnn_partitioning(path: str | Path, *, accelerators: int | None = None, cpus: int | None = None) -> Problem:
     """Read a dnn-partitioning workload JSON into a Problem (throughput objective, contiguous).
 
     Numbers must be finite and non-negative; ``maxFPGAs``, ``maxCPUs``, ``maxSizePerFPGA`` and a
     node's ``size`` must be whole numbers (``2.0`` is 2; ``2.7`` is an error).
 
+    Args:
+        path: the workload file.
+        accelerators, cpus: override the file's ``maxFPGAs`` (k) and ``maxCPUs`` (l), e.g. to
+            solve one workload at k = 2, 4, 8, 16 (Tarnawski Table 1 uses the file's counts).
+
     Raises:
+        UsageError: for a negative count, or counts giving no device or more than the maximum.
         WorkloadFormatError: naming the file and the offending field for a malformed file (also
             for a file that cannot be read, is not UTF-8 or not JSON).
     """
@@ -135,7 +149,7 @@ def read_dnn_partitioning(path: str | Path) -> Problem:
     for key in ("nodes", "edges"):
         if not isinstance(data.get(key), list):
             raise WorkloadFormatError(f"{path}: field {key!r} must be a list")
-    cluster = _cluster(data, str(path))
+    cluster = _cluster(data, str(path), accelerators, cpus)
     if not data["nodes"]:
         raise WorkloadFormatError(f"{path}: field 'nodes' is empty; a workload needs at least one node")
     g = OpGraph(meta={"source": str(path), "format": "dnn-partitioning"})
