@@ -189,3 +189,22 @@ def test_free_leaves_on_every_layer_are_all_removed():
     assert plan.meta["supernodes_before"] == 2 * plain.meta["supernodes"] == 2 * plan.meta["supernodes"]
     assert plan.meta["ideals"] == plain.meta["ideals"]
     assert plan.objective == pytest.approx(plain.objective, rel=1e-12)
+
+
+@pytest.mark.parametrize("with_cpu", [False, True])
+def test_an_eliminated_group_with_a_costly_inner_edge(with_cpu):
+    """Found by hypothesis: f0 -> f1 is merged, then the pair is free (its only crossing edge has
+    a zero-cost producer) and eliminated, while f0's own output costs 1: the DP's transfer count
+    must leave the eliminated producer out (it raised KeyError)."""
+    g = OpGraph()
+    g.add_node("f0", NodeRecord("f0", times={"cpu": 0.0, "accel": 0.0}, transfer_time=1.0, colocation="k0"))
+    g.add_node("f1", NodeRecord("f1", times={"cpu": 1.0, "accel": 0.0}, colocation="k1"))
+    g.add_node("b0", NodeRecord("b0", times={"cpu": 1.0}, backward=True))
+    g.add_edge("f0", "f1")
+    g.add_edge("f1", "b0")
+    devices = (Device("acc0", "meta", "accel", 2),) + ((Device("cpu0", "cpu", "cpu", None),) if with_cpu else ())
+    problem = Problem(g, Cluster(devices), mode="training")
+    reduced = _solve(problem)
+    assert reduced == pytest.approx(_solve(problem, reduce=False), rel=1e-9)
+    assert reduced == pytest.approx(brute_force_contiguous(problem), rel=1e-9)
+    assert (reduced == math.inf) != with_cpu  # b0 runs only on a CPU

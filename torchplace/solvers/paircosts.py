@@ -162,11 +162,15 @@ class PairCosts:
     def _counts(self, producers: Sequence[str],
                 members: Callable[[str], Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """``K`` (ideals x producers): how many of each producer's ``members`` each ideal holds;
-        and how many members it has."""
+        and how many members it has. Nodes in no supernode belong to a group that a safe
+        contraction eliminated (:mod:`torchplace.solvers.reduce`, rule 3): every edge across
+        such a group's boundary costs nothing, so they are left out of the count."""
         super_of = {v: i for i, s in enumerate(self.con.nodes) for v in s.members}
         w = np.zeros((len(self.con.nodes), len(producers)), dtype=np.float32)
         size = np.zeros(len(producers), dtype=np.int32)
         for j, u in enumerate(producers):
+            if u not in super_of:  # its outputs stay inside its eliminated group
+                continue
             for v in members(u):
                 w[super_of[v], j] += 1
                 size[j] += 1
