@@ -206,5 +206,6 @@ def test_an_eliminated_group_with_a_costly_inner_edge(with_cpu):
     problem = Problem(g, Cluster(devices), mode="training")
     reduced = _solve(problem)
     assert reduced == pytest.approx(_solve(problem, reduce=False), rel=1e-9)
+    assert reduced == pytest.approx(_solve(problem, stream=True), rel=1e-9)  # the streamed DP too
     assert reduced == pytest.approx(brute_force_contiguous(problem), rel=1e-9)
     assert (reduced == math.inf) != with_cpu  # b0 runs only on a CPU

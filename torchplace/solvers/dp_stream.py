@@ -76,7 +76,10 @@ class StreamedDP:
     def _frontier_counts(self) -> None:
         g, p = self.problem.graph, self.problem
         super_of = {v: i for i, s in enumerate(self.con.nodes) for v in s.members}
-        producers = [u for u in g if p.transfer_time(u) > 0 and any(True for _ in g.successors(u))]
+        # a producer in no supernode sits in a group a safe contraction eliminated: its outputs stay
+        # inside the group (every edge across that group's boundary is free), so it never pays
+        producers = [u for u in g
+                     if u in super_of and p.transfer_time(u) > 0 and any(True for _ in g.successors(u))]
         w = np.zeros((len(self.con.nodes), len(producers)), dtype=np.float32)
         size = np.zeros(len(producers), dtype=np.int32)
         for j, u in enumerate(producers):
