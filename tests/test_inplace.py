@@ -180,9 +180,11 @@ class RunningMean(nn.Module):
 MODELS = [ReluAfterRead, AddInPlace, CopyInto, IndexPut, SetItem, ViewWrite, InputWrite, ResidualInPlace, Counter,
           RunningMean]
 STATEFUL = {Counter, RunningMean}
-EXPORT_ONLY = {Counter: "fx cannot record a buffer written at trace time (tested below)",
-               RunningMean: "fx cannot record a buffer written at trace time",
-               SetItem: "fx cannot trace item assignment"}
+EXPORT_ONLY = {Counter: "'n' in place", RunningMean: "'mean' in place", SetItem: "item assignment"}
+"""Models fx refuses to trace, with the words of the refusal (test_fx_refuses_what_it_cannot_trace)."""
+TRACEABLE = [pytest.param(cls, method, id=f"{cls.__name__}-{method}")
+             for cls in MODELS for method in ("fx", "export") if not (method == "fx" and cls in EXPORT_ONLY)]
+"""(model, trace method) pairs that trace: fx's refusals are tested on their own."""
 
 
 def _pair(cls):
@@ -205,13 +207,10 @@ def _assert_same_calls(placed, reference, model, x, calls=3):
             assert torch.equal(b1, b2), f"buffer {name} differs"
 
 
-@pytest.mark.parametrize("trace_method", ["fx", "export"])
 @pytest.mark.parametrize("objective", ["throughput", "latency"])
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls, trace_method", TRACEABLE)
 def test_placed_model_writes_in_place_as_eagerly(cls, n, objective, trace_method):
-    if trace_method == "fx" and cls in EXPORT_ONLY:
-        pytest.skip(EXPORT_ONLY[cls])
     model, reference = _pair(cls)
     x = torch.randn(8, 16)
     placed = torchplace.place(model, DEVICES[n], (x.clone(),), objective=objective, microbatches=1,
@@ -238,13 +237,10 @@ def _random_plans(problem: Problem, count: int, seed: int):
         yield Plan.build(problem, stages, solver="random", seconds=0.0, lower_bound=0.0)
 
 
-@pytest.mark.parametrize("trace_method", ["fx", "export"])
 @pytest.mark.parametrize("objective", ["throughput", "latency"])
-@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls, trace_method", TRACEABLE)
 def test_every_valid_split_writes_in_place_as_eagerly(cls, objective, trace_method):
     """Random splits over three isolated devices: the solver's choice is not what makes it right."""
-    if trace_method == "fx" and cls in EXPORT_ONLY:
-        pytest.skip(EXPORT_ONLY[cls])
     model, reference = _pair(cls)
     x = torch.randn(6, 16)
     traced = trace(model, (x.clone(),), method=trace_method)
@@ -317,6 +313,14 @@ def test_written_state_is_one_placement_node():
     assert len(holders) == 1
     record = traced.graph.record(holders[0])
     assert any(f.startswith("mul") for f in record.fx_nodes)  # the read of n after the write
+
+
+@pytest.mark.parametrize("cls", list(EXPORT_ONLY), ids=lambda c: c.__name__)
+def test_fx_refuses_what_it_cannot_trace(cls):
+    model = cls().eval()
+    with pytest.raises(TraceError, match=EXPORT_ONLY[cls]):
+        trace(model, (torch.randn(4, 16),), method="fx")
+    assert trace(model, (torch.randn(4, 16),)).method == "export"  # what auto falls back to
 
 
 def test_fx_refuses_a_buffer_written_while_tracing_and_auto_uses_export():
