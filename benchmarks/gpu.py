@@ -45,17 +45,13 @@ from torch import nn
 
 import torchplace
 from torchplace import costmodel
+from torchplace.demo import samples_per_second
 from torchplace.models import InceptionCNN, ResidualCNN
 from torchplace.runtime.graph_io import GraphIO
 
 QUICK = {"progress": False, "repeats": 3, "warmup": 1, "time_limit": 20}
 SMALL = False  # ``--small``: tiny models, to check the script quickly
 GPU = "cuda:0"  # ``--dry-run`` replaces it with a logical CPU to check this script where there is no GPU
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 RTOL, ATOL = 1e-4, 1e-4
 
 
@@ -209,19 +205,6 @@ def exactness(report: dict[str, Any]) -> None:
     print(row, flush=True)
 
 
-def _rate(fn: Callable[[], Any], batch: int, seconds: float = 2.0) -> float:
-    """Samples per second over at least ``seconds`` (after two warm-up calls), synchronizing the GPU."""
-    for _ in range(2):
-        fn()
-    _sync()
-    runs, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or runs < 3:
-        fn()
-        runs += 1
-    _sync()
-    return batch * runs / (time.perf_counter() - t0)
-
-
 def throughput(report: dict[str, Any]) -> None:
     rows = report.setdefault("throughput", [])
     model, inputs, options = _gpt2(12, 768, 12, 50257, 8, 256)
@@ -230,13 +213,17 @@ def throughput(report: dict[str, Any]) -> None:
     report["throughput_setup"] = {"model": "GPT-2 small (12 layers, d=768, vocab 50257, random weights)",
                                   "batch": list(inputs[0].shape), "param_bytes": size, "gpu_cap": cap}
     batch = inputs[0].shape[0]
+
+    def rate(fn: Callable[[], Any]) -> float:
+        return samples_per_second(fn, batch, seconds=2.0, warmup=2)
+
     with torch.no_grad():
         cpu_model = copy.deepcopy(model)
-        rows.append({"what": "whole model on the CPU", "samples_per_s": _rate(lambda: cpu_model(*inputs), batch)})
+        rows.append({"what": "whole model on the CPU", "samples_per_s": rate(lambda: cpu_model(*inputs))})
         target = "cuda" if GPU.startswith("cuda") else "cpu"
         gpu_model = copy.deepcopy(model).to(target)
         gpu_in = tuple(t.to(target) for t in inputs)
-        rows.append({"what": f"whole model on {GPU} (no cap)", "samples_per_s": _rate(lambda: gpu_model(*gpu_in), batch)})
+        rows.append({"what": f"whole model on {GPU} (no cap)", "samples_per_s": rate(lambda: gpu_model(*gpu_in))})
         ref = gpu_model(*gpu_in)
         del gpu_model
         if target == "cuda":
@@ -248,7 +235,7 @@ def throughput(report: dict[str, Any]) -> None:
             placed = torchplace.place(copy.deepcopy(model), [GPU, "cpu"], inputs, microbatches=m,
                                       max_memory={GPU: cap}, **options, **QUICK)
             with torch.no_grad():
-                row["samples_per_s"] = _rate(lambda: placed(*inputs), batch)
+                row["samples_per_s"] = rate(lambda: placed(*inputs))
                 row["max_diff_vs_gpu"] = _max_diff(placed(*inputs), ref)
             row.update(plan=_where(placed), predicted_s_per_batch=placed.plan.objective,
                        bound=placed.plan.lower_bound, costs=[(c.device, c.compute, c.transfer_in + c.transfer_out, c.memory)
@@ -269,7 +256,7 @@ def throughput(report: dict[str, Any]) -> None:
                                            no_split_module_classes=["GPT2Block"])
         acc = dispatch_model(acc, device_map)
         with torch.no_grad():
-            row["samples_per_s"] = _rate(lambda: acc(*gpu_in), batch)
+            row["samples_per_s"] = rate(lambda: acc(*gpu_in))
         row["plan"] = f"{sum(v == 0 for v in device_map.values())} entries on cuda:0, " \
                       f"{sum(v == 'cpu' for v in device_map.values())} on cpu"
     except Exception as e:  # noqa: BLE001

@@ -70,9 +70,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _throughput(fn: Callable[[], Any], batch: int, seconds: float) -> float:
-    """Samples per second of ``fn`` over at least ``seconds`` (after one warm-up call; GPU work counted)."""
-    fn()
+def samples_per_second(fn: Callable[[], Any], batch: int, seconds: float, warmup: int = 1) -> float:
+    """Samples per second of ``fn`` over at least ``seconds`` and three calls, after ``warmup``
+    calls; pending GPU work is waited for at both ends (also used by benchmarks/gpu.py)."""
+    for _ in range(warmup):
+        fn()
     _sync()
     runs, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds or runs < 3:
@@ -121,9 +123,9 @@ def _run_case(case: Case, devices: Sequence[str], microbatches: int, seconds: fl
     inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(first), case.inputs)
     with torch.no_grad():
         batch = pytree.tree_leaves(case.inputs)[0].shape[0]
-        base = _throughput(lambda: original(*inputs), batch, seconds)
-        one = _throughput(lambda: single(*case.inputs), batch, seconds)
-        piped = _throughput(lambda: placed(*case.inputs), batch, seconds)
+        base = samples_per_second(lambda: original(*inputs), batch, seconds)
+        one = samples_per_second(lambda: single(*case.inputs), batch, seconds)
+        piped = samples_per_second(lambda: placed(*case.inputs), batch, seconds)
     print(f"throughput (samples/s, same run): original model on {devices[0]} {base:.1f} | traced, one device "
           f"{one:.1f} | placed pipeline {piped:.1f} | pipeline / original {piped / base:.2f}, "
           f"pipeline / traced {piped / one:.2f}")
