@@ -347,3 +347,52 @@ def test_every_method_holds_a_short_limit_on_the_largest_graphs(objective, metho
         plan.validate(problem)
         assert plan.objective == pytest.approx(costmodel.evaluate(problem, plan), rel=1e-9)
     assert time.perf_counter() - t0 < _bound(2.0)
+
+
+def test_a_stopped_milps_bound_is_in_seconds(monkeypatch):
+    """HiGHS works in model units (here milliseconds); the bound a SolverLimitError carries is in
+    seconds, as ``auto`` and the bounds read it (before, ``auto`` took 5 ms for 5 s)."""
+
+    class Stopped:
+        termination_condition = highs._TC.maxTimeLimit
+        best_objective_bound, best_feasible_objective = 5.0, None
+
+    monkeypatch.setattr(highs._BudgetedHighs, "solve", lambda self, model: Stopped())
+    m = pyo.ConcreteModel()
+    m.x = pyo.Var(bounds=(0, 1), domain=pyo.Binary)
+    m.obj = pyo.Objective(expr=m.x)
+    with pytest.raises(SolverLimitError, match=r"proven lower bound 0\.005 s") as e:
+        highs.solve_model(m, name="test model", time_limit=1.0, unit=1e-3)
+    assert e.value.bound == pytest.approx(5e-3)
+
+
+def _stop_before_the_first_incumbent(module, monkeypatch):
+    def stopped(model, *, name, budget, **_):
+        raise SolverLimitError(f"{name}: stopped", budget.time_limit, 1e-9)
+
+    monkeypatch.setattr(module, "solve_model", stopped)
+
+
+def test_a_warm_started_moirai_stopped_before_its_first_incumbent_returns_the_start(monkeypatch):
+    from .test_moirai import _random_problem as moirai_problem
+
+    problem = moirai_problem(12, seed=3)
+    start = solve(problem, method="m-sct")
+    _stop_before_the_first_incumbent(moirai, monkeypatch)
+    plan = moirai.solve(problem, time_limit=60, warm_start=start)
+    assert (plan.status, plan.solver, plan.stages) == ("time_limit", "moirai", start.stages)
+    assert plan.objective == start.objective == costmodel.evaluate(problem, plan)
+    assert "stopped" in plan.meta["stopped"] and plan.lower_bound <= plan.objective
+    with pytest.raises(SolverLimitError, match="stopped"):  # with no start there is nothing to return
+        moirai.solve(problem, time_limit=60)
+
+
+def test_a_warm_started_maxload_ip_stopped_before_its_first_incumbent_returns_the_start(workloads_dir, monkeypatch):
+    problem = _read("LayerGraphs/bert24_inference.json", "throughput")
+    start = solve(problem, method="dp")
+    _stop_before_the_first_incumbent(maxload, monkeypatch)
+    plan = maxload.solve(problem, time_limit=60, warm_start=start)
+    assert (plan.status, plan.solver, plan.stages) == ("time_limit", "maxload-ip", start.stages)
+    assert plan.objective == pytest.approx(start.objective) and plan.lower_bound <= plan.objective
+    with pytest.raises(SolverLimitError, match="stopped"):
+        maxload.solve(problem, time_limit=60)

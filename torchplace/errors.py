@@ -80,7 +80,7 @@ class SolverLimitError(TorchplaceError):
 
     Attributes:
         time_limit: the limit in seconds.
-        bound: the best proven lower bound at the stop (``None`` if none was proven).
+        bound: the best proven lower bound at the stop, in seconds (``None`` if none was proven).
     """
 
     def __init__(self, message: str, time_limit: float | None, bound: float | None = None) -> None:

@@ -174,11 +174,11 @@ def _class_bound(problem: Problem, units: Units, device: int, floor: float, gues
     the floor when the budget stops it before it proves more (too large, or out of time)."""
     try:
         m = build_bottleneck(problem, units, device, floor, guess=guess, budget=budget)
-        res = solve_model(m, name="bottleneck-set MIP", mip_gap=1e-9, budget=budget)
+        res = solve_model(m, name="bottleneck-set MIP", mip_gap=1e-9, budget=budget, unit=m.unit)
     except InfeasibleError:
         return math.inf
     except SolverLimitError as e:  # no incumbent: keep what it proved, at least the floor
-        return max(floor, e.bound * m.unit if e.bound is not None else floor)
+        return max(floor, e.bound if e.bound is not None else floor)
     return max(floor, res.bound * m.unit)
 
 

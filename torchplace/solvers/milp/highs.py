@@ -99,6 +99,7 @@ def solve_model(
     warm_start: bool = False,
     presolve: bool = True,
     budget: Budget | None = None,
+    unit: float = 1.0,
 ) -> MilpResult:
     """Minimise ``model`` with HiGHS and load the incumbent into its variables.
 
@@ -112,6 +113,9 @@ def solve_model(
             seen to cut off the optimum turns it off (see :mod:`torchplace.solvers.milp.moirai`).
         budget: the solver's budget (instead of ``time_limit``): the hand-over checks it, and
             HiGHS gets what is left of it.
+        unit: seconds per unit of the model's objective. The result is in model units; the bound
+            a :class:`~torchplace.errors.SolverLimitError` carries (and its message) is in seconds,
+            as every caller of a solver reads it.
 
     Raises:
         InfeasibleError: if HiGHS proves the model infeasible.
@@ -152,10 +156,11 @@ def solve_model(
     incumbent = res.best_feasible_objective
     if incumbent is None or not math.isfinite(incumbent):
         if tc == _TC.maxTimeLimit:
+            seconds_bound = None if bound is None else bound * unit
             raise SolverLimitError(
                 f"{name}: no feasible placement found within the {time_limit} s time limit "
-                f"(proven lower bound {bound}); raise the time limit or use a heuristic method",
-                time_limit, bound,
+                f"(proven lower bound {seconds_bound} s); raise the time limit or use a heuristic method",
+                time_limit, seconds_bound,
             )
         raise RuntimeError(f"{name}: HiGHS stopped with {tc.name} and no solution")
     if tc not in (_TC.optimal, _TC.maxTimeLimit):

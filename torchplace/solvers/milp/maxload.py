@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import pyomo.environ as pyo
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -401,7 +401,8 @@ def solve(
             and the plan (HiGHS gets what is left). ``None``: no limit.
         mip_gap: relative gap at which HiGHS stops.
         warm_start: a plan whose assignment HiGHS starts from as its first incumbent (see
-            :func:`initialize`).
+            :func:`initialize`); when the time limit stops the solver before HiGHS has any
+            incumbent, the result is this plan (status ``"time_limit"``, ``meta["stopped"]``).
         symmetry: symmetry breaking among identical devices (module docstring).
 
     Returns:
@@ -420,7 +421,7 @@ def solve(
     Raises:
         InfeasibleError: if no placement satisfies memory, support and colocation (and contiguity).
         SolverLimitError: if the time limit passed before HiGHS found any placement (also while
-            the model was built).
+            the model was built) and there is no ``warm_start``.
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time
             limit (:mod:`torchplace.solvers.limits`).
     """
@@ -430,12 +431,23 @@ def solve(
     budget = Budget("max-load IP", time_limit)
     contiguous = problem.contiguous if contiguous is None else contiguous
     target = problem if problem.contiguous == contiguous else replace(problem, contiguous=contiguous)
-    m = build(target, contiguous=contiguous, symmetry=symmetry, budget=budget)
-    if warm_start is not None:
-        initialize(m, target, warm_start.assignment, symmetry)
-    build_seconds = budget.elapsed()
-    kwargs = {"warm_start": warm_start is not None}
-    scaled = solve_model(m, name="max-load IP", mip_gap=mip_gap, budget=budget, **kwargs)
+    try:
+        m = build(target, contiguous=contiguous, symmetry=symmetry, budget=budget)
+        if warm_start is not None:
+            initialize(m, target, warm_start.assignment, symmetry)
+        build_seconds = budget.elapsed()
+        scaled = solve_model(m, name="max-load IP", mip_gap=mip_gap, budget=budget, unit=m.unit,
+                             warm_start=warm_start is not None)
+    except SolverLimitError as e:
+        if warm_start is None or isinstance(e, ModelTooLargeError):
+            raise
+        # Stopped before HiGHS's first incumbent, which would have been the start: return it.
+        bound = simple_lower_bound(target)
+        if not contiguous and e.bound is not None:
+            bound = max(bound, e.bound)
+        return Plan.build(target, warm_start.stages, solver="maxload-ip", seconds=budget.elapsed(),
+                          lower_bound=bound, status="time_limit",
+                          meta={"contiguous": contiguous, "symmetry": symmetry, "stopped": str(e)})
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = stages_from_assignment(target, extract(m, target))
     objective = costmodel.evaluate_stages(target, stages)[0]

@@ -66,7 +66,7 @@ import networkx as nx
 import pyomo.environ as pyo
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
 from torchplace.plan import Plan, Stage, stages_from_order
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound, round_up_bound
@@ -313,7 +313,9 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
         time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
             and the plan (HiGHS gets what is left). ``None``: no limit.
         warm_start: a plan for ``problem`` (e.g. m-SCT's) that HiGHS starts from as its first
-            incumbent (:func:`initialize`); the result is never slower than it.
+            incumbent (:func:`initialize`); the result is never slower than it, and when the time
+            limit stops the solver before HiGHS has any incumbent, the result is this plan (status
+            ``"time_limit"``, ``meta["stopped"]`` says where it stopped).
 
     Returns:
         A Plan whose objective is the simulated makespan (:func:`torchplace.costmodel.simulate`)
@@ -328,18 +330,27 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
         ValueError: for a throughput problem.
         InfeasibleError: if no placement meets memory, colocation and device support.
         SolverLimitError: if the time limit passed before HiGHS found any placement (also while
-            the model was built).
+            the model was built) and there is no ``warm_start``.
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time
             limit (e.g. an operator graph of hundreds of nodes: fuse it, or use method 'auto').
     """
     budget = Budget(_NAME, time_limit)
     problem = dataclasses.replace(problem, contiguous=False)
-    model = build(problem, budget=budget)
-    if warm_start is not None:
-        initialize(model, problem, warm_start.stages)
     try:
+        model = build(problem, budget=budget)
+        if warm_start is not None:
+            initialize(model, problem, warm_start.stages)
         res = solve_model(model, name=_NAME, mip_gap=mip_gap, verbose=verbose, presolve=False,
-                          warm_start=warm_start is not None, budget=budget)
+                          warm_start=warm_start is not None, budget=budget, unit=model.unit)
+    except SolverLimitError as e:
+        if warm_start is None or isinstance(e, ModelTooLargeError):
+            raise
+        # The limit stopped the build, the hand-over or HiGHS before its first incumbent: the
+        # start is that incumbent (it is feasible), so it is the answer at this limit.
+        bound = max(e.bound or 0.0, latency_lower_bound(problem))
+        return Plan.build(problem, warm_start.stages, solver="moirai", seconds=budget.elapsed(),
+                          lower_bound=round_up_bound(problem, bound), status="time_limit",
+                          meta={"milp_objective": None, "milp_bound": e.bound, "stopped": str(e)})
     except InfeasibleError as e:
         need = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
         caps = {d.name: d.memory_bytes for d in problem.cluster.devices}

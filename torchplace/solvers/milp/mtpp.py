@@ -204,7 +204,7 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     budget = Budget("MTPP MIP", time_limit)
     m = build(problem, budget=budget)
     build_seconds = budget.elapsed()
-    scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget)
+    scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget, unit=m.unit)
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
