@@ -24,6 +24,8 @@ from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
+from torchplace.profiling.cache import KEY as CACHE_KEY
+from torchplace.profiling.cache import cached_graph, profile_meta
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
 __all__ = ["PlacedModule", "place", "placed"]
@@ -114,7 +116,12 @@ def place(
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
-            solving: it is checked against the traced model and evaluated on the new timings.
+            solving. A plan ``place()`` made carries its graph's fingerprint and profiled costs
+            (:mod:`torchplace.profiling.cache`): for the same model, example input shapes and
+            arguments the costs are reused and nothing is timed again (with other threads, another
+            optimizer or a device kind it has no times for, the model is profiled anew); a plan
+            made for another graph is refused. Other plans are checked against the traced model
+            and evaluated on new timings.
 
     Returns:
         A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
@@ -126,7 +133,8 @@ def place(
         TraceError: the model cannot be traced (the message says what to try).
         InfeasibleError: the model does not fit; ``min_memory_bytes`` is the smallest per-device
             memory that would.
-        InvalidPlanError: ``plan`` does not place this model's graph.
+        InvalidPlanError: ``plan`` does not place this model's graph, or was made by ``place()``
+            for another graph (its fingerprint differs).
     """
     model = check_model(model)
     if mode not in ("inference", "training"):
@@ -174,12 +182,14 @@ def place(
                        training=training)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
-    graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training,
-                    threads=threads)
-    pipeline = None
-    if training:
-        graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
-        pipeline = Pipeline(microbatches, schedule, recompute)  # type: ignore[arg-type]
+    settings = {"threads": threads, "optimizer": optimizer if training else None}
+    graph = None if given is None else cached_graph(given.meta, traced, mode, kinds, settings, source=_source(plan))
+    if graph is None:
+        graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress,
+                        grad=training, threads=threads)
+        if training:
+            graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
+    pipeline = Pipeline(microbatches, schedule, recompute) if training else None  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
@@ -188,6 +198,7 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
+    solved.meta[CACHE_KEY] = profile_meta(traced, graph, mode, settings)  # so plan= can skip profiling next time
     return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
 
 
@@ -205,6 +216,10 @@ def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapp
                 measured[kind] = measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1),
                                                   repeats=repeats, progress=progress)
     return training_graph(graph, measured, optimizer, estimated=[k for k in kinds if k not in present])
+
+
+def _source(plan: Plan | str | Path) -> str:
+    return "the plan" if isinstance(plan, Plan) else f"plan file {str(plan)!r}"
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:
