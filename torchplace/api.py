@@ -56,6 +56,7 @@ def place(
     repeats: int = 5,
     progress: bool = True,
     plan: Plan | str | Path | None = None,
+    refine: bool = False,
 ) -> PlacedModule:
     """Place ``model`` on ``devices`` and return a module that runs it there.
 
@@ -122,6 +123,10 @@ def place(
             optimizer or a device kind it has no times for, the model is profiled anew); a plan
             made for another graph is refused. Other plans are checked against the traced model
             and evaluated on new timings.
+        refine: close the loop (:mod:`torchplace.refine`): run the plan on the example inputs,
+            re-time each stage as measured, solve again on those costs, run that plan too if it
+            differs, and keep the one whose calls measure faster; ``placed.refinement`` (and the
+            report) shows both. Inference only.
 
     Returns:
         A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
@@ -141,6 +146,9 @@ def place(
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     if mode == "training" and objective != "throughput":
         raise UsageError("training is placed for throughput (a pipeline of micro-batches); use objective='throughput'")
+    if mode == "training" and refine is True:
+        raise UsageError("refine=True measures inference calls; place for training without it (measure a training "
+                         "step with placed.measure(x, target=y, loss_fn=f))")
     if mode == "training" and schedule not in ("gpipe", "1f1b"):
         raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective not in ("throughput", "latency"):
@@ -150,7 +158,7 @@ def place(
         )
     solvers.check_method(solver, objective)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
-                       ("share_cores", share_cores)):
+                       ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
@@ -198,8 +206,14 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    solved.meta[CACHE_KEY] = profile_meta(traced, graph, mode, settings)  # so plan= can skip profiling next time
-    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    placed = PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    if refine:
+        from torchplace.refine import refine as closing_the_loop
+
+        placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                  build=lambda p: PlacedModule(traced, problem, p, microbatches))
+    placed.plan.meta[CACHE_KEY] = profile_meta(traced, graph, mode, settings)  # so plan= can skip profiling next time
+    return placed
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],
