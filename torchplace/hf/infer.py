@@ -1,0 +1,388 @@
+"""``infer_device_map``: a ``device_map`` for accelerate / ``from_pretrained`` solved, not filled.
+
+accelerate's ``infer_auto_device_map`` fills devices with parameter bytes in registration order.
+Here the model's blocks (:mod:`torchplace.hf.blocks`) with their compute, transfer and memory
+costs go to a torchplace :class:`~torchplace.problem.Problem` and a solver picks the map:
+
+- objective ``"latency"``: a dispatched model runs its blocks one after the other, so the time of
+  one forward pass (the makespan of :func:`torchplace.costmodel.simulate`) is the time per batch,
+  and per generated token when the example is one decoding step;
+- memory per device: weights + working memory of the batch + the KV cache of ``batch_size``
+  sequences of ``sequence_length`` tokens on the device holding each attention layer (added to the
+  blocks' working memory, so :func:`torchplace.costmodel.memory` counts it);
+- tied weights colocated; ``no_split_module_classes`` never split (they are whole blocks);
+- ``"cpu"`` / ``"disk"`` as offload devices with the time the offload costs
+  (:mod:`torchplace.hf.budget`).
+
+Every plan is validated by the solver; the map is checked by accelerate's own
+``check_device_map`` in the tests.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchplace import solvers
+from torchplace.checks import brief, positive_int
+from torchplace.costmodel import device_memory, evaluate_stages
+from torchplace.devices import Cluster
+from torchplace.errors import InfeasibleError, UsageError
+from torchplace.graph import OpGraph
+from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
+from torchplace.hf.budget import DISK_BANDWIDTH, accelerate_name, hf_cluster, kv_cache_bytes, offload_times
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+from torchplace.profiling.estimate import DeviceSpec
+
+__all__ = ["DeviceMapPlan", "MapCost", "build_problem", "collapse", "evaluate_device_map", "infer_device_map",
+           "plan_device_map"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class DeviceMapPlan:
+    """A solved device map with what it costs.
+
+    Attributes:
+        device_map: accelerate's form: module path -> GPU id, ``"cpu"`` or ``"disk"``.
+        plan: the torchplace :class:`Plan` over the model's blocks (predicted seconds per forward
+            pass, proven lower bound, solver).
+        problem: the problem it was solved for (graph of blocks and cluster).
+        memory: bytes each device needs (weights + activations + KV cache), by accelerate name.
+        kv_cache: KV cache bytes each device holds, by accelerate name.
+    """
+
+    device_map: dict[str, int | str]
+    plan: Plan
+    problem: Problem
+    memory: dict[int | str, int]
+    kv_cache: dict[int | str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        caps = {accelerate_name(d.name): d.memory_bytes for d in self.problem.cluster.devices}
+        lines = [f"predicted {self.plan.objective * 1e3:.3f} ms per forward pass "
+                 f"(lower bound {self.plan.lower_bound * 1e3:.3f} ms, solver {self.plan.solver})",
+                 f"{'device':>8} {'memory':>12} {'KV cache':>12} {'budget':>12}"]
+        for dev, used in self.memory.items():
+            cap = caps.get(dev)
+            lines.append(f"{dev!s:>8} {_gib(used):>12} {_gib(self.kv_cache.get(dev, 0)):>12} "
+                         f"{_gib(cap) if cap is not None else 'unlimited':>12}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MapCost:
+    """What a device map (anyone's) costs under torchplace's cost model.
+
+    Attributes:
+        seconds: predicted time of one forward pass of the stated batch.
+        fits: whether every device's memory (weights + activations + KV cache) is within budget.
+        memory: bytes per device, by accelerate name.
+    """
+
+    seconds: float
+    fits: bool
+    memory: dict[int | str, int]
+
+
+def _gib(n: int | float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (``"1.50 GiB"``)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise UsageError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {brief(dtype)}")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None, batch_size: int,
+             sequence_length: int) -> dict[str, Any]:
+    """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
+    batch and length (plus ``decoder_input_ids`` for encoder-decoder models), with ``use_cache``
+    off where the model takes it (the KV cache is sized separately)."""
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is not None and example_inputs != ():
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        names = [n for n in inspect.signature(model.forward).parameters if n not in kwargs]
+        kwargs.update(dict(zip(names, args)))
+    if not kwargs:
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+        ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
+        kwargs["input_ids"] = ids.to(_device_of(model))
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = kwargs["input_ids"]
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs.setdefault("use_cache", False)
+    return kwargs
+
+
+def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
+    if classes is None:
+        return list(getattr(model, "_no_split_modules", None) or [])
+    if isinstance(classes, (str, type)):
+        classes = [classes]
+    return [c if isinstance(c, str) else c.__name__ for c in classes]
+
+
+def _load_cluster(cluster: Cluster | str | Path | None) -> Cluster | None:
+    if cluster is None or isinstance(cluster, Cluster):
+        return cluster
+    from torchplace.clusterfile import load_cluster
+
+    return load_cluster(cluster)
+
+
+def build_problem(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    kv_cache: bool = True,
+    specs: Mapping[str, DeviceSpec] | None = None,
+    disk_bandwidth: float = DISK_BANDWIDTH,
+    repeats: int = 3,
+) -> Problem:
+    """The latency :class:`Problem` of ``model``'s blocks on the ``max_memory`` devices (see
+    :func:`plan_device_map` for the arguments)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be an nn.Module, got {brief(model)}")
+    batch_size = positive_int(batch_size, "batch_size")
+    sequence_length = positive_int(sequence_length, "sequence_length")
+    torch_dtype = _dtype(dtype)
+    hw = hf_cluster(max_memory, _load_cluster(cluster))
+    kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
+    model.eval()
+    kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
+    graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
+                        dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+    if kv_cache:
+        graph = _with_kv_cache(model, graph, batch_size, sequence_length, torch_dtype)
+    graph = offload_times(graph, hw, disk_bandwidth)
+    return Problem(graph, hw, objective="latency", contiguous=False)
+
+
+def _with_kv_cache(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None) -> OpGraph:
+    """``graph`` with each block's KV cache added to its working memory (``meta["hf"]["kv_cache"]``)."""
+    paths = graph.meta["hf"]["modules"]
+    itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
+    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize)
+    graph.meta["hf"]["kv_cache"] = {}
+    for v, path in paths.items():
+        if cache.get(path):
+            graph.replace_record(v, replace(graph.record(v), temp_bytes=graph.record(v).temp_bytes + cache[path]))
+            graph.meta["hf"]["kv_cache"][v] = cache[path]
+    return graph
+
+
+def _check_fits(problem: Problem) -> None:
+    """Raise InfeasibleError naming what is needed when the budgets cannot hold the model."""
+    g, cluster = problem.graph, problem.cluster
+    need = {v: r.param_bytes + r.temp_bytes for v, r in g.records()}
+    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
+    largest = max(need, key=need.__getitem__)
+    biggest = max(d.memory_bytes if d.memory_bytes is not None else float("inf") for d in cluster.devices)
+    kv = g.meta["hf"].get("kv_cache", {})
+    if need[largest] > biggest:
+        r = g.record(largest)
+        raise InfeasibleError(
+            f"block {r.name!r} needs {_gib(need[largest])} (weights {_gib(r.param_bytes)}, KV cache "
+            f"{_gib(kv.get(largest, 0))}, activations {_gib(r.temp_bytes - kv.get(largest, 0))}) but the largest "
+            f"budget is {_gib(int(biggest))}: raise max_memory, lower batch_size or sequence_length, "
+            "or allow 'disk'", min_memory_bytes=need[largest])
+    if not any(d.memory_bytes is None for d in cluster.devices) and total > room:
+        raise InfeasibleError(
+            f"the model needs {_gib(total)} (weights, activations and a KV cache of {_gib(sum(kv.values()))}) "
+            f"but max_memory allows {_gib(room)} in all: raise max_memory, lower batch_size or sequence_length, "
+            "or add 'disk'", min_memory_bytes=total)
+
+
+def _to_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, int | str]:
+    """The plan as accelerate's device_map: the highest module paths whose blocks share a device."""
+    paths = problem.graph.meta["hf"]["modules"]
+    leaves: dict[str, int | str] = {}
+    for s in plan.stages:
+        for v in s.nodes:
+            r = problem.graph.record(v)
+            names = _direct_names(model, paths[v]) if r.op == "block:<direct>" else (paths[v],)
+            leaves.update(dict.fromkeys(names, accelerate_name(s.device)))
+    return collapse(leaves)
+
+
+def _direct_names(model: nn.Module, path: str) -> tuple[str, ...]:
+    m = model.get_submodule(path)
+    prefix = f"{path}." if path else ""
+    return tuple(prefix + n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)])
+
+
+def collapse(leaves: Mapping[str, int | str]) -> dict[str, int | str]:
+    """Merge ``leaves`` (module paths or tensor names -> device) into the highest paths whose
+    entries all share a device (``{"": d}`` when there is one device), in the leaves' order."""
+    def under(path: str) -> list[str]:
+        return [n for n in leaves if not path or n == path or n.startswith(f"{path}.")]
+
+    out: dict[str, int | str] = {}
+
+    def visit(path: str) -> None:
+        names = under(path)
+        if len({leaves[n] for n in names}) == 1:
+            out[path] = leaves[names[0]]
+            return
+        prefix = f"{path}." if path else ""
+        for child in dict.fromkeys(n[len(prefix):].partition(".")[0] for n in names):
+            visit(prefix + child)
+
+    if leaves:
+        visit("")
+    order = {n: i for i, n in enumerate(leaves)}
+    return dict(sorted(out.items(), key=lambda kv: min(order[n] for n in under(kv[0]))))
+
+
+def plan_device_map(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    kv_cache: bool = True,
+    specs: Mapping[str, DeviceSpec] | None = None,
+    disk_bandwidth: float = DISK_BANDWIDTH,
+    time_limit: float | None = 10.0,
+    repeats: int = 3,
+) -> DeviceMapPlan:
+    """Solve a device map for ``model`` (see :func:`infer_device_map`) and return it with its plan,
+    predicted time and memory per device."""
+    problem = build_problem(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                            no_split_module_classes=no_split_module_classes, batch_size=batch_size,
+                            sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
+                            specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats)
+    _check_fits(problem)
+    plan = solvers.solve(problem, method="auto", time_limit=time_limit)
+    kv = problem.graph.meta["hf"].get("kv_cache", {})
+    held: dict[int | str, int] = {}
+    for s in plan.stages:
+        for v in s.nodes:
+            if kv.get(v):
+                held[accelerate_name(s.device)] = held.get(accelerate_name(s.device), 0) + kv[v]
+    memory = {accelerate_name(d): b for d, b in device_memory(problem, plan.stages).items()}
+    return DeviceMapPlan(_to_map(model, problem, plan), plan, problem, memory, held)
+
+
+def infer_device_map(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    **options: Any,
+) -> dict[str, int | str]:
+    """A ``device_map`` for ``from_pretrained(device_map=...)`` / ``accelerate.dispatch_model``
+    that minimises the time of a forward pass of the stated batch and fits its KV cache.
+
+    Example:
+        >>> cfg = AutoConfig.for_model("gpt2", n_layer=12)                        # doctest: +SKIP
+        >>> with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)
+        >>> device_map = torchplace.infer_device_map(model, {0: "6GiB", 1: "12GiB", "cpu": "64GiB"},
+        ...                                          batch_size=8, sequence_length=1024)
+        >>> model = AutoModelForCausalLM.from_pretrained("gpt2", device_map=device_map)
+
+    Args:
+        model: a Hugging Face model (any ``nn.Module`` whose blocks accelerate can place), with
+            weights on the CPU (CPU times are measured) or built on the meta device (every time is
+            estimated; nothing is allocated, so a model larger than this machine can be planned).
+        max_memory: accelerate's form, ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB"}``; ``"disk"`` is
+            used only when named. ``None``: the visible GPUs and the CPU.
+        example_inputs, example_kwargs: one forward call (on the model's device); default: random
+            ``input_ids`` of ``(batch_size, sequence_length)``. For time per generated token give a
+            one-token call (``sequence_length=1`` examples) and the full ``sequence_length`` here.
+        no_split_module_classes: classes (or names) never split; default: the model's
+            ``_no_split_modules``, as ``from_pretrained`` does.
+        batch_size, sequence_length: the batch whose KV cache (and, by default, activations) the
+            map leaves room for.
+        dtype: dtype of the dispatched weights (``torch.float16``, ``"bfloat16"``); default: the
+            model's.
+        cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"t4"``,
+            ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link.
+        options: ``kv_cache`` (False: no KV cache), ``specs``, ``disk_bandwidth``, ``time_limit``,
+            ``repeats`` (see :func:`plan_device_map`).
+
+    Returns:
+        ``{module path: GPU id | "cpu" | "disk"}``, tied weights on one device.
+
+    Raises:
+        UsageError: a bad argument (named, with the fix).
+        InfeasibleError: the budgets cannot hold the model with its KV cache; the message says how
+            much is needed.
+    """
+    return plan_device_map(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                           no_split_module_classes=no_split_module_classes, batch_size=batch_size,
+                           sequence_length=sequence_length, dtype=dtype, cluster=cluster, **options).device_map
+
+
+def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapCost:
+    """What ``device_map`` (e.g. accelerate's) costs on ``problem`` (from :func:`build_problem`).
+
+    Each block goes where the longest key of the map covering its module path sends it; a block no
+    key covers (a module without weights) runs where the block before it runs. The plan is
+    evaluated by :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map
+    that breaks a budget (or splits tied weights) is still timed and reported as not fitting.
+    """
+    paths = problem.graph.meta["hf"]["modules"]
+    names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
+    stages: list[Stage] = []
+    prev = problem.cluster.devices[0].name
+    for v in problem.graph.topological_order():
+        path = paths[v]
+        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")]
+        if keys:
+            value = str(device_map[max(keys, key=len)])
+            if value.startswith("cuda:"):
+                value = value.split(":")[1]
+            if value not in names:
+                raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}")
+            prev = names[value]
+        if stages and stages[-1].device == prev:
+            stages[-1] = Stage(prev, (*stages[-1].nodes, v))
+        else:
+            stages.append(Stage(prev, (v,)))
+    seconds, _ = evaluate_stages(problem, stages)
+    memory = device_memory(problem, stages)
+    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    fits = all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
+    return MapCost(seconds, fits, {accelerate_name(d): b for d, b in memory.items()})
