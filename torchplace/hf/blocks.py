@@ -19,21 +19,26 @@ device kinds not measured are the roofline estimate of :mod:`torchplace.profilin
 Blocks that share a parameter (tied weights: GPT-2's ``lm_head`` and ``wte``) get one colocation
 label, so a plan puts them on one device, as accelerate requires.
 
-If the forward pass cannot run on meta tensors (data-dependent routing in a mixture of experts),
+A model on the meta device runs on fake tensors (no memory). If even that fails (a kernel with no
+fake implementation, e.g. grouped expert matmuls in float32),
 every block is costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size
 output per token (a dense upper bound on FLOPs for MoE blocks), and the result says so
 (``graph.meta["hf"]["costs"] == "structural"``).
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -172,18 +177,43 @@ class _Probe:
         return hook
 
 
+@contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Keep FakeTensorMode from logging a traceback for a kernel it cannot run: the caller falls
+    back to structural costs and says so."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any], repeats: int) -> _Probe:
-    """One counted pass (FLOPs per block, bytes, call order), then ``repeats`` timed passes on the CPU."""
+    """One counted pass (FLOPs per block, bytes, call order), then ``repeats`` timed passes on the CPU.
+
+    A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
+    :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
+    skips its data-dependent checks on them as it does while tracing."""
     probe = _Probe(model, blocks)
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), probe, counter:
-        model(**kwargs)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if on_meta:
+        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), probe, counter:
+            state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+                                   if isinstance(v, torch.Tensor) else v, dict(kwargs))
+            functional_call(model, state, (), fake, strict=False)
+    else:
+        with torch.no_grad(), probe, counter:
+            model(**kwargs)
     flops = counter.get_flop_counts()
     root = type(model).__name__
     for path, r in probe.records.items():
         key = f"{root}.{path}" if path else root
         r.flops = int(sum(flops.get(key, {}).values()))
-    on_meta = any(p.is_meta for p in model.parameters())
     if repeats > 0 and not on_meta:
         for r in probe.records.values():
             r.seconds = []

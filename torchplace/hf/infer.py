@@ -119,7 +119,7 @@ def _device_of(model: nn.Module) -> torch.device:
 def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None, batch_size: int,
              sequence_length: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
-    batch and length (plus ``decoder_input_ids`` for encoder-decoder models), with ``use_cache``
+    batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for encoder-decoder models), with ``use_cache``
     off where the model takes it (the KV cache is sized separately)."""
     kwargs = dict(example_kwargs or {})
     if example_inputs is not None and example_inputs != ():
@@ -130,6 +130,8 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
         ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
         kwargs["input_ids"] = ids.to(_device_of(model))
+        if "attention_mask" in inspect.signature(model.forward).parameters:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = kwargs["input_ids"]
     if "use_cache" in inspect.signature(model.forward).parameters:
