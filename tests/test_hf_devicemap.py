@@ -155,3 +155,19 @@ def test_accelerate_map_is_evaluated_on_the_same_problem():
 def test_bad_max_memory_is_named(bad, match):
     with pytest.raises(UsageError, match=match):
         torchplace.infer_device_map(build(gpt2_config(2), "meta"), bad)
+
+
+def test_cli_plans_a_config_on_the_meta_device(tmp_path, capsys):
+    import json
+
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    gpt2_config(3).to_json_file(config)
+    assert main(["plan", "--hf", str(config), "--max-memory", "0=1MiB", "cpu=1GiB", "--sequence-length", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    check_device_map(build(gpt2_config(3), "meta"), out["device_map"])
+    assert set(out["memory"]) <= {"0", "cpu"} and out["seconds"] >= out["lower_bound"] > 0
+    assert main(["plan", "--hf", str(config), "--max-memory", "0=10KiB"]) == 2
+    assert "needs" in capsys.readouterr().err
