@@ -17,6 +17,7 @@ from torchplace.hf.infer import (
     evaluate_device_map,
     infer_device_map,
     plan_device_map,
+    solve_device_map,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "evaluate_device_map",
     "infer_device_map",
     "plan_device_map",
+    "solve_device_map",
 ]

@@ -41,7 +41,7 @@ from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
 
 __all__ = ["DeviceMapPlan", "MapCost", "build_problem", "collapse", "evaluate_device_map", "infer_device_map",
-           "plan_device_map"]
+           "plan_device_map", "solve_device_map"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -289,6 +289,15 @@ def plan_device_map(
                             no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                             sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
                             specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats)
+    return solve_device_map(model, problem, time_limit=time_limit)
+
+
+def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | None = 10.0) -> DeviceMapPlan:
+    """Solve ``problem`` (from :func:`build_problem` for ``model``) and write the map.
+
+    Raises:
+        InfeasibleError: the budgets cannot hold the model; the message says how much is needed.
+    """
     _check_fits(problem)
     plan = solvers.solve(problem, method="auto", time_limit=time_limit)
     kv = problem.graph.meta["hf"].get("kv_cache", {})

@@ -1,0 +1,231 @@
+"""torchplace's device_map beside accelerate's, on the same budgets (issue 15).
+
+Run:  HF_HUB_OFFLINE=1 python benchmarks/device_map.py [--quick] [--time-limit S]
+
+For each model (GPT-2 small, a Llama-style decoder, BERT-base, T5-small, a small Mixtral-style
+MoE; built from configs on the meta device, no weights) and each heterogeneous cluster (a fast
+A100-like GPU, a slow T4-like GPU, the host; GPU 0 fast or GPU 0 slow), the same
+``max_memory`` goes to
+
+- torchplace: :func:`torchplace.hf.solve_device_map`;
+- accelerate ``infer_auto_device_map`` with the budgets as given (``sequential``) and with
+  ``get_balanced_memory`` (``balanced``, what ``device_map="auto"`` does with several GPUs, and
+  ``balanced_low_0``);
+- an equal-layer split: the no-split layers in equal numbers over the GPUs in id order, the
+  modules before the first layer with it, those after the last with it, tied modules together.
+
+Every map is timed by torchplace's cost model on one problem per (model, cluster)
+(:func:`torchplace.hf.evaluate_device_map`: one forward pass of the stated batch, divided by the
+batch size: seconds per sample, all estimated: nothing here has a GPU) and checked against the
+budgets with the weights, activations and the KV cache of the stated batch and sequence length.
+A map that does not fit is reported as such; speed-ups are against the best map that fits.
+
+Measured: on this machine (no accelerator) only ``"cpu"`` and ``"disk"`` can be dispatched, so a
+GPT-2 with real weights and a CPU budget of half its weights is dispatched with accelerate's
+``dispatch_model`` under torchplace's map and under accelerate's ``sequential`` map, and one
+forward pass of the batch is timed (median of repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchplace.devices import Cluster, Device  # noqa: E402
+from torchplace.hf import build_problem, evaluate_device_map, solve_device_map  # noqa: E402
+
+
+def models(quick: bool):
+    import transformers as tf
+
+    layers = 6 if quick else 12
+    return {
+        "gpt2": (tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
+                 tf.AutoModelForCausalLM),
+        "llama": (tf.LlamaConfig(num_hidden_layers=layers, hidden_size=1024, intermediate_size=2816,
+                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+                  tf.AutoModelForCausalLM),
+        "bert": (tf.BertConfig(num_hidden_layers=layers), tf.AutoModel),
+        "t5": (tf.T5Config(num_layers=layers // 2, num_decoder_layers=layers // 2, d_model=512, d_ff=2048,
+                           num_heads=8, d_kv=64), tf.AutoModelForSeq2SeqLM),
+        "mixtral": (tf.MixtralConfig(num_hidden_layers=layers // 2, hidden_size=512, intermediate_size=1024,
+                                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                     vocab_size=32000), tf.AutoModelForCausalLM),
+    }
+
+
+def meta(config, auto):
+    with torch.device("meta"):
+        return auto.from_config(config).eval()
+
+
+def cluster(fast_first: bool) -> Cluster:
+    kinds = ["cuda", "t4"] if fast_first else ["t4", "cuda"]
+    devs = [Device(f"cuda:{i}", f"cuda:{i}", k) for i, k in enumerate(kinds)] + [Device("cpu", "cpu", "cpu")]
+    return Cluster(tuple(devs))
+
+
+def weight_bytes(model, itemsize: int) -> int:
+    return sum(p.numel() for p in model.parameters()) * itemsize
+
+
+def equal_split(model, problem) -> dict[str, int]:
+    """Layers (no-split blocks) in equal numbers over the GPUs; the rest with its neighbour layer."""
+    g = problem.graph
+    order = g.topological_order()
+    paths = g.meta["hf"]["modules"]
+    no_split = set(model._no_split_modules or ())
+    layers = [v for v in order if g.record(v).op.removeprefix("block:") in no_split]
+    gpus = sorted(accel for accel in (d.name for d in problem.cluster.devices) if accel.startswith("cuda:"))
+    where = {v: int(gpus[i * len(gpus) // len(layers)].split(":")[1]) for i, v in enumerate(layers)}
+    current = where[layers[0]]
+    for v in order:
+        current = where.get(v, current)
+        where.setdefault(v, current)
+    for label in {g.record(v).colocation for v in order} - {None}:
+        tied = [v for v in order if g.record(v).colocation == label]
+        for v in tied:
+            where[v] = where[tied[0]]
+    return {paths[v]: where[v] for v in order if paths[v]}
+
+
+def accelerate_maps(model, budget, dtype) -> dict[str, dict]:
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    ns = model._no_split_modules or None
+    out = {"sequential": infer_auto_device_map(model, max_memory=dict(budget), no_split_module_classes=ns, dtype=dtype)}
+    for name, low in (("balanced", False), ("balanced_low_0", True)):
+        mem = get_balanced_memory(model, max_memory=dict(budget), no_split_module_classes=ns, dtype=dtype, low_zero=low)
+        out[name] = infer_auto_device_map(model, max_memory=mem, no_split_module_classes=ns, dtype=dtype)
+    return out
+
+
+def predicted(args) -> list[dict]:
+    rows = []
+    dtype = torch.float16
+    for name, (config, auto) in models(args.quick).items():
+        model = meta(config, auto)
+        w = weight_bytes(model, dtype.itemsize)
+        need = total_need(model, args, dtype)
+        # each GPU holds 60% of what the model needs for the batch (weights + activations + KV cache):
+        # the two GPUs hold it, one does not; the host has room for everything
+        budget = {0: int(args.share * need), 1: int(args.share * need), "cpu": 64 * 2**30}
+        for fast_first in (True, False):
+            label = "fast GPU 0" if fast_first else "slow GPU 0"
+            problem = build_problem(model, budget, batch_size=args.batch, sequence_length=args.seq, dtype=dtype,
+                                    cluster=cluster(fast_first))
+            t0 = time.perf_counter()
+            ours = solve_device_map(model, problem, time_limit=args.time_limit)
+            solve_s = time.perf_counter() - t0
+            maps = {"torchplace": ours.device_map, **accelerate_maps(model, budget, dtype),
+                    "equal layers": equal_split(model, problem)}
+            costs = {k: evaluate_device_map(problem, m) for k, m in maps.items()}
+            rows.append({"model": name, "cluster": label, "costs": costs, "solve_s": solve_s,
+                         "bound": ours.plan.lower_bound, "weights": w, "costing": problem.graph.meta["hf"]["costs"]})
+            print(_row(rows[-1], args.batch), flush=True)
+    return rows
+
+
+def total_need(model, args, dtype) -> int:
+    """Bytes the model needs for the batch on one device: weights + activations + KV cache."""
+    problem = build_problem(model, {"cpu": 2**50}, batch_size=args.batch, sequence_length=args.seq, dtype=dtype)
+    return sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
+
+
+def _row(r: dict, batch: int) -> str:
+    c = r["costs"]
+    cells = [f"{r['model']:<8} {r['cluster']:<11}"]
+    for k in ("torchplace", "sequential", "balanced", "balanced_low_0", "equal layers"):
+        cells.append(f"{c[k].seconds / batch * 1e3:8.3f}{'' if c[k].fits else '*':1}")
+    ours = c["torchplace"].seconds
+    acc = min([c[k].seconds for k in ("sequential", "balanced", "balanced_low_0") if c[k].fits], default=None)
+    cells.append(f"{acc / ours:6.2f}x" if acc else "   OOM ")
+    cells.append(f"{c['balanced'].seconds / ours:6.2f}x")
+    cells.append(f"{c['equal layers'].seconds / ours:6.2f}x{'' if c['equal layers'].fits else '*'}")
+    cells.append(f"{r['solve_s']:6.1f}")
+    return " ".join(cells)
+
+
+HEADER = ("model    cluster     torchplace sequential   balanced   bal_low0  equal lay. vs best acc. "
+          "vs auto vs equal solve s")
+
+
+def measured(args) -> list[tuple[str, float, bool]]:
+    """GPT-2 with real weights dispatched over cpu + disk with each map; median forward seconds."""
+    import transformers as tf
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    config = tf.GPT2Config(n_layer=6, n_embd=256, n_head=8, vocab_size=8000, n_positions=256)
+    torch.manual_seed(0)
+    base = tf.AutoModelForCausalLM.from_config(config).eval()
+    w = weight_bytes(base, 4)
+    budget = {"cpu": w // 2, "disk": 4 * w}
+    ids = torch.randint(0, 8000, (args.batch, 64))
+    ours = solve_device_map(base, build_problem(base, budget, batch_size=args.batch, sequence_length=64),
+                            time_limit=args.time_limit).device_map
+    theirs = infer_auto_device_map(base, max_memory=dict(budget), no_split_module_classes=base._no_split_modules)
+    out = []
+    with torch.no_grad():
+        expected = base(ids).logits
+    for label, device_map in (("torchplace", ours), ("accelerate sequential", theirs)):
+        model = tf.AutoModelForCausalLM.from_config(config).eval()
+        model.load_state_dict(base.state_dict())
+        with tempfile.TemporaryDirectory() as folder:
+            model = dispatch_model(model, device_map, offload_dir=folder)
+            times = []
+            with torch.no_grad():
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    logits = model(ids).logits
+                    times.append(time.perf_counter() - t0)
+            out.append((label, statistics.median(times), bool(torch.equal(logits, expected))))
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        cpu = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Model name")), cpu)
+    except OSError:
+        pass
+    return f"nproc {os.cpu_count()}, {cpu}, torch {torch.__version__}"
+
+
+def main() -> None:
+    import logging
+
+    # accelerate's get_max_memory warns for every GPU id of max_memory that this machine lacks
+    logging.getLogger("accelerate.utils.modeling").setLevel(logging.ERROR)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6-layer models instead of 12")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--share", type=float, default=0.6, help="each GPU's budget as a share of the model's need")
+    args = ap.parse_args()
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}")
+    print(f"# batch {args.batch}, sequence {args.seq}, float16 weights; ms per sample predicted by the cost model; "
+          "* = does not fit the budget with the batch's activations and KV cache")
+    print(HEADER)
+    predicted(args)
+    print("# measured on this machine: GPT-2 (6 x 256) dispatched over cpu (half the weights) + disk")
+    for label, seconds, same in measured(args):
+        print(f"{label:<24} {seconds * 1e3:8.1f} ms per forward of batch {args.batch}; logits equal: {same}")
+
+
+if __name__ == "__main__":
+    main()
