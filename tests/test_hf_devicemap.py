@@ -87,7 +87,7 @@ def test_from_pretrained_accepts_the_map(tmp_path):
 def test_gpu_map_keeps_tied_weights_together_and_prefers_the_fast_gpu(tmp_path):
     cluster = tmp_path / "cluster.json"
     cluster.write_text('{"format": "torchplace.cluster/1", "devices": ['
-                       '{"name": "cuda:0", "kind": "t4", "torch_device": "cuda:0"},'
+                       '{"name": "cuda:0", "kind": "cuda-t4", "torch_device": "cuda:0"},'
                        '{"name": "cuda:1", "kind": "cuda", "torch_device": "cuda:1"},'
                        '{"name": "cpu", "kind": "cpu", "torch_device": "cpu"}]}')
     model = build(gpt2_config(6), "meta")

@@ -50,7 +50,7 @@ __all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of"]
 HF_DEVICE_SPECS: dict[str, DeviceSpec] = {
     **DEVICE_SPECS,
     # NVIDIA T4: 8.1 TFLOP/s FP32, 320 GB/s GDDR6 (a slow GPU next to the A100-like "cuda").
-    "t4": DeviceSpec(peak_flops=8.1e12, mem_bandwidth=320e9, overhead=5e-6),
+    "cuda-t4": DeviceSpec(peak_flops=8.1e12, mem_bandwidth=320e9, overhead=5e-6),
 }
 """Roofline specs by device kind: :data:`~torchplace.profiling.estimate.DEVICE_SPECS` plus slower GPUs
 for heterogeneous cluster files."""

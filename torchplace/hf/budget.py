@@ -51,8 +51,11 @@ def accelerate_name(device: str) -> int | str:
     return int(device.split(":")[1]) if device.startswith("cuda:") else device
 
 
-def _budgets(max_memory: Mapping[Any, int | str] | None) -> dict[str, int]:
+def _budgets(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | None = None) -> dict[str, int]:
     """torchplace device name -> bytes, GPUs in id order, then cpu, then disk."""
+    if max_memory is None and cluster is not None:
+        max_memory = {d.name: d.memory_bytes for d in cluster.devices
+                      if d.memory_bytes is not None and (d.name in ("cpu", "disk") or _GPU.fullmatch(d.name))}
     if max_memory is None:
         caps = {f"cuda:{i}": machine.cuda_memory(i) for i in range(machine.cuda_count())}
         caps["cpu"] = machine.cpu_memory()
@@ -95,15 +98,17 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
     """The cluster accelerate's ``max_memory`` describes (module docstring), kinds from ``cluster``.
 
     Args:
-        max_memory: ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB", "disk": "1TiB"}``; ``None``: every
+        max_memory: ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB", "disk": "1TiB"}``; ``None``: the
+            memory of ``cluster``'s devices named ``cuda:i`` / ``cpu`` / ``disk``, else every
             visible GPU and the CPU with their memory (no disk).
         cluster: a cluster (e.g. from a cluster file) giving each GPU's kind (by name ``"cuda:i"``
-            or ``"i"``, else the i-th non-CPU device) and the host link's bandwidth and latency.
+            or ``"i"``, else the i-th non-CPU device), the default link and the links between
+            devices of those names.
 
     Raises:
         UsageError: a bad key or amount (named), or GPUs the cluster does not describe.
     """
-    caps = _budgets(max_memory)
+    caps = _budgets(max_memory, cluster)
     gpus = [n for n in caps if n.startswith("cuda:")]
     kinds = _gpu_kinds(cluster, gpus)
     devices = [Device(n, n, kinds[n], caps[n]) for n in gpus]
@@ -113,7 +118,11 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
         devices.append(Device("disk", "cpu", "disk-offload", caps["disk"]))
     if cluster is None:
         return Cluster(tuple(devices))
-    return Cluster(tuple(devices), bandwidth=cluster.bandwidth, latency=cluster.latency)
+    names = {d.name for d in devices}
+    links = {pair: link for pair, link in cluster.links.items() if set(pair) <= names}
+    pairs = {pair: bw for pair, bw in cluster.pair_bandwidth.items() if set(pair) <= names}
+    return Cluster(tuple(devices), bandwidth=cluster.bandwidth, latency=cluster.latency, links=links,
+                   pair_bandwidth=pairs)
 
 
 def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH) -> OpGraph:

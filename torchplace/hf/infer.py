@@ -348,7 +348,7 @@ def infer_device_map(
             map leaves room for.
         dtype: dtype of the dispatched weights (``torch.float16``, ``"bfloat16"``); default: the
             model's.
-        cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"t4"``,
+        cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"cuda-t4"``,
             ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link.
         options: ``kv_cache`` (False: no KV cache), ``specs``, ``disk_bandwidth``, ``time_limit``,
             ``repeats`` (see :func:`plan_device_map`).
