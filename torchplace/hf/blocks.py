@@ -42,6 +42,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchplace.errors import UsageError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
 
@@ -253,7 +254,7 @@ def block_graph(
         The graph; ``graph.meta["hf"]`` holds each node's module path and how it was costed.
 
     Raises:
-        ValueError: for a kind with no spec to estimate with (the message lists the known kinds).
+        UsageError: for a kind with no spec to estimate with (the message lists the known kinds).
     """
     specs = dict(HF_DEVICE_SPECS if specs is None else specs)
     blocks = blocks_of(model, no_split, dtype)
@@ -267,8 +268,9 @@ def block_graph(
     records, costs = _block_records(model, blocks, probe, example_kwargs, scale)
     missing = [k for k in kinds if k not in specs and not (k == "cpu" and probe and _timed(probe))]
     if missing:
-        raise ValueError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
-                         f"{sorted(specs)} (pass specs={{kind: DeviceSpec(...)}})")
+        raise UsageError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
+                         f"{sorted(specs)} (name one of them in the cluster file, or pass "
+                         "specs={kind: DeviceSpec(...)})")
     g = OpGraph(meta={"hf": {"costs": costs, "modules": {}}})
     prev = None
     for i, (b, r) in enumerate(records):
