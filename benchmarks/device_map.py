@@ -139,9 +139,9 @@ def predicted(args) -> list[dict]:
 
 
 def total_need(model, args, dtype) -> int:
-    """Bytes the model needs for the batch on one device: weights + activations + KV cache."""
+    """Bytes the model needs for the batch on one device: weights + KV cache + activation peak."""
     problem = build_problem(model, {"cpu": 2**50}, batch_size=args.batch, sequence_length=args.seq, dtype=dtype)
-    return sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
+    return sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records()) + problem.graph.meta["hf"]["activations"]
 
 
 def _row(r: dict, batch: int) -> str:

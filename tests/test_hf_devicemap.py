@@ -90,15 +90,16 @@ def test_gpu_map_keeps_tied_weights_together_and_prefers_the_fast_gpu(tmp_path):
                        '{"name": "cuda:0", "kind": "cuda-t4", "torch_device": "cuda:0"},'
                        '{"name": "cuda:1", "kind": "cuda", "torch_device": "cuda:1"},'
                        '{"name": "cpu", "kind": "cpu", "torch_device": "cpu"}]}')
-    model = build(gpt2_config(6), "meta")
-    plan = plan_device_map(model, {0: "2MiB", 1: "1500KiB", "cpu": "1GiB"}, cluster=cluster, batch_size=2,
-                           sequence_length=32)
+    config = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=256)
+    model = build(config, "meta")
+    plan = plan_device_map(model, {0: "60MiB", 1: "60MiB", "cpu": "1GiB"}, cluster=cluster, batch_size=8,
+                           sequence_length=128)
     check_device_map(model, plan.device_map)
     for group in find_tied_parameters(model):
         assert len({owner(plan.device_map, n) for n in group}) == 1, group
     fast = [k for k, v in plan.device_map.items() if v == 1]
     assert fast, "nothing on the fast GPU"
-    caps = {0: 2 * 2**20, 1: 1500 * 2**10, "cpu": 2**30}
+    caps = {0: 60 * 2**20, 1: 60 * 2**20, "cpu": 2**30}
     assert all(plan.memory[d] <= caps[d] for d in plan.memory)
     cost = evaluate_device_map(plan.problem, plan.device_map)
     assert cost.fits and cost.seconds == pytest.approx(plan.plan.objective)

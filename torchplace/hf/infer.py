@@ -56,7 +56,8 @@ class DeviceMapPlan:
         plan: the torchplace :class:`Plan` over the model's blocks (predicted seconds per forward
             pass, proven lower bound, solver).
         problem: the problem it was solved for (graph of blocks and cluster).
-        memory: bytes each device needs (weights + activations + KV cache), by accelerate name.
+        memory: bytes each device needs (weights + KV cache + the activation peak on devices that
+            compute), by accelerate name.
         kv_cache: KV cache bytes each device holds, by accelerate name.
     """
 
@@ -67,7 +68,7 @@ class DeviceMapPlan:
     kv_cache: dict[int | str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        caps = {accelerate_name(d.name): d.memory_bytes for d in self.problem.cluster.devices}
+        caps = {accelerate_name(n): b for n, b in self.problem.graph.meta["hf"]["budgets"].items()}
         lines = [f"predicted {self.plan.objective * 1e3:.3f} ms per forward pass "
                  f"(lower bound {self.plan.lower_bound * 1e3:.3f} ms, solver {self.plan.solver})",
                  f"{'device':>8} {'memory':>12} {'KV cache':>12} {'budget':>12}"]
@@ -84,7 +85,7 @@ class MapCost:
 
     Attributes:
         seconds: predicted time of one forward pass of the stated batch.
-        fits: whether every device's memory (weights + activations + KV cache) is within budget.
+        fits: whether every device's memory (weights + KV cache + activation peak) is within budget.
         memory: bytes per device, by accelerate name.
     """
 
@@ -184,45 +185,77 @@ def build_problem(
     kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
     graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
                         dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
-    if kv_cache:
-        graph = _with_kv_cache(model, graph, batch_size, sequence_length, torch_dtype)
+    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache)
+    hw = _reserve(hw, graph)
     graph = offload_times(graph, hw, disk_bandwidth)
     return Problem(graph, hw, objective="latency", contiguous=False)
 
 
-def _with_kv_cache(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None) -> OpGraph:
-    """``graph`` with each block's KV cache added to its working memory (``meta["hf"]["kv_cache"]``)."""
+def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None,
+                  kv_cache: bool) -> OpGraph:
+    """``graph`` with each block's memory beyond its weights split into what stays and what passes.
+
+    The KV cache of a block stays for the whole generation: it becomes the block's ``temp_bytes``,
+    so :func:`torchplace.costmodel.memory` adds it on the device holding the block
+    (``meta["hf"]["kv_cache"]``). Working memory (a block's inputs, outputs and largest
+    intermediate) lives only while the block runs, and blocks run one after the other: a device
+    needs room for the largest block's, not for the sum. That peak, ``meta["hf"]["activations"]``,
+    is kept free on every device that computes (:func:`_reserve`)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
-    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize)
-    graph.meta["hf"]["kv_cache"] = {}
+    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize) if kv_cache else {}
+    graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
+    graph.meta["hf"]["activations"] = max((r.temp_bytes for _, r in graph.records()), default=0)
     for v, path in paths.items():
-        if cache.get(path):
-            graph.replace_record(v, replace(graph.record(v), temp_bytes=graph.record(v).temp_bytes + cache[path]))
-            graph.meta["hf"]["kv_cache"][v] = cache[path]
+        graph.replace_record(v, replace(graph.record(v), temp_bytes=cache.get(path, 0)))
     return graph
+
+
+_OFFLOAD = ("cpu-offload", "disk-offload")
+
+
+def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
+    """``cluster`` with the activation peak taken off the budget of every device that computes
+    (offload devices only store weights: their blocks compute on the main device); the original
+    budgets are kept in ``graph.meta["hf"]["budgets"]``."""
+    peak = graph.meta["hf"]["activations"]
+    graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
+    devices = tuple(d if d.kind in _OFFLOAD or d.memory_bytes is None
+                    else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
+    return replace(cluster, devices=devices)
+
+
+def _with_reserve(problem: Problem, memory: Mapping[str, int]) -> dict[int | str, int]:
+    """Bytes per device by accelerate name: the cost model's plus the activation peak on devices
+    that compute."""
+    peak = problem.graph.meta["hf"]["activations"]
+    return {accelerate_name(d): b + (0 if problem.cluster.device(d).kind in _OFFLOAD else peak)
+            for d, b in memory.items()}
 
 
 def _check_fits(problem: Problem) -> None:
     """Raise InfeasibleError naming what is needed when the budgets cannot hold the model."""
     g, cluster = problem.graph, problem.cluster
     need = {v: r.param_bytes + r.temp_bytes for v, r in g.records()}
-    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
+    peak = g.meta["hf"]["activations"]
+    kv = g.meta["hf"].get("kv_cache", {})
     largest = max(need, key=need.__getitem__)
     biggest = max(d.memory_bytes if d.memory_bytes is not None else float("inf") for d in cluster.devices)
-    kv = g.meta["hf"].get("kv_cache", {})
     if need[largest] > biggest:
         r = g.record(largest)
         raise InfeasibleError(
             f"block {r.name!r} needs {_gib(need[largest])} (weights {_gib(r.param_bytes)}, KV cache "
-            f"{_gib(kv.get(largest, 0))}, activations {_gib(r.temp_bytes - kv.get(largest, 0))}) but the largest "
-            f"budget is {_gib(int(biggest))}: raise max_memory, lower batch_size or sequence_length, "
-            "or allow 'disk'", min_memory_bytes=need[largest])
+            f"{_gib(kv.get(largest, 0))}) and a device that computes also keeps {_gib(peak)} free for the "
+            f"activations of the batch, but the largest budget leaves {_gib(biggest)}: raise max_memory "
+            f"(to at least {_gib(need[largest] + peak)}), lower batch_size or sequence_length, or allow 'disk'",
+            min_memory_bytes=need[largest] + peak)
+    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
     if not any(d.memory_bytes is None for d in cluster.devices) and total > room:
         raise InfeasibleError(
-            f"the model needs {_gib(total)} (weights, activations and a KV cache of {_gib(sum(kv.values()))}) "
-            f"but max_memory allows {_gib(room)} in all: raise max_memory, lower batch_size or sequence_length, "
-            "or add 'disk'", min_memory_bytes=total)
+            f"the model needs {_gib(total)} (weights and a KV cache of {_gib(sum(kv.values()))}) plus "
+            f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
+            "in all: raise max_memory, lower batch_size or sequence_length, or add 'disk'",
+            min_memory_bytes=total + peak)
 
 
 def _to_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, int | str]:
@@ -306,7 +339,7 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
         for v in s.nodes:
             if kv.get(v):
                 held[accelerate_name(s.device)] = held.get(accelerate_name(s.device), 0) + kv[v]
-    memory = {accelerate_name(d): b for d, b in device_memory(problem, plan.stages).items()}
+    memory = _with_reserve(problem, device_memory(problem, plan.stages))
     return DeviceMapPlan(_to_map(model, problem, plan), plan, problem, memory, held)
 
 
@@ -396,4 +429,4 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     memory = device_memory(problem, stages)
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
     fits = all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
-    return MapCost(seconds, fits, {accelerate_name(d): b for d, b in memory.items()})
+    return MapCost(seconds, fits, _with_reserve(problem, memory))
