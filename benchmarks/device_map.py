@@ -118,10 +118,11 @@ def predicted(args) -> list[dict]:
     for name, (config, auto) in models(args.quick).items():
         model = meta(config, auto)
         w = weight_bytes(model, dtype.itemsize)
-        need = total_need(model, args, dtype)
-        # each GPU holds 60% of what the model needs for the batch (weights + activations + KV cache):
-        # the two GPUs hold it, one does not; the host has room for everything
-        budget = {0: int(args.share * need), 1: int(args.share * need), "cpu": 64 * 2**30}
+        stored, peak = need(model, args, dtype)
+        # each GPU: room for the largest block's activations + 60% of the weights and KV cache of the
+        # batch: the two GPUs hold the model, one does not; the host has room for everything
+        gpu = peak + int(args.share * stored)
+        budget = {0: gpu, 1: gpu, "cpu": 64 * 2**30}
         for fast_first in (True, False):
             label = "fast GPU 0" if fast_first else "slow GPU 0"
             problem = build_problem(model, budget, batch_size=args.batch, sequence_length=args.seq, dtype=dtype,
@@ -138,10 +139,11 @@ def predicted(args) -> list[dict]:
     return rows
 
 
-def total_need(model, args, dtype) -> int:
-    """Bytes the model needs for the batch on one device: weights + KV cache + activation peak."""
+def need(model, args, dtype) -> tuple[int, int]:
+    """(weights + KV cache of the batch, the largest block's activations) in bytes."""
     problem = build_problem(model, {"cpu": 2**50}, batch_size=args.batch, sequence_length=args.seq, dtype=dtype)
-    return sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records()) + problem.graph.meta["hf"]["activations"]
+    stored = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
+    return stored, problem.graph.meta["hf"]["activations"]
 
 
 def _row(r: dict, batch: int) -> str:
@@ -219,7 +221,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--measured-only", action="store_true", help="only the measured cpu + disk comparison")
-    ap.add_argument("--share", type=float, default=0.6, help="each GPU's budget as a share of the model's need")
+    ap.add_argument("--share", type=float, default=0.6,
+                    help="each GPU's budget: this share of weights + KV cache, plus the largest block's activations")
     args = ap.parse_args()
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}")
     print(f"# batch {args.batch}, sequence {args.seq}, float16 weights; ms per sample predicted by the cost model; "

@@ -121,7 +121,8 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
              sequence_length: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
     batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for encoder-decoder models), with ``use_cache``
-    off where the model takes it (the KV cache is sized separately)."""
+    off where the model takes it (the KV cache is sized separately) and, for a model that generates,
+    ``logits_to_keep=1`` as ``generate()`` passes it (logits of the last token only)."""
     kwargs = dict(example_kwargs or {})
     if example_inputs is not None and example_inputs != ():
         args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -135,8 +136,12 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = kwargs["input_ids"]
-    if "use_cache" in inspect.signature(model.forward).parameters:
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
         kwargs.setdefault("use_cache", False)
+    can = getattr(model, "can_generate", None)
+    if "logits_to_keep" in params and callable(can) and can():
+        kwargs.setdefault("logits_to_keep", 1)  # as generate() runs its prefill: the last token's logits
     return kwargs
 
 
@@ -259,14 +264,27 @@ def _check_fits(problem: Problem) -> None:
 
 
 def _to_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, int | str]:
-    """The plan as accelerate's device_map: the highest module paths whose blocks share a device."""
+    """The plan as accelerate's device_map: the highest module paths whose blocks share a device.
+
+    Blocks without parameters or buffers (dropout, activations) are left out: they hold nothing to
+    place and run where their input is, and accelerate refuses to offload a module with no weights
+    to ``"disk"`` (its offload folder would have no index)."""
     paths = problem.graph.meta["hf"]["modules"]
+    holders = {n.rpartition(".")[0] for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                                 *model.named_buffers(remove_duplicate=False)]}
     leaves: dict[str, int | str] = {}
     for s in plan.stages:
         for v in s.nodes:
-            r = problem.graph.record(v)
-            names = _direct_names(model, paths[v]) if r.op == "block:<direct>" else (paths[v],)
+            r, path = problem.graph.record(v), paths[v]
+            if r.op == "block:<direct>":
+                names: tuple[str, ...] = _direct_names(model, path)
+            elif any(h == path or h.startswith(f"{path}.") or not path for h in holders):
+                names = (path,)
+            else:
+                continue
             leaves.update(dict.fromkeys(names, accelerate_name(s.device)))
+    if not leaves:
+        return {"": accelerate_name(plan.stages[0].device)}
     return collapse(leaves)
 
 
