@@ -10,7 +10,8 @@ A100-like GPU, a slow T4-like GPU, the host; GPU 0 fast or GPU 0 slow), the same
 - torchplace: :func:`torchplace.hf.solve_device_map`;
 - accelerate ``infer_auto_device_map`` with the budgets as given (``sequential``) and with
   ``get_balanced_memory`` (``balanced``, what ``device_map="auto"`` does with several GPUs, and
-  ``balanced_low_0``);
+  ``balanced_low_0``); and the same three with each GPU's budget lowered by the largest block's
+  activations and half the KV cache (``+room``: the headroom a careful user would leave by hand);
 - an equal-layer split: the no-split layers in equal numbers over the GPUs in id order, the
   modules before the first layer with it, those after the last with it, tied modules together.
 
@@ -100,15 +101,22 @@ def equal_split(model, problem) -> dict[str, int]:
     return {paths[v]: where[v] for v in order if paths[v]}
 
 
-def accelerate_maps(model, budget, dtype) -> dict[str, dict]:
+def accelerate_maps(model, budget, dtype, headroom: int) -> dict[str, dict]:
+    """accelerate's maps for ``budget``, and (``+room``) for ``budget`` less ``headroom`` bytes per
+    GPU, as a user who knows about the KV cache and activations would ask."""
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     ns = model._no_split_modules or None
-    out = {"sequential": infer_auto_device_map(model, max_memory=dict(budget), no_split_module_classes=ns, dtype=dtype)}
-    for name, low in (("balanced", False), ("balanced_low_0", True)):
-        mem = get_balanced_memory(model, max_memory=dict(budget), no_split_module_classes=ns, dtype=dtype, low_zero=low)
-        out[name] = infer_auto_device_map(model, max_memory=mem, no_split_module_classes=ns, dtype=dtype)
+    roomy = {k: (max(v - headroom, 0) if isinstance(k, int) else v) for k, v in budget.items()}
+    out = {}
+    for suffix, mem in (("", budget), ("+room", roomy)):
+        out["sequential" + suffix] = infer_auto_device_map(model, max_memory=dict(mem), no_split_module_classes=ns,
+                                                           dtype=dtype)
+        for name, low in (("balanced", False), ("balanced_low_0", True)):
+            bal = get_balanced_memory(model, max_memory=dict(mem), no_split_module_classes=ns, dtype=dtype,
+                                      low_zero=low)
+            out[name + suffix] = infer_auto_device_map(model, max_memory=bal, no_split_module_classes=ns, dtype=dtype)
     return out
 
 
@@ -118,7 +126,7 @@ def predicted(args) -> list[dict]:
     for name, (config, auto) in models(args.quick).items():
         model = meta(config, auto)
         w = weight_bytes(model, dtype.itemsize)
-        stored, peak = need(model, args, dtype)
+        stored, peak, kv = need(model, args, dtype)
         # each GPU: room for the largest block's activations + 60% of the weights and KV cache of the
         # batch: the two GPUs hold the model, one does not; the host has room for everything
         gpu = peak + int(args.share * stored)
@@ -130,7 +138,7 @@ def predicted(args) -> list[dict]:
             t0 = time.perf_counter()
             ours = solve_device_map(model, problem, time_limit=args.time_limit)
             solve_s = time.perf_counter() - t0
-            maps = {"torchplace": ours.device_map, **accelerate_maps(model, budget, dtype),
+            maps = {"torchplace": ours.device_map, **accelerate_maps(model, budget, dtype, peak + kv // 2),
                     "equal layers": equal_split(model, problem)}
             costs = {k: evaluate_device_map(problem, m) for k, m in maps.items()}
             rows.append({"model": name, "cluster": label, "costs": costs, "solve_s": solve_s,
@@ -139,29 +147,33 @@ def predicted(args) -> list[dict]:
     return rows
 
 
-def need(model, args, dtype) -> tuple[int, int]:
-    """(weights + KV cache of the batch, the largest block's activations) in bytes."""
+def need(model, args, dtype) -> tuple[int, int, int]:
+    """(weights + KV cache of the batch, the largest block's activations, the KV cache) in bytes."""
     problem = build_problem(model, {"cpu": 2**50}, batch_size=args.batch, sequence_length=args.seq, dtype=dtype)
     stored = sum(r.param_bytes + r.temp_bytes for _, r in problem.graph.records())
-    return stored, problem.graph.meta["hf"]["activations"]
+    return stored, problem.graph.meta["hf"]["activations"], sum(problem.graph.meta["hf"]["kv_cache"].values())
+
+
+ACCELERATE = ("sequential", "balanced", "balanced_low_0", "sequential+room", "balanced+room", "balanced_low_0+room")
 
 
 def _row(r: dict, batch: int) -> str:
     c = r["costs"]
     cells = [f"{r['model']:<8} {r['cluster']:<11}"]
-    for k in ("torchplace", "sequential", "balanced", "balanced_low_0", "equal layers"):
+    for k in ("torchplace", *ACCELERATE, "equal layers"):
         cells.append(f"{c[k].seconds / batch * 1e3:8.3f}{'' if c[k].fits else '*':1}")
     ours = c["torchplace"].seconds
-    acc = min([c[k].seconds for k in ("sequential", "balanced", "balanced_low_0") if c[k].fits], default=None)
-    cells.append(f"{acc / ours:6.2f}x" if acc else "   OOM ")
-    cells.append(f"{c['balanced'].seconds / ours:6.2f}x")
+    fitting = [k for k in ACCELERATE if c[k].fits]
+    best = min(fitting, key=lambda k: c[k].seconds, default=None)
+    cells.append(f"{c[best].seconds / ours:6.2f}x {best:<19}" if best else f"{'   OOM':<27}")
+    cells.append(f"{c['balanced'].seconds / ours:6.2f}x{'' if c['balanced'].fits else '*'}")
     cells.append(f"{c['equal layers'].seconds / ours:6.2f}x{'' if c['equal layers'].fits else '*'}")
     cells.append(f"{r['solve_s']:6.1f}")
     return " ".join(cells)
 
 
-HEADER = ("model    cluster     torchplace sequential   balanced   bal_low0  equal lay. vs best acc. "
-          "vs auto vs equal solve s")
+HEADER = ("model    cluster     torchplace sequential balanced  bal_low0   seq+room  bal+room  "
+          "low0+room equal lay. vs best fitting accelerate  vs auto vs equal solve s")
 
 
 def measured(args) -> list[tuple[str, float, bool, float, dict]]:

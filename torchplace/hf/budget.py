@@ -23,7 +23,10 @@ from torchplace.errors import UsageError
 from torchplace.graph import OpGraph
 from torchplace.units import parse_memory
 
-__all__ = ["DISK_BANDWIDTH", "accelerate_name", "hf_cluster", "kv_cache_bytes", "offload_times"]
+__all__ = ["DISK_BANDWIDTH", "OFFLOAD_KINDS", "accelerate_name", "hf_cluster", "kv_cache_bytes", "offload_times"]
+
+OFFLOAD_KINDS = ("cpu-offload", "disk-offload")
+"""Kinds of devices that only store weights: their blocks compute on the main device."""
 
 DISK_BANDWIDTH = 2e9
 """Bytes/s read from an offload folder (an NVMe SSD); ``disk_bandwidth=`` overrides it."""

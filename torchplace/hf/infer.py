@@ -30,18 +30,25 @@ from torch import nn
 
 from torchplace import solvers
 from torchplace.checks import brief, positive_int
-from torchplace.costmodel import device_memory, evaluate_stages
+from torchplace.costmodel import device_memory
 from torchplace.devices import Cluster
 from torchplace.errors import InfeasibleError, UsageError
 from torchplace.graph import OpGraph
 from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
-from torchplace.hf.budget import DISK_BANDWIDTH, accelerate_name, hf_cluster, kv_cache_bytes, offload_times
-from torchplace.plan import Plan, Stage
+from torchplace.hf.budget import (
+    DISK_BANDWIDTH,
+    OFFLOAD_KINDS,
+    accelerate_name,
+    hf_cluster,
+    kv_cache_bytes,
+    offload_times,
+)
+from torchplace.hf.maps import to_device_map, with_reserve
+from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
 
-__all__ = ["DeviceMapPlan", "MapCost", "build_problem", "collapse", "evaluate_device_map", "infer_device_map",
-           "plan_device_map", "solve_device_map"]
+__all__ = ["DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -79,21 +86,6 @@ class DeviceMapPlan:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class MapCost:
-    """What a device map (anyone's) costs under torchplace's cost model.
-
-    Attributes:
-        seconds: predicted time of one forward pass of the stated batch.
-        fits: whether every device's memory (weights + KV cache + activation peak) is within budget.
-        memory: bytes per device, by accelerate name.
-    """
-
-    seconds: float
-    fits: bool
-    memory: dict[int | str, int]
-
-
 def _gib(n: int | float | None) -> str:
     """Bytes in the largest binary unit that keeps the number at least 1 (``"1.50 GiB"``)."""
     if n is None:
@@ -120,8 +112,8 @@ def _device_of(model: nn.Module) -> torch.device:
 def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None, batch_size: int,
              sequence_length: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
-    batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for encoder-decoder models), with ``use_cache``
-    off where the model takes it (the KV cache is sized separately) and, for a model that generates,
+    batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for
+    encoder-decoder models), with ``use_cache`` off where the model takes it (the KV cache is sized separately) and, for a model that generates,
     ``logits_to_keep=1`` as ``generate()`` passes it (logits of the last token only)."""
     kwargs = dict(example_kwargs or {})
     if example_inputs is not None and example_inputs != ():
@@ -190,10 +182,28 @@ def build_problem(
     kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
     graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
                         dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+    graph = _follow_inputs(model, graph)
     graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache)
     hw = _reserve(hw, graph)
     graph = offload_times(graph, hw, disk_bandwidth)
     return Problem(graph, hw, objective="latency", contiguous=False)
+
+
+def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
+    """``graph`` with every block that holds no parameter or buffer colocated with the block before
+    it: accelerate gives such a module no hook, so it runs where its input is."""
+    holders = {n.rpartition(".")[0] for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                                 *model.named_buffers(remove_duplicate=False)]}
+    prev = None
+    for v in graph.topological_order():
+        r = graph.record(v)
+        empty = r.op != "block:<direct>" and not any(h == r.module or h.startswith(f"{r.module}.") for h in holders)
+        if empty and prev is not None and r.module:
+            label = graph.record(prev).colocation or f"follows:{prev}"
+            graph.replace_record(prev, replace(graph.record(prev), colocation=label))
+            graph.replace_record(v, replace(r, colocation=label))
+        prev = v
+    return graph
 
 
 def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None,
@@ -216,26 +226,15 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     return graph
 
 
-_OFFLOAD = ("cpu-offload", "disk-offload")
-
-
 def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
     """``cluster`` with the activation peak taken off the budget of every device that computes
     (offload devices only store weights: their blocks compute on the main device); the original
     budgets are kept in ``graph.meta["hf"]["budgets"]``."""
     peak = graph.meta["hf"]["activations"]
     graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
-    devices = tuple(d if d.kind in _OFFLOAD or d.memory_bytes is None
+    devices = tuple(d if d.kind in OFFLOAD_KINDS or d.memory_bytes is None
                     else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
     return replace(cluster, devices=devices)
-
-
-def _with_reserve(problem: Problem, memory: Mapping[str, int]) -> dict[int | str, int]:
-    """Bytes per device by accelerate name: the cost model's plus the activation peak on devices
-    that compute."""
-    peak = problem.graph.meta["hf"]["activations"]
-    return {accelerate_name(d): b + (0 if problem.cluster.device(d).kind in _OFFLOAD else peak)
-            for d, b in memory.items()}
 
 
 def _check_fits(problem: Problem) -> None:
@@ -261,60 +260,6 @@ def _check_fits(problem: Problem) -> None:
             f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
             "in all: raise max_memory, lower batch_size or sequence_length, or add 'disk'",
             min_memory_bytes=total + peak)
-
-
-def _to_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, int | str]:
-    """The plan as accelerate's device_map: the highest module paths whose blocks share a device.
-
-    Blocks without parameters or buffers (dropout, activations) are left out: they hold nothing to
-    place and run where their input is, and accelerate refuses to offload a module with no weights
-    to ``"disk"`` (its offload folder would have no index)."""
-    paths = problem.graph.meta["hf"]["modules"]
-    holders = {n.rpartition(".")[0] for n, _ in [*model.named_parameters(remove_duplicate=False),
-                                                 *model.named_buffers(remove_duplicate=False)]}
-    leaves: dict[str, int | str] = {}
-    for s in plan.stages:
-        for v in s.nodes:
-            r, path = problem.graph.record(v), paths[v]
-            if r.op == "block:<direct>":
-                names: tuple[str, ...] = _direct_names(model, path)
-            elif any(h == path or h.startswith(f"{path}.") or not path for h in holders):
-                names = (path,)
-            else:
-                continue
-            leaves.update(dict.fromkeys(names, accelerate_name(s.device)))
-    if not leaves:
-        return {"": accelerate_name(plan.stages[0].device)}
-    return collapse(leaves)
-
-
-def _direct_names(model: nn.Module, path: str) -> tuple[str, ...]:
-    m = model.get_submodule(path)
-    prefix = f"{path}." if path else ""
-    return tuple(prefix + n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)])
-
-
-def collapse(leaves: Mapping[str, int | str]) -> dict[str, int | str]:
-    """Merge ``leaves`` (module paths or tensor names -> device) into the highest paths whose
-    entries all share a device (``{"": d}`` when there is one device), in the leaves' order."""
-    def under(path: str) -> list[str]:
-        return [n for n in leaves if not path or n == path or n.startswith(f"{path}.")]
-
-    out: dict[str, int | str] = {}
-
-    def visit(path: str) -> None:
-        names = under(path)
-        if len({leaves[n] for n in names}) == 1:
-            out[path] = leaves[names[0]]
-            return
-        prefix = f"{path}." if path else ""
-        for child in dict.fromkeys(n[len(prefix):].partition(".")[0] for n in names):
-            visit(prefix + child)
-
-    if leaves:
-        visit("")
-    order = {n: i for i, n in enumerate(leaves)}
-    return dict(sorted(out.items(), key=lambda kv: min(order[n] for n in under(kv[0]))))
 
 
 def plan_device_map(
@@ -357,8 +302,8 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
         for v in s.nodes:
             if kv.get(v):
                 held[accelerate_name(s.device)] = held.get(accelerate_name(s.device), 0) + kv[v]
-    memory = _with_reserve(problem, device_memory(problem, plan.stages))
-    return DeviceMapPlan(_to_map(model, problem, plan), plan, problem, memory, held)
+    memory = with_reserve(problem, device_memory(problem, plan.stages))
+    return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
 
 
 def infer_device_map(
@@ -415,36 +360,3 @@ def infer_device_map(
     return plan_device_map(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
                            no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                            sequence_length=sequence_length, dtype=dtype, cluster=cluster, **options).device_map
-
-
-def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapCost:
-    """What ``device_map`` (e.g. accelerate's) costs on ``problem`` (from :func:`build_problem`).
-
-    Each block goes where the longest key of the map covering its module path sends it; a block no
-    key covers (a module without weights) runs where the block before it runs. The plan is
-    evaluated by :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map
-    that breaks a budget (or splits tied weights) is still timed and reported as not fitting.
-    """
-    paths = problem.graph.meta["hf"]["modules"]
-    names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
-    stages: list[Stage] = []
-    prev = problem.cluster.devices[0].name
-    for v in problem.graph.topological_order():
-        path = paths[v]
-        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")]
-        if keys:
-            value = str(device_map[max(keys, key=len)])
-            if value.startswith("cuda:"):
-                value = value.split(":")[1]
-            if value not in names:
-                raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}")
-            prev = names[value]
-        if stages and stages[-1].device == prev:
-            stages[-1] = Stage(prev, (*stages[-1].nodes, v))
-        else:
-            stages.append(Stage(prev, (v,)))
-    seconds, _ = evaluate_stages(problem, stages)
-    memory = device_memory(problem, stages)
-    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
-    fits = all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
-    return MapCost(seconds, fits, _with_reserve(problem, memory))
