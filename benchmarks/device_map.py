@@ -142,6 +142,7 @@ def predicted(args) -> list[dict]:
                     "equal layers": equal_split(model, problem)}
             costs = {k: evaluate_device_map(problem, m) for k, m in maps.items()}
             rows.append({"model": name, "cluster": label, "costs": costs, "solve_s": solve_s,
+                         "status": f"{ours.plan.status} gap {ours.plan.gap:.0%}",
                          "bound": ours.plan.lower_bound, "weights": w, "costing": problem.graph.meta["hf"]["costs"]})
             print(_row(rows[-1], args.batch), flush=True)
     return rows
@@ -168,12 +169,12 @@ def _row(r: dict, batch: int) -> str:
     cells.append(f"{c[best].seconds / ours:6.2f}x {best:<19}" if best else f"{'   OOM':<27}")
     cells.append(f"{c['balanced'].seconds / ours:6.2f}x{'' if c['balanced'].fits else '*'}")
     cells.append(f"{c['equal layers'].seconds / ours:6.2f}x{'' if c['equal layers'].fits else '*'}")
-    cells.append(f"{r['solve_s']:6.1f}")
+    cells.append(f"{r['solve_s']:6.1f} {r['status']}")
     return " ".join(cells)
 
 
 HEADER = ("model    cluster     torchplace sequential balanced  bal_low0   seq+room  bal+room  "
-          "low0+room equal lay. vs best fitting accelerate  vs auto vs equal solve s")
+          "low0+room equal lay. vs best fitting accelerate  vs auto vs equal solve s, status")
 
 
 def measured(args) -> list[tuple[str, float, bool, float, dict]]:
