@@ -99,6 +99,7 @@ def test_gpu_map_keeps_tied_weights_together_and_prefers_the_fast_gpu(tmp_path):
     plan = plan_device_map(model, {0: "60MiB", 1: "60MiB", "cpu": "1GiB"}, cluster=cluster, batch_size=8,
                            sequence_length=128)
     check_device_map(model, plan.device_map)
+    assert "disk" not in plan.device_map.values()  # disk only when max_memory names it
     for group in find_tied_parameters(model):
         assert len({owner(plan.device_map, n) for n in group}) == 1, group
     fast = [k for k, v in plan.device_map.items() if v == 1]
