@@ -178,10 +178,15 @@ def build_problem(
     torch_dtype = _dtype(dtype)
     hw = hf_cluster(max_memory, _load_cluster(cluster))
     kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
-    model.eval()
     kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
-    graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
-                        dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # probed as it will run: inference (dropout off)
+    try:
+        graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
+                            dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+    finally:
+        for m, was in modes.items():
+            m.training = was
     graph = _follow_inputs(model, graph)
     graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache)
     hw = _reserve(hw, graph)
