@@ -19,6 +19,27 @@ def workloads_dir() -> Path:
     return WORKLOADS
 
 
+@pytest.fixture(scope="session", autouse=True)
+def keep_splits():
+    """Tests place models to exercise splits: keep them split (place()'s default runs the whole model
+    on one device when that is predicted faster, which for the suite's tiny models it nearly always
+    is, and the split would go untested). Session-wide, so module-scoped fixtures see it too; tests
+    marked ``single_device_fallback`` get place()'s own default back (:func:`place_default`)."""
+    import torchplace.callplan
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torchplace.callplan, "ALLOW_SINGLE_DEVICE", False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def place_default(request, monkeypatch):
+    if request.node.get_closest_marker("single_device_fallback") is not None:
+        import torchplace.callplan
+
+        monkeypatch.setattr(torchplace.callplan, "ALLOW_SINGLE_DEVICE", True)
+
+
 @pytest.fixture
 def mha_fastpath_off():
     """Run references on PyTorch's ordinary attention path.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace import solvers
+from torchplace import callplan, solvers
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
@@ -27,6 +27,8 @@ from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, profile_meta
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
+from torchplace.runtime.microbatch import batch_size, scatter
+from torchplace.runtime.overhead import executor_overheads
 
 __all__ = ["PlacedModule", "place", "placed"]
 
@@ -44,11 +46,12 @@ def place(
     recompute: bool = True,
     contiguous: bool = True,
     time_limit: float | None = None,
-    microbatches: int = 4,
+    microbatches: int | str = 4,
     granularity: str = "operator",
     leaf_modules: Iterable[type | str] = (),
     max_memory: Mapping[str, int | str] | None = None,
     share_cores: bool = False,
+    allow_single_device: bool | None = None,
     solver: str = "auto",
     fuse: bool | None = None,
     trace_method: str = "auto",
@@ -97,7 +100,13 @@ def place(
         contiguous: whether each device must hold one contiguous piece (throughput only; with
             ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
-        microbatches: micro-batches each call's batch is split into (throughput only).
+        microbatches: micro-batches each call's batch is split into (throughput only), or
+            ``"auto"`` (inference): every ``m`` dividing the example batch up to
+            :data:`~torchplace.callplan.AUTO_MAX_MICROBATCHES` is predicted and the one with the
+            shortest predicted call is kept. The prediction (:mod:`torchplace.callmodel`) runs the
+            executor's schedule with each stage timed on one micro-batch (the graph is profiled
+            again at that size) and the executor's overheads; the plan prints it
+            (``placed.plan``, ``placed.microbatches``).
         granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
         leaf_modules: module classes, or their names (``["GPT2Block"]``), to keep whole (like
             accelerate's ``no_split_module_classes``).
@@ -107,6 +116,13 @@ def place(
             competing for every core. CPU kernels round by thread count: outputs then equal the
             model run with that many threads (``torch.set_num_threads``), not bit for bit the
             model run with all of them. ``Device(..., threads=)`` sets one device's count.
+        allow_single_device: when the whole model on one of ``devices`` (one that holds it) is
+            predicted to run a call faster than the solved split, run it there instead (an
+            inference call then runs unsplit, ``m = 1``), with a
+            :class:`~torchplace.errors.PlacementWarning` and a line in the printed plan saying so.
+            ``False`` always keeps the split (the plan still prints the comparison); ``None``, the
+            default, is ``True`` (:data:`torchplace.callplan.ALLOW_SINGLE_DEVICE`). A ``plan=``
+            given by the user is never replaced.
         solver: a name from :data:`torchplace.solvers.METHODS`, or ``"auto"``.
         fuse: solve on a coarsened graph (MOIRAI fusion rules + Baechi co-placement,
             :func:`torchplace.fusion.coarsen`) and expand the plan back to every operator. Fusion
@@ -163,7 +179,16 @@ def place(
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
         raise UsageError(f"fuse must be True, False or None (fuse only big graphs), got {brief(fuse)}")
-    microbatches = positive_int(microbatches, "microbatches")
+    if microbatches == "auto":
+        if mode == "training":
+            raise UsageError("microbatches='auto' is for inference (a training plan's memory depends on m, so the "
+                             "solver needs it first): give the number of micro-batches, e.g. microbatches=4")
+    else:
+        microbatches = positive_int(microbatches, "microbatches")
+    if allow_single_device is None:
+        allow_single_device = callplan.ALLOW_SINGLE_DEVICE
+    if not isinstance(allow_single_device, bool):
+        raise UsageError(f"allow_single_device must be True or False, got {brief(allow_single_device)}")
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
     args, kwargs = example_call(example_inputs, example_kwargs)
@@ -192,12 +217,13 @@ def place(
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}
     graph = None if given is None else cached_graph(given.meta, traced, mode, kinds, settings, source=_source(plan))
+    cached = graph is not None
     if graph is None:
         graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress,
                         grad=training, threads=threads)
         if training:
             graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
-    pipeline = Pipeline(microbatches, schedule, recompute) if training else None  # type: ignore[arg-type]
+    pipeline = Pipeline(int(microbatches), schedule, recompute) if training else None  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
@@ -206,14 +232,36 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    placed = PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    m = 1
+    if len(graph) > 0:
+        def profile_microbatch(m: int) -> Any:  # the graph's times on one of m micro-batches (None: costs cached)
+            if cached:
+                return None
+            chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
+            return profile(traced, chunk_args, chunk_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
+                           progress=progress, grad=training, threads=threads)
+
+        decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
+                                   overheads=executor_overheads(), allow_single_device=allow_single_device,
+                                   given=given is not None)
+        solved, m = decision.plan, decision.microbatches
+    placed = PlacedModule(traced, problem, solved, m, example=(args, kwargs) if training else None)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
         placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, microbatches))
+                                  build=lambda p: PlacedModule(traced, problem, p, m))
     placed.plan.meta[CACHE_KEY] = profile_meta(traced, graph, mode, settings)  # so plan= can skip profiling next time
     return placed
+
+
+def _batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """The example batch micro-batches split (``None`` when the inputs have no common one: the
+    executor then refuses to split, and the prediction takes one micro-batch)."""
+    try:
+        return batch_size(args, kwargs)
+    except ValueError:
+        return None
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],

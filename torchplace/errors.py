@@ -9,6 +9,7 @@ __all__ = [
     "InvalidPlanError",
     "MissingDependencyError",
     "ModelTooLargeError",
+    "PlacementWarning",
     "SolverLimitError",
     "StageError",
     "TooManyIdealsError",
@@ -105,3 +106,9 @@ class ModelTooLargeError(SolverLimitError):
 
 class MissingDependencyError(TorchplaceError, ImportError):
     """An optional dependency a feature needs is not installed; the message names the pip command."""
+
+
+class PlacementWarning(UserWarning):
+    """``place()`` ran something other than the split it solved for, and says why: the whole model
+    on one device is predicted faster than the plan (:mod:`torchplace.callplan`); pass
+    ``allow_single_device=False`` to keep the split."""

@@ -16,6 +16,7 @@ from typing import Any
 import networkx as nx
 
 from torchplace import costmodel
+from torchplace.callmodel import describe as describe_call
 from torchplace.costmodel import StageCost
 from torchplace.errors import InvalidPlanError
 from torchplace.files import read_json, write_json
@@ -208,7 +209,7 @@ class Plan:
         lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
         if len({s.device for s in self.stages}) < len(self.stages):
             lines.append("(a device with several stages shows its whole load on each of its stages)")
-        return "\n".join([head, *lines])
+        return "\n".join([head, *lines, *describe_call(self.meta)])  # the predicted call, when place() made one
 
     def to_json(self) -> dict[str, Any]:
         return {

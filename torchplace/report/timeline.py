@@ -5,12 +5,11 @@ Nothing here says what anything costs: stage and node times come from the one co
 :func:`~torchplace.costmodel.simulate`), and pipeline orders from the schedules the runtime runs
 (:mod:`torchplace.runtime.schedule`). This module only lays those out in time:
 
-- inference, throughput: the fill-drain of ``m`` micro-batches, each worker running its
-  (micro-batch, segment) pairs in :func:`~torchplace.runtime.schedule.worker_orders` order; a pair
-  starts when its worker is free and the micro-batch left the segment before; a stage's bar is its
-  cost divided by ``m``.
-- training: the plan's GPipe or 1F1B actions (:func:`~torchplace.runtime.schedule.training_schedule`)
-  per worker; a forward waits for the stage before, a backward for the stage after.
+- inference, throughput: the fill-drain of ``m`` micro-batches as the call-time clock runs it
+  (:func:`torchplace.callmodel.simulate_inference`, without the executor's overheads); a stage's
+  bar is its cost divided by ``m``.
+- training: the plan's GPipe or 1F1B actions on the same clock
+  (:func:`torchplace.callmodel.simulate_training`).
 - latency: the cost model's simulation of one sample, each node on its device row and each
   transfer on its ``src -> dst`` row.
 """
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torchplace import costmodel
 from torchplace.plan import Plan
@@ -81,65 +79,24 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
 
 
 def _pipeline(times: Sequence[tuple[str, float]], m: int) -> list[Bar]:
-    from torchplace.runtime.schedule import segments, worker_orders
+    """The inference clock of :func:`torchplace.callmodel.simulate_inference` (no overheads), a
+    stage's bar being its cost divided by ``m``."""
+    from torchplace.callmodel import simulate_inference
 
-    segs = segments([d for d, _ in times])
-    free = dict.fromkeys((w for w, _ in segs), 0.0)
-    left: dict[tuple[int, int], float] = {}  # (micro-batch, segment) -> when it finished
-    bars: list[Bar] = []
-    orders = worker_orders(m, [w for w, _ in segs])
-    pending = {w: list(o) for w, o in orders.items()}
-    while any(pending.values()):  # take each worker's next pair once its input has left the segment before
-        progressed = False
-        for worker, order in pending.items():
-            if not order or (order[0][1] > 0 and (order[0][0], order[0][1] - 1) not in left):
-                continue
-            i, seg = order.pop(0)
-            t = max(free[worker], left.get((i, seg - 1), 0.0))
-            for s in segs[seg][1]:
-                dur = times[s][1] / m
-                bars.append(Bar(worker, t, t + dur, s, i, "F", f"stage {s}, micro-batch {i}"))
-                t += dur
-            free[worker] = left[(i, seg)] = t
-            progressed = True
-        if not progressed:
-            raise AssertionError("worker_orders gave an order that cannot run")
-    return bars
+    call = simulate_inference([(d, t / m) for d, t in times], m)
+    return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, "F", f"stage {t.stage}, micro-batch {t.microbatch}")
+            for t in call.tasks]
 
 
 def _training(problem: Problem, plan: Plan, m: int) -> list[Bar]:
-    from torchplace.runtime.schedule import per_worker, training_schedule
+    """The training clock of :func:`torchplace.callmodel.simulate_training` (no overheads)."""
+    from torchplace.callmodel import simulate_training, training_microbatch_times
 
-    times = costmodel.training_stage_times(problem, plan.stages)
-    n = len(times)
-    workers = [d for d, _, _ in times]
-    orders = {w: list(o) for w, o in per_worker(training_schedule(problem.pipeline.schedule, m, n), workers).items()}
-    done: dict[Any, float] = {}
-    free = dict.fromkeys(orders, 0.0)
-    bars: list[Bar] = []
-    while any(orders.values()):
-        progressed = False
-        for worker, order in orders.items():
-            if not order:
-                continue
-            a = order[0]
-            if a.kind == "F":
-                dep = (("F", a.microbatch, a.stage - 1),) if a.stage > 0 else ()
-            else:
-                dep = (("B", a.microbatch, a.stage + 1),) if a.stage < n - 1 else (("F", a.microbatch, n - 1),)
-            if any(d not in done for d in dep):
-                continue
-            order.pop(0)
-            start = max([free[worker], *(done[d] for d in dep)])
-            dur = (times[a.stage][1] if a.kind == "F" else times[a.stage][2]) / m
-            free[worker] = done[(a.kind, a.microbatch, a.stage)] = start + dur
-            pass_name = "forward" if a.kind == "F" else "backward"
-            bars.append(Bar(worker, start, start + dur, a.stage, a.microbatch, a.kind,
-                            f"{pass_name} of stage {a.stage}, micro-batch {a.microbatch}"))
-            progressed = True
-        if not progressed:
-            raise AssertionError("the training schedule cannot run")
-    return bars
+    assert problem.pipeline is not None
+    call = simulate_training(training_microbatch_times(problem, plan.stages, m), m, problem.pipeline.schedule)
+    names = {"F": "forward", "B": "backward"}
+    return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, t.kind,
+                f"{names[t.kind]} of stage {t.stage}, micro-batch {t.microbatch}") for t in call.tasks]
 
 
 def _latency(problem: Problem, plan: Plan) -> list[Bar]:

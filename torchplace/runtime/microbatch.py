@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["gather", "scatter"]
+__all__ = ["batch_size", "gather", "scatter"]
 
 
 def _batch_size(leaves: Sequence[Any]) -> int | None:
@@ -37,6 +37,16 @@ def _batch_size(leaves: Sequence[Any]) -> int | None:
             "splits every tensor input along dim 0 as the batch dimension; use microbatches=1"
         )
     return sizes.pop() if sizes else None
+
+
+def batch_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """The batch :func:`scatter` splits: the common dim-0 size of the tensor inputs (``None``
+    without a batched tensor).
+
+    Raises:
+        ValueError: if batched tensors disagree on their dim-0 size.
+    """
+    return _batch_size(tree_flatten((tuple(args), dict(kwargs)))[0])
 
 
 def scatter(

@@ -1,0 +1,128 @@
+"""place() predicts the call (torchplace.callplan): micro-batch-size stage times, microbatches="auto",
+and never worse than the whole model on one device unless allow_single_device=False."""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace.errors import PlacementWarning, UsageError
+
+pytestmark = pytest.mark.single_device_fallback  # place()'s own default, not the suite's (conftest.py)
+
+FAST = {"warmup": 1, "repeats": 3, "progress": False, "trace_method": "fx"}
+
+
+class Sleep(nn.Module):
+    """Sleeps ``seconds`` per call, whatever the batch (a stage that micro-batching cannot shrink)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x + 1
+
+
+class SleepPerSample(nn.Module):
+    """Sleeps ``seconds`` per sample of the batch (a stage that micro-batching divides)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds * x.shape[0])
+        return x + 1
+
+
+def _place(model: nn.Module, **options: Any) -> torchplace.PlacedModule:
+    return torchplace.place(model, ["cpu:0", "cpu:1"], (torch.zeros(8, 2),),
+                            leaf_modules=[Sleep, SleepPerSample], **FAST, **options)
+
+
+def _wall(placed: torchplace.PlacedModule, repeats: int = 3) -> float:
+    x = torch.zeros(8, 2)
+    with torch.no_grad():
+        placed(x)
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            placed(x)
+            walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
+def test_the_default_allows_one_device() -> None:
+    import torchplace.callplan
+
+    assert torchplace.callplan.ALLOW_SINGLE_DEVICE is True
+
+
+def test_one_device_is_chosen_when_predicted_faster() -> None:
+    """Two stages that sleep 20 ms per call whatever the batch: split into 4 micro-batches a call
+    takes 5 x 20 ms, on one device unsplit 2 x 20 ms."""
+    with pytest.warns(PlacementWarning, match=r"allow_single_device=False\) keeps the split"):
+        placed = _place(nn.Sequential(Sleep(0.02), Sleep(0.02)), microbatches=4)
+    assert len({s.device for s in placed.plan.stages}) == 1
+    assert placed.microbatches == 1
+    single = placed.plan.meta["single_device"]
+    assert single["chosen"] and single["seconds"] < single["plan_seconds"]
+    assert single["plan_seconds"] == pytest.approx(0.1, rel=0.25)  # 5 ticks of a micro-batch profiled at 2 samples
+    assert "running on cpu:" in str(placed.plan)
+    assert torch.equal(placed(torch.zeros(8, 2)), torch.full((8, 2), 2.0))
+
+
+def test_allow_single_device_false_keeps_the_split_and_says_what_one_device_would_do() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        placed = _place(nn.Sequential(Sleep(0.02), Sleep(0.02)), microbatches=4, allow_single_device=False)
+    assert [s.device for s in placed.plan.stages] == ["cpu:0", "cpu:1"]
+    assert placed.microbatches == 4
+    assert placed.plan.meta["single_device"]["chosen"] is False
+    assert "kept the split because allow_single_device=False" in str(placed.plan)
+    # the stage times are measured on one micro-batch: 5 ticks of 20 ms, not 5 ticks of 20 / 4 ms
+    predicted = placed.plan.meta["call"]["seconds"]
+    assert predicted == pytest.approx(0.1, rel=0.25)
+    assert _wall(placed) == pytest.approx(predicted, rel=0.2)
+
+
+def test_split_is_kept_when_it_is_faster() -> None:
+    """2 ms per sample and stage, batch 8: one device takes 32 ms, 4 micro-batches on two 20 ms."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        placed = _place(nn.Sequential(SleepPerSample(0.002), SleepPerSample(0.002)), microbatches=4)
+    assert [s.device for s in placed.plan.stages] == ["cpu:0", "cpu:1"]
+    single = placed.plan.meta["single_device"]
+    assert not single["chosen"] and single["seconds"] > single["plan_seconds"]
+    assert "beats the whole model on the best single device" in str(placed.plan)
+    predicted = placed.plan.meta["call"]["seconds"]
+    assert predicted == pytest.approx(0.020, rel=0.3)
+    assert _wall(placed) == pytest.approx(predicted, rel=0.25)
+
+
+def test_auto_picks_the_fastest_predicted_divisor_of_the_batch() -> None:
+    placed = _place(nn.Sequential(SleepPerSample(0.002), SleepPerSample(0.002)), microbatches="auto",
+                    allow_single_device=False)
+    tried = {int(k): v for k, v in placed.plan.meta["call"]["tried"].items()}
+    assert sorted(tried) == [1, 2, 4, 8]
+    assert placed.microbatches == min(tried, key=lambda k: (tried[k], k))
+    assert placed.microbatches > 1  # one micro-batch would leave a device idle: 32 ms against at most ~24
+    assert "microbatches='auto' tried m=1" in str(placed.plan)
+
+
+def test_bad_options_are_usage_errors() -> None:
+    model = nn.Sequential(Sleep(0.0))
+    with pytest.raises(UsageError, match="allow_single_device"):
+        _place(model, allow_single_device="no")
+    with pytest.raises(UsageError, match="microbatches"):
+        _place(model, microbatches="many")
+    with pytest.raises(UsageError, match="auto.*inference"):
+        _place(model, microbatches="auto", mode="training")

@@ -1,0 +1,196 @@
+"""``place()``'s decisions that rest on the predicted time of a call (:mod:`torchplace.callmodel`).
+
+After the solver has split the model for the steady state (the max device load), ``place()``
+
+1. predicts one call of the plan with ``m`` micro-batches, each stage's time measured at the
+   micro-batch size (the traced graph profiled again on the first of the ``m`` micro-batches), the
+   executor's overheads measured once per process (:mod:`torchplace.runtime.overhead`);
+2. with ``microbatches="auto"`` tries every ``m`` that divides the example batch, up to
+   :data:`AUTO_MAX_MICROBATCHES`, and keeps the one with the shortest predicted call (the
+   smaller ``m`` on a tie); memory does not grow with ``m`` for inference (the memory model charges
+   the whole batch's working memory, an upper bound on a micro-batch's), so every ``m`` fits;
+3. predicts the whole model on each single device that fits it, the same way, and runs on the best
+   of them instead when it is predicted faster than the plan ("never worse than not placing";
+   ``allow_single_device=False`` forbids it, and the plan still prints the comparison). An inference call on one device runs unsplit
+   (``m = 1``, the plain model); a training step keeps the plan's ``m`` (its memory was checked
+   for it). For the latency objective a call is one sample: the cost model's makespan plus the
+   executor's per-call overhead and per-stage overhead for each stage.
+
+Everything decided is kept in ``plan.meta`` (``"call"``, ``"single_device"``, ``"microbatch_times"``)
+and printed with the plan.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchplace import callmodel
+from torchplace.callmodel import CallPrediction, Overheads
+from torchplace.errors import InvalidPlanError, PlacementWarning
+from torchplace.graph import OpGraph
+from torchplace.plan import Plan, Stage
+from torchplace.problem import Problem
+
+__all__ = ["ALLOW_SINGLE_DEVICE", "AUTO_MAX_MICROBATCHES", "Decision", "candidates", "decide"]
+
+AUTO_MAX_MICROBATCHES = 16
+"""The most micro-batches ``microbatches="auto"`` tries."""
+
+ALLOW_SINGLE_DEVICE = True
+"""``place()``'s default for ``allow_single_device``. The test suite sets it to ``False`` for tests
+that exercise splits (a one-device fallback would let them pass without running a split)."""
+
+Profiler = Callable[[int], "OpGraph | None"]
+"""Profiles the traced graph on one of ``m`` micro-batches: ``m -> OpGraph`` (times of one micro-batch),
+or ``None`` where nothing may be profiled (a plan whose cached costs are reused)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` chose: the plan to run, its micro-batches and the prediction."""
+
+    plan: Plan
+    microbatches: int
+    call: CallPrediction | None
+
+
+def candidates(microbatches: int | str, batch: int | None) -> list[int]:
+    """The ``m`` to predict: the one asked for (at most the batch, as the executor clamps it), or for
+    ``"auto"`` every divisor of the batch up to :data:`AUTO_MAX_MICROBATCHES` (``[1]`` without a
+    batch dimension)."""
+    if not batch:  # no batched tensor: one micro-batch whatever is asked
+        return [1]
+    if microbatches != "auto":
+        return [min(int(microbatches), batch)]
+    return [m for m in range(1, min(batch, AUTO_MAX_MICROBATCHES) + 1) if batch % m == 0]
+
+
+def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | None, profiler: Profiler, *,
+           overheads: Overheads, allow_single_device: bool = True, given: bool = False) -> Decision:
+    """Predict the plan's call, choose ``m``, and compare with the best single device (see the module
+    docstring). ``given``: the plan was given by the user (it is run as given, never replaced).
+
+    Returns:
+        The :class:`Decision`; its plan's ``meta`` holds the prediction and the comparison.
+    """
+    if problem.objective == "latency":
+        return _decide_latency(problem, plan, overheads, allow_single_device, given)
+    graphs: dict[int, OpGraph] = {}
+    notes: list[str] = []
+    predictions = {m: _predict(problem, plan.stages, m, profiler, overheads, graphs, notes)
+                   for m in candidates(microbatches, batch)}
+    best = min(predictions, key=lambda k: (predictions[k].seconds, k))
+    call = predictions[best]
+    m = best if microbatches == "auto" else int(microbatches)  # the executor clamps an m above the batch
+    plan.meta["call"] = _summary(problem, plan.stages, call, batch)
+    if len(predictions) > 1:
+        plan.meta["call"]["tried"] = {str(k): p.seconds for k, p in predictions.items()}
+    if notes:
+        plan.meta["call"]["notes"] = notes
+    if len({s.device for s in plan.stages}) < 2 or given:
+        return Decision(plan, m, call)
+    single = _best_single(problem, plan, profiler, overheads, graphs, notes)
+    if single is None:
+        plan.meta["single_device"] = {"device": None, "chosen": False}
+        return Decision(plan, m, call)
+    one_plan, one_m, one_call = single
+    device = one_plan.stages[0].device
+    record = {"device": device, "seconds": one_call.seconds, "plan_seconds": call.seconds,
+              "plan_microbatches": best}
+    if one_call.seconds >= call.seconds or not allow_single_device:
+        plan.meta["single_device"] = {**record, "chosen": False}
+        return Decision(plan, m, call)
+    one_plan.meta["call"] = _summary(problem, one_plan.stages, one_call, batch)
+    one_plan.meta["single_device"] = {**record, "chosen": True}
+    warnings.warn(
+        f"the whole model on {device} alone is predicted faster than the {len({s.device for s in plan.stages})}"
+        f"-device plan ({_ms(one_call.seconds)} vs {_ms(call.seconds)} per call with {best} micro-batches): "
+        f"running it on {device} (m={one_m}); place(..., allow_single_device=False) keeps the split",
+        PlacementWarning, stacklevel=3)
+    return Decision(one_plan, one_m, one_call)
+
+
+def _predict(problem: Problem, stages: Sequence[Stage], m: int, profiler: Profiler, overheads: Overheads,
+             graphs: dict[int, OpGraph], notes: list[str]) -> CallPrediction:
+    """The call of ``stages`` with ``m`` micro-batches, profiling the graph at that size once."""
+    training = problem.mode == "training"
+    if m > 1 and m not in graphs and not training:
+        try:
+            small = profiler(m)
+        except Exception as error:  # noqa: BLE001 - the prediction falls back, and says so
+            notes.append(f"m={m}: profiling one micro-batch failed ({type(error).__name__}: {error}); "
+                         "its stage times are the whole batch's divided by m")
+        else:
+            if small is None:
+                notes.append(f"m={m}: the plan's cached costs are the whole batch's; stage times are them divided by m")
+            else:
+                graphs[m] = small
+    return callmodel.predict_call(problem, stages, m, microbatch_graph=graphs.get(m), overheads=overheads)
+
+
+def _single_plans(problem: Problem, plan: Plan) -> list[Plan]:
+    """A one-stage plan for every device that holds the whole model (memory, support)."""
+    nodes = tuple(problem.graph.topological_order())
+    out = []
+    for device in problem.cluster.devices:
+        try:
+            out.append(Plan.build(problem, [Stage(device.name, nodes)], solver=f"one device ({device.name})",
+                                  seconds=0.0, lower_bound=plan.lower_bound, status="feasible"))
+        except InvalidPlanError:
+            continue
+    return out
+
+
+def _best_single(problem: Problem, plan: Plan, profiler: Profiler, overheads: Overheads,
+                 graphs: dict[int, OpGraph], notes: list[str]) -> tuple[Plan, int, CallPrediction] | None:
+    """The single-device plan with the shortest predicted call, its ``m`` and its prediction."""
+    m = problem.pipeline.microbatches if problem.mode == "training" and problem.pipeline is not None else 1
+    best: tuple[Plan, int, CallPrediction] | None = None
+    for one in _single_plans(problem, plan):
+        call = _predict(problem, one.stages, m, profiler, overheads, graphs, notes)
+        if best is None or call.seconds < best[2].seconds:
+            best = (one, m, call)
+    return best
+
+
+def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_single_device: bool,
+                    given: bool) -> Decision:
+    """Latency: one sample per call, the cost model's makespan plus the executor's overheads."""
+    def seconds(p: Plan) -> float:
+        return p.objective + overheads.per_call + overheads.per_task * len(p.stages)
+
+    mine = seconds(plan)
+    plan.meta["call"] = {"microbatches": 1, "seconds": mine, "makespan": plan.objective,
+                         "overhead": mine - plan.objective}
+    if len({s.device for s in plan.stages}) < 2 or given:
+        return Decision(plan, 1, None)
+    singles = sorted(_single_plans(problem, plan), key=seconds)
+    if not singles:
+        return Decision(plan, 1, None)
+    one = singles[0]
+    record = {"device": one.stages[0].device, "seconds": seconds(one), "plan_seconds": mine, "plan_microbatches": 1}
+    if seconds(one) >= mine or not allow_single_device:
+        plan.meta["single_device"] = {**record, "chosen": False}
+        return Decision(plan, 1, None)
+    one.meta["call"] = {"microbatches": 1, "seconds": seconds(one), "makespan": one.objective,
+                        "overhead": seconds(one) - one.objective}
+    one.meta["single_device"] = {**record, "chosen": True}
+    warnings.warn(f"the whole model on {record['device']} alone is predicted faster than the "
+                  f"{len({s.device for s in plan.stages})}-device plan ({_ms(seconds(one))} vs {_ms(mine)} per call): "
+                  f"running it on {record['device']}; place(..., allow_single_device=False) keeps the split",
+                  PlacementWarning, stacklevel=3)
+    return Decision(one, 1, None)
+
+
+def _summary(problem: Problem, stages: Sequence[Stage], call: CallPrediction, batch: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = call.summary()
+    if batch:
+        out["batch"] = batch
+        out["per_sample"] = callmodel.steady_per_sample(problem, stages, batch)
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g} ms"
