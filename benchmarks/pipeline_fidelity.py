@@ -21,6 +21,7 @@ their quick sizes, 2 CPUs, m = 1, 4, 8.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -35,6 +36,7 @@ from torch import nn
 import torchplace
 from torchplace.callmodel import predict_call
 from torchplace.callplan import decide
+from torchplace.devices import kind_threads
 from torchplace.profiling import profile
 from torchplace.report.fidelity import pearson
 from torchplace.runtime.microbatch import scatter
@@ -103,14 +105,14 @@ def _wall(fn: Callable[[], Any], runs: int) -> float:
     return statistics.median(walls)
 
 
-def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int) -> list[dict[str, Any]]:
+def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int, share_cores: bool) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model, inputs, options = MODELS[name](seq)
     devices = [f"cpu:{i}" for i in range(cpus)]
     with torch.no_grad():
         plain = _wall(lambda: model(*inputs), runs)
     placed = torchplace.place(model, devices, inputs, progress=False, allow_single_device=False, time_limit=10,
-                              **options)
+                              share_cores=share_cores, **options)
     problem, plan, traced = placed.problem, placed.plan, placed._traced
     batch = inputs[0].shape[0]
     overheads = executor_overheads()
@@ -118,11 +120,11 @@ def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int) -> list[dict
 
     def profiler(m: int) -> Any:
         chunk_args, chunk_kwargs = scatter(inputs, {}, m)[0]
-        return profile(traced, chunk_args, chunk_kwargs, kinds=["cpu"], progress=False)
+        return profile(traced, chunk_args, chunk_kwargs, kinds=["cpu"], progress=False,
+                       threads=kind_threads(problem.cluster))
 
     # what place() with default settings runs: the same decision, single device allowed
-    default = decide(problem, plan.__class__(**{**plan.__dict__, "meta": {}}), "auto", batch, profiler,
-                     overheads=overheads)
+    default = decide(problem, dataclasses.replace(plan, meta={}), "auto", batch, profiler, overheads=overheads)
     default_run = (f"{default.plan.stages[0].device} alone" if len({s.device for s in default.plan.stages}) == 1
                    else f"split, m={default.microbatches}")
     single_pred = (default.plan.meta.get("single_device") or {}).get("seconds", float("nan"))
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--microbatches", nargs="+", type=int)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence for the transformers models")
+    ap.add_argument("--share-cores", action="store_true", help="place with share_cores=True (default: False)")
     args = ap.parse_args()
     models = args.models or (["demo-gpt2-quick", "demo-cnn-quick"] if args.small else
                              ["demo-cnn", "demo-gpt2", "llama-style", "bert-base", "gpt2-small"])
@@ -163,11 +166,11 @@ def main() -> None:
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, nproc {os.cpu_count()}, {cpu}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} intra-op threads, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
-          f"batch {BATCH}, seq {args.seq}, executor overheads {executor_overheads()}\n")
+          f"batch {BATCH}, seq {args.seq}, share_cores={args.share_cores}, executor overheads {executor_overheads()}\n")
     print("| model | CPUs | m | stages | predicted ms | measured ms | error | measured / predicted throughput | "
           "steady-state ms | one device predicted ms | plain model ms | plain / placed | place() default runs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [r for name in models for c in cpus for r in _rows(name, c, ms, args.runs, args.seq)]
+    rows = [r for name in models for c in cpus for r in _rows(name, c, ms, args.runs, args.seq, args.share_cores)]
     xs, ys = [r["predicted"] for r in rows], [r["measured"] for r in rows]
     errors = [abs(y - x) / x for x, y in zip(xs, ys)]
     high = [r["predicted"] / r["measured"] for r in rows if r["m"] >= 8]

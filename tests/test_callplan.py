@@ -126,3 +126,24 @@ def test_bad_options_are_usage_errors() -> None:
         _place(model, microbatches="many")
     with pytest.raises(UsageError, match="auto.*inference"):
         _place(model, microbatches="auto", mode="training")
+
+
+def test_the_prediction_travels_with_the_plan_file(tmp_path) -> None:
+    placed = _place(nn.Sequential(SleepPerSample(0.001), SleepPerSample(0.001)), microbatches=2,
+                    allow_single_device=False)
+    path = tmp_path / "plan.json"
+    placed.plan.save(path)
+    text = str(torchplace.Plan.load(path))
+    assert "predicted call:" in text and "with m=2 micro-batches" in text and "steady state" in text
+    assert "predicted call" in repr(placed)
+
+
+def test_latency_plans_are_compared_with_one_device_too() -> None:
+    """A chain has nothing to overlap: split over two devices it pays a second stage's overhead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlacementWarning)
+        placed = _place(nn.Sequential(Sleep(0.005), Sleep(0.005)), objective="latency", solver="m-etf")
+    call = placed.plan.meta["call"]
+    assert call["seconds"] >= call["makespan"] > 0
+    assert len({s.device for s in placed.plan.stages}) == 1
+    assert "predicted call" in str(placed.plan)

@@ -341,4 +341,7 @@ class PlacedModule(nn.Module):
         devices = " -> ".join(s.device for s in self.plan.stages)
         if self.problem.objective == "latency":
             return f"stages: {devices}; latency mode; objective={self.plan.objective:.4g} s"
-        return f"stages: {devices}; microbatches={self.microbatches}; objective={self.plan.objective:.4g} s/sample"
+        call = self.plan.meta.get("call") or {}
+        predicted = f"; predicted call {call['seconds']:.4g} s" if "seconds" in call else ""
+        return (f"stages: {devices}; microbatches={self.microbatches}; steady state {self.plan.objective:.4g} s per "
+                f"batch{predicted}")
