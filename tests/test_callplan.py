@@ -147,3 +147,12 @@ def test_latency_plans_are_compared_with_one_device_too() -> None:
     assert call["seconds"] >= call["makespan"] > 0
     assert len({s.device for s in placed.plan.stages}) == 1
     assert "predicted call" in str(placed.plan)
+
+
+def test_candidates_are_the_asked_m_or_the_divisors_of_the_batch() -> None:
+    from torchplace.callplan import candidates
+
+    assert candidates("auto", 12) == [1, 2, 3, 4, 6, 12]
+    assert candidates("auto", 40) == [1, 2, 4, 5, 8, 10]  # up to AUTO_MAX_MICROBATCHES
+    assert candidates(4, 2) == [2]  # the executor clamps m to the batch
+    assert candidates(4, None) == [1] and candidates("auto", None) == [1]  # nothing to split
