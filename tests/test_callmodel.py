@@ -169,14 +169,16 @@ def _wall(run, repeats: int = 3) -> float:
 
 
 def _close(measured: float, predicted: float) -> None:
-    """Up to timer noise: each sleep overshoots by up to a few hundred microseconds, more on a loaded machine."""
-    assert measured == pytest.approx(predicted, rel=0.08, abs=0.004), (measured, predicted)
+    """Up to timer noise: a sleeping worker wakes up late by up to a few milliseconds per task on a
+    loaded machine (measured 20% late with 20-40 ms stages at load average 8 on 2 cores), so the
+    stages sleep 50-100 ms."""
+    assert measured == pytest.approx(predicted, rel=0.15, abs=0.01), (measured, predicted)
 
 
 @pytest.mark.parametrize(("times", "workers", "m"), [
-    ([0.02, 0.04], ["a", "b"], 4),                # the bottleneck second: fill, no drain
-    ([0.04, 0.02], ["a", "b"], 4),                # the bottleneck first: drain
-    ([0.03, 0.03, 0.03], ["a", "b", "a"], 3),     # a worker with two segments interleaves them
+    ([0.05, 0.1], ["a", "b"], 4),                 # the bottleneck second: fill, no drain
+    ([0.1, 0.05], ["a", "b"], 4),                 # the bottleneck first: drain
+    ([0.06, 0.06, 0.06], ["a", "b", "a"], 3),     # a worker with two segments interleaves them
 ])
 def test_inference_clock_matches_the_pipeline_executor(times: list[float], workers: list[str], m: int) -> None:
     gm, stages = _sleep_stages([(t, 0.0) for t in times])
@@ -192,7 +194,7 @@ def test_inference_clock_matches_the_pipeline_executor(times: list[float], worke
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_training_clock_matches_the_training_executor(schedule: str) -> None:
-    times = [(0.01, 0.02), (0.02, 0.03)]
+    times = [(0.03, 0.05), (0.05, 0.08)]
     gm, stages = _sleep_stages(times)
     workers = ["call17-a", "call17-b"]
     executor = TrainingExecutor(stages, ["cpu"] * 2, workers, GraphIO(gm))

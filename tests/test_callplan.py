@@ -91,21 +91,22 @@ def test_allow_single_device_false_keeps_the_split_and_says_what_one_device_woul
     # the stage times are measured on one micro-batch: 5 ticks of 20 ms, not 5 ticks of 20 / 4 ms
     predicted = placed.plan.meta["call"]["seconds"]
     assert predicted == pytest.approx(0.1, rel=0.25)
-    assert _wall(placed) == pytest.approx(predicted, rel=0.2)
+    assert _wall(placed) == pytest.approx(predicted, rel=0.35)  # a loaded machine starves the Python between sleeps
 
 
 def test_split_is_kept_when_it_is_faster() -> None:
-    """2 ms per sample and stage, batch 8: one device takes 32 ms, 4 micro-batches on two 20 ms."""
+    """6 ms per sample and stage, batch 8: one device takes 96 ms, 4 micro-batches on two 60 ms
+    (plus 8 tasks' overheads, a few ms even on a loaded machine)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlacementWarning)
-        placed = _place(nn.Sequential(SleepPerSample(0.002), SleepPerSample(0.002)), microbatches=4)
+        placed = _place(nn.Sequential(SleepPerSample(0.006), SleepPerSample(0.006)), microbatches=4)
     assert [s.device for s in placed.plan.stages] == ["cpu:0", "cpu:1"]
     single = placed.plan.meta["single_device"]
     assert not single["chosen"] and single["seconds"] > single["plan_seconds"]
     assert "beats the whole model on the best single device" in str(placed.plan)
     predicted = placed.plan.meta["call"]["seconds"]
-    assert predicted == pytest.approx(0.020, rel=0.3)
-    assert _wall(placed) == pytest.approx(predicted, rel=0.25)
+    assert predicted == pytest.approx(0.060, rel=0.3)
+    assert _wall(placed) == pytest.approx(predicted, rel=0.35)  # a loaded machine starves the Python between sleeps
 
 
 def test_auto_picks_the_fastest_predicted_divisor_of_the_batch() -> None:

@@ -117,7 +117,8 @@ def test_a_saved_plan_of_the_same_model_is_run_without_profiling(tmp_path, monke
     model, inputs = build("mlp", batch=4)
     calls = _count_profiling(monkeypatch)
     placed = _place(model, inputs, microbatches=2, mode=mode)
-    assert calls == (["profile"] if mode == "inference" else ["profile", "measure_backward"])
+    # inference: the batch, then one of its 2 micro-batches (the call's prediction, torchplace.callplan)
+    assert calls == (["profile", "profile"] if mode == "inference" else ["profile", "measure_backward"])
     placed.plan.save(tmp_path / "plan.json")
     calls.clear()
     fresh, _ = build("mlp", batch=4, seed=3)  # other weights, same graph
@@ -138,7 +139,7 @@ def test_a_saved_plan_profiled_with_other_threads_is_profiled_again(tmp_path, mo
     calls = _count_profiling(monkeypatch)
     devices = [torchplace.Device("cpu:0", "cpu", "cpu", threads=1), torchplace.Device("cpu:1", "cpu", "cpu", threads=1)]
     _place(model, inputs, devices, microbatches=2, plan=tmp_path / "plan.json")
-    assert calls == ["profile"]  # times taken with other threads would not be this run's
+    assert calls == ["profile", "profile"]  # times taken with other threads would not be this run's (batch, micro-batch)
 
 
 @pytest.mark.parametrize("change", ["input shape", "mode", "leaf_modules"])
