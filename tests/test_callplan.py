@@ -157,3 +157,11 @@ def test_candidates_are_the_asked_m_or_the_divisors_of_the_batch() -> None:
     assert candidates("auto", 40) == [1, 2, 4, 5, 8, 10]  # up to AUTO_MAX_MICROBATCHES
     assert candidates(4, 2) == [2]  # the executor clamps m to the batch
     assert candidates(4, None) == [1] and candidates("auto", None) == [1]  # nothing to split
+
+
+def test_cli_plan_takes_auto_and_keep_split(capsys) -> None:
+    from torchplace.cli import main
+
+    assert main(["plan", "mlp", "--batch", "4", "--microbatches", "auto", "--keep-split"]) == 0
+    out = capsys.readouterr().out
+    assert "microbatches='auto' tried m=1" in out and "one device:" in out

@@ -70,6 +70,11 @@ def _amount(text: str) -> float:
     return float(_checked(positive_float, value))
 
 
+def _count_or_auto(text: str) -> int | str:
+    """Type of ``plan --microbatches``: ``auto`` or a positive whole number."""
+    return "auto" if text == "auto" else _count(text)
+
+
 def _count(text: str) -> int:
     """Type of ``--batch``, ``--microbatches``, ``--ideal-limit``: a positive whole number (``4.0`` is 4)."""
     try:
@@ -243,7 +248,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
         objective=args.objective or "throughput", contiguous=not args.noncontiguous, solver=args.method,
-        time_limit=args.time_limit,
+        time_limit=args.time_limit, allow_single_device=not args.keep_split,
     )
     print(placed.plan)
     print("device_map:", json.dumps(placed.device_map(), indent=1))
@@ -329,7 +334,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --hf: dtype of the dispatched weights")
     p.add_argument("--cluster", type=_input_file, default=None, help="with --hf: cluster file giving GPU kinds")
     p.add_argument("--json", action="store_true", help="with --hf: print the map, time and memory as JSON")
-    p.add_argument("--microbatches", type=_count, default=4)
+    p.add_argument("--microbatches", type=_count_or_auto, default=4, metavar="N|auto",
+                   help="micro-batches per call, or 'auto': the m with the fastest predicted call")
+    p.add_argument("--keep-split", action="store_true",
+                   help="keep the split even where the whole model on one device is predicted faster")
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
     _add_solver_options(p, list(METHODS))
     p.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
