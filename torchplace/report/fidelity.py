@@ -5,7 +5,10 @@ times, and sets them beside the cost model: each stage's measured seconds per ca
 summed over micro-batches, the median over runs) against :func:`~torchplace.costmodel.stage_costs`
 (or :func:`~torchplace.costmodel.training_stage_times`, forward and backward apart); the run's
 bottleneck (the busiest device's seconds per call, for throughput) or makespan (latency) against
-the plan's objective; and the wall time per call against the predicted timeline's end.
+the plan's objective; and the wall time per call against the call ``place()`` predicted
+(:mod:`torchplace.callmodel`: the schedule's clock with micro-batch stage times and the executor's
+overheads, ``plan.meta["call"]``) when it was for this many micro-batches, else the predicted
+timeline's end.
 Predictions are for the graph's unit of work, the example inputs the model was profiled with:
 measure with inputs of that size.
 """
@@ -51,7 +54,8 @@ class Measurement:
         objective: ``"throughput"`` or ``"latency"``.
         predicted_objective, measured_objective: the plan's objective; the measured bottleneck
             device's busy seconds per call (throughput) or the makespan of one call (latency).
-        predicted_wall, measured_wall: the predicted timeline's end; the median wall seconds per call.
+        predicted_wall, measured_wall: the predicted call (see the module docstring); the median wall
+            seconds per call.
         runs, microbatches: how it was measured.
     """
 
@@ -138,7 +142,10 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
     stages = [StageFidelity(i, dev, kind, secs, statistics.median(per_stage[(i, kind)]))
               for (i, kind), (dev, secs) in sorted(predicted.items())]
     measured = statistics.median(makespans if problem.objective == "latency" else busy) if runs else math.nan
-    timeline = predicted_timeline(plan, problem, microbatches)
-    return Measurement(stages, problem.objective, plan.objective, measured,
-                       max((b.finish for b in timeline), default=0.0),
+    call = plan.meta.get("call") or {}
+    if call.get("microbatches") == microbatches and "seconds" in call:  # place()'s prediction of this call
+        wall = float(call["seconds"])
+    else:
+        wall = max((b.finish for b in predicted_timeline(plan, problem, microbatches)), default=0.0)
+    return Measurement(stages, problem.objective, plan.objective, measured, wall,
                        statistics.median(walls) if walls else math.nan, len(runs), microbatches)
