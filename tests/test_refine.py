@@ -36,12 +36,13 @@ def test_the_measured_graph_makes_the_cost_model_reproduce_each_measured_stage()
 
 
 def test_refine_runs_both_plans_and_keeps_the_faster(monkeypatch, tmp_path):
-    """The measurement is made to say stage 0 is 50x slower than profiled, so the second solve moves
-    work off it: two plans run, the one that measured faster is kept, and it computes the model."""
+    """The measurement is made to say stage 0 took 1000x its prediction and stage 1 exactly its
+    prediction (whatever a loaded machine measured), so the second solve moves work off stage 0:
+    two plans run, the one that measured faster is kept, and it computes the model."""
     real = refine.measured_graph
 
     def slower_first_stage(problem, plan, measurement):
-        stages = [dataclasses.replace(s, measured=s.measured * (50 if s.stage == 0 else 1)) for s in measurement.stages]
+        stages = [dataclasses.replace(s, measured=s.predicted * (1000 if s.stage == 0 else 1)) for s in measurement.stages]
         return real(problem, plan, dataclasses.replace(measurement, stages=stages))
 
     monkeypatch.setattr(refine, "measured_graph", slower_first_stage)
