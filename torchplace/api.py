@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from torchplace import solvers
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
@@ -176,7 +177,7 @@ def place(
     threads = kind_threads(cluster)
     graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training,
                     threads=threads)
-    pipeline = None
+    pipeline = Pipeline(_split_count(args, kwargs, microbatches)) if objective == "throughput" else None
     if training:
         graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
         pipeline = Pipeline(microbatches, schedule, recompute)  # type: ignore[arg-type]
@@ -205,6 +206,17 @@ def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapp
                 measured[kind] = measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1),
                                                   repeats=repeats, progress=progress)
     return training_graph(graph, measured, optimizer, estimated=[k for k in kinds if k not in present])
+
+
+def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int) -> int:
+    """The ``m`` whose ``1/m`` of the example batch is at least the largest micro-batch the runtime
+    makes of it (:func:`torchplace.runtime.microbatch.scatter`): what the memory model divides
+    activations by."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1 or min(sizes) == 0:
+        return 1
+    batch = sizes.pop()
+    return batch // -(-batch // min(microbatches, batch))
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:

@@ -144,13 +144,36 @@ def _escaping_bytes(group: _Group) -> int:
     )
 
 
+def _own_peak(group: _Group) -> int:
+    """The most bytes of the group's own fx outputs alive at once while it runs (in graph order):
+    an output lives from its node until its last reader in the group, or to the group's end when
+    something outside reads it."""
+    inside = set(group.nodes)
+    index = {n: i for i, n in enumerate(group.nodes)}
+    end = len(group.nodes)
+    last = {n: max((index[u] for u in n.users if u in inside), default=-1) for n in group.nodes}
+    last.update({n: end for n in group.nodes if any(u not in inside for u in n.users)})
+    frees: dict[int, int] = {}
+    live = peak = 0
+    for i, n in enumerate(group.nodes):
+        size = n.meta["torchplace"].output_bytes
+        peak = max(peak, live + size)
+        if last[n] > i:
+            live += size
+            frees[last[n]] = frees.get(last[n], 0) + size
+        live -= frees.pop(i, 0)
+    return peak
+
+
 def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeRecord:
-    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes."""
+    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
+    ``peak_bytes`` = the most of them alive at once (:func:`_own_peak`)."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
     temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
         module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp, colocation=colocation,
+        peak_bytes=_own_peak(group),
     )
 
 
@@ -170,6 +193,7 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
         "inputs": [n.name for n in nodes if n.op == "placeholder"],
         "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
         "state": state_meta(uses, ids),
+        "liveness": True,
     })
     for i, g in enumerate(groups):
         graph.add_node(ids[i], _record(g, params[i], colocation.get(i)))
