@@ -25,6 +25,7 @@ from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
+from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
 __all__ = ["PlacedModule", "place", "placed"]
@@ -51,6 +52,7 @@ def place(
     solver: str = "auto",
     fuse: bool | None = None,
     trace_method: str = "auto",
+    dynamic_dims: DynamicDims = None,
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
@@ -112,6 +114,11 @@ def place(
             default (``None``) fuses only graphs of more than :data:`FUSE_ABOVE` nodes for
             throughput, or more than the MILP's size limit for latency.
         trace_method: ``"auto"``, ``"fx"`` or ``"export"``.
+        dynamic_dims: input dimensions besides the batch that may differ between calls, so one
+            placed model serves them all: ``{"input_ids": [1], "attention_mask": [1]}`` (input
+            names, or positions, to dims) or ``"auto"`` (export keeps dynamic every dimension the
+            model lets vary). Profiling and memory use the example's sizes. A call outside what
+            the export accepts raises :class:`UsageError` (:mod:`torchplace.profiling.dynamic`).
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
@@ -172,7 +179,7 @@ def place(
         raise
     with torch.no_grad():
         traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
-                       training=training)
+                       training=training, dynamic_dims=dynamic_dims)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training,
