@@ -25,7 +25,7 @@ from torchplace.problem import Problem
 
 __version__ = "0.1.0"
 
-_LAZY = {"place", "placed", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
+_LAZY = {"place", "placed", "plan_model", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
 
 
 def __getattr__(name: str):
@@ -60,4 +60,5 @@ __all__ = [
     "parse_memory",
     "place",
     "placed",
+    "plan_model",
 ]

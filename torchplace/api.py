@@ -28,7 +28,7 @@ from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
-__all__ = ["PlacedModule", "place", "placed"]
+__all__ = ["PlacedModule", "place", "placed", "plan_model"]
 
 
 def place(
@@ -136,7 +136,100 @@ def place(
             memory that would.
         InvalidPlanError: ``plan`` does not place this model's graph.
     """
-    model = check_model(model)
+    check_model(model)  # a model on the meta device is refused here: plan_model() plans it
+    traced, problem, solved, args, kwargs = _planned(
+        model, devices, example_inputs,
+        example_kwargs=example_kwargs,
+        objective=objective,
+        mode=mode,
+        optimizer=optimizer,
+        schedule=schedule,
+        recompute=recompute,
+        contiguous=contiguous,
+        time_limit=time_limit,
+        microbatches=microbatches,
+        granularity=granularity,
+        leaf_modules=leaf_modules,
+        max_memory=max_memory,
+        share_cores=share_cores,
+        solver=solver,
+        fuse=fuse,
+        trace_method=trace_method,
+        dynamic_dims=dynamic_dims,
+        warmup=warmup,
+        repeats=repeats,
+        progress=progress,
+        plan=plan,
+    )
+    training = mode == "training"
+    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+
+
+def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, example_inputs: Any = (),
+               **options: Any) -> tuple[Plan, Problem]:
+    """Plan ``model`` on ``devices`` as :func:`place` does, without placing it: the model and the
+    inputs stay where they are. Takes :func:`place`'s options.
+
+    A model on the meta device (built under ``torch.device("meta")`` or accelerate's
+    ``init_empty_weights()``: shapes, no weights) is planned with estimated costs: the example
+    inputs go to the meta device too, tracing and shape propagation run there, and every device
+    kind's times are roofline estimates (:mod:`torchplace.profiling.estimate`), memory the exact
+    bytes of its parameters and the liveness of its activations.
+
+    Returns:
+        ``(plan, problem)``; ``plan.device_map(problem)`` is the placement in accelerate's form,
+        and ``place(model, devices, ..., plan=plan)`` runs it once the weights are loaded.
+
+    Raises:
+        As :func:`place`.
+
+    Example:
+        >>> with torch.device("meta"):                                   # doctest: +SKIP
+        ...     model = GPT2LMHeadModel(config)
+        >>> plan, problem = torchplace.plan_model(model, ["cuda:0", "cuda:1"], example_kwargs={"input_ids": ids})
+        >>> plan.device_map(problem)                                      # doctest: +SKIP
+    """
+    if "plan" in options:
+        raise UsageError("plan_model solves for a plan; to run a given plan use place(..., plan=...)")
+    _, problem, solved, _, _ = _planned(model, devices, example_inputs, **options)
+    return solved, problem
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """Whether the model's parameters and buffers are on the meta device (all of them, or it has none)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and any(t.device.type == "meta" for t in tensors)
+
+
+def _planned(
+    model: nn.Module,
+    devices: Sequence[str | Device] | Cluster,
+    example_inputs: Any = (),
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    objective: str = "throughput",
+    mode: str = "inference",
+    optimizer: str | float = "adamw",
+    schedule: str = "1f1b",
+    recompute: bool = True,
+    contiguous: bool = True,
+    time_limit: float | None = None,
+    microbatches: int = 4,
+    granularity: str = "operator",
+    leaf_modules: Iterable[type | str] = (),
+    max_memory: Mapping[str, int | str] | None = None,
+    share_cores: bool = False,
+    solver: str = "auto",
+    fuse: bool | None = None,
+    trace_method: str = "auto",
+    dynamic_dims: DynamicDims = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+    plan: Plan | str | Path | None = None,
+) -> tuple[Any, Problem, Plan, tuple[Any, ...], dict[str, Any]]:
+    """:func:`place` up to its plan: (traced model, problem, plan, example args, example kwargs)."""
+    model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     if mode == "training" and objective != "throughput":
@@ -159,10 +252,16 @@ def place(
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
     args, kwargs = example_call(example_inputs, example_kwargs)
+    if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
+    shapes_only = _on_meta(model)  # planned, never run: its devices need not be on this machine
     if isinstance(devices, Cluster):
-        check_attached(devices)
+        if not shapes_only:
+            check_attached(devices)
         cluster = devices
+    elif shapes_only and devices and all(isinstance(d, Device) for d in devices) and max_memory is None:
+        cluster = Cluster(tuple(devices))  # type: ignore[arg-type]
     else:
         cluster = make_cluster(devices, max_memory, share_cores=share_cores)
     given = _load_plan(plan) if plan is not None else None
@@ -172,7 +271,8 @@ def place(
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     try:
-        try_example_call(model, args, kwargs)
+        if not shapes_only:  # a meta model's Python may branch on values it does not have; export does not
+            try_example_call(model, args, kwargs)
     except BaseException:
         for m, was in modes.items():  # a refused call leaves the model as it was
             m.training = was
@@ -196,7 +296,7 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    return traced, problem, solved, args, kwargs
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],
