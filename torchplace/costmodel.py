@@ -24,8 +24,10 @@ nodes in topological order, one micro-batch (``1/m`` of the example batch, ``m``
 ``Pipeline.microbatches``; every tensor rounded up) at a time; a node's output lives from the node
 until its last reader on the device, or to the end of the device's pass when another device or the
 model's output reads it; a tensor from another device lives from the start of the pass to its last
-reader (only on devices that pay transfers: logical CPUs read host memory in place); while a node
-runs it holds its own peak (:attr:`NodeRecord.own_peak`) on top of what is alive. Inference
+reader (only on devices that pay transfers: logical CPUs read host memory in place); a view
+(``graph.meta["aliases"]``, found at trace time) takes no memory of its own and keeps the tensor it
+views alive as long as it is read; while a node runs it holds its own peak
+(:attr:`NodeRecord.own_peak`, new memory only) on top of what is alive. Inference
 devices hold one micro-batch's activations at a time (a device finishes a micro-batch before it
 starts the next; the boundary tensors queued between devices are not counted).
 
@@ -86,7 +88,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC
+from torchplace.graph import TMPC, OpGraph
 from torchplace.problem import Problem
 
 __all__ = [
@@ -181,15 +183,15 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     order = [v for v in g.topological_order() if v in members]
     m = microbatches(problem)
     outputs = set(g.meta.get("outputs", ()))
+    root = _alias_roots(g, members, order)
     end = len(order)
     last: dict[str, int] = {}
     for i, v in enumerate(order):
         for u in g.predecessors(v):
-            last[u] = i
+            last[root.get(u, u)] = max(last.get(root.get(u, u), -1), i)
     for v in order:
-        r = g.record(v)
-        if any(w not in members for w in g.successors(v)) or outputs.intersection(r.fx_nodes):
-            last[v] = end
+        if any(w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
+            last[root[v]] = end
     receives = device is None or device.pays_transfer
     frees: dict[int, int] = defaultdict(int)
     live = 0
@@ -201,11 +203,25 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     for i, v in enumerate(order):
         r = g.record(v)
         peak = max(peak, live + _per_microbatch(r.own_peak, m))
-        if last.get(v, -1) > i:
+        if root[v] == v and last.get(v, -1) > i:
             live += _per_microbatch(r.output_bytes, m)
             frees[last[v]] += _per_microbatch(r.output_bytes, m)
         live -= frees.pop(i, 0)
     return peak
+
+
+def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, str]:
+    """Each member's memory owner: itself, or for a view (``graph.meta["aliases"]``) the owner of
+    the tensor it views, followed through members down to a member or a received tensor."""
+    aliases = g.meta.get("aliases") or {}
+    root: dict[str, str] = {}
+    for v in order:  # topological: a view's base has its root already
+        base = aliases.get(v)
+        if base is not None and base in g and g.nx.has_edge(base, v):
+            root[v] = root.get(base, base)
+        else:
+            root[v] = v
+    return root
 
 
 def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False,

@@ -247,12 +247,42 @@ class _Recorder(fx.Interpreter):
         if not self.shapes:
             return out
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        fresh, alias = self._fresh(n, tensors)
         n.meta["torchplace"] = TensorInfo(
             shapes=tuple(tuple(t.shape) for t in tensors),
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
             output_bytes=tensor_bytes(tensors),
+            fresh_bytes=fresh,
+            alias_of=alias,
         )
         return out
+
+    def _fresh(self, n: fx.Node, tensors: list[torch.Tensor]) -> tuple[int, str | None]:
+        """Bytes of the output tensors whose memory is new (not a view of an input's, nor of an
+        earlier output's), and the input node whose memory the first output shares, if any."""
+        owner: dict[int, str] = {}
+        for a in n.all_input_nodes:
+            for t in pytree.tree_leaves(self.env.get(a)):
+                if isinstance(t, torch.Tensor) and (key := _storage_id(t)) is not None:
+                    owner.setdefault(key, a.name)
+        fresh, seen = 0, set(owner)
+        for t in tensors:
+            key = _storage_id(t)
+            if key is None or key not in seen:
+                fresh += tensor_bytes(t)
+                seen.add(key)
+        first = _storage_id(tensors[0]) if tensors else None
+        return fresh, owner.get(first) if first is not None else None
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """Identity of the memory a tensor's values live in (its storage object; views share it)."""
+    if t.layout != torch.strided:
+        return None
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],

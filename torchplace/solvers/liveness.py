@@ -13,6 +13,12 @@ solved through two problems whose node memory is a sum:
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
    m)``, never less than its share of the liveness peak (costmodel docstring), so its plans always
    fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
+3. the restriction charges every activation a device runs as if all were alive at once, far above
+   the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
+   before it the relaxation is solved again with room reserved on every memory-limited device for
+   the working memory its last plan needed (as accelerate reserves room for the largest layer),
+   the reserve growing until a plan fits the liveness memory (at most :data:`RESERVE_ROUNDS`
+   rounds); that plan is kept with the first relaxation's bound.
 
 Every returned plan is evaluated and validated on the true problem (liveness memory).
 """
@@ -29,7 +35,7 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["conservative", "relaxed", "solve_live"]
+__all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
 Solve = Callable[..., Plan]
 
@@ -61,6 +67,23 @@ def conservative(problem: Problem) -> Problem:
     return _summed(problem, share)
 
 
+RESERVE_ROUNDS = 4
+"""Re-solves of the relaxation with room reserved for working memory (module docstring, 3)."""
+
+
+def reserved(problem: Problem, nbytes: int) -> Problem:
+    """The relaxation with ``nbytes`` less memory on every memory-limited device."""
+    devices = tuple(d if d.memory_bytes is None else dataclasses.replace(d, memory_bytes=max(d.memory_bytes - nbytes, 0))
+                    for d in problem.cluster.devices)
+    return dataclasses.replace(relaxed(problem), cluster=dataclasses.replace(problem.cluster, devices=devices))
+
+
+def _working(problem: Problem, plan: Plan) -> int:
+    """The most working memory a device of ``plan`` needs (liveness memory minus parameters)."""
+    truth, params = costmodel.device_memory(problem, plan.stages), costmodel.device_memory(relaxed(problem), plan.stages)
+    return max((truth[d] - params[d] for d in truth), default=0)
+
+
 def _on_truth(problem: Problem, plan: Plan, bound: float, how: str) -> Plan:
     exact = how == "relaxed" and plan.status == "optimal"
     status = "optimal" if exact else "time_limit" if plan.status == "time_limit" else "feasible"
@@ -90,6 +113,18 @@ def solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts:
         return _on_truth(problem, first, first.lower_bound, "relaxed")
     except InvalidPlanError:
         pass  # its working memory does not fit: solve again with memory counted from above
+    reserve, plan = 0, first
+    for _ in range(RESERVE_ROUNDS):
+        reserve = max(reserve + 1, _working(problem, plan))
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
+        try:
+            plan = solve(reserved(problem, reserve), time_limit=left, **opts)
+        except InfeasibleError:
+            break  # a larger reserve has no plan either: the restriction states the memory that fits
+        try:
+            return _on_truth(problem, plan, first.lower_bound, f"reserved {reserve} bytes")
+        except InvalidPlanError:
+            continue
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0)
     try:
         second = solve(conservative(problem), time_limit=left, **opts)
