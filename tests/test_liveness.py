@@ -80,17 +80,38 @@ def test_received_tensors_count_on_an_accelerator_not_on_a_cpu():
 def test_activations_scale_with_the_micro_batch_parameters_do_not():
     g = _graph({"a": 400, "b": 400, "c": 400}, [("a", "b"), ("b", "c")], ["c"], params=100)
     assert costmodel.memory(_problem(g, m=1), "abc") == 300 + 800
-    assert costmodel.memory(_problem(g, m=4), "abc") == 300 + 200
-    assert costmodel.memory(_problem(g, m=3), "abc") == 300 + 2 * 134  # each tensor rounded up
+    # one micro-batch alive (b and c: 200) plus the model's output c of the 3 others (300)
+    assert costmodel.memory(_problem(g, m=4), "abc") == 300 + 200 + 300
+    assert costmodel.memory(_problem(g, m=3), "abc") == 300 + 2 * 134 + 2 * 134  # each tensor rounded up
 
 
 def test_an_inference_device_holds_one_micro_batch_in_flight():
     g = _graph({"a": 400, "b": 400}, [("a", "b")], ["b"])
     p = _problem(g, m=4)
     stages = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",))]
-    # each device holds one micro-batch (100 bytes per tensor), whatever its position
-    assert costmodel.device_memory(p, stages) == {"cpu:0": 100, "cpu:1": 100}
-    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 100
+    # each device works on one micro-batch (100 bytes per tensor) at a time, whatever its
+    # position; the device making the model's output keeps it for all 4 until the call returns,
+    # the one sending a's output on keeps the one cpu:1 works on
+    assert costmodel.queued(4) == 1 and costmodel.queued(1) == 0
+    assert costmodel.device_memory(p, stages) == {"cpu:0": 200, "cpu:1": 400}
+    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 200
+
+
+def test_a_view_takes_no_memory_and_keeps_its_base_alive():
+    # v = a.view() (no memory of its own) is read by c after b ran: a's 8 bytes must stay
+    g = _graph({"a": 8, "v": 8, "b": 1, "c": 1}, [("a", "v"), ("v", "c")], ["c"], peak={"v": 0})
+    g.replace_record("v", dataclasses.replace(g.record("v"), resident_bytes=0))
+    g.meta["aliases"] = {"v": "a"}
+    p = _problem(g)
+    assert costmodel.working_memory(p, "avbc") == 9  # a's memory (viewed by v) + b, then + c
+    g.meta["aliases"] = {}
+    assert costmodel.working_memory(p, "avbc") == 8  # not knowing v views a, a would die at v
+
+
+def test_an_expanded_output_holds_only_the_memory_it_was_made_in():
+    g = _graph({"a": 4, "b": 4}, [("a", "b")], ["b"])
+    g.replace_record("a", dataclasses.replace(g.record("a"), output_bytes=40, temp_bytes=40, resident_bytes=4))
+    assert costmodel.working_memory(_problem(g), "ab") == 8
 
 
 def test_graphs_without_liveness_keep_the_sum():

@@ -26,17 +26,26 @@ until its last reader on the device, or to the end of the device's pass when ano
 model's output reads it; a tensor from another device lives from the start of the pass to its last
 reader (only on devices that pay transfers: logical CPUs read host memory in place); a view
 (``graph.meta["aliases"]``, found at trace time) takes no memory of its own and keeps the tensor it
-views alive as long as it is read; while a node runs it holds its own peak
-(:attr:`NodeRecord.own_peak`, new memory only) on top of what is alive. Inference
-devices hold one micro-batch's activations at a time (a device finishes a micro-batch before it
-starts the next; the boundary tensors queued between devices are not counted).
+views alive as long as it is read, and a node's outputs hold the memory they were made in
+(:attr:`NodeRecord.resident`: an ``expand`` is no bigger than what it expands); while a node runs it holds its own peak
+(:attr:`NodeRecord.own_peak`, new memory only) on top of what is alive. Inference devices hold
+one micro-batch's activations at a time (a device finishes a micro-batch before it starts the
+next), except what it has sent on: the model's outputs it makes stay until the call returns, so
+it holds the other ``m - 1`` micro-batches' on top of its peak, and the tensors it sends to
+another device stay until that device is done with them, so it holds those of :func:`queued`
+micro-batches.
 
-Solvers whose memory is a sum over nodes stay exact and their bounds proofs through
+Solvers whose memory is a sum over nodes stay exact, and their bounds proofs, through
 :mod:`torchplace.solvers.liveness`: a *relaxation* (parameters only: never above the liveness
-memory, so its lower bound holds) and, when its plan does not fit, a *restriction* whose per-node
-bytes ``ceil(temp_v/m) + sum_{u -> v} ceil(out_u/m)`` are never below it (every tensor alive at a
-moment is an output of a node of ``S``, at most its ``temp``, or a received one, counted at one of
-its readers), so its plans always fit. Plans are validated, and reported, with the liveness memory.
+memory, so its lower bound holds), then the relaxation again with room reserved for the working
+memory its plans needed, and last a *restriction* whose per-node bytes ``ceil(temp_v/m) +
+sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m)
+ceil(out_v/m)`` for a node with readers, which may be elsewhere) are never below it
+(every tensor alive at a moment is an output of a node of ``S``, at most its ``temp``, or a
+received one, counted at one of its readers), so its plans always fit. Solvers called directly
+(not through :func:`torchplace.solvers.solve`) see ``temp_bytes`` sums: their plans are checked
+with the liveness memory, but an optimality claim of theirs holds only where memory does not bind.
+Plans are validated, and reported, with the liveness memory.
 
 A training
 graph profiled from a model carries a :class:`~torchplace.problem.Pipeline`: then working memory is
@@ -196,7 +205,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     frees: dict[int, int] = defaultdict(int)
     live = 0
     for u, i in last.items():
-        if u not in members and receives:
+        if u not in members and receives:  # a received copy: what was moved
             live += _per_microbatch(g.record(u).output_bytes, m)
             frees[i] += _per_microbatch(g.record(u).output_bytes, m)
     peak = live
@@ -204,10 +213,20 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         r = g.record(v)
         peak = max(peak, live + _per_microbatch(r.own_peak, m))
         if root[v] == v and last.get(v, -1) > i:
-            live += _per_microbatch(r.output_bytes, m)
-            frees[last[v]] += _per_microbatch(r.output_bytes, m)
+            live += _per_microbatch(r.resident, m)
+            frees[last[v]] += _per_microbatch(r.resident, m)
         live -= frees.pop(i, 0)
-    return peak
+    held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
+    sent = sum(_per_microbatch(g.record(v).resident, m) for v in order
+               if any(w not in members for w in g.successors(v)) and not outputs.intersection(g.record(v).fx_nodes))
+    return peak + (m - 1) * held + queued(m) * sent
+
+
+def queued(m: int) -> int:
+    """Micro-batches whose sent tensors a device still holds while it works on the next: the one
+    the next device works on (measured on CPU pipelines, ``benchmarks/memory_fidelity.py``; up to
+    ``queue_size`` more wait in the queue when the next device is slower, not counted)."""
+    return min(m - 1, 1)
 
 
 def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, str]:

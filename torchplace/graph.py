@@ -87,6 +87,9 @@ class NodeRecord:
         peak_bytes: in a profiled graph, the most bytes the node holds at once while it runs, its
             output included and its inputs not (the liveness peak over its fx nodes); ``None``
             means ``temp_bytes``. Never above ``temp_bytes``.
+        resident_bytes: in a profiled graph, the new memory its outputs keep alive after it runs
+            (distinct storages: a view or an ``expand`` of a tensor adds nothing); ``None`` means
+            ``output_bytes``, which is what a transfer moves.
     """
 
     name: str
@@ -104,11 +107,17 @@ class NodeRecord:
     saved_bytes: int = 0
     tmpcs: Mapping[int, tuple[TMPC, ...]] = field(default_factory=dict)
     peak_bytes: int | None = None
+    resident_bytes: int | None = None
 
     @property
     def own_peak(self) -> int:
         """:attr:`peak_bytes`, or ``temp_bytes`` where it is not known."""
         return self.temp_bytes if self.peak_bytes is None else min(self.peak_bytes, self.temp_bytes)
+
+    @property
+    def resident(self) -> int:
+        """:attr:`resident_bytes`, or ``output_bytes`` where it is not known; never above ``temp_bytes``."""
+        return self.output_bytes if self.resident_bytes is None else min(self.resident_bytes, self.temp_bytes)
 
     def time_on(self, kind: str) -> float:
         """Seconds on a device of ``kind``; ``math.inf`` if the node cannot run there."""
@@ -122,8 +131,9 @@ class NodeRecord:
         d["tmpcs"] = {str(t): [asdict(x) for x in xs] for t, xs in self.tmpcs.items()}
         if not self.tmpcs:
             del d["tmpcs"]
-        if self.peak_bytes is None:
-            del d["peak_bytes"]
+        for optional in ("peak_bytes", "resident_bytes"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
     @classmethod
@@ -216,6 +226,7 @@ _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
     "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs, "peak_bytes": _optional_nbytes,
+    "resident_bytes": _optional_nbytes,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 

@@ -144,11 +144,12 @@ def _escaping_bytes(group: _Group) -> int:
     )
 
 
-def _own_peak(group: _Group) -> int:
-    """The most bytes of new memory the group's fx nodes hold at once while it runs (in graph
-    order). A view (``TensorInfo.alias_of``) takes no new memory but keeps its base's alive; a
-    memory lives from the node that made it until the last reader of it or of any view of it in
-    the group, or to the group's end when something outside reads one of them."""
+def _own_peak(group: _Group) -> tuple[int, int]:
+    """(peak, resident): the most bytes of new memory the group's fx nodes hold at once while it
+    runs (in graph order), and the new memory its outputs keep alive after it. A view
+    (``TensorInfo.alias_of``) takes no new memory but keeps its base's alive; a memory lives from
+    the node that made it until the last reader of it or of any view of it in the group, or to the
+    group's end when something outside reads one of them."""
     inside = set(group.nodes)
     index = {n: i for i, n in enumerate(group.nodes)}
     by_name = {n.name: n for n in group.nodes}
@@ -170,7 +171,7 @@ def _own_peak(group: _Group) -> int:
             live += size
             frees[last[n]] = frees.get(last[n], 0) + size
         live -= frees.pop(i, 0)
-    return peak
+    return peak, frees.get(end, 0)
 
 
 def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
@@ -187,13 +188,15 @@ def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
 
 def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeRecord:
     """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
-    ``peak_bytes`` = the most of them alive at once (:func:`_own_peak`)."""
+    ``peak_bytes`` = the most of them alive at once, ``resident_bytes`` = the new memory its
+    outputs keep (:func:`_own_peak`)."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
     temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
+    peak, resident = _own_peak(group)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
         module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp, colocation=colocation,
-        peak_bytes=_own_peak(group),
+        peak_bytes=peak, resident_bytes=resident,
     )
 
 

@@ -266,13 +266,21 @@ class _Recorder(fx.Interpreter):
                 if isinstance(t, torch.Tensor) and (key := _storage_id(t)) is not None:
                     owner.setdefault(key, a.name)
         fresh, seen = 0, set(owner)
-        for t in tensors:
+        for t in tensors:  # new memory is counted by its storage: an expand() of it is no bigger
             key = _storage_id(t)
             if key is None or key not in seen:
-                fresh += tensor_bytes(t)
+                fresh += _storage_bytes(t)
                 seen.add(key)
         first = _storage_id(tensors[0]) if tensors else None
         return fresh, owner.get(first) if first is not None else None
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the memory ``t`` lives in (its own bytes for tensors without a plain storage)."""
+    try:
+        return int(t.untyped_storage().nbytes()) if t.layout == torch.strided else tensor_bytes(t)
+    except (RuntimeError, NotImplementedError):
+        return tensor_bytes(t)
 
 
 def _storage_id(t: torch.Tensor) -> int | None:

@@ -11,7 +11,9 @@ solved through two problems whose node memory is a sum:
    objective, so when its plan also fits the liveness memory that plan keeps its proof (the usual
    case: memory is not what binds);
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
-   m)``, never less than its share of the liveness peak (costmodel docstring), so its plans always
+   m)`` (plus ``(m - 1) ceil(out_v / m)`` when it makes a model output, held for the other
+   micro-batches, or ``queued(m) ceil(out_v / m)`` when it has readers, which may be on another
+   device), never less than its share of the liveness memory (costmodel docstring), so its plans always
    fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
 3. the restriction charges every activation a device runs as if all were alive at once, far above
    the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
@@ -60,9 +62,15 @@ def conservative(problem: Problem) -> Problem:
     """Node memory never below its share of the liveness peak (module docstring, 2)."""
     g, m = problem.graph, costmodel.microbatches(problem)
 
+    outputs = set(g.meta.get("outputs", ()))
+
     def share(v: str, r: NodeRecord) -> int:
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
-        return -(-r.temp_bytes // m) + received
+        if outputs.intersection(r.fx_nodes):
+            held = (m - 1) * -(-r.output_bytes // m)
+        else:  # its readers may be on another device: it holds what it sent on
+            held = costmodel.queued(m) * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
+        return -(-r.temp_bytes // m) + received + held
 
     return _summed(problem, share)
 
