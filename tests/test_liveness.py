@@ -91,10 +91,10 @@ def test_an_inference_device_holds_one_micro_batch_in_flight():
     stages = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",))]
     # each device works on one micro-batch (100 bytes per tensor) at a time, whatever its
     # position; the device making the model's output keeps it for all 4 until the call returns,
-    # the one sending a's output on keeps the one cpu:1 works on
-    assert costmodel.queued(4) == 1 and costmodel.queued(1) == 0
-    assert costmodel.device_memory(p, stages) == {"cpu:0": 200, "cpu:1": 400}
-    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 200
+    # the one sending a on keeps those of the micro-batch cpu:1 works on and of one queued
+    assert costmodel.queued(4) == 2 and costmodel.queued(2) == 1 and costmodel.queued(1) == 0
+    assert costmodel.device_memory(p, stages) == {"cpu:0": 300, "cpu:1": 400}
+    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 300
 
 
 def test_a_view_takes_no_memory_and_keeps_its_base_alive():

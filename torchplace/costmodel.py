@@ -224,9 +224,11 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
 
 def queued(m: int) -> int:
     """Micro-batches whose sent tensors a device still holds while it works on the next: the one
-    the next device works on (measured on CPU pipelines, ``benchmarks/memory_fidelity.py``; up to
-    ``queue_size`` more wait in the queue when the next device is slower, not counted)."""
-    return min(m - 1, 1)
+    the next device works on and one waiting in the queue between them. How many really wait
+    depends on the devices' speeds (0 to ``queue_size``, 2, measured on CPU pipelines by
+    ``benchmarks/memory_fidelity.py``): a device whose next device is slower than it may hold one
+    more than charged here."""
+    return min(m - 1, 2)
 
 
 def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, str]:
