@@ -100,8 +100,8 @@ def test_an_inference_device_holds_one_micro_batch_in_flight():
 def test_a_view_takes_no_memory_and_keeps_its_base_alive():
     # v = a.view() (no memory of its own) is read by c after b ran: a's 8 bytes must stay
     g = _graph({"a": 8, "v": 8, "b": 1, "c": 1}, [("a", "v"), ("v", "c")], ["c"], peak={"v": 0})
+    g.meta["aliases"] = {"v": "a", "c": "v"}  # c holds memory of its own: not a view, whatever the map says
     g.replace_record("v", dataclasses.replace(g.record("v"), resident_bytes=0))
-    g.meta["aliases"] = {"v": "a"}
     p = _problem(g)
     assert costmodel.working_memory(p, "avbc") == 9  # a's memory (viewed by v) + b, then + c
     g.meta["aliases"] = {}
@@ -181,3 +181,29 @@ def test_too_little_memory_states_a_memory_that_fits():
     assert need is not None and str(need) in str(e.value)
     fits = _problem(_layers(), devices=(Device("acc", "meta", "accel", need),))
     assert costmodel.device_memory(fits, solve(fits, "dp").stages)["acc"] <= need
+
+
+def test_a_profiled_gpt2_fits_where_summing_every_activation_did_not():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import torchplace
+    from torchplace.solvers.liveness import conservative as summed
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, use_cache=False,
+                                     bos_token_id=1, eos_token_id=1)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (4, 32))
+    options = dict(example_kwargs={"input_ids": ids}, microbatches=2, progress=False, repeats=1, warmup=0)
+    free = torchplace.place(model, ["cpu:0", "cpu:1"], **options)
+    cap = int(1.05 * max(c.memory for c in free.plan.costs))  # what the unconstrained split needs, and 5%
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], max_memory={"cpu:0": cap, "cpu:1": cap}, **options)
+    p, stages = placed.problem, placed.plan.stages
+    assert max(c.memory for c in placed.plan.costs) <= cap
+    assert max(costmodel.device_memory(summed(p), stages).values()) > cap  # all activations at once: refused
+    g = p.graph
+    views = [v for v, r in g.records() if v in g.meta["aliases"]]
+    assert views and all(g.record(v).resident == 0 for v in views)
+    with torch.no_grad():
+        assert torch.equal(placed(input_ids=ids).logits, model(input_ids=ids).logits)

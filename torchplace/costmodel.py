@@ -47,7 +47,7 @@ received one, counted at one of its readers), so its plans always fit. Solvers c
 with the liveness memory, but an optimality claim of theirs holds only where memory does not bind.
 Plans are validated, and reported, with the liveness memory.
 
-A training
+Training keeps the sum of ``temp_bytes`` for working memory (liveness is for inference). A training
 graph profiled from a model carries a :class:`~torchplace.problem.Pipeline`: then working memory is
 one micro-batch's, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
@@ -237,8 +237,8 @@ def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> 
     aliases = g.meta.get("aliases") or {}
     root: dict[str, str] = {}
     for v in order:  # topological: a view's base has its root already
-        base = aliases.get(v)
-        if base is not None and base in g and g.nx.has_edge(base, v):
+        base = aliases.get(v)  # a view holds no memory of its own (not a merged group named like one)
+        if base is not None and base in g and g.nx.has_edge(base, v) and g.record(v).resident == 0:
             root[v] = root.get(base, base)
         else:
             root[v] = v
