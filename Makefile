@@ -10,7 +10,7 @@ $(BIN)/torchplace: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,examples]"
+	$(BIN)/pip install --quiet -e ".[dev,examples,hf]"
 	touch $@
 
 setup: $(BIN)/torchplace

@@ -98,8 +98,76 @@ def test_a_plan_for_another_graph_is_refused():
     model, inputs = build("mlp", batch=4)
     plan = _place(model, inputs).plan
     other, other_inputs = build("resnet", batch=4)
-    with pytest.raises(InvalidPlanError, match="same granularity"):
+    with pytest.raises(InvalidPlanError, match="made for another graph"):
         _place(other, other_inputs, plan=plan)
+
+
+# -- issue 13, item 6: a saved plan skips profiling ---------------------------------------------------
+def _count_profiling(monkeypatch):
+    """Count the calls of what times operators (forward, and backward for training)."""
+    calls = []
+    for name in ("profile", "measure_backward"):
+        real = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_saved_plan_of_the_same_model_is_run_without_profiling(tmp_path, monkeypatch, mode):
+    model, inputs = build("mlp", batch=4)
+    calls = _count_profiling(monkeypatch)
+    placed = _place(model, inputs, microbatches=2, mode=mode)
+    assert calls == (["profile"] if mode == "inference" else ["profile", "measure_backward"])
+    placed.plan.save(tmp_path / "plan.json")
+    calls.clear()
+    fresh, _ = build("mlp", batch=4, seed=3)  # other weights, same graph
+    again = _place(fresh, inputs, microbatches=2, mode=mode, plan=tmp_path / "plan.json")
+    assert calls == []  # nothing timed: the costs came with the plan
+    assert [s.nodes for s in again.plan.stages] == [s.nodes for s in placed.plan.stages]
+    assert again.plan.objective == placed.plan.objective
+    assert again.problem.graph == placed.problem.graph
+    if mode == "inference":
+        (x,) = inputs
+        with torch.no_grad():  # bitwise equal to the model run on the same two micro-batches
+            assert torch.equal(again(x), torch.cat([fresh(x[:2]), fresh(x[2:])]))
+
+
+def test_a_saved_plan_profiled_with_other_threads_is_profiled_again(tmp_path, monkeypatch):
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    calls = _count_profiling(monkeypatch)
+    devices = [torchplace.Device("cpu:0", "cpu", "cpu", threads=1), torchplace.Device("cpu:1", "cpu", "cpu", threads=1)]
+    _place(model, inputs, devices, microbatches=2, plan=tmp_path / "plan.json")
+    assert calls == ["profile"]  # times taken with other threads would not be this run's
+
+
+@pytest.mark.parametrize("change", ["input shape", "mode", "leaf_modules"])
+def test_a_saved_plan_for_another_trace_is_refused(tmp_path, change):
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    options = {"microbatches": 2, "plan": tmp_path / "plan.json"}
+    if change == "input shape":
+        _, inputs = build("mlp", batch=8)
+    elif change == "mode":
+        options["mode"] = "training"
+    else:
+        options["leaf_modules"] = [nn.Linear]
+    with pytest.raises(InvalidPlanError, match=r"plan file .*plan\.json.* was made for another graph .*leave out plan="):
+        _place(model, inputs, **options)
+
+
+def test_an_edited_profile_in_a_plan_file_is_named(tmp_path):
+    import json
+
+    from torchplace.errors import WorkloadFormatError
+
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["meta"]["profile"]["graph"]["nodes"][0]["times"] = {"cpu": -1}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError, match=r"meta\.profile\.graph: nodes\[0\]"):
+        _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
 
 
 @pytest.mark.parametrize("operation", [

@@ -26,6 +26,7 @@ from torchplace.problem import Problem
 __version__ = "0.1.0"
 
 _LAZY = {"place", "placed", "plan_model", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
+_LAZY_HF = {"infer_device_map", "plan_device_map"}  # Hugging Face device maps (torchplace.hf), also lazy
 
 
 def __getattr__(name: str):
@@ -33,6 +34,10 @@ def __getattr__(name: str):
         from torchplace import api
 
         return getattr(api, name)
+    if name in _LAZY_HF:
+        from torchplace import hf
+
+        return getattr(hf, name)
     raise AttributeError(f"module 'torchplace' has no attribute {name!r}")
 
 
@@ -56,9 +61,11 @@ __all__ = [
     "UnsupportedError",
     "UsageError",
     "WorkloadFormatError",
+    "infer_device_map",
     "make_cluster",
     "parse_memory",
     "place",
     "placed",
+    "plan_device_map",
     "plan_model",
 ]

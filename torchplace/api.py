@@ -25,6 +25,8 @@ from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
+from torchplace.profiling.cache import KEY as CACHE_KEY
+from torchplace.profiling.cache import cached_graph, profile_meta
 from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
@@ -57,6 +59,7 @@ def place(
     repeats: int = 5,
     progress: bool = True,
     plan: Plan | str | Path | None = None,
+    refine: bool = False,
 ) -> PlacedModule:
     """Place ``model`` on ``devices`` and return a module that runs it there.
 
@@ -122,7 +125,16 @@ def place(
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
-            solving: it is checked against the traced model and evaluated on the new timings.
+            solving. A plan ``place()`` made carries its graph's fingerprint and profiled costs
+            (:mod:`torchplace.profiling.cache`): for the same model, example input shapes and
+            arguments the costs are reused and nothing is timed again (with other threads, another
+            optimizer or a device kind it has no times for, the model is profiled anew); a plan
+            made for another graph is refused. Other plans are checked against the traced model
+            and evaluated on new timings.
+        refine: close the loop (:mod:`torchplace.refine`): run the plan on the example inputs,
+            re-time each stage as measured, solve again on those costs, run that plan too if it
+            differs, and keep the one whose calls measure faster; ``placed.refinement`` (and the
+            report) shows both. Inference only.
 
     Returns:
         A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
@@ -134,10 +146,11 @@ def place(
         TraceError: the model cannot be traced (the message says what to try).
         InfeasibleError: the model does not fit; ``min_memory_bytes`` is the smallest per-device
             memory that would.
-        InvalidPlanError: ``plan`` does not place this model's graph.
+        InvalidPlanError: ``plan`` does not place this model's graph, or was made by ``place()``
+            for another graph (its fingerprint differs).
     """
     check_model(model)  # a model on the meta device is refused here: plan_model() plans it
-    traced, problem, solved, args, kwargs = _planned(
+    traced, problem, solved, args, kwargs, cache = _planned(
         model, devices, example_inputs,
         example_kwargs=example_kwargs,
         objective=objective,
@@ -160,9 +173,17 @@ def place(
         repeats=repeats,
         progress=progress,
         plan=plan,
+        refine=refine,
     )
     training = mode == "training"
-    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    placed = PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    if refine:
+        from torchplace.refine import refine as closing_the_loop
+
+        placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                  build=lambda p: PlacedModule(traced, problem, p, microbatches))
+    placed.plan.meta[CACHE_KEY] = cache  # so plan= can skip profiling next time
+    return placed
 
 
 def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, example_inputs: Any = (),
@@ -191,7 +212,9 @@ def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, exam
     """
     if "plan" in options:
         raise UsageError("plan_model solves for a plan; to run a given plan use place(..., plan=...)")
-    _, problem, solved, _, _ = _planned(model, devices, example_inputs, **options)
+    if options.get("refine"):
+        raise UsageError("plan_model plans without running: refine=True measures a placed model; use place()")
+    _, problem, solved, _, _, _ = _planned(model, devices, example_inputs, **options)
     return solved, problem
 
 
@@ -227,13 +250,18 @@ def _planned(
     repeats: int = 5,
     progress: bool = True,
     plan: Plan | str | Path | None = None,
-) -> tuple[Any, Problem, Plan, tuple[Any, ...], dict[str, Any]]:
-    """:func:`place` up to its plan: (traced model, problem, plan, example args, example kwargs)."""
+    refine: bool = False,
+) -> tuple[Any, Problem, Plan, tuple[Any, ...], dict[str, Any], dict[str, Any]]:
+    """:func:`place` up to its plan: (traced model, problem, plan, example args, example kwargs,
+    the profile's fingerprint for ``plan.meta``, :mod:`torchplace.profiling.cache`)."""
     model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     if mode == "training" and objective != "throughput":
         raise UsageError("training is placed for throughput (a pipeline of micro-batches); use objective='throughput'")
+    if mode == "training" and refine is True:
+        raise UsageError("refine=True measures inference calls; place for training without it (measure a training "
+                         "step with placed.measure(x, target=y, loss_fn=f))")
     if mode == "training" and schedule not in ("gpipe", "1f1b"):
         raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective not in ("throughput", "latency"):
@@ -243,7 +271,7 @@ def _planned(
         )
     solvers.check_method(solver, objective)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
-                       ("share_cores", share_cores)):
+                       ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
@@ -282,11 +310,15 @@ def _planned(
                        training=training, dynamic_dims=dynamic_dims)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
-    graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress, grad=training,
-                    threads=threads)
+    settings = {"threads": threads, "optimizer": optimizer if training else None}
+    graph = None if given is None else cached_graph(given.meta, traced, mode, kinds, settings, source=_source(plan))
+    if graph is None:
+        graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress,
+                        grad=training, threads=threads)
+        if training:
+            graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
     pipeline = Pipeline(_split_count(args, kwargs, microbatches)) if objective == "throughput" else None
     if training:
-        graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
         pipeline = Pipeline(microbatches, schedule, recompute)  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
@@ -296,7 +328,7 @@ def _planned(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    return traced, problem, solved, args, kwargs
+    return traced, problem, solved, args, kwargs, profile_meta(traced, graph, mode, settings)
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],
@@ -324,6 +356,10 @@ def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches:
         return 1
     batch = sizes.pop()
     return batch // -(-batch // min(microbatches, batch))
+
+
+def _source(plan: Plan | str | Path) -> str:
+    return "the plan" if isinstance(plan, Plan) else f"plan file {str(plan)!r}"
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:

@@ -7,6 +7,8 @@
                      [--baseline no-dp|no-tp|no-ar] [--knapsack exact]  Piper (data x tensor x pipeline)
     torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
+    torchplace plan --hf CONFIG.json --max-memory 0=10GiB cpu=30GiB [--batch B] [--sequence-length S]
+                    [--dtype float16] [--cluster FILE] [--json]  accelerate device_map of a HF config
     torchplace show PLAN.json                                 print a saved plan
     torchplace report PLAN.json -o plan.html [--workload W]   one self-contained HTML report
     torchplace demo                                           the end-to-end demo
@@ -196,11 +198,47 @@ def _methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_memory(text: str) -> tuple[Any, str]:
+    """Type of ``--max-memory`` items: ``KEY=AMOUNT``, KEY a GPU id, ``cpu`` or ``disk``."""
+    key, sep, amount = text.partition("=")
+    if not sep or not key or not amount:
+        raise argparse.ArgumentTypeError(f"expected DEVICE=AMOUNT like 0=10GiB or cpu=30GiB, got {text!r}")
+    return (int(key) if key.isdigit() else key), amount
+
+
+def _plan_hf(args: argparse.Namespace) -> int:
+    """``plan --hf CONFIG.json``: a device map for the model the config describes, planned on the
+    meta device (no weights) with estimated costs, and the memory each device needs."""
+    from torchplace.hf.config import meta_model
+    from torchplace.hf.infer import plan_device_map
+
+    if args.model is not None:
+        raise UsageError("give either a built-in MODEL or --hf CONFIG.json, not both")
+    result = plan_device_map(meta_model(args.hf), dict(args.max_memory) if args.max_memory else None,
+                             batch_size=args.batch or 1, sequence_length=args.sequence_length, dtype=args.dtype,
+                             cluster=args.cluster, time_limit=args.time_limit or 10.0)
+    if args.json:
+        print(json.dumps({"device_map": result.device_map, "seconds": result.plan.objective,
+                          "lower_bound": result.plan.lower_bound,
+                          "memory": {str(k): v for k, v in result.memory.items()},
+                          "kv_cache": {str(k): v for k, v in result.kv_cache.items()}}, indent=1))
+    else:
+        print(result)
+        print("device_map:", json.dumps(result.device_map, indent=1))
+    if args.output:
+        result.plan.save(args.output)
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torchplace
     from torchplace.models import build, leaf_modules_for
 
-    model, inputs = build(args.model, batch=args.batch)
+    if args.hf is not None:
+        return _plan_hf(args)
+    if args.model is None:
+        raise UsageError("plan needs a built-in MODEL or --hf CONFIG.json")
+    model, inputs = build(args.model, batch=args.batch or 8)
     placed = torchplace.place(
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
@@ -278,9 +316,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="Piper: the paper's TMPC heuristic (default) or HiGHS exactly (slow)")
     s.set_defaults(func=_solve)
     p = sub.add_parser("plan", help="place a built-in example model and print the plan")
-    p.add_argument("model", choices=list(NAMES))
+    p.add_argument("model", choices=list(NAMES), nargs="?")
     p.add_argument("--devices", nargs="+", default=["cpu:0", "cpu:1"])
-    p.add_argument("--batch", type=_count, default=8)
+    p.add_argument("--batch", type=_count, default=None, help="batch size (default 8; with --hf 1)")
+    p.add_argument("--hf", type=_input_file, metavar="CONFIG.json",
+                   help="plan an accelerate device_map for the Hugging Face model of this config (built on the "
+                        "meta device: no weights, estimated costs)")
+    p.add_argument("--max-memory", nargs="+", type=_max_memory, metavar="DEVICE=AMOUNT",
+                   help="with --hf: accelerate's max_memory, e.g. 0=10GiB 1=10GiB cpu=30GiB [disk=1TiB]")
+    p.add_argument("--sequence-length", type=_count, default=128, help="with --hf: tokens per sequence (KV cache)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="with --hf: dtype of the dispatched weights")
+    p.add_argument("--cluster", type=_input_file, default=None, help="with --hf: cluster file giving GPU kinds")
+    p.add_argument("--json", action="store_true", help="with --hf: print the map, time and memory as JSON")
     p.add_argument("--microbatches", type=_count, default=4)
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
     _add_solver_options(p, list(METHODS))

@@ -87,6 +87,7 @@ class PlacedModule(nn.Module):
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
         self._traced, self._example, self._eval = traced, example, None
         self.last_measurement: Any = None  # set by measure(), shown by report()
+        self.refinement: Any = None  # set by place(..., refine=True) (torchplace.refine.Refinement)
         self._last_spans: Sequence[Any] = ()
         self._for_training = problem.mode == "training"
         run = _forward_stages(problem, plan)
@@ -286,7 +287,7 @@ class PlacedModule(nn.Module):
     def report(self, path: str | Path, *, title: str | None = None) -> Path:
         """Write one self-contained HTML report (:func:`torchplace.report.html.render`): the plan,
         its bound and gap, the three pictures, the device map and, after :meth:`measure`, measured
-        beside predicted."""
+        beside predicted; after ``place(..., refine=True)``, both plans it ran."""
         from torchplace.report.html import write_report
 
         try:
@@ -296,7 +297,8 @@ class PlacedModule(nn.Module):
         name = type(self._traced.model).__name__ if self._traced.model is not None else "model"
         return write_report(path, self.plan, self.problem, title=title or f"torchplace plan: {name}",
                             microbatches=self.microbatches if self.problem.mode != "training" else None,
-                            device_map=device_map, measurement=self.last_measurement, spans=self._last_spans)
+                            device_map=device_map, measurement=self.last_measurement, spans=self._last_spans,
+                            refinement=self.refinement)
 
     def device_map(self) -> dict[str, str]:
         """Where each module's weights live, in accelerate's ``device_map`` form."""

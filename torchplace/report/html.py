@@ -113,9 +113,22 @@ def _measured(measurement: Measurement, spans: Sequence[StageSpan], plan: Plan) 
     return "".join(out)
 
 
+def _refinement(refinement: Any) -> str:
+    """Both plans ``place(..., refine=True)`` ran (:class:`torchplace.refine.Refinement`)."""
+    rows = [(f"{r.costs} costs" + (" (kept)" if i == refinement.kept else ""), _e(r.plan.solver),
+             f"{r.plan.objective:.4g}", f"{r.on_measured:.4g}", f"{r.wall:.4g}")
+            for i, r in enumerate(refinement.runs)]
+    note = ("The measured costs gave the same plan." if len(refinement.runs) == 1 else
+            "The plan kept is the one whose calls measured faster.")
+    return "".join([_table(("solved on", "solver", "predicted s (profiled costs)", "predicted s (measured costs)",
+                            "measured wall s per call"), rows, left=2),
+                    f"<p class=note>Each stage re-timed to its measurement, the problem solved again. {note}</p>"])
+
+
 def render(plan: Plan, problem: Problem | None = None, *, title: str = "torchplace plan",
            microbatches: int | None = None, device_map: Mapping[str, str] | None = None,
-           measurement: Measurement | None = None, spans: Sequence[StageSpan] = ()) -> str:
+           measurement: Measurement | None = None, spans: Sequence[StageSpan] = (),
+           refinement: Any = None) -> str:
     """The report as one HTML string (see the module docstring)."""
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{_e(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>",
@@ -135,6 +148,8 @@ def render(plan: Plan, problem: Problem | None = None, *, title: str = "torchpla
     parts += ["<h2 id=device-map>Device map</h2>", _device_map(device_map)]
     if measurement is not None:
         parts += ["<h2 id=measured>Measured vs predicted</h2>", _measured(measurement, spans, plan)]
+    if refinement is not None:
+        parts += ["<h2 id=refined>Refined on measured costs</h2>", _refinement(refinement)]
     parts.append("<p class=note>Written by torchplace; self-contained (no scripts, no network).</p></body></html>")
     return "".join(parts)
 

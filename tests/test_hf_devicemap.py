@@ -1,0 +1,179 @@
+"""torchplace.infer_device_map: accelerate-form maps that accelerate accepts, that fit the batch's
+KV cache, keep tied weights together, and dispatch to a model that generates the same tokens.
+
+This machine has no GPU, so the dispatch tests split a model over the two places accelerate can
+use without one: ``"cpu"`` (the main device) and ``"disk"`` (an offload folder). A small ``"cpu"``
+budget forces blocks onto ``"disk"``; ``dispatch_model`` then attaches its ``AlignDevicesHook`` s,
+which load those blocks' weights from the folder for every call, so the test runs accelerate's
+real offload path, including tied weights split from their module's device. Placement on several
+GPUs is covered by the planning tests (maps over ``{0: ..., 1: ..., "cpu": ...}``), which need no
+device.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchplace
+from torchplace.errors import InfeasibleError, UsageError
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+from accelerate import dispatch_model  # noqa: E402
+from accelerate.utils import check_device_map, find_tied_parameters  # noqa: E402
+
+from torchplace.hf import build_problem, evaluate_device_map, plan_device_map  # noqa: E402
+
+VOCAB = 512
+
+
+def gpt2_config(layers: int = 4):
+    return transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128,
+                                   bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+
+def llama_config(layers: int = 4):
+    return transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                    max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+
+def build(config, device: str = "cpu"):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def owner(device_map, name: str):
+    keys = [k for k in device_map if k == "" or name == k or name.startswith(f"{k}.")]
+    return device_map[max(keys, key=len)]
+
+
+@pytest.mark.parametrize("config", [gpt2_config, llama_config], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["kv-cache", "no-cache"])
+def test_dispatched_model_generates_the_same_tokens(config, use_cache, tmp_path):
+    model = build(config())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = plan_device_map(model, {"cpu": params // 2, "disk": "1GiB"}, batch_size=2, sequence_length=16)
+    device_map = plan.device_map
+    assert {"cpu", "disk"} <= set(device_map.values()), device_map  # a real split: hooks run
+    saved = {n.rpartition(".")[0] for n in model.state_dict()}
+    on_disk = [k for k, d in device_map.items() if d == "disk"]
+    assert all(any(w == k or w.startswith(f"{k}.") for w in saved) for k in on_disk), \
+        "a module with nothing in the state dict is sent to disk (accelerate cannot offload it)"
+    check_device_map(model, device_map)
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=use_cache)
+
+    other = build(config())
+    other.load_state_dict(model.state_dict())
+    other = dispatch_model(other, device_map, offload_dir=str(tmp_path))
+    offloaded = [n for n, m in other.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    assert offloaded, "no module runs through accelerate's offload hooks"
+    got = other.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=use_cache)
+    assert torch.equal(got, expected)
+
+
+def test_from_pretrained_accepts_the_map(tmp_path):
+    model = build(gpt2_config())
+    model.save_pretrained(tmp_path / "model")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    device_map = torchplace.infer_device_map(model, {"cpu": params // 2, "disk": "1GiB"}, batch_size=1,
+                                             sequence_length=16)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                               offload_folder=str(tmp_path / "offload"))
+    ids = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(loaded.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
+def test_gpu_map_keeps_tied_weights_together_and_prefers_the_fast_gpu(tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"format": "torchplace.cluster/1", "devices": ['
+                       '{"name": "cuda:0", "kind": "cuda-t4", "torch_device": "cuda:0"},'
+                       '{"name": "cuda:1", "kind": "cuda", "torch_device": "cuda:1"},'
+                       '{"name": "cpu", "kind": "cpu", "torch_device": "cpu"}]}')
+    config = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=256)
+    model = build(config, "meta")
+    plan = plan_device_map(model, {0: "60MiB", 1: "60MiB", "cpu": "1GiB"}, cluster=cluster, batch_size=8,
+                           sequence_length=128)
+    check_device_map(model, plan.device_map)
+    assert "disk" not in plan.device_map.values()  # disk only when max_memory names it
+    for group in find_tied_parameters(model):
+        assert len({owner(plan.device_map, n) for n in group}) == 1, group
+    fast = [k for k, v in plan.device_map.items() if v == 1]
+    assert fast, "nothing on the fast GPU"
+    caps = {0: 60 * 2**20, 1: 60 * 2**20, "cpu": 2**30}
+    assert all(plan.memory[d] <= caps[d] for d in plan.memory)
+    cost = evaluate_device_map(plan.problem, plan.device_map)
+    assert cost.fits and cost.seconds == pytest.approx(plan.plan.objective)
+
+
+def test_kv_cache_is_counted_where_its_layer_is():
+    model = build(llama_config(2), "meta")
+    cfg = model.config
+    small = plan_device_map(model, {"cpu": "1GiB"}, batch_size=1, sequence_length=8)
+    big = plan_device_map(model, {"cpu": "1GiB"}, batch_size=4, sequence_length=64)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_layer = 2 * 4 * 64 * cfg.num_key_value_heads * head_dim * 4
+    assert big.kv_cache["cpu"] == cfg.num_hidden_layers * per_layer
+    assert big.memory["cpu"] - small.memory["cpu"] >= big.kv_cache["cpu"] - small.kv_cache["cpu"]
+
+
+def test_a_budget_without_room_for_the_kv_cache_says_how_much_is_needed():
+    model = build(gpt2_config(2), "meta")
+    with pytest.raises(InfeasibleError, match="KV cache") as err:
+        plan_device_map(model, {"cpu": "600KiB"}, batch_size=64, sequence_length=128)
+    assert err.value.min_memory_bytes > 600 * 2**10
+
+
+def test_meta_model_is_planned_without_weights():
+    model = build(llama_config(4), "meta")
+    device_map = torchplace.infer_device_map(model, {0: "1MiB", "cpu": "1GiB"}, batch_size=1, sequence_length=16)
+    check_device_map(model, device_map)
+    assert all(p.is_meta for p in model.parameters())
+    problem = build_problem(model, {0: "1MiB", "cpu": "1GiB"}, sequence_length=16)
+    assert problem.graph.meta["hf"]["costs"] == "estimated"
+
+
+def test_no_split_classes_are_kept_whole():
+    model = build(gpt2_config(2), "meta")
+    device_map = torchplace.infer_device_map(model, {0: "10MiB", "cpu": "1GiB"}, sequence_length=8,
+                                             no_split_module_classes=["GPT2LMHeadModel"])
+    assert device_map == {"": 0}
+
+
+def test_accelerate_map_is_evaluated_on_the_same_problem():
+    from accelerate import infer_auto_device_map
+
+    model = build(gpt2_config(4), "meta")
+    budget = {0: "700KiB", 1: "700KiB", "cpu": "1GiB"}
+    problem = build_problem(model, budget, batch_size=2, sequence_length=32)
+    theirs = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
+    ours = plan_device_map(model, budget, batch_size=2, sequence_length=32)
+    a, b = evaluate_device_map(problem, theirs), evaluate_device_map(ours.problem, ours.device_map)
+    assert b.fits and not a.fits  # accelerate budgets weights only: no room left for the KV cache
+
+
+@pytest.mark.parametrize("bad, match", [({"gpu": "1GiB"}, "GPU ids"), ({0: "lots"}, r"max_memory\[0\]"),
+                                        ({}, "non-empty")])
+def test_bad_max_memory_is_named(bad, match):
+    with pytest.raises(UsageError, match=match):
+        torchplace.infer_device_map(build(gpt2_config(2), "meta"), bad)
+
+
+def test_cli_plans_a_config_on_the_meta_device(tmp_path, capsys):
+    import json
+
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    gpt2_config(3).to_json_file(config)
+    assert main(["plan", "--hf", str(config), "--max-memory", "0=1MiB", "cpu=1GiB", "--sequence-length", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    check_device_map(build(gpt2_config(3), "meta"), out["device_map"])
+    assert set(out["memory"]) <= {"0", "cpu"} and out["seconds"] >= out["lower_bound"] > 0
+    assert main(["plan", "--hf", str(config), "--max-memory", "0=10KiB"]) == 2
+    assert "needs" in capsys.readouterr().err

@@ -1,0 +1,360 @@
+"""A Hugging Face model as a chain of blocks: the OpGraph a ``device_map`` is solved on.
+
+accelerate places whole modules, so the graph here has one node per *block*: a module that is
+never split (a class of ``no_split_module_classes``, e.g. ``GPT2Block``) or a leaf module, found by
+walking the module tree from the root. One forward pass on example inputs (on the model's own
+device: the CPU, or ``meta`` for a model built without weights) runs with hooks on the blocks and
+records, per block, in call order:
+
+- the FLOPs (:class:`torch.utils.flop_counter.FlopCounterMode`, which counts on meta tensors too),
+- the bytes of its output (what crosses a device boundary after it),
+- the largest output of anything inside it (its working memory, with its input and output),
+- on the CPU, its wall time (median over ``repeats`` passes): a *measured* ``"cpu"`` time.
+
+Blocks become a chain in call order (block ``i`` feeds block ``i + 1``; the bytes of that edge are
+block ``i``'s output), which is how a dispatched model runs them: one after the other. Times on
+device kinds not measured are the roofline estimate of :mod:`torchplace.profiling.estimate`
+(``max(flops / peak, bytes / bandwidth) + overhead``, bytes = weights + input + output).
+
+Blocks that share a parameter (tied weights: GPT-2's ``lm_head`` and ``wte``) get one colocation
+label, so a plan puts them on one device, as accelerate requires.
+
+A model on the meta device runs on fake tensors (no memory). If even that fails (a kernel with no
+fake implementation, e.g. grouped expert matmuls in float32),
+every block is costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size
+output per token (a dense upper bound on FLOPs for MoE blocks), and the result says so
+(``graph.meta["hf"]["costs"] == "structural"``).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchplace.errors import UsageError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
+
+__all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of"]
+
+HF_DEVICE_SPECS: dict[str, DeviceSpec] = {
+    **DEVICE_SPECS,
+    # NVIDIA T4: 8.1 TFLOP/s FP32, 320 GB/s GDDR6 (a slow GPU next to the A100-like "cuda").
+    "cuda-t4": DeviceSpec(peak_flops=8.1e12, mem_bandwidth=320e9, overhead=5e-6),
+}
+"""Roofline specs by device kind: :data:`~torchplace.profiling.estimate.DEVICE_SPECS` plus slower GPUs
+for heterogeneous cluster files."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One placeable module: its dotted path, class name and the tensors it holds."""
+
+    path: str
+    cls: str
+    param_bytes: int
+    tensors: tuple[int, ...]  # ids of the parameters and buffers it holds (tied ones included)
+    names: tuple[str, ...] = ()  # "<direct>" blocks: the full names of the tensors it holds
+
+
+def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+    return t.numel() * size
+
+
+def blocks_of(model: nn.Module, no_split: Sequence[str], dtype: torch.dtype | None = None) -> list[Block]:
+    """The blocks of ``model`` in registration order (see the module docstring).
+
+    A module is a block if its class name is in ``no_split``, or it has no children, or it is a
+    child without parameters or buffers of its own below it (nothing to place). A module that is
+    expanded may still hold tensors directly (``nn.Parameter`` attributes): those become a block
+    of their own at the module's path with ``cls`` ``"<direct>"``.
+    """
+    out: list[Block] = []
+    counted: set[int] = set()  # a tied tensor's bytes count once, on the first block holding it
+
+    def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+        new = [t for t in _unique(tensors) if id(t) not in counted]
+        counted.update(id(t) for t in new)
+        return sum(_tensor_bytes(t, dtype) for t in new)
+
+    def visit(path: str, m: nn.Module) -> None:
+        children = list(m.named_children())
+        if type(m).__name__ in no_split or not children:
+            tensors = [*m.parameters(), *m.buffers()]
+            out.append(Block(path, type(m).__name__, nbytes(tensors),
+                             tuple(id(t) for t in tensors)))
+            return
+        direct = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        if direct:
+            prefix = f"{path}." if path else ""
+            out.append(Block(path, "<direct>", nbytes([t for _, t in direct]), tuple(id(t) for _, t in direct),
+                             tuple(prefix + n for n, _ in direct)))
+        for name, child in children:
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return out
+
+
+def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+@dataclass
+class _Record:
+    flops: int = 0
+    out_bytes: int = 0
+    in_bytes: int = 0
+    peak_bytes: int = 0
+    seconds: list[float] | None = None
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+class _Probe:
+    """Hooks on every block (and their descendants) for one forward pass."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[Block]) -> None:
+        self.model = model
+        self.paths = [b.path for b in blocks]
+        self.records = {p: _Record() for p in self.paths}
+        self.order: list[str] = []
+        self.handles: list[Any] = []
+        self.started: dict[str, float] = {}
+
+    def __enter__(self) -> _Probe:
+        mods = dict(self.model.named_modules())
+        for path in self.paths:
+            m = mods[path]
+            self.handles.append(m.register_forward_pre_hook(self._pre(path), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(path)))
+            for name, sub in m.named_modules():
+                if name:
+                    self.handles.append(sub.register_forward_hook(self._inner(path)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, path: str) -> Any:
+        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+            if path not in self.order:
+                self.order.append(path)
+            r = self.records[path]
+            r.in_bytes = max(r.in_bytes, _bytes((args, kwargs)))
+            self.started[path] = time.perf_counter()
+        return hook
+
+    def _post(self, path: str) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            r = self.records[path]
+            if r.seconds is not None:
+                r.seconds.append(time.perf_counter() - self.started[path])
+            r.out_bytes = max(r.out_bytes, _bytes(out))
+        return hook
+
+    def _inner(self, path: str) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            r = self.records[path]
+            r.peak_bytes = max(r.peak_bytes, _bytes(out))
+        return hook
+
+
+@contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Keep FakeTensorMode from logging a traceback for a kernel it cannot run: the caller falls
+    back to structural costs and says so."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any], repeats: int) -> _Probe:
+    """One counted pass (FLOPs per block, bytes, call order), then ``repeats`` timed passes on the CPU.
+
+    A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
+    :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
+    skips its data-dependent checks on them as it does while tracing."""
+    probe = _Probe(model, blocks)
+    counter = FlopCounterMode(display=False)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if on_meta:
+        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), probe, counter:
+            state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+                                   if isinstance(v, torch.Tensor) else v, dict(kwargs))
+            functional_call(model, state, (), fake, strict=False)
+    else:
+        with torch.no_grad(), probe, counter:
+            model(**kwargs)
+    flops = counter.get_flop_counts()
+    root = type(model).__name__
+    for path, r in probe.records.items():
+        key = f"{root}.{path}" if path else root
+        r.flops = int(sum(flops.get(key, {}).values()))
+    if repeats > 0 and not on_meta:
+        for r in probe.records.values():
+            r.seconds = []
+        with torch.no_grad(), probe:
+            for _ in range(repeats):
+                model(**kwargs)
+    return probe
+
+
+def _roofline(flops: float, nbytes: float, spec: DeviceSpec) -> float:
+    return max(flops / spec.peak_flops, nbytes / spec.mem_bandwidth) + spec.overhead
+
+
+def block_graph(
+    model: nn.Module,
+    example_kwargs: Mapping[str, Any],
+    *,
+    kinds: Sequence[str],
+    no_split: Sequence[str],
+    dtype: torch.dtype | None = None,
+    repeats: int = 3,
+    specs: Mapping[str, DeviceSpec] | None = None,
+) -> OpGraph:
+    """The chain OpGraph of ``model``'s blocks (module docstring) with times on every kind.
+
+    Args:
+        model: a Hugging Face (or any) model, on the CPU or the meta device.
+        example_kwargs: one forward call's keyword inputs, on the model's device.
+        kinds: device kinds to give times for; ``"cpu"`` is measured when the weights are real.
+        no_split: class names of modules never split.
+        dtype: the dtype the weights will have when dispatched (bytes per parameter); ``None``:
+            as they are.
+        repeats: timed passes for measured CPU times (0: estimate them too).
+        specs: roofline specs by kind (default :data:`HF_DEVICE_SPECS`).
+
+    Returns:
+        The graph; ``graph.meta["hf"]`` holds each node's module path and how it was costed.
+
+    Raises:
+        UsageError: for a kind with no spec to estimate with (the message lists the known kinds).
+    """
+    specs = dict(HF_DEVICE_SPECS if specs is None else specs)
+    blocks = blocks_of(model, no_split, dtype)
+    scale = 1.0 if dtype is None else _act_scale(model, dtype)
+    try:
+        probe: _Probe | None = _probe(model, blocks, example_kwargs, repeats)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        if not any(p.is_meta for p in model.parameters()):
+            raise
+        probe = None  # data-dependent control flow on meta tensors: cost from parameters alone
+    records, costs = _block_records(model, blocks, probe, example_kwargs, scale)
+    missing = [k for k in kinds if k not in specs and not (k == "cpu" and probe and _timed(probe))]
+    if missing:
+        raise UsageError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
+                         f"{sorted(specs)} (name one of them in the cluster file, or pass "
+                         "specs={kind: DeviceSpec(...)})")
+    g = OpGraph(meta={"hf": {"costs": costs, "modules": {}}})
+    prev = None
+    for i, (b, r) in enumerate(records):
+        times = {k: _roofline(r.flops, b.param_bytes + r.in_bytes + r.out_bytes, specs[k]) for k in kinds
+                 if k in specs}
+        if "cpu" in kinds and r.seconds:
+            times["cpu"] = statistics.median(r.seconds)
+        node = f"b{i}"
+        work = r.in_bytes + r.out_bytes + r.peak_bytes
+        g.add_node(node, NodeRecord(name=b.path or type(model).__name__, op=f"block:{b.cls}", module=b.path,
+                                    param_bytes=b.param_bytes, output_bytes=r.out_bytes, temp_bytes=work,
+                                    times=times))
+        g.meta["hf"]["modules"][node] = b.path
+        if prev is not None:
+            g.add_edge(prev, node)
+        prev = node
+    return _tie(g, [b for b, _ in records])
+
+
+def _timed(probe: _Probe) -> bool:
+    return any(r.seconds for r in probe.records.values())
+
+
+def _act_scale(model: nn.Module, dtype: torch.dtype) -> float:
+    """Activation bytes scale when the model will run in ``dtype`` instead of its own dtype."""
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+    return dtype.itemsize / own.itemsize
+
+
+def _block_records(model: nn.Module, blocks: Sequence[Block], probe: _Probe | None, kwargs: Mapping[str, Any],
+                   scale: float) -> tuple[list[tuple[Block, _Record]], str]:
+    """Blocks in call order (blocks never called go last, in registration order) with their costs."""
+    if probe is None:
+        return _structural(model, blocks, kwargs), "structural"
+    order = {p: i for i, p in enumerate(probe.order)}
+    ranked = sorted(blocks, key=lambda b: order.get(b.path, len(order)))
+    out = []
+    for b in ranked:
+        r = probe.records[b.path]
+        out.append((b, _Record(r.flops, int(r.out_bytes * scale), int(r.in_bytes * scale), int(r.peak_bytes * scale),
+                               r.seconds)))
+    return out, "measured" if _timed(probe) else "estimated"
+
+
+def _structural(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any]) -> list[tuple[Block, _Record]]:
+    """Costs from parameters alone: ``2 x params x tokens`` FLOPs, a hidden-size output per token."""
+    ids = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    tokens = ids.numel() if ids is not None else 1
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 1024)
+    item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    out = []
+    for b in blocks:
+        params = b.param_bytes / item
+        act = tokens * hidden * item
+        out.append((b, _Record(int(2 * params * tokens), act, act, 4 * act)))
+    return out
+
+
+def _tie(g: OpGraph, blocks: Sequence[Block]) -> OpGraph:
+    """Give blocks that share a tensor one colocation label (union of overlapping tensor sets)."""
+    owner: dict[int, int] = {}
+    parent = list(range(len(blocks)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, b in enumerate(blocks):
+        for t in b.tensors:
+            if t in owner:
+                parent[find(i)] = find(owner[t])
+            else:
+                owner[t] = i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(blocks)):
+        groups.setdefault(find(i), []).append(i)
+    from dataclasses import replace
+
+    for members in groups.values():
+        if len(members) > 1:
+            label = "tied:" + "+".join(blocks[i].path for i in members)
+            for i in members:
+                g.replace_record(f"b{i}", replace(g.record(f"b{i}"), colocation=label))
+    return g

@@ -1,0 +1,195 @@
+"""accelerate's ``max_memory`` as a torchplace :class:`Cluster`, and the KV cache of a batch.
+
+accelerate names devices ``0, 1, ...`` (GPU ids), ``"cpu"`` and ``"disk"``; torchplace names them
+``"cuda:0"``, ``"cuda:1"``, ``"cpu"`` and ``"disk"`` and converts back in the map it returns. Under
+:func:`accelerate.dispatch_model` a module mapped to ``"cpu"`` (when a GPU is in the map) or to
+``"disk"`` does not compute there: its weights are streamed to the *main device* (the first GPU,
+else the CPU) before each call. Those devices therefore get kinds ``"cpu-offload"`` /
+``"disk-offload"`` whose time per block is the main device's time plus the block's weight bytes over
+the host link (the cluster's ``bandwidth``) or the disk (``disk_bandwidth``): one cost model, with
+the times the runtime really pays put on the graph (:func:`offload_times`).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from torchplace import machine
+from torchplace.checks import brief
+from torchplace.devices import DEFAULT_LINK_BANDWIDTH, Cluster, Device
+from torchplace.errors import UsageError
+from torchplace.graph import OpGraph
+from torchplace.units import parse_memory
+
+__all__ = ["DISK_BANDWIDTH", "OFFLOAD_KINDS", "accelerate_name", "hf_cluster", "kv_cache_bytes", "offload_times"]
+
+OFFLOAD_KINDS = ("cpu-offload", "disk-offload")
+"""Kinds of devices that only store weights: their blocks compute on the main device."""
+
+DISK_BANDWIDTH = 2e9
+"""Bytes/s read from an offload folder (an NVMe SSD); ``disk_bandwidth=`` overrides it."""
+
+_GPU = re.compile(r"(?:cuda:)?(0|[1-9][0-9]*)")
+
+
+def _key(key: Any) -> str:
+    """torchplace's name of an accelerate ``max_memory`` key: ``0`` / ``"0"`` / ``"cuda:0"`` -> ``"cuda:0"``."""
+    if isinstance(key, bool):
+        raise UsageError(f"max_memory keys are GPU ids, 'cpu' or 'disk', got {key!r}")
+    if isinstance(key, int) and key >= 0:
+        return f"cuda:{key}"
+    if isinstance(key, str):
+        if key in ("cpu", "disk"):
+            return key
+        m = _GPU.fullmatch(key.strip())
+        if m:
+            return f"cuda:{m.group(1)}"
+    raise UsageError(f"max_memory keys are GPU ids (0, 1, ... or 'cuda:0'), 'cpu' or 'disk', got {brief(key)}")
+
+
+def accelerate_name(device: str) -> int | str:
+    """accelerate's name of a torchplace device: ``"cuda:1"`` -> ``1``; ``"cpu"``, ``"disk"`` as they are."""
+    return int(device.split(":")[1]) if device.startswith("cuda:") else device
+
+
+def _budgets(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | None = None) -> dict[str, int]:
+    """torchplace device name -> bytes, GPUs in id order, then cpu, then disk."""
+    if max_memory is None and cluster is not None:
+        max_memory = {d.name: d.memory_bytes for d in cluster.devices
+                      if d.memory_bytes is not None and (d.name in ("cpu", "disk") or _GPU.fullmatch(d.name))}
+    if max_memory is None:
+        caps = {f"cuda:{i}": machine.cuda_memory(i) for i in range(machine.cuda_count())}
+        caps["cpu"] = machine.cpu_memory()
+        return caps
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise UsageError(f"max_memory must be a non-empty dict like {{0: '10GiB', 'cpu': '30GiB'}}, "
+                         f"got {brief(max_memory)}")
+    caps = {}
+    for key, value in max_memory.items():
+        name = _key(key)
+        if name in caps:
+            raise UsageError(f"max_memory names device {name!r} twice")
+        try:
+            caps[name] = parse_memory(value)
+        except UsageError as e:
+            raise UsageError(f"max_memory[{key!r}]: {e}") from None
+    gpus = sorted((n for n in caps if n.startswith("cuda:")), key=lambda n: int(n.split(":")[1]))
+    return {n: caps[n] for n in [*gpus, *(k for k in ("cpu", "disk") if k in caps)]}
+
+
+def _gpu_kinds(cluster: Cluster | None, gpus: list[str]) -> dict[str, str]:
+    """The kind of each GPU: the cluster device of that name (or the i-th non-CPU one), else "cuda"."""
+    if cluster is None:
+        return dict.fromkeys(gpus, "cuda")
+    accel = [d for d in cluster.devices if d.kind != "cpu"]
+    out = {}
+    for i, name in enumerate(gpus):
+        named = [d for d in cluster.devices if d.name in (name, name.split(":")[1])]
+        if named:
+            out[name] = named[0].kind
+        elif i < len(accel):
+            out[name] = accel[i].kind
+        else:
+            raise UsageError(f"the cluster file describes {len(accel)} accelerator(s) but max_memory names "
+                             f"{name!r}: describe every GPU of max_memory in the cluster file")
+    return out
+
+
+def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | None = None) -> Cluster:
+    """The cluster accelerate's ``max_memory`` describes (module docstring), kinds from ``cluster``.
+
+    Args:
+        max_memory: ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB", "disk": "1TiB"}``; ``None``: the
+            memory of ``cluster``'s devices named ``cuda:i`` / ``cpu`` / ``disk``, else every
+            visible GPU and the CPU with their memory (no disk).
+        cluster: a cluster (e.g. from a cluster file) giving each GPU's kind (by name ``"cuda:i"``
+            or ``"i"``, else the i-th non-CPU device), the default link and the links between
+            devices of those names.
+
+    Raises:
+        UsageError: a bad key or amount (named), or GPUs the cluster does not describe.
+    """
+    caps = _budgets(max_memory, cluster)
+    gpus = [n for n in caps if n.startswith("cuda:")]
+    kinds = _gpu_kinds(cluster, gpus)
+    devices = [Device(n, n, kinds[n], caps[n]) for n in gpus]
+    if "cpu" in caps:
+        devices.append(Device("cpu", "cpu", "cpu-offload" if gpus else "cpu", caps["cpu"]))
+    if "disk" in caps:
+        devices.append(Device("disk", "cpu", "disk-offload", caps["disk"]))
+    if cluster is None:
+        return Cluster(tuple(devices))
+    names = {d.name for d in devices}
+    links = {pair: link for pair, link in cluster.links.items() if set(pair) <= names}
+    pairs = {pair: bw for pair, bw in cluster.pair_bandwidth.items() if set(pair) <= names}
+    return Cluster(tuple(devices), bandwidth=cluster.bandwidth, latency=cluster.latency, links=links,
+                   pair_bandwidth=pairs)
+
+
+def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH) -> OpGraph:
+    """``graph`` with times for the offload kinds of ``cluster``: the main device's time plus the
+    block's weights over the host link (``"cpu-offload"``) or from disk (``"disk-offload"``)."""
+    kinds = {d.kind for d in cluster.devices}
+    main = cluster.devices[0].kind
+    if main in ("cpu-offload", "disk-offload"):
+        main = "cpu"
+    host = cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
+    out = OpGraph(meta=graph.meta)
+    for v, r in graph.records():
+        times = dict(r.times)
+        if "cpu-offload" in kinds:
+            times["cpu-offload"] = r.times[main] + r.param_bytes / host
+        if "disk-offload" in kinds:
+            times["disk-offload"] = r.times[main] + r.param_bytes / disk_bandwidth
+        out.add_node(v, replace(r, times=times))
+    for u, v in graph.edges:
+        out.add_edge(u, v)
+    return out
+
+
+def _heads(config: Any) -> tuple[int, int]:
+    """(key/value heads, head dim) of a transformer config."""
+    heads = (getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+             or getattr(config, "num_heads", None))
+    if not heads:
+        raise UsageError(f"cannot size the KV cache: {type(config).__name__} names no attention heads "
+                         "(num_attention_heads / n_head / num_heads); pass kv_cache=False")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
+    dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or hidden // heads
+    return int(kv), int(dim)
+
+
+def _attention_paths(model: Any) -> list[str]:
+    """Outermost modules whose class name ends in "Attention" that keep a KV cache when generating:
+    all of a decoder-only model's; only the decoder's of an encoder-decoder model."""
+    config = getattr(model, "config", None)
+    encdec = bool(getattr(config, "is_encoder_decoder", False))
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if not type(m).__name__.endswith("Attention") or any(name.startswith(f"{p}.") for p in found):
+            continue
+        if encdec and ".decoder." not in f".{name}.":
+            continue
+        found.append(name)
+    return found
+
+
+def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence_length: int,
+                   itemsize: int) -> dict[str, int]:
+    """Bytes of the KV cache each block holds while generating ``batch_size`` sequences of
+    ``sequence_length`` tokens: ``2 x batch x seq x kv_heads x head_dim x itemsize`` per attention
+    layer, on the block that holds that layer. Empty for models that do not generate."""
+    can = getattr(model, "can_generate", None)
+    if not (callable(can) and can()):
+        return {}
+    kv, dim = _heads(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
+    per_layer = 2 * batch_size * sequence_length * kv * dim * itemsize
+    out: dict[str, int] = {}
+    for att in _attention_paths(model):
+        owner = max((p for p in block_paths if p == "" or att == p or att.startswith(f"{p}.")), key=len, default=None)
+        if owner is not None:
+            out[owner] = out.get(owner, 0) + per_layer
+    return out

@@ -1,0 +1,367 @@
+"""``infer_device_map``: a ``device_map`` for accelerate / ``from_pretrained`` solved, not filled.
+
+accelerate's ``infer_auto_device_map`` fills devices with parameter bytes in registration order.
+Here the model's blocks (:mod:`torchplace.hf.blocks`) with their compute, transfer and memory
+costs go to a torchplace :class:`~torchplace.problem.Problem` and a solver picks the map:
+
+- objective ``"latency"``: a dispatched model runs its blocks one after the other, so the time of
+  one forward pass (the makespan of :func:`torchplace.costmodel.simulate`) is the time per batch,
+  and per generated token when the example is one decoding step;
+- memory per device: weights + working memory of the batch + the KV cache of ``batch_size``
+  sequences of ``sequence_length`` tokens on the device holding each attention layer (added to the
+  blocks' working memory, so :func:`torchplace.costmodel.memory` counts it);
+- tied weights colocated; ``no_split_module_classes`` never split (they are whole blocks);
+- ``"cpu"`` / ``"disk"`` as offload devices with the time the offload costs
+  (:mod:`torchplace.hf.budget`).
+
+Every plan is validated by the solver; the map is checked by accelerate's own
+``check_device_map`` in the tests.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchplace import solvers
+from torchplace.checks import brief, positive_int
+from torchplace.costmodel import device_memory
+from torchplace.devices import Cluster
+from torchplace.errors import InfeasibleError, UsageError
+from torchplace.graph import OpGraph
+from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
+from torchplace.hf.budget import (
+    DISK_BANDWIDTH,
+    OFFLOAD_KINDS,
+    accelerate_name,
+    hf_cluster,
+    kv_cache_bytes,
+    offload_times,
+)
+from torchplace.hf.maps import to_device_map, with_reserve
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+from torchplace.profiling.estimate import DeviceSpec
+
+__all__ = ["DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class DeviceMapPlan:
+    """A solved device map with what it costs.
+
+    Attributes:
+        device_map: accelerate's form: module path -> GPU id, ``"cpu"`` or ``"disk"``.
+        plan: the torchplace :class:`Plan` over the model's blocks (predicted seconds per forward
+            pass, proven lower bound, solver).
+        problem: the problem it was solved for (graph of blocks and cluster).
+        memory: bytes each device needs (weights + KV cache + the activation peak on devices that
+            compute), by accelerate name.
+        kv_cache: KV cache bytes each device holds, by accelerate name.
+    """
+
+    device_map: dict[str, int | str]
+    plan: Plan
+    problem: Problem
+    memory: dict[int | str, int]
+    kv_cache: dict[int | str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        caps = {accelerate_name(n): b for n, b in self.problem.graph.meta["hf"]["budgets"].items()}
+        lines = [f"predicted {self.plan.objective * 1e3:.3f} ms per forward pass "
+                 f"(lower bound {self.plan.lower_bound * 1e3:.3f} ms, solver {self.plan.solver})",
+                 f"{'device':>8} {'memory':>12} {'KV cache':>12} {'budget':>12}"]
+        for dev, used in self.memory.items():
+            cap = caps.get(dev)
+            lines.append(f"{dev!s:>8} {_gib(used):>12} {_gib(self.kv_cache.get(dev, 0)):>12} "
+                         f"{_gib(cap) if cap is not None else 'unlimited':>12}")
+        return "\n".join(lines)
+
+
+def _gib(n: int | float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (``"1.50 GiB"``)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise UsageError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {brief(dtype)}")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None, batch_size: int,
+             sequence_length: int) -> dict[str, Any]:
+    """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
+    batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for
+    encoder-decoder models), with ``use_cache`` off where the model takes it (the KV cache is sized separately) and, for a model that generates,
+    ``logits_to_keep=1`` as ``generate()`` passes it (logits of the last token only)."""
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is not None and example_inputs != ():
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        names = [n for n in inspect.signature(model.forward).parameters if n not in kwargs]
+        kwargs.update(dict(zip(names, args)))
+    if not kwargs:
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+        ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
+        kwargs["input_ids"] = ids.to(_device_of(model))
+        if "attention_mask" in inspect.signature(model.forward).parameters:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = kwargs["input_ids"]
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        kwargs.setdefault("use_cache", False)
+    can = getattr(model, "can_generate", None)
+    if "logits_to_keep" in params and callable(can) and can():
+        kwargs.setdefault("logits_to_keep", 1)  # as generate() runs its prefill: the last token's logits
+    return kwargs
+
+
+def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
+    if classes is None:
+        return list(getattr(model, "_no_split_modules", None) or [])
+    if isinstance(classes, (str, type)):
+        classes = [classes]
+    return [c if isinstance(c, str) else c.__name__ for c in classes]
+
+
+def _load_cluster(cluster: Cluster | str | Path | None) -> Cluster | None:
+    if cluster is None or isinstance(cluster, Cluster):
+        return cluster
+    from torchplace.clusterfile import load_cluster
+
+    return load_cluster(cluster)
+
+
+def build_problem(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    kv_cache: bool = True,
+    specs: Mapping[str, DeviceSpec] | None = None,
+    disk_bandwidth: float = DISK_BANDWIDTH,
+    repeats: int = 3,
+) -> Problem:
+    """The latency :class:`Problem` of ``model``'s blocks on the ``max_memory`` devices (see
+    :func:`plan_device_map` for the arguments)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be an nn.Module, got {brief(model)}")
+    batch_size = positive_int(batch_size, "batch_size")
+    sequence_length = positive_int(sequence_length, "sequence_length")
+    torch_dtype = _dtype(dtype)
+    hw = hf_cluster(max_memory, _load_cluster(cluster))
+    kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
+    kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # probed as it will run: inference (dropout off)
+    try:
+        graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
+                            dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+    finally:
+        for m, was in modes.items():
+            m.training = was
+    graph = _follow_inputs(model, graph)
+    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache)
+    hw = _reserve(hw, graph)
+    graph = offload_times(graph, hw, disk_bandwidth)
+    return Problem(graph, hw, objective="latency", contiguous=False)
+
+
+def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
+    """``graph`` with every block that holds no parameter or buffer colocated with the block before
+    it: accelerate gives such a module no hook, so it runs where its input is."""
+    holders = {n.rpartition(".")[0] for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                                 *model.named_buffers(remove_duplicate=False)]}
+    prev = None
+    for v in graph.topological_order():
+        r = graph.record(v)
+        empty = r.op != "block:<direct>" and not any(h == r.module or h.startswith(f"{r.module}.") for h in holders)
+        if empty and prev is not None and r.module:
+            label = graph.record(prev).colocation or f"follows:{prev}"
+            graph.replace_record(prev, replace(graph.record(prev), colocation=label))
+            graph.replace_record(v, replace(r, colocation=label))
+        prev = v
+    return graph
+
+
+def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None,
+                  kv_cache: bool) -> OpGraph:
+    """``graph`` with each block's memory beyond its weights split into what stays and what passes.
+
+    The KV cache of a block stays for the whole generation: it becomes the block's ``temp_bytes``,
+    so :func:`torchplace.costmodel.memory` adds it on the device holding the block
+    (``meta["hf"]["kv_cache"]``). Working memory (a block's inputs, outputs and largest
+    intermediate) lives only while the block runs, and blocks run one after the other: a device
+    needs room for the largest block's, not for the sum. That peak, ``meta["hf"]["activations"]``,
+    is kept free on every device that computes (:func:`_reserve`)."""
+    paths = graph.meta["hf"]["modules"]
+    itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
+    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize) if kv_cache else {}
+    graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
+    graph.meta["hf"]["activations"] = max((r.temp_bytes for _, r in graph.records()), default=0)
+    for v, path in paths.items():
+        graph.replace_record(v, replace(graph.record(v), temp_bytes=cache.get(path, 0)))
+    return graph
+
+
+def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
+    """``cluster`` with the activation peak taken off the budget of every device that computes
+    (offload devices only store weights: their blocks compute on the main device); the original
+    budgets are kept in ``graph.meta["hf"]["budgets"]``."""
+    peak = graph.meta["hf"]["activations"]
+    graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
+    devices = tuple(d if d.kind in OFFLOAD_KINDS or d.memory_bytes is None
+                    else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
+    return replace(cluster, devices=devices)
+
+
+def _check_fits(problem: Problem) -> None:
+    """Raise InfeasibleError naming what is needed when the budgets cannot hold the model."""
+    g, cluster = problem.graph, problem.cluster
+    need = {v: r.param_bytes + r.temp_bytes for v, r in g.records()}
+    peak = g.meta["hf"]["activations"]
+    kv = g.meta["hf"].get("kv_cache", {})
+    largest = max(need, key=need.__getitem__)
+    biggest = max(d.memory_bytes if d.memory_bytes is not None else float("inf") for d in cluster.devices)
+    if need[largest] > biggest:
+        r = g.record(largest)
+        raise InfeasibleError(
+            f"block {r.name!r} needs {_gib(need[largest])} (weights {_gib(r.param_bytes)}, KV cache "
+            f"{_gib(kv.get(largest, 0))}) and a device that computes also keeps {_gib(peak)} free for the "
+            f"activations of the batch, but the largest budget leaves {_gib(biggest)}: raise max_memory "
+            f"(to at least {_gib(need[largest] + peak)}), lower batch_size or sequence_length, or allow 'disk'",
+            min_memory_bytes=need[largest] + peak)
+    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
+    if not any(d.memory_bytes is None for d in cluster.devices) and total > room:
+        raise InfeasibleError(
+            f"the model needs {_gib(total)} (weights and a KV cache of {_gib(sum(kv.values()))}) plus "
+            f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
+            "in all: raise max_memory, lower batch_size or sequence_length, or add 'disk'",
+            min_memory_bytes=total + peak)
+
+
+def plan_device_map(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    kv_cache: bool = True,
+    specs: Mapping[str, DeviceSpec] | None = None,
+    disk_bandwidth: float = DISK_BANDWIDTH,
+    time_limit: float | None = 10.0,
+    repeats: int = 3,
+) -> DeviceMapPlan:
+    """Solve a device map for ``model`` (see :func:`infer_device_map`) and return it with its plan,
+    predicted time and memory per device."""
+    problem = build_problem(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                            no_split_module_classes=no_split_module_classes, batch_size=batch_size,
+                            sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
+                            specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats)
+    return solve_device_map(model, problem, time_limit=time_limit)
+
+
+def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | None = 10.0) -> DeviceMapPlan:
+    """Solve ``problem`` (from :func:`build_problem` for ``model``) and write the map.
+
+    Raises:
+        InfeasibleError: the budgets cannot hold the model; the message says how much is needed.
+    """
+    _check_fits(problem)
+    plan = solvers.solve(problem, method="auto", time_limit=time_limit)
+    kv = problem.graph.meta["hf"].get("kv_cache", {})
+    held: dict[int | str, int] = {}
+    for s in plan.stages:
+        for v in s.nodes:
+            if kv.get(v):
+                held[accelerate_name(s.device)] = held.get(accelerate_name(s.device), 0) + kv[v]
+    memory = with_reserve(problem, device_memory(problem, plan.stages))
+    return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
+
+
+def infer_device_map(
+    model: nn.Module,
+    max_memory: Mapping[Any, int | str] | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    no_split_module_classes: Iterable[type | str] | None = None,
+    batch_size: int = 1,
+    sequence_length: int = 128,
+    dtype: torch.dtype | str | None = None,
+    cluster: Cluster | str | Path | None = None,
+    **options: Any,
+) -> dict[str, int | str]:
+    """A ``device_map`` for ``from_pretrained(device_map=...)`` / ``accelerate.dispatch_model``
+    that minimises the time of a forward pass of the stated batch and fits its KV cache.
+
+    Example:
+        >>> cfg = AutoConfig.for_model("gpt2", n_layer=12)                        # doctest: +SKIP
+        >>> with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)
+        >>> device_map = torchplace.infer_device_map(model, {0: "6GiB", 1: "12GiB", "cpu": "64GiB"},
+        ...                                          batch_size=8, sequence_length=1024)
+        >>> model = AutoModelForCausalLM.from_pretrained("gpt2", device_map=device_map)
+
+    Args:
+        model: a Hugging Face model (any ``nn.Module`` whose blocks accelerate can place), with
+            weights on the CPU (CPU times are measured) or built on the meta device (every time is
+            estimated; nothing is allocated, so a model larger than this machine can be planned).
+        max_memory: accelerate's form, ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB"}``; ``"disk"`` is
+            used only when named. ``None``: the visible GPUs and the CPU.
+        example_inputs, example_kwargs: one forward call (on the model's device); default: random
+            ``input_ids`` of ``(batch_size, sequence_length)``. For time per generated token give a
+            one-token call (``sequence_length=1`` examples) and the full ``sequence_length`` here.
+        no_split_module_classes: classes (or names) never split; default: the model's
+            ``_no_split_modules``, as ``from_pretrained`` does.
+        batch_size, sequence_length: the batch whose KV cache (and, by default, activations) the
+            map leaves room for.
+        dtype: dtype of the dispatched weights (``torch.float16``, ``"bfloat16"``); default: the
+            model's.
+        cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"cuda-t4"``,
+            ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link.
+        options: ``kv_cache`` (False: no KV cache), ``specs``, ``disk_bandwidth``, ``time_limit``,
+            ``repeats`` (see :func:`plan_device_map`).
+
+    Returns:
+        ``{module path: GPU id | "cpu" | "disk"}``, tied weights on one device.
+
+    Raises:
+        UsageError: a bad argument (named, with the fix).
+        InfeasibleError: the budgets cannot hold the model with its KV cache; the message says how
+            much is needed.
+    """
+    return plan_device_map(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                           no_split_module_classes=no_split_module_classes, batch_size=batch_size,
+                           sequence_length=sequence_length, dtype=dtype, cluster=cluster, **options).device_map
