@@ -26,7 +26,7 @@ from torchplace.problem import Problem
 
 __version__ = "0.1.0"
 
-_LAZY = {"place", "placed", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
+_LAZY = {"place", "placed", "plan_model", "PlacedModule"}  # need torch; imported on first use so solvers stay torch-free
 _LAZY_HF = {"infer_device_map", "plan_device_map"}  # Hugging Face device maps (torchplace.hf), also lazy
 
 
@@ -69,4 +69,5 @@ __all__ = [
     "place",
     "placed",
     "plan_device_map",
+    "plan_model",
 ]

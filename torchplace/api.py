@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from torchplace import callplan, solvers
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
@@ -26,11 +27,12 @@ from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, profile_meta
+from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
 
-__all__ = ["PlacedModule", "place", "placed"]
+__all__ = ["Placement", "PlacedModule", "place", "placed", "plan_model", "prepare"]
 
 
 def place(
@@ -55,6 +57,7 @@ def place(
     solver: str = "auto",
     fuse: bool | None = None,
     trace_method: str = "auto",
+    dynamic_dims: DynamicDims = None,
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
@@ -130,6 +133,11 @@ def place(
             default (``None``) fuses only graphs of more than :data:`FUSE_ABOVE` nodes for
             throughput, or more than the MILP's size limit for latency.
         trace_method: ``"auto"``, ``"fx"`` or ``"export"``.
+        dynamic_dims: input dimensions besides the batch that may differ between calls, so one
+            placed model serves them all: ``{"input_ids": [1], "attention_mask": [1]}`` (input
+            names, or positions, to dims) or ``"auto"`` (export keeps dynamic every dimension the
+            model lets vary). Profiling and memory use the example's sizes. A call outside what
+            the export accepts raises :class:`UsageError` (:mod:`torchplace.profiling.dynamic`).
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
@@ -157,7 +165,119 @@ def place(
         InvalidPlanError: ``plan`` does not place this model's graph, or was made by ``place()``
             for another graph (its fingerprint differs).
     """
-    model = check_model(model)
+    check_model(model)  # a model on the meta device is refused here: plan_model() plans it
+    placement = prepare(
+        model, devices, example_inputs, example_kwargs=example_kwargs, objective=objective, mode=mode,
+        optimizer=optimizer, schedule=schedule, recompute=recompute, contiguous=contiguous, time_limit=time_limit,
+        microbatches=microbatches, granularity=granularity, leaf_modules=leaf_modules, max_memory=max_memory,
+        share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
+        trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, progress=progress,
+        plan=plan, refine=refine,
+    )
+    traced, problem, m = placement.traced, placement.problem, placement.microbatches
+    placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example)
+    if refine:
+        from torchplace.refine import refine as closing_the_loop
+
+        placed = closing_the_loop(placed, placement.args, placement.kwargs,
+                                  solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                  build=lambda p: PlacedModule(traced, problem, p, m))
+    placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
+    return placed
+
+
+class Placement(NamedTuple):
+    """What :func:`prepare` decided, before anything runs: the traced model, the measured problem,
+    the plan and its micro-batch count, the example call, and the profile a plan file keeps
+    (:mod:`torchplace.profiling.cache`). :func:`place` runs it on worker threads,
+    :func:`torchplace.distributed.place` on torch.distributed."""
+
+    traced: Any
+    problem: Problem
+    plan: Plan
+    microbatches: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    cache: dict[str, Any]
+
+    @property
+    def example(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The example call for a training placement (its eval-mode graph is traced from it)."""
+        return (self.args, self.kwargs) if self.problem.mode == "training" else None
+
+
+def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, example_inputs: Any = (),
+               **options: Any) -> tuple[Plan, Problem]:
+    """Plan ``model`` on ``devices`` as :func:`place` does, without placing it: the model and the
+    inputs stay where they are. Takes :func:`place`'s options.
+
+    A model on the meta device (built under ``torch.device("meta")`` or accelerate's
+    ``init_empty_weights()``: shapes, no weights) is planned with estimated costs: the example
+    inputs go to the meta device too, tracing and shape propagation run there, and every device
+    kind's times are roofline estimates (:mod:`torchplace.profiling.estimate`), memory the exact
+    bytes of its parameters and the liveness of its activations.
+
+    Returns:
+        ``(plan, problem)``; ``plan.device_map(problem)`` is the placement in accelerate's form,
+        and ``place(model, devices, ..., plan=plan)`` runs it once the weights are loaded.
+
+    Raises:
+        As :func:`place`.
+
+    Example:
+        >>> with torch.device("meta"):                                   # doctest: +SKIP
+        ...     model = GPT2LMHeadModel(config)
+        >>> plan, problem = torchplace.plan_model(model, ["cuda:0", "cuda:1"], example_kwargs={"input_ids": ids})
+        >>> plan.device_map(problem)                                      # doctest: +SKIP
+    """
+    if "plan" in options:
+        raise UsageError("plan_model solves for a plan; to run a given plan use place(..., plan=...)")
+    if options.get("refine"):
+        raise UsageError("plan_model plans without running: refine=True measures a placed model; use place()")
+    placement = prepare(model, devices, example_inputs, **options)
+    return placement.plan, placement.problem
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """Whether the model's parameters and buffers are on the meta device (all of them, or it has none)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and any(t.device.type == "meta" for t in tensors)
+
+
+def prepare(
+    model: nn.Module,
+    devices: Sequence[str | Device] | Cluster,
+    example_inputs: Any = (),
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    objective: str = "throughput",
+    mode: str = "inference",
+    optimizer: str | float = "adamw",
+    schedule: str = "1f1b",
+    recompute: bool = True,
+    contiguous: bool = True,
+    time_limit: float | None = None,
+    microbatches: int | str = 4,
+    granularity: str = "operator",
+    leaf_modules: Iterable[type | str] = (),
+    max_memory: Mapping[str, int | str] | None = None,
+    share_cores: bool = False,
+    allow_single_device: bool | None = None,
+    solver: str = "auto",
+    fuse: bool | None = None,
+    trace_method: str = "auto",
+    dynamic_dims: DynamicDims = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+    plan: Plan | str | Path | None = None,
+    refine: bool = False,
+) -> Placement:
+    """Decide where ``model`` runs on ``devices`` without running it: :func:`place` up to its
+    plan (trace, profile, solve, choose the micro-batch count or one device), with
+    :func:`place`'s arguments and errors. A model on the meta device is planned from shapes
+    (:func:`plan_model`)."""
+    model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     if mode == "training" and objective != "throughput":
@@ -192,10 +312,16 @@ def place(
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
     args, kwargs = example_call(example_inputs, example_kwargs)
+    if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
+    shapes_only = _on_meta(model)  # planned, never run: its devices need not be on this machine
     if isinstance(devices, Cluster):
-        check_attached(devices)
+        if not shapes_only:
+            check_attached(devices)
         cluster = devices
+    elif shapes_only and devices and all(isinstance(d, Device) for d in devices) and max_memory is None:
+        cluster = Cluster(tuple(devices))  # type: ignore[arg-type]
     else:
         cluster = make_cluster(devices, max_memory, share_cores=share_cores)
     given = _load_plan(plan) if plan is not None else None
@@ -205,14 +331,15 @@ def place(
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     try:
-        try_example_call(model, args, kwargs)
+        if not shapes_only:  # a meta model's Python may branch on values it does not have; export does not
+            try_example_call(model, args, kwargs)
     except BaseException:
         for m, was in modes.items():  # a refused call leaves the model as it was
             m.training = was
         raise
     with torch.no_grad():
         traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
-                       training=training)
+                       training=training, dynamic_dims=dynamic_dims)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}
@@ -223,7 +350,11 @@ def place(
                         grad=training, threads=threads)
         if training:
             graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
-    pipeline = Pipeline(int(microbatches), schedule, recompute) if training else None  # type: ignore[arg-type]
+    # Inference: the memory model charges activations per micro-batch (for "auto", the largest one).
+    split = microbatches if isinstance(microbatches, int) else 1
+    pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
+    if training:
+        pipeline = Pipeline(split, schedule, recompute)  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
@@ -232,8 +363,8 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    m = 1
-    if len(graph) > 0:
+    m = split
+    if len(graph) > 0 and not shapes_only:
         def profile_microbatch(m: int) -> Any:  # the graph's times on one of m micro-batches (None: costs cached)
             if cached:
                 return None
@@ -245,14 +376,7 @@ def place(
                                    overheads=executor_overheads(), allow_single_device=allow_single_device,
                                    given=given is not None)
         solved, m = decision.plan, decision.microbatches
-    placed = PlacedModule(traced, problem, solved, m, example=(args, kwargs) if training else None)
-    if refine:
-        from torchplace.refine import refine as closing_the_loop
-
-        placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, m))
-    placed.plan.meta[CACHE_KEY] = profile_meta(traced, graph, mode, settings)  # so plan= can skip profiling next time
-    return placed
+    return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings))
 
 
 def _batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
@@ -278,6 +402,17 @@ def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapp
                 measured[kind] = measure_backward(traced, args, kwargs, kind=kind, warmup=min(warmup, 1),
                                                   repeats=repeats, progress=progress)
     return training_graph(graph, measured, optimizer, estimated=[k for k in kinds if k not in present])
+
+
+def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int) -> int:
+    """The ``m`` whose ``1/m`` of the example batch is at least the largest micro-batch the runtime
+    makes of it (:func:`torchplace.runtime.microbatch.scatter`): what the memory model divides
+    activations by."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1 or min(sizes) == 0:
+        return 1
+    batch = sizes.pop()
+    return batch // -(-batch // min(microbatches, batch))
 
 
 def _source(plan: Plan | str | Path) -> str:

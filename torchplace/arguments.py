@@ -20,19 +20,25 @@ from torchplace.profiling.effects import StateSnapshot, named_state
 __all__ = ["check_model", "example_call", "leaf_types", "try_example_call"]
 
 
-def check_model(model: Any) -> nn.Module:
-    """The model, if it is an ``nn.Module`` whose tensors hold data (not on the meta device).
+def check_model(model: Any, allow_meta: bool = False) -> nn.Module:
+    """The model, if it is an ``nn.Module`` whose tensors hold data (not on the meta device), or,
+    with ``allow_meta``, whose tensors are all on the meta device or all hold data.
 
     Raises:
         UsageError: for anything else, saying what to pass instead.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {brief(model)}; wrap a function in an nn.Module")
-    on_meta = [name for name, t in named_state(model).items() if t.device.type == "meta"]
+    state = named_state(model)
+    on_meta = [name for name, t in state.items() if t.device.type == "meta"]
+    if on_meta and allow_meta and len(on_meta) == len(state):
+        return model
     if on_meta:
+        which = "to plan it from shapes alone, every tensor must be on the meta device; " if allow_meta else (
+            "torchplace.plan_model(...) plans a model on the meta device with estimated costs; to place and run it, ")
         raise UsageError(
-            f"model has {len(on_meta)} tensor(s) on the meta device (e.g. {on_meta[0]!r}): torchplace times real "
-            "operators; materialize the weights first (model.to_empty(device='cpu'), then load a state dict)"
+            f"model has {len(on_meta)} tensor(s) on the meta device (e.g. {on_meta[0]!r}): {which}"
+            "materialize the weights first (model.to_empty(device='cpu'), then load a state dict)"
         )
     return model
 

@@ -15,8 +15,39 @@ device pays no transfer (it reads host memory directly). The objective is the ma
 devices: the time per sample of a pipeline in steady state (Tarnawski Sec. 5.1).
 A device holding several stages (non-contiguous splits) is charged for the union of its nodes.
 
-Memory of a device is ``sum_{v in S} (param_bytes_v + temp_bytes_v)`` plus a copy of every
-tensor that nodes in ``S`` read but whose owner (the node charged for it) is elsewhere. A training
+Memory of a device is its parameters and buffers ``sum_{v in S} param_bytes_v``, plus a copy of
+every tensor that nodes in ``S`` read but whose owner (the node charged for it) is elsewhere, plus
+its working memory. In a graph without liveness (the published workloads) working memory is
+``sum_{v in S} temp_bytes_v``. In a profiled graph (``graph.meta["liveness"]``) it is the *liveness
+peak* (:func:`working_memory`), what ``max_memory`` means to accelerate users: the device runs its
+nodes in topological order, one micro-batch (``1/m`` of the example batch, ``m`` =
+``Pipeline.microbatches``; every tensor rounded up) at a time; a node's output lives from the node
+until its last reader on the device, or to the end of the device's pass when another device or the
+model's output reads it; a tensor from another device lives from the start of the pass to its last
+reader (only on devices that pay transfers: logical CPUs read host memory in place); a view
+(``graph.meta["aliases"]``, found at trace time) takes no memory of its own and keeps the tensor it
+views alive as long as it is read, and a node's outputs hold the memory they were made in
+(:attr:`NodeRecord.resident`: an ``expand`` is no bigger than what it expands); while a node runs it holds its own peak
+(:attr:`NodeRecord.own_peak`, new memory only) on top of what is alive. Inference devices hold
+one micro-batch's activations at a time (a device finishes a micro-batch before it starts the
+next), except what it has sent on: the model's outputs it makes stay until the call returns, so
+it holds the other ``m - 1`` micro-batches' on top of its peak, and the tensors it sends to
+another device stay until that device is done with them, so it holds those of :func:`queued`
+micro-batches.
+
+Solvers whose memory is a sum over nodes stay exact, and their bounds proofs, through
+:mod:`torchplace.solvers.liveness`: a *relaxation* (parameters only: never above the liveness
+memory, so its lower bound holds), then the relaxation again with room reserved for the working
+memory its plans needed, and last a *restriction* whose per-node bytes ``ceil(temp_v/m) +
+sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m)
+ceil(out_v/m)`` for a node with readers, which may be elsewhere) are never below it
+(every tensor alive at a moment is an output of a node of ``S``, at most its ``temp``, or a
+received one, counted at one of its readers), so its plans always fit. Solvers called directly
+(not through :func:`torchplace.solvers.solve`) see ``temp_bytes`` sums: their plans are checked
+with the liveness memory, but an optimality claim of theirs holds only where memory does not bind.
+Plans are validated, and reported, with the liveness memory.
+
+Training keeps the sum of ``temp_bytes`` for working memory (liveness is for inference). A training
 graph profiled from a model carries a :class:`~torchplace.problem.Pipeline`: then working memory is
 one micro-batch's, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
@@ -66,7 +97,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC
+from torchplace.graph import TMPC, OpGraph
 from torchplace.problem import Problem
 
 __all__ = [
@@ -81,6 +112,8 @@ __all__ = [
     "evaluate",
     "in_flight",
     "evaluate_stages",
+    "uses_liveness",
+    "working_memory",
     "memory",
     "memory_parts",
     "piper_resync_bytes",
@@ -134,7 +167,86 @@ def transfers(problem: Problem, nodes: Collection[str]) -> tuple[float, float]:
     return math.fsum(problem.transfer_time(u) for u in sorted(incoming)), outgoing
 
 
-def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False) -> int:
+def uses_liveness(problem: Problem) -> bool:
+    """Whether a device's working memory is the liveness peak (:func:`working_memory`): an
+    inference problem on a profiled graph (``graph.meta["liveness"]``)."""
+    return bool(problem.graph.meta.get("liveness")) and problem.mode == "inference" and problem.parallel is None
+
+
+def microbatches(problem: Problem) -> int:
+    """``m``: the micro-batches each call is split into (``Problem.pipeline``; 1 without one)."""
+    return problem.pipeline.microbatches if problem.pipeline is not None else 1
+
+
+def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None = None) -> int:
+    """The liveness peak of ``nodes`` on ``device`` for one micro-batch (module docstring).
+
+    The nodes run in the graph's topological order. ``device=None`` counts received tensors (as an
+    accelerator does); a device that pays no transfer (a CPU) reads them where they are.
+
+    Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
+    output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
+    """
+    g = problem.graph
+    members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
+    order = [v for v in g.topological_order() if v in members]
+    m = microbatches(problem)
+    outputs = set(g.meta.get("outputs", ()))
+    root = _alias_roots(g, members, order)
+    end = len(order)
+    last: dict[str, int] = {}
+    for i, v in enumerate(order):
+        for u in g.predecessors(v):
+            last[root.get(u, u)] = max(last.get(root.get(u, u), -1), i)
+    for v in order:
+        if any(w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
+            last[root[v]] = end
+    receives = device is None or device.pays_transfer
+    frees: dict[int, int] = defaultdict(int)
+    live = 0
+    for u, i in last.items():
+        if u not in members and receives:  # a received copy: what was moved
+            live += _per_microbatch(g.record(u).output_bytes, m)
+            frees[i] += _per_microbatch(g.record(u).output_bytes, m)
+    peak = live
+    for i, v in enumerate(order):
+        r = g.record(v)
+        peak = max(peak, live + _per_microbatch(r.own_peak, m))
+        if root[v] == v and last.get(v, -1) > i:
+            live += _per_microbatch(r.resident, m)
+            frees[last[v]] += _per_microbatch(r.resident, m)
+        live -= frees.pop(i, 0)
+    held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
+    sent = sum(_per_microbatch(g.record(v).resident, m) for v in order
+               if any(w not in members for w in g.successors(v)) and not outputs.intersection(g.record(v).fx_nodes))
+    return peak + (m - 1) * held + queued(m) * sent
+
+
+def queued(m: int) -> int:
+    """Micro-batches whose sent tensors a device still holds while it works on the next: the one
+    the next device works on and one waiting in the queue between them. How many really wait
+    depends on the devices' speeds (0 to ``queue_size``, 2, measured on CPU pipelines by
+    ``benchmarks/memory_fidelity.py``): a device whose next device is slower than it may hold one
+    more than charged here."""
+    return min(m - 1, 2)
+
+
+def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, str]:
+    """Each member's memory owner: itself, or for a view (``graph.meta["aliases"]``) the owner of
+    the tensor it views, followed through members down to a member or a received tensor."""
+    aliases = g.meta.get("aliases") or {}
+    root: dict[str, str] = {}
+    for v in order:  # topological: a view's base has its root already
+        base = aliases.get(v)  # a view holds no memory of its own (not a merged group named like one)
+        if base is not None and base in g and g.nx.has_edge(base, v) and g.record(v).resident == 0:
+            root[v] = root.get(base, base)
+        else:
+            root[v] = v
+    return root
+
+
+def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False,
+           device: Device | None = None) -> int:
     """Bytes a device needs for ``nodes``.
 
     Parameters (and, on backward nodes, gradients and optimizer state) plus working memory. A
@@ -151,8 +263,10 @@ def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = No
     stage's inputs, plus one micro-batch's saved activations while it is recomputed. ``in_flight``
     is the number of micro-batches whose activations the device holds at its peak
     (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``.
+
+    With liveness (:func:`uses_liveness`) working memory is :func:`working_memory` on ``device``.
     """
-    return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute).values())
+    return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute, device=device).values())
 
 
 MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working", "activations")
@@ -160,12 +274,13 @@ MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working
 
 
 def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None,
-                 recompute: bool = False) -> dict[str, int]:
+                 recompute: bool = False, device: Device | None = None) -> dict[str, int]:
     """:func:`memory` split by kind (:data:`MEMORY_KINDS`); the parts sum to :func:`memory`.
 
     ``parameters``: the forward nodes' parameters and buffers; ``gradients + optimizer``: what
     backward nodes hold (gradients and optimizer state); ``shared copies``: copies of tensors owned
-    elsewhere; ``working``: temporaries (one micro-batch's in a training pipeline);
+    elsewhere; ``working``: temporaries (one micro-batch's in a training pipeline; the liveness
+    peak of one micro-batch with :func:`uses_liveness`);
     ``activations``: what is kept for backward for the micro-batches in flight (0 for inference).
     """
     g = problem.graph
@@ -173,7 +288,8 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
     grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
     copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
-    work = sum(g.record(v).temp_bytes for v in members)
+    work = working_memory(problem, members, device) if uses_liveness(problem) else sum(
+        g.record(v).temp_bytes for v in members)
     parts = dict.fromkeys(MEMORY_KINDS, 0)
     parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": copies, "working": work})
     p = problem.pipeline
@@ -194,9 +310,17 @@ def device_memory_parts(problem: Problem, stages: Sequence[StageLike]) -> dict[s
     recomputation (the parts sum to :func:`device_memory`)."""
     holds, recomputing = in_flight(problem, stages), _recomputes(stages)
     return {
-        d: memory_parts(problem, nodes, in_flight=holds[d], recompute=d in recomputing)
+        d: memory_parts(problem, nodes, in_flight=holds[d], recompute=d in recomputing,
+                        device=_device(problem, d))
         for d, nodes in _nodes_by_device(stages).items()
     }
+
+
+def _device(problem: Problem, name: str) -> Device | None:
+    try:
+        return problem.cluster.device(name)
+    except (KeyError, ValueError, LookupError):
+        return None
 
 
 def _per_microbatch(nbytes: int, m: int) -> int:
@@ -246,7 +370,7 @@ def device_cost(problem: Problem, nodes: Collection[str], device: Device, *, in_
     if recompute:
         compute += math.fsum(problem.node_time(v, device) for v in nodes if not problem.graph.record(v).backward)
     t_in, t_out = transfers(problem, nodes) if device.pays_transfer else (0.0, 0.0)
-    mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute)
+    mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute, device=device)
     return StageCost(device.name, len(nodes), compute, t_in, t_out, mem)
 
 
@@ -255,7 +379,7 @@ def device_memory(problem: Problem, stages: Sequence[StageLike]) -> dict[str, in
     and recomputation)."""
     holds, recomputing = in_flight(problem, stages), _recomputes(stages)
     return {
-        d: memory(problem, nodes, in_flight=holds[d], recompute=d in recomputing)
+        d: memory(problem, nodes, in_flight=holds[d], recompute=d in recomputing, device=_device(problem, d))
         for d, nodes in _nodes_by_device(stages).items()
     }
 
@@ -401,7 +525,8 @@ class Schedule:
         out = []
         for dev, nodes in self.order.items():
             compute = math.fsum(self.finish[v] - self.start[v] for v in nodes)
-            out.append(StageCost(dev, len(nodes), compute, t_in[dev], t_out[dev], memory(problem, nodes)))
+            out.append(StageCost(dev, len(nodes), compute, t_in[dev], t_out[dev],
+                                 memory(problem, nodes, device=problem.cluster.device(dev))))
         return out
 
 

@@ -35,11 +35,21 @@ class TensorInfo:
         shapes: shape of each output tensor (pytree leaves of the output, in order).
         dtypes: dtype name of each output tensor.
         output_bytes: sum of ``numel * element_size`` over the output tensors.
+        fresh_bytes: the part of ``output_bytes`` in new memory: not a view of an input (``None``:
+            not known, take ``output_bytes``).
+        alias_of: the input node whose memory the first output shares (a view), if any.
     """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     output_bytes: int
+    fresh_bytes: int | None = None
+    alias_of: str | None = None
+
+    @property
+    def new_bytes(self) -> int:
+        """:attr:`fresh_bytes`, or :attr:`output_bytes` where not known."""
+        return self.output_bytes if self.fresh_bytes is None else self.fresh_bytes
 
 
 def bind_placeholders(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:

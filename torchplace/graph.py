@@ -65,7 +65,10 @@ class NodeRecord:
         module: dotted path of the innermost ``nn.Module`` the node belongs to (``""`` if none).
         param_bytes: bytes of parameters and buffers that live with this node (counted once).
         output_bytes: bytes of the node's output tensors (what a transfer moves).
-        temp_bytes: bytes of working memory the node needs on its device while its stage runs.
+        temp_bytes: bytes of working memory the node needs on its device while its stage runs: in
+            graphs without liveness (workload files) its whole share, summed over a device's nodes;
+            in a profiled graph (``meta["liveness"]``) the bytes of all its fx nodes' outputs, an
+            upper bound of what it holds at once (:func:`torchplace.costmodel.working_memory`).
         times: seconds on each device kind (``"cpu"``, ``"cuda"``, ``"accel"``, ...) for the graph's
             unit of work: one sample in workload files, one call on the example inputs for profiled
             models (transfers are sized from the same inputs, so the units agree). A kind that is
@@ -81,6 +84,12 @@ class NodeRecord:
             the graph's unit of work; used with :class:`~torchplace.problem.Pipeline`.
         tmpcs: Piper's configurations by tensor-parallel degree ``t`` (used with
             :class:`~torchplace.problem.Parallel`; empty otherwise).
+        peak_bytes: in a profiled graph, the most bytes the node holds at once while it runs, its
+            output included and its inputs not (the liveness peak over its fx nodes); ``None``
+            means ``temp_bytes``. Never above ``temp_bytes``.
+        resident_bytes: in a profiled graph, the new memory its outputs keep alive after it runs
+            (distinct storages: a view or an ``expand`` of a tensor adds nothing); ``None`` means
+            ``output_bytes``, which is what a transfer moves.
     """
 
     name: str
@@ -97,6 +106,18 @@ class NodeRecord:
     backward: bool = False
     saved_bytes: int = 0
     tmpcs: Mapping[int, tuple[TMPC, ...]] = field(default_factory=dict)
+    peak_bytes: int | None = None
+    resident_bytes: int | None = None
+
+    @property
+    def own_peak(self) -> int:
+        """:attr:`peak_bytes`, or ``temp_bytes`` where it is not known."""
+        return self.temp_bytes if self.peak_bytes is None else min(self.peak_bytes, self.temp_bytes)
+
+    @property
+    def resident(self) -> int:
+        """:attr:`resident_bytes`, or ``output_bytes`` where it is not known; never above ``temp_bytes``."""
+        return self.output_bytes if self.resident_bytes is None else min(self.resident_bytes, self.temp_bytes)
 
     def time_on(self, kind: str) -> float:
         """Seconds on a device of ``kind``; ``math.inf`` if the node cannot run there."""
@@ -110,6 +131,9 @@ class NodeRecord:
         d["tmpcs"] = {str(t): [asdict(x) for x in xs] for t, xs in self.tmpcs.items()}
         if not self.tmpcs:
             del d["tmpcs"]
+        for optional in ("peak_bytes", "resident_bytes"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
     @classmethod
@@ -156,6 +180,10 @@ def _nbytes(value: Any, where: str) -> int:
     return non_negative_int(value, where, unit="of bytes", error=WorkloadFormatError)
 
 
+def _optional_nbytes(value: Any, where: str) -> int | None:
+    return None if value is None else _nbytes(value, where)
+
+
 def _seconds(value: Any, where: str) -> float:
     return non_negative_float(value, where, unit="of seconds", error=WorkloadFormatError)
 
@@ -197,7 +225,8 @@ _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "name": _text, "op": _text, "fx_nodes": _texts, "module": _text,
     "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
-    "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs,
+    "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs, "peak_bytes": _optional_nbytes,
+    "resident_bytes": _optional_nbytes,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 

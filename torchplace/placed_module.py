@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace.errors import UnsupportedError, UsageError
+from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
@@ -150,9 +150,13 @@ class PlacedModule(nn.Module):
                 "model for training (mode='training')"
             )
         executor = self._eval_executor() if self._for_training and training == {False} else self._executor
-        if isinstance(executor, LatencyExecutor):
-            return executor.run(args, kwargs)
-        return executor.run(args, kwargs, self.microbatches)
+        try:
+            if isinstance(executor, LatencyExecutor):
+                return executor.run(args, kwargs)
+            return executor.run(args, kwargs, self.microbatches)
+        except StageError as e:
+            raise _shape_error(e) or e
+
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], schedule: str | None = None,
              **kwargs: Any) -> list[torch.Tensor]:
@@ -345,3 +349,17 @@ class PlacedModule(nn.Module):
         predicted = f"; predicted call {call['seconds']:.4g} s" if "seconds" in call else ""
         return (f"stages: {devices}; microbatches={self.microbatches}; steady state {self.plan.objective:.4g} s per "
                 f"batch{predicted}")
+
+
+def _shape_error(error: StageError) -> UsageError | None:
+    """The :class:`UsageError` to raise for a call whose input shapes the traced graph's guards
+    refuse (torch.export's ``Guard failed: ...``), or ``None`` for any other failure."""
+    cause = error.__cause__
+    text = str(cause).strip() if cause is not None else ""
+    if not (isinstance(cause, AssertionError) and "Guard failed" in text):
+        return None
+    guard = text.split("Guard failed:", 1)[1].strip().splitlines()[0]
+    return UsageError(
+        f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
+        f"vary when placing (place(..., dynamic_dims={{'input_ids': [1]}} or dynamic_dims='auto'), keep calls "
+        f"within the range the export inferred, or place the model again with an example of this shape")

@@ -88,8 +88,10 @@ class Problem:
             flows forward — the space of the ideals DP (Fact 5.2). ``False`` lets a device hold
             several pieces (Sec. 5.2).
         pipeline: for a training graph profiled from a model, how its pipeline runs (memory of
-            activations in flight, recomputation); ``None`` for graphs whose per-node memory is
-            given as it is (the published workloads).
+            activations in flight, recomputation); for inference on a profiled graph only its
+            ``microbatches`` matter (working memory is one micro-batch's liveness peak,
+            :func:`torchplace.costmodel.working_memory`); ``None`` for graphs whose per-node memory
+            is given as it is (the published workloads) or one sample at a time (latency).
         parallel: Piper's data x tensor x pipeline setting; when set, a plan's stages carry their
             degrees and TMPCs and the cluster describes one device of the ``devices`` alike.
     """

@@ -144,13 +144,59 @@ def _escaping_bytes(group: _Group) -> int:
     )
 
 
+def _own_peak(group: _Group) -> tuple[int, int]:
+    """(peak, resident): the most bytes of new memory the group's fx nodes hold at once while it
+    runs (in graph order), and the new memory its outputs keep alive after it. A view
+    (``TensorInfo.alias_of``) takes no new memory but keeps its base's alive; a memory lives from
+    the node that made it until the last reader of it or of any view of it in the group, or to the
+    group's end when something outside reads one of them."""
+    inside = set(group.nodes)
+    index = {n: i for i, n in enumerate(group.nodes)}
+    by_name = {n.name: n for n in group.nodes}
+    end = len(group.nodes)
+    root: dict[fx.Node, fx.Node] = {}
+    for n in group.nodes:
+        base = by_name.get(n.meta["torchplace"].alias_of or "")
+        root[n] = root[base] if base is not None else n
+    last: dict[fx.Node, int] = {}
+    for n in group.nodes:
+        use = end if any(u not in inside for u in n.users) else max((index[u] for u in n.users if u in inside), default=-1)
+        last[root[n]] = max(last.get(root[n], -1), use)
+    frees: dict[int, int] = {}
+    live = peak = 0
+    for i, n in enumerate(group.nodes):
+        size = n.meta["torchplace"].new_bytes
+        peak = max(peak, live + size)
+        if root[n] is n and last[n] > i:
+            live += size
+            frees[last[n]] = frees.get(last[n], 0) + size
+        live -= frees.pop(i, 0)
+    return peak, frees.get(end, 0)
+
+
+def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
+    """``{node id: node id}`` where a one-fx-node group's output is a view of another group's
+    output (:func:`torchplace.costmodel.working_memory` keeps the base alive for the view)."""
+    owner = {n.name: g.nodes[0].name for g in groups for n in g.nodes}
+    out = {}
+    for g in groups:
+        base = g.nodes[0].meta["torchplace"].alias_of if len(g.nodes) == 1 else None
+        if base in owner and owner[base] != g.nodes[0].name:
+            out[g.nodes[0].name] = owner[base]
+    return out
+
+
 def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeRecord:
-    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes."""
+    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
+    ``peak_bytes`` = the most of them alive at once, ``resident_bytes`` = the new memory its
+    outputs keep (:func:`_own_peak`)."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
     temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
+    peak, resident = _own_peak(group)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
         module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp, colocation=colocation,
+        peak_bytes=peak, resident_bytes=resident,
     )
 
 
@@ -170,6 +216,8 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
         "inputs": [n.name for n in nodes if n.op == "placeholder"],
         "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
         "state": state_meta(uses, ids),
+        "liveness": True,
+        "aliases": _aliases(groups),
     })
     for i, g in enumerate(groups):
         graph.add_node(ids[i], _record(g, params[i], colocation.get(i)))

@@ -23,7 +23,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from torchplace.fxutil import is_compute, pin_devices
+from torchplace.fxutil import is_compute
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
@@ -78,13 +78,24 @@ class _CudaTimer:
 
 
 class _TimingInterpreter(fx.Interpreter):
-    """Runs the graph, timing each compute node with ``timer``."""
+    """Runs the graph, timing each compute node with ``timer``.
 
-    def __init__(self, gm: fx.GraphModule, timer: _CpuTimer | _CudaTimer) -> None:
+    With ``device`` (a kind other than the CPU) the model stays where it is and each node runs on
+    ``device`` with only its own part there: a ``get_attr`` tensor is copied over when the graph
+    reads it (and dropped after its last reader), a called module is copied over for its call, and
+    device constants in a node's arguments (``arange(..., device=cpu)``) are pinned to ``device``
+    as :func:`~torchplace.fxutil.pin_devices` does for a stage. Copies happen outside the timed
+    region; nothing of the model is moved or changed, so a model too big for one device is timed
+    part by part (issue 17).
+    """
+
+    def __init__(self, gm: fx.GraphModule, timer: _CpuTimer | _CudaTimer, device: torch.device | None = None) -> None:
         super().__init__(gm)
-        self.timer = timer
+        self.timer, self.device = timer, device
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.device is not None:
+            return self._run_on_device(n, self.device)
         if not is_compute(n):
             return super().run_node(n)
         token = self.timer.start()
@@ -92,25 +103,59 @@ class _TimingInterpreter(fx.Interpreter):
         self.timer.stop(n.name, token)
         return out
 
+    def _run_on_device(self, n: fx.Node, device: torch.device) -> Any:
+        if n.op == "get_attr":
+            value = super().run_node(n)
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+        if not is_compute(n):
+            return super().run_node(n)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = _pinned(args, device), _pinned(kwargs, device)
+            if n.op == "call_module":
+                part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(device)
+                token = self.timer.start()
+                out = part(*args, **kwargs)
+            else:
+                token = self.timer.start()
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        self.timer.stop(n.name, token)
+        return out
+
+
+def _pinned(value: Any, device: torch.device) -> Any:
+    """``value`` with every ``torch.device`` (and a ``device=`` string) replaced by ``device``."""
+
+    def pin(v: Any) -> Any:
+        return device if isinstance(v, torch.device) else v
+
+    out = fx.node.map_aggregate(value, pin)
+    if isinstance(out, dict) and isinstance(out.get("device"), str):
+        out = {**out, "device": device}
+    return out
+
 
 def present_kinds() -> set[str]:
     """Device kinds this machine can measure: ``"cpu"``, plus ``"cuda"`` when a GPU is visible."""
     return {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
 
 
-def _on_device(
-    gm: fx.GraphModule, inputs: tuple[Any, ...], kind: str, copy_module: bool = True
-) -> tuple[fx.GraphModule, tuple[Any, ...]]:
-    """A copy of ``gm`` and the inputs on the first device of ``kind`` (``gm`` itself for cpu)."""
+def _on_meta(gm: fx.GraphModule) -> bool:
+    """Whether the module's weights are on the meta device (shapes without values)."""
+    return any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers()))
+
+
+def _device_of(kind: str) -> torch.device:
+    """The device a kind is timed on: its first (``cuda:0``)."""
+    return torch.device(f"{kind}:0") if kind == "cuda" else torch.device(kind)
+
+
+def _inputs_on(inputs: tuple[Any, ...], kind: str) -> tuple[Any, ...]:
+    """The inputs on the device ``kind`` is timed on (as they are for cpu)."""
     if kind == "cpu":
-        return gm, inputs
-    device = torch.device(f"{kind}:0")
-    moved = pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, inputs)
-    if not copy_module:
-        return gm, moved
-    moved_gm = copy.deepcopy(gm).to(device)
-    pin_devices(moved_gm, device)
-    return moved_gm, moved
+        return inputs
+    device = _device_of(kind)
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, inputs)
 
 
 @contextmanager
@@ -128,16 +173,18 @@ def _measure(
     """Median seconds per compute fx node over ``repeats`` runs after ``warmup`` runs.
 
     Every run gets fresh copies of the inputs (a graph may write them in place); the model's
-    parameters and buffers are restored afterwards (a graph may update buffers)."""
-    gm, _ = _on_device(traced.gm, (), kind)
+    parameters and buffers are restored afterwards (a graph may update buffers). A kind other than
+    the CPU is timed node by node with only that node's part on its device (:class:`_TimingInterpreter`)."""
+    gm = traced.gm
+    device = None if kind == "cpu" else _device_of(kind)
     samples: dict[str, list[float]] = {}
     bar = tqdm(range(warmup + repeats), desc=f"profiling on {kind}", disable=not progress, leave=False)
     snapshot = StateSnapshot(gm)
     with torch.set_grad_enabled(grad), _restoring(snapshot):
         for i in bar:
-            _, inputs = _on_device(traced.gm, traced.flat_inputs(example_inputs, example_kwargs), kind, copy_module=False)
+            inputs = _inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind)
             timer = _CudaTimer() if kind == "cuda" else _CpuTimer()
-            _TimingInterpreter(gm, timer).run(*inputs)
+            _TimingInterpreter(gm, timer, device).run(*inputs)
             if i >= warmup:
                 for name, t in timer.elapsed().items():
                     samples.setdefault(name, []).append(t)
@@ -179,7 +226,8 @@ def profile(
         example_inputs: the inputs to time with (normally those it was traced with).
         example_kwargs: keyword inputs to time with.
         kinds: device kinds to fill in. Kinds present here (:func:`present_kinds`) are measured;
-            the others are estimated with :func:`torchplace.profiling.estimate.estimate_times`.
+            the others are estimated with :func:`torchplace.profiling.estimate.estimate_times`, and
+            so is every kind for a model on the meta device (weights without values).
         warmup: untimed runs before measuring.
         repeats: timed runs; each fx node's time is the median over them.
         progress: show a tqdm bar over the runs.
@@ -195,7 +243,7 @@ def profile(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    present = present_kinds()
+    present = set() if _on_meta(traced.gm) else present_kinds()  # the meta device has nothing to time
     times: dict[str, dict[str, float]] = {}
     for kind in dict.fromkeys(kinds):
         if kind in present:

@@ -34,7 +34,9 @@ def storage_key(t: torch.Tensor) -> _Key:
     if t.layout != torch.strided:
         parts = (t._values(), t._indices()) if t.layout == torch.sparse_coo else ()
         return (id(t), 0, sum(int(p.numel() * p.element_size()) for p in parts))
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel() * t.element_size()))
+    storage = t.untyped_storage()
+    where = storage._cdata if t.device.type == "meta" else storage.data_ptr()  # meta storages have no address
+    return (where, int(t.storage_offset()), int(t.numel() * t.element_size()))
 
 
 @dataclass
@@ -64,14 +66,14 @@ def _read_by(node: fx.Node, gm: fx.GraphModule) -> Iterator[tuple[str, torch.Ten
 
 def _trainable(model: nn.Module) -> set[_Key]:
     """The storages of the model's parameters that require grad (what an optimizer updates)."""
-    return {storage_key(p) for p in model.parameters() if p.requires_grad and p.device.type != "meta"}
+    return {storage_key(p) for p in model.parameters() if p.requires_grad}
 
 
 def _model_names(model: nn.Module) -> dict[_Key, list[str]]:
     """Every name of every parameter and buffer of the model, by storage (tied tensors share one)."""
     out: dict[_Key, list[str]] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if t is not None and t.device.type != "meta":
+        if t is not None:
             names = out.setdefault(storage_key(t), [])
             if name not in names:
                 names.append(name)

@@ -24,7 +24,6 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import TraceError, UsageError
 from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, tensor_bytes
 from torchplace.graph import OpGraph
+from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.opgraph import build_opgraph
 
@@ -125,22 +125,6 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _dynamic_batch(leaf: Any) -> Any:
-    return {0: torch.export.Dim.DYNAMIC} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
-
-
-def _batch_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    """Mark dim 0 of every tensor input dynamic, so the graph runs on any batch (micro-batch) size.
-
-    Positional-only calls get a tuple like ``args``; calls with keywords get a dict keyed by the
-    parameter names of ``model.forward``, as :func:`torch.export.export` expects.
-    """
-    if not kwargs:
-        return tuple(pytree.tree_map(_dynamic_batch, x) for x in args)
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: pytree.tree_map(_dynamic_batch, value) for name, value in bound.arguments.items()}
-
-
 def _at_least_two(value: Any) -> Any:
     """Tensor leaves with a batch (dim 0) of one, repeated to two along dim 0; others unchanged."""
 
@@ -152,8 +136,10 @@ def _at_least_two(value: Any) -> Any:
     return pytree.tree_map(widen, value)
 
 
-def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> fx.GraphModule:
-    """``torch.export`` (non-strict, dynamic batch dim) then ``.module()``; failures as _CaptureFailure.
+def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                    dims: Any = None) -> fx.GraphModule:
+    """``torch.export`` (non-strict, dynamic batch dim and ``dims``, :mod:`.dynamic`) then
+    ``.module()``; failures as _CaptureFailure.
 
     Without a dynamic batch dimension the exported graph bakes the example batch size into its
     reshapes and guards, and fails on every other batch size, micro-batches included. export
@@ -164,7 +150,7 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
     snapshot = StateSnapshot(model)
     try:
         ep = torch.export.export(model, args, kwargs=kwargs or None,
-                                 dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs), strict=False)
+                                 dynamic_shapes=dynamic_shapes(model, args, kwargs, dims), strict=False)
         return ep.module()
     except Exception as e:
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
@@ -222,6 +208,7 @@ def _capture(
     method: str,
     leaf_types: tuple[type, ...],
     module_level: bool,
+    dims: Any = None,
 ) -> tuple[fx.GraphModule, str]:
     """Run the requested capture method(s); return the module and the method used."""
     order = ("fx", "export") if method == "auto" else (method,)
@@ -230,7 +217,7 @@ def _capture(
         try:
             if m == "fx":
                 return _fx_capture(model, leaf_types, module_level), "fx"
-            return _export_capture(model, example_inputs, example_kwargs), "export"
+            return _export_capture(model, example_inputs, example_kwargs, dims), "export"
         except _CaptureFailure as f:
             failures.append(f)
     raise _trace_error(model, failures) from failures[-1].error
@@ -260,12 +247,50 @@ class _Recorder(fx.Interpreter):
         if not self.shapes:
             return out
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        fresh, alias = self._fresh(n, tensors)
         n.meta["torchplace"] = TensorInfo(
             shapes=tuple(tuple(t.shape) for t in tensors),
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
             output_bytes=tensor_bytes(tensors),
+            fresh_bytes=fresh,
+            alias_of=alias,
         )
         return out
+
+    def _fresh(self, n: fx.Node, tensors: list[torch.Tensor]) -> tuple[int, str | None]:
+        """Bytes of the output tensors whose memory is new (not a view of an input's, nor of an
+        earlier output's), and the input node whose memory the first output shares, if any."""
+        owner: dict[int, str] = {}
+        for a in n.all_input_nodes:
+            for t in pytree.tree_leaves(self.env.get(a)):
+                if isinstance(t, torch.Tensor) and (key := _storage_id(t)) is not None:
+                    owner.setdefault(key, a.name)
+        fresh, seen = 0, set(owner)
+        for t in tensors:  # new memory is counted by its storage: an expand() of it is no bigger
+            key = _storage_id(t)
+            if key is None or key not in seen:
+                fresh += _storage_bytes(t)
+                seen.add(key)
+        first = _storage_id(tensors[0]) if tensors else None
+        return fresh, owner.get(first) if first is not None else None
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the memory ``t`` lives in (its own bytes for tensors without a plain storage)."""
+    try:
+        return int(t.untyped_storage().nbytes()) if t.layout == torch.strided else tensor_bytes(t)
+    except (RuntimeError, NotImplementedError):
+        return tensor_bytes(t)
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """Identity of the memory a tensor's values live in (its storage object; views share it)."""
+    if t.layout != torch.strided:
+        return None
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
@@ -311,6 +336,7 @@ def trace(
     leaf_modules: Iterable[type] = (),
     method: str = "auto",
     training: bool = False,
+    dynamic_dims: DynamicDims = None,
 ) -> Traced:
     """Trace ``model`` into a GraphModule and an :class:`OpGraph` with sizes (no times yet).
 
@@ -326,6 +352,9 @@ def trace(
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx, falling back to export).
         training: the graph will be trained: the accessors of memory written in place become one
             node each (a stage boundary is an autograd leaf, which an in-place op may not write).
+        dynamic_dims: input dimensions besides the batch that may change between calls
+            (``{"input_ids": [1]}`` or ``"auto"``; :mod:`torchplace.profiling.dynamic`). fx graphs
+            hold no sizes; an exported graph gets them as dynamic dimensions.
 
     Returns:
         A :class:`Traced`; each fx node's :class:`TensorInfo` is in ``node.meta["torchplace"]``.
@@ -346,7 +375,8 @@ def trace(
         raise UsageError(f"trace method must be one of {_METHODS}, got {method!r}")
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
     kwargs = dict(example_kwargs or {})
-    gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level)
+    dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
+    gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
     effects = _record(gm, model, example_inputs, kwargs)
     grouping = replace(effects, merged=effects.merged + effects.colocated, colocated=()) if training else effects
     graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=grouping)

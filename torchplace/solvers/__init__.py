@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from torchplace.costmodel import uses_liveness
 from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
@@ -127,7 +128,8 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
     ``"piper"``, and only :data:`PARALLEL_METHODS` apply. ``time_limit`` (seconds) goes to every method that
     takes one; other options go to the method when it takes them. A graph with shared tensors
     (tied weights) is solved through problems whose memory is a sum over nodes
-    (:mod:`torchplace.solvers.shared`).
+    (:mod:`torchplace.solvers.shared`), and so is a problem whose working memory is a liveness
+    peak (:mod:`torchplace.solvers.liveness`).
 
     Raises:
         UsageError: for an unknown method (the message lists the known ones) or a method that
@@ -147,6 +149,11 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
             return solve_auto(p, time_limit=time_limit, **o)
         return call_method(method, p, time_limit=time_limit, **o)
 
+    if uses_liveness(problem):
+        from torchplace.solvers.liveness import solve_live
+
+        return solve_live(problem, lambda p, time_limit=None, **o: solve(p, method, time_limit=time_limit, **o),
+                          time_limit, **opts)
     if problem.graph.shared_tensors():
         from torchplace.solvers.shared import solve_shared
 

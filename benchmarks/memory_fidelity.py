@@ -1,0 +1,156 @@
+"""Memory fidelity (issue 17): each device's predicted memory beside the peak measured on the CPU.
+
+Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp gpt2 bert resnet]
+
+Each model is placed on one and on two logical CPUs, with 1 and 4 micro-batches, and called once
+to warm up and once measured. The prediction is the cost model's
+(:func:`torchplace.costmodel.device_memory_parts`): parameters and buffers, shared copies, and
+the liveness peak of one micro-batch's activations. The measurement counts, inside each device's
+worker thread, the bytes of tensor memory that thread's operators allocate and that is still
+referenced (a ``TorchDispatchMode`` sees every operator's outputs; a storage is counted once
+from its first tensor until the last Python tensor on it dies), and takes its peak over the call.
+Parameters are the model's own tensors, counted exactly on both sides, so the table compares the
+activations (the modelled part) and the totals. Kernel scratch memory that never becomes a
+tensor (oneDNN workspaces) is not seen; received tensors are host memory shared with their
+sender, as the model says for CPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import threading
+import weakref
+from datetime import date
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchplace
+from torchplace import costmodel
+from torchplace.models import build
+from torchplace.runtime import workers
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensor memory created by the operators run under it and still held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            key = t.untyped_storage().data_ptr()
+            with self._lock:
+                if key == 0 or (key in seen and key not in self._count):
+                    continue  # empty, or a view of memory made elsewhere (weights, inputs)
+                if key not in self._count:
+                    self._count[key], self._size[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self._size[key]
+                    self.peak = max(self.peak, self.live)
+                self._count[key] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self._count[key] -= 1
+            if self._count[key] == 0:
+                del self._count[key]
+                self.live -= self._size.pop(key)
+
+
+def measured_peaks(placed: Any, call: tuple[tuple, dict]) -> dict[str, int]:
+    """Per worker (device), the peak live bytes its thread allocated during one call."""
+    peaks: dict[str, int] = {}
+    original = workers.WorkerThreads.submit
+
+    def submit(self: Any, worker: str, fn: Any, *args: Any) -> Any:
+        def measured(*a: Any) -> Any:
+            mode = LiveBytes()
+            try:
+                with mode:
+                    return fn(*a)
+            finally:
+                peaks[worker] = max(peaks.get(worker, 0), mode.peak)
+        return original(self, worker, measured, *args)
+
+    workers.WorkerThreads.submit = submit  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            placed(*call[0], **call[1])
+    finally:
+        workers.WorkerThreads.submit = original  # type: ignore[method-assign]
+    return peaks
+
+
+def _model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    if name in ("gpt2", "bert"):
+        import transformers
+
+        torch.manual_seed(0)
+        if name == "gpt2":
+            config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, n_positions=256,
+                                             use_cache=False, bos_token_id=1, eos_token_id=1)
+            model = transformers.GPT2LMHeadModel(config).eval()
+        else:
+            config = transformers.BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                             intermediate_size=1024, vocab_size=4096)
+            model = transformers.BertModel(config).eval()
+        return model, (), {"input_ids": torch.randint(0, 4096, (8, 128))}
+    model, inputs = build(name, batch=256 if name == "mlp" else 32)
+    return model, inputs, {}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def rows(names: list[str]) -> list[tuple]:
+    out = []
+    for name in names:
+        model, args, kwargs = _model(name)
+        for devices in (["cpu:0"], ["cpu:0", "cpu:1"]):
+            for m in (1, 4):
+                placed = torchplace.place(model, devices, args, example_kwargs=kwargs, microbatches=m, progress=False,
+                                          repeats=1, warmup=0, time_limit=10)
+                measured_peaks(placed, (args, kwargs))  # warm-up
+                peaks = measured_peaks(placed, (args, kwargs))
+                parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
+                for dev, p in parts.items():
+                    fixed = p["parameters"] + p["shared copies"]
+                    got = next((v for k, v in peaks.items() if dev in k), 0)
+                    out.append((name, len(devices), m, dev, _mib(fixed), _mib(p["working"]), _mib(got),
+                                f"{p['working'] / got:.2f}" if got else "-",
+                                _mib(fixed + p["working"]), _mib(fixed + got),
+                                f"{(fixed + p['working']) / (fixed + got):.2f}" if fixed + got else "-"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt2", "bert"])
+    a = ap.parse_args()
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{date.today()}")
+    header = ("model", "devices", "m", "device", "params MiB", "act. predicted", "act. measured", "ratio",
+              "total predicted", "total measured", "ratio")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows(a.models):
+        print("| " + " | ".join(map(str, r)) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Planning a model that does not fit one device (issue 17, item 6): profiling times each part on
+the device without moving the model there, and a model on the meta device is planned from shapes
+with estimated costs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace import costmodel
+from torchplace.devices import Device
+from torchplace.errors import UsageError
+from torchplace.models import build
+import importlib
+
+profile_module = importlib.import_module("torchplace.profiling.profile")
+from torchplace.profiling import profile, trace
+
+
+def _model_to_spy(monkeypatch) -> list[int]:
+    """Parameter counts of every module moved with ``Module.to``."""
+    moved: list[int] = []
+    original = nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        moved.append(sum(p.numel() for p in self.parameters()))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", spy)
+    return moved
+
+
+@pytest.mark.parametrize("method, granularity", [("fx", "module"), ("export", "operator")])
+def test_profiling_another_kind_moves_one_part_at_a_time(monkeypatch, method, granularity):
+    model, inputs = build("mlp")
+    with torch.no_grad():
+        traced = trace(model, inputs, method=method, granularity=granularity)
+    before = {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()}
+    total = sum(p.numel() for p in model.parameters())
+    # the meta device stands in for an accelerator: it runs every operator, holds no values
+    monkeypatch.setattr(profile_module, "present_kinds", lambda: {"cpu", "meta"})
+    moved = _model_to_spy(monkeypatch)
+    graph = profile(traced, inputs, kinds=("cpu", "meta"), warmup=0, repeats=1, progress=False)
+    assert all("meta" in r.times and "cpu" in r.times for _, r in graph.records())
+    assert all(n < total for n in moved), f"a move of {max(moved)} of {total} parameters: the whole model"
+    if method == "fx":
+        assert moved, "the graph calls Linear modules: each is copied over for its own call"
+    assert {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()} == before
+
+
+def _meta_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, use_cache=False,
+                                     bos_token_id=1, eos_token_id=1)
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(config).eval()
+    return meta, transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_a_model_on_the_meta_device_is_planned_with_estimated_costs():
+    meta, real = _meta_gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+    weights = sum(p.numel() * 4 for p in real.parameters())
+    cap = int(weights * 0.8)  # no one device holds the model
+    devices = [Device("cuda:0", "cuda:0", "cuda", cap), Device("cuda:1", "cuda:1", "cuda", cap)]
+    plan, problem = torchplace.plan_model(meta, devices, example_kwargs={"input_ids": ids}, progress=False)
+    assert {s.device for s in plan.stages} == {"cuda:0", "cuda:1"}
+    assert sum(r.param_bytes for _, r in problem.graph.records()) == weights  # tied lm_head counted once
+    assert all(r.times.get("cuda", 0) > 0 for _, r in problem.graph.records())  # roofline estimates
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert max(costmodel.device_memory(problem, plan.stages).values()) <= cap
+    assert set(plan.device_map(problem).values()) == {"cuda:0", "cuda:1"}
+    assert all(p.device.type == "meta" for p in meta.parameters())  # nothing materialized
+
+
+def test_place_refuses_a_meta_model_and_names_plan_model():
+    meta, _ = _meta_gpt2()
+    with pytest.raises(UsageError, match="plan_model"):
+        torchplace.place(meta, ["cpu:0"], example_kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+                         progress=False)
+
+
+def test_plan_model_refuses_a_half_materialized_model():
+    meta, _ = _meta_gpt2()
+    meta.lm_head = nn.Linear(64, 128, bias=False)  # on the CPU, the rest on meta
+    with pytest.raises(UsageError, match="every tensor must be on the meta device"):
+        torchplace.plan_model(meta, ["cpu:0"], example_kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+                              progress=False)

@@ -1,0 +1,163 @@
+"""Solving a problem whose working memory is a liveness peak by solvers that sum memory over nodes.
+
+With liveness (:func:`torchplace.costmodel.uses_liveness`) a device's working memory is the most
+bytes alive at once while it runs one micro-batch (:func:`torchplace.costmodel.working_memory`), not
+a sum over its nodes, which every solver assumes. As :mod:`torchplace.solvers.shared` does for
+shared tensors and :mod:`torchplace.solvers.pipelined` for training pipelines, such a problem is
+solved through two problems whose node memory is a sum:
+
+1. the *relaxation*: a node needs its parameters only (working memory 0). It never charges more
+   than the truth, so its lower bound holds for the true problem; memory does not enter the
+   objective, so when its plan also fits the liveness memory that plan keeps its proof (the usual
+   case: memory is not what binds);
+2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
+   m)`` (plus ``(m - 1) ceil(out_v / m)`` when it makes a model output, held for the other
+   micro-batches, or ``queued(m) ceil(out_v / m)`` when it has readers, which may be on another
+   device), never less than its share of the liveness memory (costmodel docstring), so its plans always
+   fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
+3. the restriction charges every activation a device runs as if all were alive at once, far above
+   the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
+   before it the relaxation is solved again with room reserved on every memory-limited device for
+   the working memory its last plan needed (as accelerate reserves room for the largest layer),
+   the reserve growing until a plan fits the liveness memory (at most :data:`RESERVE_ROUNDS`
+   rounds); that plan is kept with the first relaxation's bound.
+
+Every returned plan is evaluated and validated on the true problem (liveness memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torchplace import costmodel
+from torchplace.errors import InfeasibleError, InvalidPlanError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+
+__all__ = ["conservative", "relaxed", "reserved", "solve_live"]
+
+Solve = Callable[..., Plan]
+
+
+def _summed(problem: Problem, bytes_of: Callable[[str, NodeRecord], int]) -> Problem:
+    """``problem`` with working memory a sum over nodes: ``temp_bytes = bytes_of(v, record)``."""
+    g = problem.graph
+    out = OpGraph(meta={k: v for k, v in g.meta.items() if k != "liveness"})
+    for v, r in g.records():
+        out.add_node(v, dataclasses.replace(r, temp_bytes=bytes_of(v, r), peak_bytes=None))
+    for u, v in g.edges:
+        out.add_edge(u, v)
+    return dataclasses.replace(problem, graph=out)
+
+
+def relaxed(problem: Problem) -> Problem:
+    """Working memory 0: node memory never above the truth (module docstring, 1)."""
+    return _summed(problem, lambda v, r: 0)
+
+
+def conservative(problem: Problem) -> Problem:
+    """Node memory never below its share of the liveness peak (module docstring, 2)."""
+    g, m = problem.graph, costmodel.microbatches(problem)
+
+    outputs = set(g.meta.get("outputs", ()))
+
+    def share(v: str, r: NodeRecord) -> int:
+        received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
+        if outputs.intersection(r.fx_nodes):
+            held = (m - 1) * -(-r.output_bytes // m)
+        else:  # its readers may be on another device: it holds what it sent on
+            held = costmodel.queued(m) * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
+        return -(-r.temp_bytes // m) + received + held
+
+    return _summed(problem, share)
+
+
+RESERVE_ROUNDS = 4
+"""Re-solves of the relaxation with room reserved for working memory (module docstring, 3)."""
+
+
+def reserved(problem: Problem, nbytes: int) -> Problem:
+    """The relaxation with ``nbytes`` less memory on every memory-limited device."""
+    devices = tuple(d if d.memory_bytes is None else dataclasses.replace(d, memory_bytes=max(d.memory_bytes - nbytes, 0))
+                    for d in problem.cluster.devices)
+    return dataclasses.replace(relaxed(problem), cluster=dataclasses.replace(problem.cluster, devices=devices))
+
+
+def _working(problem: Problem, plan: Plan) -> int:
+    """The most working memory a device of ``plan`` needs (liveness memory minus parameters)."""
+    truth, params = costmodel.device_memory(problem, plan.stages), costmodel.device_memory(relaxed(problem), plan.stages)
+    return max((truth[d] - params[d] for d in truth), default=0)
+
+
+def _on_truth(problem: Problem, plan: Plan, bound: float, how: str) -> Plan:
+    exact = how == "relaxed" and plan.status == "optimal"
+    status = "optimal" if exact else "time_limit" if plan.status == "time_limit" else "feasible"
+    out = Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=bound,
+                     status=status, meta={**plan.meta, "working_memory": how})
+    if out.status == "feasible" and out.objective <= bound * (1 + 1e-9):
+        out.status = "optimal"  # the relaxation's bound proves it
+    return out
+
+
+def solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:
+    """Solve ``problem`` by ``solve(problem, time_limit=..., **opts)`` as the module docstring says.
+
+    Raises:
+        InfeasibleError: if neither the relaxation's plan nor the restriction's fits. Its
+            ``min_memory_bytes`` is then the restriction's: a per-device memory at which a plan
+            surely fits (the liveness optimum may need less; the message gives the relaxation's
+            smallest memory too, below which nothing fits).
+    """
+    start = time.perf_counter()
+    share = None if time_limit is None else time_limit / 2
+    try:
+        first = solve(relaxed(problem), time_limit=share, **opts)
+    except InfeasibleError as e:
+        raise _infeasible(problem, solve, time_limit, opts, e) from e
+    try:
+        return _on_truth(problem, first, first.lower_bound, "relaxed")
+    except InvalidPlanError:
+        pass  # its working memory does not fit: solve again with memory counted from above
+    reserve, plan = 0, first
+    for _ in range(RESERVE_ROUNDS):
+        reserve = max(reserve + 1, _working(problem, plan))
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
+        try:
+            plan = solve(reserved(problem, reserve), time_limit=left, **opts)
+        except InfeasibleError:
+            break  # a larger reserve has no plan either: the restriction states the memory that fits
+        try:
+            return _on_truth(problem, plan, first.lower_bound, f"reserved {reserve} bytes")
+        except InvalidPlanError:
+            continue
+    left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0)
+    try:
+        second = solve(conservative(problem), time_limit=left, **opts)
+    except InfeasibleError as e:
+        raise _infeasible(problem, solve, None, opts, None, e) from e
+    return _on_truth(problem, second, first.lower_bound, "conservative")
+
+
+def _infeasible(problem: Problem, solve: Solve, time_limit: float | None, opts: dict[str, Any],
+                low: InfeasibleError | None, high: InfeasibleError | None = None) -> InfeasibleError:
+    """The error to raise: the restriction's smallest memory (a memory that surely fits) and,
+    when known, the relaxation's (below which nothing fits)."""
+    if high is None:
+        try:
+            solve(conservative(problem), time_limit=time_limit, **opts)
+        except InfeasibleError as e:
+            high = e
+        else:  # unreachable: the restriction never charges less than the relaxation
+            return low or InfeasibleError("no split fits the devices' memory")
+    need = high.min_memory_bytes
+    if need is None:
+        return high
+    floor = f"; no split fits below {low.min_memory_bytes} bytes (parameters alone)" \
+        if low is not None and low.min_memory_bytes is not None else ""
+    return InfeasibleError(
+        f"no split fits the devices' memory with one micro-batch's activations alive: {need} bytes per device "
+        f"surely fit (activations counted from above){floor}; raise max_memory to {need}, add devices or use more "
+        f"micro-batches", min_memory_bytes=need)
