@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+import inspect
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,10 +27,36 @@ from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 
-__all__ = ["PlacedModule", "place", "placed"]
+__all__ = ["Placement", "PlacedModule", "place", "placed", "prepare"]
 
 
-def place(
+def place(model: nn.Module, devices: Sequence[str | Device] | Cluster, example_inputs: Any = (),
+          **options: Any) -> PlacedModule:
+    """Place ``model`` on ``devices`` and return a :class:`PlacedModule` that runs it there.
+
+    The arguments, what is done with them and what is raised are those of :func:`prepare`, which
+    decides the placement; ``place`` then splits the traced graph and runs it on worker threads
+    (:func:`torchplace.distributed.place` hands the same placement to torch.distributed instead).
+    """
+    placement = prepare(model, devices, example_inputs, **options)
+    return PlacedModule(placement.traced, placement.problem, placement.plan, placement.microbatches,
+                        example=placement.example)
+
+
+class Placement(NamedTuple):
+    """What :func:`prepare` decided: the traced model, the measured problem and the plan to run.
+
+    ``example`` is the example call ``(args, kwargs)`` for a training placement (its eval-mode graph
+    is traced from it), else ``None``."""
+
+    traced: Any
+    problem: Problem
+    plan: Plan
+    microbatches: int
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None
+
+
+def prepare(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
     example_inputs: Any = (),
@@ -55,7 +82,7 @@ def place(
     progress: bool = True,
     plan: Plan | str | Path | None = None,
 ) -> PlacedModule:
-    """Place ``model`` on ``devices`` and return a module that runs it there.
+    """Decide where ``model`` runs on ``devices``: trace, profile and solve (what :func:`place` runs).
 
     The model is put in eval mode (placement is for inference), traced with torch.fx (or
     torch.export for models fx cannot trace), every operator is timed on each device kind present
@@ -117,7 +144,8 @@ def place(
             solving: it is checked against the traced model and evaluated on the new timings.
 
     Returns:
-        A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
+        A :class:`Placement` (traced model, problem, plan); :func:`place` wraps it in a
+        :class:`PlacedModule` with ``.plan``, and ``placed(*example_inputs)`` equals
         ``model(*example_inputs)``.
 
     Raises:
@@ -188,7 +216,10 @@ def place(
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
         solved = _solve(problem, solver, time_limit, fuse)
-    return PlacedModule(traced, problem, solved, microbatches, example=(args, kwargs) if training else None)
+    return Placement(traced, problem, solved, microbatches, (args, kwargs) if training else None)
+
+
+place.__signature__ = inspect.signature(prepare).replace(return_annotation=PlacedModule)  # type: ignore[attr-defined]
 
 
 def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str],

@@ -5,6 +5,7 @@ All derive from :class:`TorchplaceError`, so ``except torchplace.TorchplaceError
 from __future__ import annotations
 
 __all__ = [
+    "DistributedError",
     "InfeasibleError",
     "InvalidPlanError",
     "MissingDependencyError",
@@ -105,3 +106,8 @@ class ModelTooLargeError(SolverLimitError):
 
 class MissingDependencyError(TorchplaceError, ImportError):
     """An optional dependency a feature needs is not installed; the message names the pip command."""
+
+
+class DistributedError(TorchplaceError, RuntimeError):
+    """A multi-process run (:mod:`torchplace.distributed`) failed or was launched wrongly: the message
+    names the rank (and the stage and pass) that failed, or the launch setting to change."""

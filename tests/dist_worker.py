@@ -1,0 +1,133 @@
+"""One rank of the multi-process tests (tests/test_distributed.py starts one process per rank,
+as torchrun does: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
+
+    python tests/dist_worker.py SCENARIO OUT_DIR [PLAN.json]
+
+Each rank computes the single-process reference itself (every rank holds the same seeded model
+before placing) and writes what it found to ``OUT_DIR/rank{R}.json``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+
+
+class Bomb(nn.Module):
+    """Identity, until armed: then it raises (``"raise"``) or kills its process (``"kill"``)."""
+
+    armed = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if Bomb.armed == "raise":
+            raise ValueError("bomb went off")
+        if Bomb.armed == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+class SkipNet(nn.Module):
+    """An MLP whose input skips the middle layers (a value that crosses several stages)."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+        self.bomb = Bomb()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        skip = h
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.bomb(self.out(h + skip))
+
+
+def build(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = SkipNet()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    return model, x, y
+
+
+def reference_output(model: nn.Module, x: torch.Tensor, m: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(c) for c in x.tensor_split(m)])
+
+
+def reference_training(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, steps: int) -> dict:
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(c), t) for c, t in zip(x.tensor_split(m), y.tensor_split(m))) / m
+        loss.backward()
+        opt.step()
+    return dict(model.named_parameters())
+
+
+def run(scenario: str, plan: str | None, result: dict) -> None:
+    import torchplace.distributed as tpd
+
+    model, x, y = build()
+    m = 4
+    opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
+                progress=False, warmup=0, repeats=1, plan=plan)
+    if scenario in ("infer", "raise", "kill"):
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **opts)
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        Bomb.armed = "" if scenario == "infer" else scenario
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+            result["max_diff"] = float((got - expected).abs().max())
+    elif scenario == "train":
+        expected = reference_training(model, x, y, m, steps=5)
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        opt = torch.optim.SGD(placed.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(5):
+            opt.zero_grad()
+            losses = placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+            opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = [names[id(p)] for p in placed.parameters()]
+        result["params"] = sorted(mine)
+        result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
+                                 for n in mine)
+        result["losses"] = [float(v) for v in losses]
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    placed.close(destroy=False)
+
+
+def main() -> None:
+    scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
+    plan = sys.argv[3] if len(sys.argv) > 3 else None
+    rank = int(os.environ["RANK"])
+    results: dict = {}
+    for scenario in scenarios:
+        results[scenario] = {}
+        try:
+            run(scenario, plan, results[scenario])
+        except Exception as error:  # noqa: BLE001 - reported to the test through the file and the exit status
+            results[scenario]["error"] = f"{type(error).__name__}: {error}"
+            (out / f"rank{rank}.json").write_text(json.dumps(results))
+            print(f"rank {rank}: {results[scenario]['error']}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
