@@ -1,7 +1,7 @@
 """One rank of the multi-process tests (tests/test_distributed.py starts one process per rank,
 as torchrun does: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
 
-    python tests/dist_worker.py SCENARIO OUT_DIR [PLAN.json]
+    python tests/dist_worker.py SCENARIO[,SCENARIO...] OUT_DIR [PLAN.json|- ...]   (a plan per scenario)
 
 Each rank computes the single-process reference itself (every rank holds the same seeded model
 before placing) and writes what it found to ``OUT_DIR/rank{R}.json``.
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     model, x, y = build()
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
-                progress=False, warmup=0, repeats=1, plan=plan)
+                progress=False, warmup=0, repeats=1, plan=plan, contiguous=plan is None)
     if scenario in ("infer", "raise", "kill"):
         expected = reference_output(model, x, m)
         placed = tpd.place(model, (x,), **opts)
@@ -96,11 +97,14 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         model.train()
         placed = tpd.place(model, (x,), mode="training", **opts)
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
-        opt = torch.optim.SGD(placed.parameters(), lr=0.05, momentum=0.9)
+        params = placed.parameters()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if params else None  # a rank may hold none
         for _ in range(5):
-            opt.zero_grad()
+            if opt is not None:
+                opt.zero_grad()
             losses = placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
-            opt.step()
+            if opt is not None:
+                opt.step()
         names = {id(p): n for n, p in model.named_parameters()}
         mine = [names[id(p)] for p in placed.parameters()]
         result["params"] = sorted(mine)
@@ -114,15 +118,16 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
 
 def main() -> None:
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
-    plan = sys.argv[3] if len(sys.argv) > 3 else None
+    plans = [None if p == "-" else p for p in sys.argv[3:]]
     rank = int(os.environ["RANK"])
     results: dict = {}
-    for scenario in scenarios:
+    for i, scenario in enumerate(scenarios):
         results[scenario] = {}
         try:
-            run(scenario, plan, results[scenario])
+            run(scenario, plans[i] if i < len(plans) else None, results[scenario])
         except Exception as error:  # noqa: BLE001 - reported to the test through the file and the exit status
             results[scenario]["error"] = f"{type(error).__name__}: {error}"
+            results[scenario]["at"] = time.time()
             (out / f"rank{rank}.json").write_text(json.dumps(results))
             print(f"rank {rank}: {results[scenario]['error']}", file=sys.stderr, flush=True)
             sys.exit(1)
@@ -131,3 +136,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def noncontiguous_plan(path: str, mode: str) -> list[str]:
+    """Save a plan of :class:`SkipNet` in four pieces on cpu:0, cpu:1, cpu:0, cpu:1 (a training plan
+    has the backward of each piece on its device, in reverse order); return the stage devices."""
+    from torchplace import api
+    from torchplace.plan import Plan, Stage
+
+    model, x, _ = build()
+    model.train(mode == "training")
+    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=[Bomb],
+                            microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
+    graph = placement.problem.graph
+    forward = [v for v in graph.topological_order() if not graph.record(v).backward]
+    pieces = [tuple(c) for c in _chunks(forward, 4)]
+    devices = ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
+    stages = [Stage(d, p) for d, p in zip(devices, pieces)]
+    if mode == "training":
+        back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
+        stages += [Stage(d, tuple(b for v in p for b in back[v])) for d, p in reversed(list(zip(devices, pieces)))]
+    plan = Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
+    plan.save(path)
+    return [s.device for s in plan.stages]
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    size = -(-len(items) // n)
+    return [items[i:i + size] for i in range(0, len(items), size)]

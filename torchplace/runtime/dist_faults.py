@@ -56,8 +56,8 @@ class Activity:
     def __init__(self) -> None:
         self.now = "setting up"
 
-    def set(self, stage: int, kind: str, chunk: int) -> None:
-        self.now = f"stage {stage} ({kind} of micro-batch {chunk})"
+    def set(self, stage: int, kind: str, chunk: int | None = None) -> None:
+        self.now = f"stage {stage} ({kind}{'' if chunk is None else f' of micro-batch {chunk}'})"
 
 
 def _communication_error(error: BaseException) -> bool:

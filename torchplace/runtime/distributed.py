@@ -174,6 +174,8 @@ class EngineStage(nn.Module):
         if len(flat) != len(slot.inputs):
             raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)}), "
                              f"got {len(flat)}")
+        if self._activity is not None and not self._activity.now.startswith(f"stage {slot.index} "):
+            self._activity.set(slot.index, "forward")  # the engine's first call infers shapes outside its chunks
         env = dict(zip(slot.inputs, flat))
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
@@ -206,7 +208,8 @@ def _stage_class() -> type:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.activity.set(self.stage_index, "backward", bwd_chunk_id)
+            if self.has_backward:  # GPipe calls it in inference too, where it does nothing
+                self.activity.set(self.stage_index, "backward", bwd_chunk_id)
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -379,9 +382,18 @@ class DistributedPipeline:
                                    f"micro-batches: {e}; pick another schedule or micro-batch count") from e
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a schedule step), then every rank agrees that all ranks finished it: a rank whose
+        part ended before a peer failed learns of the failure here instead of leaving quietly."""
         if self.faults is None:
             return fn()
-        return self.faults.guard(fn)
+        out = self.faults.guard(fn)
+        self.faults.guard(self._agree)
+        return out
+
+    def _agree(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
 
 class _LossOnOutput:
