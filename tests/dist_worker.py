@@ -122,14 +122,14 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     results: dict = {}
     for i, scenario in enumerate(scenarios):
-        results[scenario] = {}
+        result = results[f"{i}:{scenario}"] = {}
         try:
-            run(scenario, plans[i] if i < len(plans) else None, results[scenario])
+            run(scenario, plans[i] if i < len(plans) else None, result)
         except Exception as error:  # noqa: BLE001 - reported to the test through the file and the exit status
-            results[scenario]["error"] = f"{type(error).__name__}: {error}"
-            results[scenario]["at"] = time.time()
+            result["error"] = f"{type(error).__name__}: {error}"
+            result["at"] = time.time()
             (out / f"rank{rank}.json").write_text(json.dumps(results))
-            print(f"rank {rank}: {results[scenario]['error']}", file=sys.stderr, flush=True)
+            print(f"rank {rank}: {result['error']}", file=sys.stderr, flush=True)
             sys.exit(1)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
