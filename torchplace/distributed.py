@@ -118,6 +118,8 @@ def place(
     rank_devices = _rank_devices(devices, given, world)
     device, backend = _torch_device(rank_devices, local_rank, backend)
     common = dict(options, mode=mode, microbatches=microbatches)
+    if given is not None:  # a given plan is checked as it is: contiguity constrains solvers, not the runtime
+        common.setdefault("contiguous", False)
     if mode == "training":
         common.setdefault("recompute", False)  # the bridge does not recompute; the cost model must not count on it
     placement = None

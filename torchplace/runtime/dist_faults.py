@@ -53,11 +53,18 @@ FAULT = "torchplace/fault"
 class Activity:
     """What this rank runs now (engine stage, pass, micro-batch), named in fault messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, publish: Callable[[str], None] | None = None) -> None:
         self.now = "setting up"
+        self._publish = publish
+        self._phase: tuple[int, str] | None = None
 
     def set(self, stage: int, kind: str, chunk: int | None = None) -> None:
+        """Record what runs; when the stage or pass changes, publish it at once (a killed process
+        sends no more heartbeats, so its last one must already name the stage it died in)."""
         self.now = f"stage {stage} ({kind}{'' if chunk is None else f' of micro-batch {chunk}'})"
+        if self._publish is not None and (stage, kind) != self._phase:
+            self._phase = (stage, kind)
+            self._publish(self.now)
 
 
 def _communication_error(error: BaseException) -> bool:
@@ -83,7 +90,7 @@ class Faults:
 
     def __init__(self, store: Any, rank: int, world: int, exit_on_peer_fault: bool = True) -> None:
         self.store, self.rank, self.world = store, rank, world
-        self.activity = Activity()
+        self.activity = Activity(self._heartbeat)
         self.exit_on_peer_fault = exit_on_peer_fault
         self._busy_since: float | None = None
         self._beats = 0
@@ -167,11 +174,17 @@ class Faults:
         return out
 
     # -- the heartbeat thread -------------------------------------------------------------------------
+    def _heartbeat(self, now: str) -> None:
+        self._beats += 1
+        try:
+            self.store.set(f"torchplace/hb/{self.rank}", f"{self._beats}|{now}")
+        except Exception:  # noqa: BLE001 - the store's host is gone; the backend's errors tell the rest
+            pass
+
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
             try:
-                self._beats += 1
-                self.store.set(f"torchplace/hb/{self.rank}", f"{self._beats}|{self.activity.now}")
+                self._heartbeat(self.activity.now)
                 busy = self._busy_since
                 if busy is not None and self.exit_on_peer_fault and time.monotonic() - busy > GRACE_S:
                     self._exit_if_peer_failed()
