@@ -113,7 +113,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["losses"] = [float(v) for v in losses]
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
-    placed.close(destroy=False)
+    placed.close()
 
 
 def main() -> None:

@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace) -> int:
                 opt.zero_grad()
             if placed.is_last:
                 print(f"rank {placed.rank}: step {step}: loss {sum(float(v) for v in losses) / len(losses):.6f}")
-    placed.close()
+    placed.close(destroy=True)
     return 0
 
 

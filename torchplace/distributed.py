@@ -261,8 +261,10 @@ class DistributedPlaced:
         """This rank's parameters (the model's own objects): build this rank's optimizer on them."""
         return self.pipeline.parameters()
 
-    def close(self, destroy: bool = True) -> None:
-        """Stop the heartbeat thread and (with ``destroy``) destroy the process group."""
+    def close(self, destroy: bool = False) -> None:
+        """Stop the heartbeat thread; with ``destroy`` (at the end of the script), also destroy the
+        process group after a barrier. Keep the group to place another model in the same launch:
+        initialising it again under torchrun is not supported."""
         import torch.distributed as dist
 
         self.faults.close()
