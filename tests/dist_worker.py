@@ -77,8 +77,10 @@ def reference_training(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: in
 
 
 def run(scenario: str, plan: str | None, result: dict) -> None:
+    """``infer``, ``train`` (``train@SCHEDULE`` for another engine schedule), ``raise`` or ``kill``."""
     import torchplace.distributed as tpd
 
+    scenario, _, schedule = scenario.partition("@")
     model, x, y = build()
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
@@ -95,7 +97,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     elif scenario == "train":
         expected = reference_training(model, x, y, m, steps=5)
         model.train()
-        placed = tpd.place(model, (x,), mode="training", **opts)
+        placed = tpd.place(model, (x,), mode="training", schedule=schedule or None, **opts)
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
         params = placed.parameters()
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if params else None  # a rank may hold none

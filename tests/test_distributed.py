@@ -166,14 +166,15 @@ def two_ranks(tmp_path_factory):
     infer, train = tmp / "nc-infer.json", tmp / "nc-train.json"
     assert dist_worker.noncontiguous_plan(str(infer), "inference") == ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
     dist_worker.noncontiguous_plan(str(train), "training")
-    return launch("infer,train,infer,train", 2, tmp, ["-", "-", str(infer), str(train)])
+    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs", 2, tmp,
+                  ["-", "-", str(infer), str(train), str(train), str(train)])
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
     for status, results, err in ranks:
         assert status == 0, err
         assert "error" not in results[key], results[key]
-    if key.endswith("infer"):
+    if "infer" in key:
         outputs = [r[1][key] for r in ranks if "equal" in r[1][key]]  # on the rank of the last stage only
         assert len(outputs) == 1 and outputs[0]["equal"], outputs
         assert ranks[world - 1][1][key] is outputs[0]
@@ -196,6 +197,11 @@ def test_noncontiguous_plan_runs_two_looped_stages_per_rank(two_ranks):
     for key in ("2:infer", "3:train"):
         _check(two_ranks, key, 2)
         assert two_ranks[0][1][key]["layout"] == [[0, [0]], [1, [1]], [0, [2]], [1, [3]]]
+
+
+@pytest.mark.parametrize("key", ["4:train@zero-bubble", "5:train@looped-bfs"])
+def test_noncontiguous_plan_trains_with_the_other_looped_schedules(two_ranks, key):
+    _check(two_ranks, key, 2)
 
 
 def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str) -> None:

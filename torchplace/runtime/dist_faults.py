@@ -119,8 +119,10 @@ class Faults:
         if reported is None and _communication_error(error):
             reported = self._wait_for_fault() or self._publish(self._lost_peers(error))
         if reported is None:
+            cause = error.__cause__ or error.__context__
             reported = self._publish(f"rank {self.rank} failed in {self.activity.now}: "
-                                     f"{type(error).__name__}: {_first_line(error)}")
+                                     f"{type(error).__name__}: {_first_line(error)}"
+                                     + (f" (from {type(cause).__name__}: {_first_line(cause)})" if cause else ""))
         if not reported.startswith(f"rank {self.rank} "):
             reported = f"{reported}; rank {self.rank} stopped in {self.activity.now}"
         return DistributedError(reported)
@@ -205,5 +207,6 @@ class Faults:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines() or [""])[0][:300]
+    """The error's message on one line, at most 400 characters (the engine's run over several)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= 400 else text[:397] + "..."

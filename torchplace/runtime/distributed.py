@@ -180,19 +180,23 @@ class EngineStage(nn.Module):
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
             env.update(zip(piece.outputs, outputs))
-        return tuple(_sendable(n, env[n], slot) for n in slot.outputs)
+        received = {id(v) for v in flat}
+        return tuple(_sendable(n, env[n], slot, id(env[n]) in received) for n in slot.outputs)
 
 
-def _sendable(name: str, value: Any, slot: EngineSlot) -> torch.Tensor:
-    """``value`` as the engine can send it: a contiguous tensor (a view of an input is kept apart
-    from it by ``view_as``, so each stage's output has its own autograd node)."""
+def _sendable(name: str, value: Any, slot: EngineSlot, received: bool) -> torch.Tensor:
+    """``value`` as the engine can send it: a contiguous tensor that is not one of the stage's
+    inputs (a carried value is cloned: the engine detaches outputs in place and makes inputs leaves,
+    so an output must not be an input, nor a view, which the zero-bubble backward cannot detach)."""
     if not isinstance(value, torch.Tensor):
         raise UnsupportedError(
             f"value {name!r} leaves engine stage {slot.index} but is a {type(value).__name__}, not a tensor: "
             "torch.distributed.pipelining sends only tensors between stages; place so that this value does not "
             "cross a stage boundary (e.g. keep its producer and readers in one module with leaf_modules=...)"
         )
-    return value.contiguous() if not value.is_contiguous() else value.view_as(value)
+    if received or value._is_view():
+        return value.clone(memory_format=torch.contiguous_format)
+    return value.contiguous()
 
 
 def _stage_class() -> type:
