@@ -85,12 +85,19 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
                 progress=False, warmup=0, repeats=1, plan=plan, contiguous=plan is None)
-    if scenario in ("infer", "raise", "kill"):
+    if scenario in ("infer", "raise", "kill", "raise-and-stay"):
         expected = reference_output(model, x, m)
         placed = tpd.place(model, (x,), **opts)
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
-        Bomb.armed = "" if scenario == "infer" else scenario
-        got = placed.run(x)
+        Bomb.armed = "" if scenario == "infer" else scenario.split("-")[0]
+        try:
+            got = placed.run(x)
+        except Exception:
+            if scenario == "raise-and-stay" and placed.is_last:  # the failing rank lingers: the others must not
+                result["stayed"] = time.time()
+                (Path(sys.argv[2]) / f"rank{placed.rank}.json").write_text(json.dumps({"0:" + scenario: result}))
+                time.sleep(60)
+            raise
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
             result["max_diff"] = float((got - expected).abs().max())

@@ -39,7 +39,8 @@ def free_port() -> int:
 
 def launch(scenarios: str, world: int, tmp: Path, plans: list[str] = (), timeout_s: float = 30,
            env: dict[str, str] | None = None) -> list[tuple[int, dict, str]]:
-    """Start ``world`` ranks of dist_worker.py; return (exit status, results, stderr) per rank."""
+    """Start ``world`` ranks of dist_worker.py; return (exit status, results, stderr) per rank; the
+    time rank 0 ended is in ``results["ended"]``."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -52,8 +53,10 @@ def launch(scenarios: str, world: int, tmp: Path, plans: list[str] = (), timeout
     try:
         for rank, p in enumerate(procs):
             _, err = p.communicate(timeout=LAUNCH_S)
+            ended = time.time()
             path = tmp / f"rank{rank}.json"
             out.append((p.returncode, json.loads(path.read_text()) if path.exists() else {}, err))
+            out[-1][1]["ended"] = ended
     finally:
         for p in procs:
             if p.poll() is None:
@@ -124,48 +127,53 @@ def test_not_launched_by_torchrun_says_how_to_launch(monkeypatch):
         tpd.place(model, (x,))
 
 
-def test_world_size_other_than_the_plan_is_refused_before_communication(monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def nc_plans(tmp_path_factory) -> tuple[Path, Path]:
+    """Plan files of SkipNet in 4 pieces on cpu:0, cpu:1, cpu:0, cpu:1: inference and training."""
+    tmp = tmp_path_factory.mktemp("plans")
+    infer, train = tmp / "nc-infer.json", tmp / "nc-train.json"
+    assert dist_worker.noncontiguous_plan(str(infer), "inference") == ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
+    dist_worker.noncontiguous_plan(str(train), "training")
+    return infer, train
+
+
+def test_world_size_other_than_the_plan_is_refused_before_communication(monkeypatch, nc_plans):
     import torch.distributed as dist
 
     import torchplace.distributed as tpd
 
-    plan = tmp_path / "plan.json"
-    dist_worker.noncontiguous_plan(str(plan), "inference")
     _env(monkeypatch, 0, 3)
     model, x, _ = dist_worker.build()
     with pytest.raises(DistributedError, match=r"2 device\(s\) \(cpu:0, cpu:1\) but 3 process\(es\).*"
                                                "--nproc-per-node 2"):
-        tpd.place(model, (x,), plan=plan, contiguous=False)
+        tpd.place(model, (x,), plan=nc_plans[0])
     with pytest.raises(DistributedError, match="3 device.*2 process.*--nproc-per-node 3"):
         _env(monkeypatch, 0, 2)
         tpd.place(model, (x,), devices=["cpu:0", "cpu:1", "cpu:2"])
     assert not dist.is_initialized()
 
 
-def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, tmp_path):
+def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc_plans):
     import torch.distributed as dist
 
     import torchplace.distributed as tpd
 
-    plan = tmp_path / "plan.json"
-    dist_worker.noncontiguous_plan(str(plan), "inference")
+    plan = nc_plans[0]
     _env(monkeypatch, 1, 2)
     torch.manual_seed(0)
     other = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     with pytest.raises(InvalidPlanError, match="does not fit this model's graph"):
-        tpd.place(other, (torch.randn(8, 8),), plan=plan, contiguous=False, progress=False)
+        tpd.place(other, (torch.randn(8, 8),), plan=plan, progress=False)
     assert not dist.is_initialized()
 
 
 # -- processes ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
-    plan file with 2 pieces per rank (inference, training)."""
+    plan file with 2 pieces per rank (inference; training by three schedules)."""
     tmp = tmp_path_factory.mktemp("two")
-    infer, train = tmp / "nc-infer.json", tmp / "nc-train.json"
-    assert dist_worker.noncontiguous_plan(str(infer), "inference") == ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
-    dist_worker.noncontiguous_plan(str(train), "training")
+    infer, train = nc_plans
     return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs", 2, tmp,
                   ["-", "-", str(infer), str(train), str(train), str(train)])
 
@@ -205,7 +213,7 @@ def test_noncontiguous_plan_trains_with_the_other_looped_schedules(two_ranks, ke
 
 
 def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str) -> None:
-    key = next(iter(ranks[0][1]))
+    key = next(k for k in ranks[0][1] if k != "ended")
     for rank, (status, results, err) in enumerate(ranks):
         assert status != 0
         if status == -9:  # the killed rank reports nothing
@@ -236,7 +244,42 @@ def test_three_ranks_a_raise_in_the_last_stage_ends_the_ranks_before_it(tmp_path
 
 
 @pytest.mark.slow
+def test_ranks_blocked_on_a_failed_rank_that_lingers_exit_within_the_grace(tmp_path):
+    ranks = launch("raise-and-stay", 2, tmp_path, timeout_s=300)
+    status, results, err = ranks[0]
+    assert status == 1 and "torchplace: error: rank 1 failed in stage 1 (forward" in err, err
+    failed = ranks[1][1]["0:raise-and-stay"]["stayed"]  # rank 1 raised, then sleeps 60 s
+    assert results["ended"] - failed < GRACE_S + 10, results["ended"] - failed
+    assert ranks[1][0] != 0
+
+
+@pytest.mark.slow
 def test_a_killed_rank_ends_every_rank_naming_it(tmp_path):
     ranks = launch("kill", 2, tmp_path, timeout_s=120)
     assert ranks[1][0] == -9
     _check_fault(ranks, 1, "stopped (killed or crashed)")
+
+
+@pytest.mark.slow
+def test_the_readme_torchrun_recipe_runs_as_shown(tmp_path):
+    """README's "Many processes" commands: torchplace plan, then torchrun ... -m torchplace run."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--devices", "cpu:0", "cpu:1", "-o", "plan.json"],
+                   cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S, capture_output=True)
+    for extra in ([], ["--mode", "training"]):
+        if extra:
+            subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--mode", "training", "--devices",
+                            "cpu:0", "cpu:1", "-o", "plan.json"], cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S,
+                           capture_output=True)
+        done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "torchplace", "run",
+                               "plan.json", "--model", "mlp", *extra], cwd=tmp_path, env=env, timeout=LAUNCH_S,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        expected = "rank 1: step 4: loss" if extra else "rank 1: outputs equal to the unsplit model: True"
+        assert expected in done.stdout, done.stdout
+    wrong = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "3", "-m", "torchplace", "run",
+                            "plan.json", "--model", "mlp", "--mode", "training"], cwd=tmp_path, env=env,
+                           timeout=LAUNCH_S, capture_output=True, text=True)
+    assert wrong.returncode != 0
+    assert "torchplace: error: the plan runs on 2 device(s) (cpu:0, cpu:1) but 3 process(es)" in wrong.stderr

@@ -17,13 +17,15 @@ What happens:
    (gloo: "Connection closed by peer"): it reads the fault (waiting up to :data:`SETTLE_S`), or
    else finds the rank whose heartbeat stopped (a killed process), publishes that, and raises
    :class:`~torchplace.errors.DistributedError` naming it.
-3. A rank still inside ``step`` / ``run`` :data:`GRACE_S` seconds after a fault was published (it
-   waits on a live peer that waits too) prints the fault on stderr and exits with status 1, from
-   its heartbeat thread (a blocked backend call cannot be interrupted from Python).
+3. A rank still inside ``step`` / ``run`` :data:`GRACE_S` seconds after it saw a peer's fault (it
+   waits on a live peer: one that caught the error, or one that waits too) prints the fault on
+   stderr and exits with status 1, from its heartbeat thread (a blocked backend call cannot be
+   interrupted from Python).
 4. Anything else is bounded by the process group's timeout (``init_process_group(timeout=...)``).
 
-So after one rank fails every rank ends within about :data:`GRACE_S` + :data:`SETTLE_S` seconds,
-and at worst within the process group's timeout.
+So after one rank fails every rank ends within :data:`GRACE_S` + :data:`BEAT_S` seconds of the
+fault's publication (those that get the backend's error sooner, within :data:`SETTLE_S`), and at
+worst within the process group's timeout.
 """
 from __future__ import annotations
 
@@ -94,6 +96,7 @@ class Faults:
         self.exit_on_peer_fault = exit_on_peer_fault
         self._busy_since: float | None = None
         self._beats = 0
+        self._seen: float | None = None  # when this rank first saw a peer's fault while busy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"torchplace-heartbeat-{rank}", daemon=True)
         self._thread.start()
@@ -187,20 +190,20 @@ class Faults:
         while not self._stop.wait(BEAT_S):
             try:
                 self._heartbeat(self.activity.now)
-                busy = self._busy_since
-                if busy is not None and self.exit_on_peer_fault and time.monotonic() - busy > GRACE_S:
+                if self._busy_since is not None and self.exit_on_peer_fault:
                     self._exit_if_peer_failed()
             except Exception:  # noqa: BLE001 - the store's host is gone; the backend's timeout ends the run
                 continue
 
     def _exit_if_peer_failed(self) -> None:
+        """End the process when a peer's fault has been published for :data:`GRACE_S` seconds and this
+        rank is still inside a step (blocked in the backend, which Python cannot interrupt)."""
         found = self.fault()
         if found is None or found.startswith(f"rank {self.rank} "):
             return
-        if not hasattr(self, "_seen"):
-            self._seen = time.monotonic()  # give the main thread GRACE_S to end by itself
-            return
-        if time.monotonic() - self._seen > GRACE_S:
+        if self._seen is None:
+            self._seen = time.monotonic()
+        elif time.monotonic() - self._seen > GRACE_S and self._busy_since is not None:
             print(f"torchplace: error: {found}; rank {self.rank} stopped in {self.activity.now}", file=sys.stderr,
                   flush=True)
             os._exit(1)
