@@ -54,8 +54,10 @@ class SkipNet(nn.Module):
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """SkipNet with weights from ``seed``; the inputs are the same for every seed."""
     torch.manual_seed(seed)
     model = SkipNet()
+    torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     return model, x, y
 
@@ -77,7 +79,8 @@ def reference_training(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: in
 
 
 def run(scenario: str, plan: str | None, result: dict) -> None:
-    """``infer``, ``train`` (``train@SCHEDULE`` for another engine schedule), ``raise`` or ``kill``."""
+    """``infer``, ``train`` (``train@SCHEDULE`` for another engine schedule), ``checkpoint``, ``raise``,
+    ``kill`` or ``raise-and-stay``."""
     import torchplace.distributed as tpd
 
     scenario, _, schedule = scenario.partition("@")
@@ -96,7 +99,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             if scenario == "raise-and-stay" and placed.is_last:  # the failing rank lingers: the others must not
                 result["stayed"] = time.time()
                 (Path(sys.argv[2]) / f"rank{placed.rank}.json").write_text(json.dumps({"0:" + scenario: result}))
-                time.sleep(60)
+                time.sleep(30)
             raise
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
@@ -120,6 +123,14 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
                                  for n in mine)
         result["losses"] = [float(v) for v in losses]
+    elif scenario == "checkpoint":  # ``plan`` is a checkpoint of SkipNet seeded 1: each rank loads its slice
+        other, _, _ = build(seed=1)
+        expected = reference_output(other, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True}, state_dict=plan)
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     placed.close()

@@ -174,15 +174,16 @@ def two_ranks(tmp_path_factory, nc_plans):
     plan file with 2 pieces per rank (inference; training by three schedules)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
-    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs", 2, tmp,
-                  ["-", "-", str(infer), str(train), str(train), str(train)])
+    torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
+    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint", 2, tmp,
+                  ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt")])
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
     for status, results, err in ranks:
         assert status == 0, err
         assert "error" not in results[key], results[key]
-    if "infer" in key:
+    if "infer" in key or "checkpoint" in key:
         outputs = [r[1][key] for r in ranks if "equal" in r[1][key]]  # on the rank of the last stage only
         assert len(outputs) == 1 and outputs[0]["equal"], outputs
         assert ranks[world - 1][1][key] is outputs[0]
@@ -210,6 +211,10 @@ def test_noncontiguous_plan_runs_two_looped_stages_per_rank(two_ranks):
 @pytest.mark.parametrize("key", ["4:train@zero-bubble", "5:train@looped-bfs"])
 def test_noncontiguous_plan_trains_with_the_other_looped_schedules(two_ranks, key):
     _check(two_ranks, key, 2)
+
+
+def test_each_rank_loads_its_slice_of_a_checkpoint(two_ranks):
+    _check(two_ranks, "6:checkpoint", 2)  # outputs of the checkpoint's weights, not the model's own
 
 
 def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str) -> None:
@@ -248,7 +253,7 @@ def test_ranks_blocked_on_a_failed_rank_that_lingers_exit_within_the_grace(tmp_p
     ranks = launch("raise-and-stay", 2, tmp_path, timeout_s=300)
     status, results, err = ranks[0]
     assert status == 1 and "torchplace: error: rank 1 failed in stage 1 (forward" in err, err
-    failed = ranks[1][1]["0:raise-and-stay"]["stayed"]  # rank 1 raised, then sleeps 60 s
+    failed = ranks[1][1]["0:raise-and-stay"]["stayed"]  # rank 1 raised, then sleeps 30 s
     assert results["ended"] - failed < GRACE_S + 10, results["ended"] - failed
     assert ranks[1][0] != 0
 
