@@ -123,6 +123,16 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
                                  for n in mine)
         result["losses"] = [float(v) for v in losses]
+    elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
+        from torchplace.clusterfile import load_cluster
+
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True}, devices=load_cluster(plan))
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        result["devices"] = [s.device for s in placed.plan.stages]
     elif scenario == "checkpoint":  # ``plan`` is a checkpoint of SkipNet seeded 1: each rank loads its slice
         other, _, _ = build(seed=1)
         expected = reference_output(other, x, m)

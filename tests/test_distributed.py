@@ -175,15 +175,16 @@ def two_ranks(tmp_path_factory, nc_plans):
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
-    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint", 2, tmp,
-                  ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt")])
+    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster", 2, tmp,
+                  ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
+                   str(ROOT / "examples" / "clusters" / "two-hosts.json")])
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
     for status, results, err in ranks:
         assert status == 0, err
         assert "error" not in results[key], results[key]
-    if "infer" in key or "checkpoint" in key:
+    if any(k in key for k in ("infer", "checkpoint", "cluster")):
         outputs = [r[1][key] for r in ranks if "equal" in r[1][key]]  # on the rank of the last stage only
         assert len(outputs) == 1 and outputs[0]["equal"], outputs
         assert ranks[world - 1][1][key] is outputs[0]
@@ -215,6 +216,11 @@ def test_noncontiguous_plan_trains_with_the_other_looped_schedules(two_ranks, ke
 
 def test_each_rank_loads_its_slice_of_a_checkpoint(two_ranks):
     _check(two_ranks, "6:checkpoint", 2)  # outputs of the checkpoint's weights, not the model's own
+
+
+def test_a_cluster_file_names_the_ranks_devices(two_ranks):
+    _check(two_ranks, "7:cluster", 2)
+    assert set(two_ranks[0][1]["7:cluster"]["devices"]) <= {"host0", "host1"}
 
 
 def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str) -> None:

@@ -26,7 +26,8 @@ Failures: an exception on a rank is written to the rendezvous store under ``torc
 :class:`~torchplace.errors.DistributedError`; a watchdog thread on every rank ends the process
 with that message when another rank reported a fault while this one still waits, and a rank whose
 peer died (a killed process) gets gloo's or NCCL's connection error, translated into the same error
-naming the rank that stopped (found by its heartbeat in the store). See :class:`Watchdog`.
+naming the rank that stopped (found by its heartbeat in the store). See
+:mod:`torchplace.runtime.dist_faults`.
 """
 from __future__ import annotations
 
@@ -47,17 +48,23 @@ __all__ = [
     "DistributedPipeline",
     "EngineSlot",
     "EngineStage",
-    "Watchdog",
     "engine_layout",
     "live_values",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble")
-"""Schedules a :class:`DistributedPipeline` runs: ``"gpipe"`` and ``"1f1b"`` are the engine's
-``ScheduleGPipe`` / ``Schedule1F1B`` with one engine stage per rank and ``ScheduleLoopedBFS`` /
-``ScheduleInterleaved1F1B`` (their looped forms, same in-flight activations per stage) with
-several; ``"looped-bfs"``, ``"interleaved-1f1b"`` and ``"zero-bubble"``
-(``ScheduleInterleavedZeroBubble``) name a looped schedule explicitly."""
+"""Schedules a :class:`DistributedPipeline` runs, by the engine's classes:
+
+* ``"gpipe"``: ``ScheduleGPipe`` (GPipe, Huang et al. 2019, arXiv:1811.06965) with one engine stage
+  per rank, ``ScheduleLoopedBFS`` (breadth-first, Lamy-Poirier 2022, arXiv:2211.05953) with several;
+* ``"1f1b"``: ``Schedule1F1B`` (PipeDream-flush, Narayanan et al. 2021, arXiv:2006.09503) with one,
+  ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021, arXiv:2104.04473) with several;
+* ``"looped-bfs"``, ``"interleaved-1f1b"``: those looped schedules by name;
+* ``"zero-bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB1P, Qi et al. 2023, arXiv:2401.10241),
+  which splits each backward into input and weight gradients.
+
+The cost model's in-flight activations are GPipe's and 1F1B's (exact with one stage per rank); the
+looped and zero-bubble forms keep a similar number per stage but are not modelled exactly."""
 
 
 @dataclass(frozen=True)
