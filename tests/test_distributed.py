@@ -292,6 +292,11 @@ def test_the_readme_torchrun_recipe_runs_as_shown(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         expected = "rank 1: step 4: loss" if extra else "rank 1: outputs equal to the unsplit model: True"
         assert expected in done.stdout, done.stdout
+    example = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                              str(ROOT / "examples" / "distributed_mlp.py")], cwd=tmp_path, env=env, timeout=LAUNCH_S,
+                             capture_output=True, text=True)
+    assert example.returncode == 0 and "outputs equal to the unsplit model: True" in example.stdout, example.stderr[-2000:]
+    assert "rank 1: step 4: mean loss" in example.stdout
     wrong = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "3", "-m", "torchplace", "run",
                             "plan.json", "--model", "mlp", "--mode", "training"], cwd=tmp_path, env=env,
                            timeout=LAUNCH_S, capture_output=True, text=True)
