@@ -53,10 +53,22 @@ class SkipNet(nn.Module):
         return self.bomb(self.out(h + skip))
 
 
-def build(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """SkipNet with weights from ``seed``; the inputs are the same for every seed."""
+class TiedNet(nn.Module):
+    """An MLP whose last layer reads the first layer's weight again (a tied weight, as GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.mid(torch.relu(self.inp(x)))) @ self.inp.weight[:, :4]
+
+
+def build(seed: int = 0, tied: bool = False) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """SkipNet (or TiedNet) with weights from ``seed``; the inputs are the same for every seed."""
     torch.manual_seed(seed)
-    model = SkipNet()
+    model = TiedNet() if tied else SkipNet()
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     return model, x, y
@@ -84,7 +96,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     import torchplace.distributed as tpd
 
     scenario, _, schedule = scenario.partition("@")
-    model, x, y = build()
+    model, x, y = build(tied=scenario == "train-tied")
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
                 progress=False, warmup=0, repeats=1, plan=plan, contiguous=plan is None)
@@ -104,7 +116,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
             result["max_diff"] = float((got - expected).abs().max())
-    elif scenario == "train":
+    elif scenario in ("train", "train-tied"):
         expected = reference_training(model, x, y, m, steps=5)
         model.train()
         placed = tpd.place(model, (x,), mode="training", schedule=schedule or None, **opts)
@@ -168,20 +180,21 @@ if __name__ == "__main__":
     main()
 
 
-def noncontiguous_plan(path: str, mode: str) -> list[str]:
-    """Save a plan of :class:`SkipNet` in four pieces on cpu:0, cpu:1, cpu:0, cpu:1 (a training plan
-    has the backward of each piece on its device, in reverse order); return the stage devices."""
+def noncontiguous_plan(path: str, mode: str, tied: bool = False,
+                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1")) -> list[str]:
+    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`) in pieces of equal length on
+    ``devices`` (a training plan has the backward of each piece on its device, in reverse order);
+    return the stage devices."""
     from torchplace import api
     from torchplace.plan import Plan, Stage
 
-    model, x, _ = build()
+    model, x, _ = build(tied=tied)
     model.train(mode == "training")
     placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=[Bomb],
                             microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
     graph = placement.problem.graph
     forward = [v for v in graph.topological_order() if not graph.record(v).backward]
-    pieces = [tuple(c) for c in _chunks(forward, 4)]
-    devices = ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
+    pieces = [tuple(c) for c in _chunks(forward, len(devices))]
     stages = [Stage(d, p) for d, p in zip(devices, pieces)]
     if mode == "training":
         back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}

@@ -176,9 +176,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
-    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,raise", 2, tmp,
-                  ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
-                   str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(infer)], timeout_s=120)
+    tied = tmp / "tied.json"
+    dist_worker.noncontiguous_plan(str(tied), "training", tied=True, devices=("cpu:0", "cpu:1"))
+    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,raise", 2,
+                  tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
+                        str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied), str(infer)], timeout_s=120)
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
@@ -218,6 +220,13 @@ def test_each_rank_loads_its_slice_of_a_checkpoint(two_ranks):
     _check(two_ranks, "6:checkpoint", 2)  # outputs of the checkpoint's weights, not the model's own
 
 
+def test_a_weight_read_on_two_ranks_gets_the_gradient_of_both_uses(two_ranks):
+    key = "8:train-tied"
+    for _, results, err in two_ranks:
+        assert "error" not in results[key] and results[key]["allclose"], (results[key], err[-2000:])
+        assert "inp.weight" in results[key]["params"]  # both ranks hold and step a copy
+
+
 def test_a_cluster_file_names_the_ranks_devices(two_ranks):
     _check(two_ranks, "7:cluster", 2)
     assert set(two_ranks[0][1]["7:cluster"]["devices"]) <= {"host0", "host1"}
@@ -240,7 +249,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["8:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["9:raise"]["error"]
 
 
 @pytest.mark.slow
