@@ -145,8 +145,11 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             result["equal"] = bool(torch.equal(got, expected))
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
         result["devices"] = [s.device for s in placed.plan.stages]
-    elif scenario == "checkpoint":  # ``plan`` is a checkpoint of SkipNet seeded 1: each rank loads its slice
+    elif scenario in ("checkpoint", "meta"):  # ``plan`` is a checkpoint of SkipNet seeded 1: ranks load their slices
         other, _, _ = build(seed=1)
+        if scenario == "meta":  # built without memory: each rank materialises its own stages from the checkpoint
+            with torch.device("meta"):
+                model = SkipNet()
         expected = reference_output(other, x, m)
         placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True}, state_dict=plan)
         got = placed.run(x)

@@ -178,15 +178,16 @@ def two_ranks(tmp_path_factory, nc_plans):
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
     tied = tmp / "tied.json"
     dist_worker.noncontiguous_plan(str(tied), "training", tied=True, devices=("cpu:0", "cpu:1"))
-    return launch("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,raise", 2,
-                  tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
-                        str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied), str(infer)], timeout_s=120)
+    scenarios = "infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,raise"
+    return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
+                                      str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
+                                      str(tmp / "seed1.pt"), str(infer)], timeout_s=120)
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
     for status, results, err in ranks:
         assert key in results and "error" not in results[key], (results.get(key), err[-3000:])
-    if any(k in key for k in ("infer", "checkpoint", "cluster")):
+    if any(k in key for k in ("infer", "checkpoint", "cluster", "meta")):
         outputs = [r[1][key] for r in ranks if "equal" in r[1][key]]  # on the rank of the last stage only
         assert len(outputs) == 1 and outputs[0]["equal"], outputs
         assert ranks[world - 1][1][key] is outputs[0]
@@ -227,6 +228,10 @@ def test_a_weight_read_on_two_ranks_gets_the_gradient_of_both_uses(two_ranks):
         assert "inp.weight" in results[key]["params"]  # both ranks hold and step a copy
 
 
+def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
+    _check(two_ranks, "9:meta", 2)
+
+
 def test_a_cluster_file_names_the_ranks_devices(two_ranks):
     _check(two_ranks, "7:cluster", 2)
     assert set(two_ranks[0][1]["7:cluster"]["devices"]) <= {"host0", "host1"}
@@ -249,7 +254,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["9:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["10:raise"]["error"]
 
 
 @pytest.mark.slow

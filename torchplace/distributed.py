@@ -93,7 +93,9 @@ def place(
         plan_timeout: seconds the other ranks wait for rank 0 to solve.
         backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU).
         state_dict: a checkpoint of the model (mapping, or a ``torch.save`` file read with
-            ``mmap=True``): each rank copies in only the tensors of its own stages.
+            ``mmap=True``): each rank copies in only the tensors of its own stages. Required for a
+            model built on the meta device (``with torch.device("meta"): model = Net()``), which
+            each rank then materialises only for its own stages (see :func:`_materialize_lazily`).
         **options: further options of :func:`torchplace.api.prepare` (``solver``, ``time_limit``,
             ``granularity``, ``leaf_modules``, ``contiguous``, ``optimizer``, ...).
 
@@ -114,6 +116,7 @@ def place(
     rank, world, local_rank = launch_env()
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
     rank_devices = _rank_devices(devices, given, world)
     device, backend = _torch_device(rank_devices, local_rank, backend)
@@ -143,6 +146,28 @@ def place(
         faults._publish(f"rank {rank} failed while placing: {type(error).__name__}: {error}")
         faults.close()
         raise
+
+
+def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
+    """Give a model built on the meta device CPU memory that is never written before this rank
+    loads its own slice of ``state_dict`` into it.
+
+    ``to_empty`` allocates without initialising: the large blocks are fresh anonymous mappings,
+    which take no physical memory until written (reading them, as tracing and timing do, maps the
+    kernel's shared zero page). After the split each rank copies in only its own stages' tensors
+    and drops the others to the meta device, so its resident memory is its own slice plus the
+    working memory of planning. Tracing and timing see zeros (small tensors may hold garbage):
+    fine for timing dense operators, wrong for a model whose control flow reads its weights.
+
+    Raises:
+        UsageError: a model on the meta device without ``state_dict``.
+    """
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    if state_dict is None:
+        raise UsageError("the model is on the meta device: pass state_dict= (a checkpoint, mapping or torch.save file), "
+                         "from which each rank loads its own stages' tensors")
+    model.to_empty(device="cpu")
 
 
 def _quick(options: Mapping[str, Any]) -> dict[str, Any]:
