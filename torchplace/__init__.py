@@ -7,6 +7,7 @@
 """
 from torchplace.devices import Cluster, Device, make_cluster, parse_memory
 from torchplace.errors import (
+    DistributedError,
     InfeasibleError,
     InvalidPlanError,
     ModelTooLargeError,
@@ -45,6 +46,7 @@ def __getattr__(name: str):
 __all__ = [
     "Cluster",
     "Device",
+    "DistributedError",
     "InfeasibleError",
     "InvalidPlanError",
     "ModelTooLargeError",

@@ -10,6 +10,9 @@
     torchplace plan --hf CONFIG.json --max-memory 0=10GiB cpu=30GiB [--batch B] [--sequence-length S]
                     [--dtype float16] [--cluster FILE] [--json]  accelerate device_map of a HF config
     torchplace show PLAN.json                                 print a saved plan
+    torchrun --nproc-per-node N -m torchplace run PLAN.json --model MODEL [--mode training]
+                                                              run a plan, one process per device
+                                                              (torch.distributed.pipelining)
     torchplace report PLAN.json -o plan.html [--workload W]   one self-contained HTML report
     torchplace demo                                           the end-to-end demo
 
@@ -248,13 +251,74 @@ def _plan(args: argparse.Namespace) -> int:
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
         objective=args.objective or "throughput", contiguous=not args.noncontiguous, solver=args.method,
-        time_limit=args.time_limit, allow_single_device=not args.keep_split,
+        time_limit=args.time_limit, allow_single_device=not args.keep_split, mode=args.mode,
+        **({"recompute": False} if args.mode == "training" else {}),
     )
     print(placed.plan)
     print("device_map:", json.dumps(placed.device_map(), indent=1))
     if args.output:
         placed.plan.save(args.output)
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """One process of ``torchrun ... -m torchplace run PLAN.json --model M``: run the plan's stages of
+    this rank with torch.distributed.pipelining; the last rank prints the outputs' check and the
+    throughput (inference) or the losses (training)."""
+    import time
+
+    import torch
+
+    import torchplace.distributed as tpd
+    from torchplace.models import build, leaf_modules_for
+
+    torch.manual_seed(0)  # the same dropout masks everywhere, and the same model on every rank
+    model, inputs = build(args.model, batch=args.batch)
+    m = args.microbatches
+    options = dict(plan=args.plan, mode=args.mode, microbatches=m, granularity=args.granularity,
+                   leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
+                   schedule=args.schedule, timeout=args.timeout, progress=False)
+    if args.mode == "inference":
+        with torch.no_grad():  # the unsplit model on the same micro-batches, before the rank frees others' weights
+            expected = [model(*(t.tensor_split(m)[i] for t in inputs)) for i in range(m)]
+        placed = tpd.place(model, inputs, **options)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            out = placed.run(*inputs)
+        seconds = time.perf_counter() - start
+        if placed.is_last:
+            same = all(torch.equal(a, b) for a, b in zip(out.tensor_split(m), expected))
+            print(f"rank {placed.rank}: outputs equal to the unsplit model: {same}; "
+                  f"{args.steps * len(inputs[0]) / seconds:.1f} samples/s over {args.steps} batches")
+    else:
+        with torch.no_grad():
+            target = torch.zeros_like(_first_tensor(model(*inputs)))  # a smoke-test loss: outputs towards zero
+        model.train()
+        placed = tpd.place(model, inputs, **options)
+        params = placed.parameters()
+        opt = torch.optim.SGD(params, lr=args.lr) if params else None
+        for step in range(args.steps):
+            losses = placed.step(*inputs, target=target, loss_fn=_mean_square)
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            if placed.is_last:
+                print(f"rank {placed.rank}: step {step}: loss {sum(float(v) for v in losses) / len(losses):.6f}")
+    placed.close(destroy=True)
+    return 0
+
+
+def _first_tensor(output: Any) -> Any:
+    from torch.utils._pytree import tree_leaves
+
+    import torch
+
+    return next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+def _mean_square(output: Any, target: Any) -> Any:
+    """``mean((output - target) ** 2)`` on the output's first tensor (logits of a ModelOutput)."""
+    return ((_first_tensor(output) - target) ** 2).mean()
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -339,11 +403,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-split", action="store_true",
                    help="keep the split even where the whole model on one device is predicted faster")
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
+    p.add_argument("--mode", choices=["inference", "training"], default="inference",
+                   help="training: a plan for training steps (no recomputation, so `torchplace run` can run it)")
     _add_solver_options(p, list(METHODS))
     p.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
     p.set_defaults(func=_plan)
     m = sub.add_parser("methods", help="list the solvers and what each optimises")
     m.set_defaults(func=_methods)
+    u = sub.add_parser("run", help="run a plan with torch.distributed.pipelining, one process per device (start it "
+                       "with torchrun --nproc-per-node N -m torchplace run ...)")
+    u.add_argument("plan", type=_input_file)
+    u.add_argument("--model", choices=list(NAMES), required=True, help="the built-in model the plan was made for")
+    u.add_argument("--mode", choices=["inference", "training"], default="inference")
+    u.add_argument("--batch", type=_count, default=8)
+    u.add_argument("--microbatches", type=_count, default=4)
+    u.add_argument("--granularity", choices=["operator", "module"], default="module",
+                   help="as when the plan was made (torchplace plan's default: module)")
+    u.add_argument("--schedule", choices=["gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble"],
+                   default=None, help="the engine's schedule (default: the plan's)")
+    u.add_argument("--steps", type=_count, default=5, help="batches (inference) or optimizer steps (training)")
+    u.add_argument("--lr", type=_amount, default=0.01, help="training: SGD learning rate")
+    u.add_argument("--timeout", type=_seconds, default=60.0, help="seconds any rank waits for a peer")
+    u.set_defaults(func=_run)
     w = sub.add_parser("show", help="print a saved plan")
     w.add_argument("plan", type=_input_file)
     w.set_defaults(func=_show)

@@ -5,6 +5,7 @@ All derive from :class:`TorchplaceError`, so ``except torchplace.TorchplaceError
 from __future__ import annotations
 
 __all__ = [
+    "DistributedError",
     "InfeasibleError",
     "InvalidPlanError",
     "MissingDependencyError",
@@ -112,3 +113,8 @@ class PlacementWarning(UserWarning):
     """``place()`` ran something other than the split it solved for, and says why: the whole model
     on one device is predicted faster than the plan (:mod:`torchplace.callplan`); pass
     ``allow_single_device=False`` to keep the split."""
+
+
+class DistributedError(TorchplaceError, RuntimeError):
+    """A multi-process run (:mod:`torchplace.distributed`) failed or was launched wrongly: the message
+    names the rank (and the stage and pass) that failed, or the launch setting to change."""

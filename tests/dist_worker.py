@@ -1,0 +1,212 @@
+"""One rank of the multi-process tests (tests/test_distributed.py starts one process per rank,
+as torchrun does: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
+
+    python tests/dist_worker.py SCENARIO[,SCENARIO...] OUT_DIR [PLAN.json|- ...]   (a plan per scenario)
+
+Each rank computes the single-process reference itself (every rank holds the same seeded model
+before placing) and writes what it found to ``OUT_DIR/rank{R}.json``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+
+
+class Bomb(nn.Module):
+    """Identity, until armed: then it raises (``"raise"``) or kills its process (``"kill"``)."""
+
+    armed = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if Bomb.armed == "raise":
+            raise ValueError("bomb went off")
+        if Bomb.armed == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+class SkipNet(nn.Module):
+    """An MLP whose input skips the middle layers (a value that crosses several stages)."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+        self.bomb = Bomb()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        skip = h
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.bomb(self.out(h + skip))
+
+
+class TiedNet(nn.Module):
+    """An MLP whose last layer reads the first layer's weight again (a tied weight, as GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.mid(torch.relu(self.inp(x)))) @ self.inp.weight[:, :4]
+
+
+def build(seed: int = 0, tied: bool = False) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """SkipNet (or TiedNet) with weights from ``seed``; the inputs are the same for every seed."""
+    torch.manual_seed(seed)
+    model = TiedNet() if tied else SkipNet()
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    return model, x, y
+
+
+def reference_output(model: nn.Module, x: torch.Tensor, m: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(c) for c in x.tensor_split(m)])
+
+
+def reference_training(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, steps: int) -> dict:
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(c), t) for c, t in zip(x.tensor_split(m), y.tensor_split(m))) / m
+        loss.backward()
+        opt.step()
+    return dict(model.named_parameters())
+
+
+def run(scenario: str, plan: str | None, result: dict) -> None:
+    """``infer``, ``train`` (``train@SCHEDULE`` for another engine schedule), ``checkpoint``, ``raise``,
+    ``kill`` or ``raise-and-stay``."""
+    import torchplace.distributed as tpd
+
+    scenario, _, schedule = scenario.partition("@")
+    model, x, y = build(tied=scenario == "train-tied")
+    m = 4
+    opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
+                progress=False, warmup=0, repeats=1, plan=plan, contiguous=plan is None)
+    if scenario in ("infer", "raise", "kill", "raise-and-stay"):
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **opts)
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        Bomb.armed = "" if scenario == "infer" else scenario.split("-")[0]
+        try:
+            got = placed.run(x)
+        except Exception:
+            if scenario == "raise-and-stay" and placed.is_last:  # the failing rank lingers: the others must not
+                result["stayed"] = time.time()
+                (Path(sys.argv[2]) / f"rank{placed.rank}.json").write_text(json.dumps({"0:" + scenario: result}))
+                time.sleep(30)
+            raise
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+            result["max_diff"] = float((got - expected).abs().max())
+    elif scenario in ("train", "train-tied"):
+        expected = reference_training(model, x, y, m, steps=5)
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", schedule=schedule or None, **opts)
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        params = placed.parameters()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if params else None  # a rank may hold none
+        for _ in range(5):
+            if opt is not None:
+                opt.zero_grad()
+            losses = placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+            if opt is not None:
+                opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = [names[id(p)] for p in placed.parameters()]
+        result["params"] = sorted(mine)
+        result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
+                                 for n in mine)
+        result["losses"] = [float(v) for v in losses]
+    elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
+        from torchplace.clusterfile import load_cluster
+
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True}, devices=load_cluster(plan))
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        result["devices"] = [s.device for s in placed.plan.stages]
+    elif scenario in ("checkpoint", "meta"):  # ``plan`` is a checkpoint of SkipNet seeded 1: ranks load their slices
+        other, _, _ = build(seed=1)
+        if scenario == "meta":  # built without memory: each rank materialises its own stages from the checkpoint
+            with torch.device("meta"):
+                model = SkipNet()
+        expected = reference_output(other, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True}, state_dict=plan)
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    placed.close()
+
+
+def main() -> None:
+    scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
+    plans = [None if p == "-" else p for p in sys.argv[3:]]
+    rank = int(os.environ["RANK"])
+    results: dict = {}
+    for i, scenario in enumerate(scenarios):
+        result = results[f"{i}:{scenario}"] = {}
+        try:
+            run(scenario, plans[i] if i < len(plans) else None, result)
+        except Exception as error:  # noqa: BLE001 - reported to the test through the file and the exit status
+            result["error"] = f"{type(error).__name__}: {error}"
+            result["at"] = time.time()
+            (out / f"rank{rank}.json").write_text(json.dumps(results))
+            print(f"rank {rank}: {result['error']}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def noncontiguous_plan(path: str, mode: str, tied: bool = False,
+                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1")) -> list[str]:
+    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`) in pieces of equal length on
+    ``devices`` (a training plan has the backward of each piece on its device, in reverse order);
+    return the stage devices."""
+    from torchplace import api
+    from torchplace.plan import Plan, Stage
+
+    model, x, _ = build(tied=tied)
+    model.train(mode == "training")
+    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=[Bomb],
+                            microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
+    graph = placement.problem.graph
+    forward = [v for v in graph.topological_order() if not graph.record(v).backward]
+    pieces = [tuple(c) for c in _chunks(forward, len(devices))]
+    stages = [Stage(d, p) for d, p in zip(devices, pieces)]
+    if mode == "training":
+        back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
+        stages += [Stage(d, tuple(b for v in p for b in back[v])) for d, p in reversed(list(zip(devices, pieces)))]
+    plan = Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
+    plan.save(path)
+    return [s.device for s in plan.stages]
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    size = -(-len(items) // n)
+    return [items[i:i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,318 @@
+"""torchplace plans run by torch.distributed.pipelining: one process per device, gloo over 127.0.0.1.
+
+The multi-process tests start one process per rank as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT on a free port) running tests/dist_worker.py; every wait is bounded
+(the process group's timeout, subprocess timeouts). Each rank checks its own part against the
+single-process model (inference outputs bitwise; parameters after 5 SGD steps allclose).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError
+from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
+from torchplace.runtime.distributed import EngineSlot, EngineStage, engine_layout, live_values
+from torchplace.runtime.split import split_stages
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+sys.path.insert(0, str(ROOT / "tests"))
+import dist_worker  # noqa: E402
+
+LAUNCH_S = 240  # the longest a whole launch may take on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenarios: str, world: int, tmp: Path, plans: list[str] = (), timeout_s: float = 30,
+           env: dict[str, str] | None = None) -> list[tuple[int, dict, str]]:
+    """Start ``world`` ranks of dist_worker.py; return (exit status, results, stderr) per rank; the
+    time rank 0 ended is in ``results["ended"]``."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        child = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                     PYTHONPATH=str(ROOT), TP_TIMEOUT=str(timeout_s), **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenarios, str(tmp), *plans], env=child,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for rank, p in enumerate(procs):
+            _, err = p.communicate(timeout=LAUNCH_S)
+            ended = time.time()
+            path = tmp / f"rank{rank}.json"
+            out.append((p.returncode, json.loads(path.read_text()) if path.exists() else {}, err))
+            out[-1][1]["ended"] = ended
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return out
+
+
+# -- the layout, without processes ---------------------------------------------------------------------
+@pytest.mark.parametrize("ranks, world, expected", [
+    ([0, 1], 2, [(0, (0,)), (1, (1,))]),
+    ([0, 1, 0, 1], 2, [(0, (0,)), (1, (1,)), (0, (2,)), (1, (3,))]),
+    ([0, 1, 1, 0], 2, [(0, (0,)), (1, (1, 2)), (0, (3,)), (1, ())]),
+    ([1, 0], 2, [(0, ()), (1, (0,)), (0, (1,)), (1, ())]),
+    ([0, 0], 2, [(0, (0, 1)), (1, ())]),
+    ([0, 2, 1], 3, [(0, (0,)), (1, ()), (2, (1,)), (0, ()), (1, (2,)), (2, ())]),
+])
+def test_engine_layout_loops_over_ranks_with_pass_through_stages(ranks, world, expected):
+    layout = engine_layout(ranks, world)
+    assert layout == expected
+    assert all(r == k % world for k, (r, _) in enumerate(layout))
+    assert [p for _, pieces in layout for p in pieces] == list(range(len(ranks)))
+
+
+def test_values_that_skip_stages_cross_every_boundary_between():
+    model, x, _ = dist_worker.build()
+    gm = torch.fx.symbolic_trace(model)
+    nodes = [n.name for n in gm.graph.nodes if n.op == "call_module" or n.op == "call_function"]
+    stage_of = {n: (0 if i < 2 else 1 if i < len(nodes) - 3 else 2) for i, n in enumerate(nodes)}
+    stages = split_stages(gm, stage_of, 3)
+    from torchplace.runtime import GraphIO
+
+    io = GraphIO(gm)
+    slots = live_values(engine_layout([0, 1, 0], 2), stages, io.placeholder_names, io.output_names,
+                        [n.name for n in gm.graph.nodes])
+    assert slots[0].inputs == ("x",)
+    assert "relu" in slots[1].inputs and "relu" in slots[1].outputs  # the skip value rides through stage 1
+    assert slots[-1].pieces == () and slots[-1].inputs == slots[-1].outputs == io.output_names
+    flat: tuple = (x,)
+    for slot in slots:
+        flat = EngineStage(slot, [stages[p] for p in slot.pieces])(*flat)
+    with torch.no_grad():
+        assert torch.equal(flat[0], model(x))
+
+
+def test_a_non_tensor_value_crossing_a_boundary_is_refused_by_name():
+    slot = EngineSlot(0, 0, (), ("n",), ("n",))
+    with pytest.raises(UnsupportedError, match="value 'n' leaves engine stage 0 but is a int"):
+        EngineStage(slot, [])(3)
+
+
+# -- launch errors, before any communication --------------------------------------------------------
+def _env(monkeypatch, rank: int, world: int) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # any attempt to communicate would fail differently
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+
+
+def test_not_launched_by_torchrun_says_how_to_launch(monkeypatch):
+    import torchplace.distributed as tpd
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, x, _ = dist_worker.build()
+    with pytest.raises(DistributedError, match="torchrun --nproc-per-node"):
+        tpd.place(model, (x,))
+
+
+@pytest.fixture(scope="module")
+def nc_plans(tmp_path_factory) -> tuple[Path, Path]:
+    """Plan files of SkipNet in 4 pieces on cpu:0, cpu:1, cpu:0, cpu:1: inference and training."""
+    tmp = tmp_path_factory.mktemp("plans")
+    infer, train = tmp / "nc-infer.json", tmp / "nc-train.json"
+    assert dist_worker.noncontiguous_plan(str(infer), "inference") == ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
+    dist_worker.noncontiguous_plan(str(train), "training")
+    return infer, train
+
+
+def test_world_size_other_than_the_plan_is_refused_before_communication(monkeypatch, nc_plans):
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    _env(monkeypatch, 0, 3)
+    model, x, _ = dist_worker.build()
+    with pytest.raises(DistributedError, match=r"2 device\(s\) \(cpu:0, cpu:1\) but 3 process\(es\).*"
+                                               "--nproc-per-node 2"):
+        tpd.place(model, (x,), plan=nc_plans[0])
+    with pytest.raises(DistributedError, match="3 device.*2 process.*--nproc-per-node 3"):
+        _env(monkeypatch, 0, 2)
+        tpd.place(model, (x,), devices=["cpu:0", "cpu:1", "cpu:2"])
+    assert not dist.is_initialized()
+
+
+def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc_plans):
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    plan = nc_plans[0]
+    _env(monkeypatch, 1, 2)
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(InvalidPlanError, match="does not fit this model's graph"):
+        tpd.place(other, (torch.randn(8, 8),), plan=plan, progress=False)
+    assert not dist.is_initialized()
+
+
+# -- processes ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, nc_plans):
+    """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
+    plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
+    cluster file, and last a stage that raises (every rank then ends with an error)."""
+    tmp = tmp_path_factory.mktemp("two")
+    infer, train = nc_plans
+    torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
+    tied = tmp / "tied.json"
+    dist_worker.noncontiguous_plan(str(tied), "training", tied=True, devices=("cpu:0", "cpu:1"))
+    scenarios = "infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,raise"
+    return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
+                                      str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
+                                      str(tmp / "seed1.pt"), str(infer)], timeout_s=120)
+
+
+def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
+    for status, results, err in ranks:
+        assert key in results and "error" not in results[key], (results.get(key), err[-3000:])
+    if any(k in key for k in ("infer", "checkpoint", "cluster", "meta")):
+        outputs = [r[1][key] for r in ranks if "equal" in r[1][key]]  # on the rank of the last stage only
+        assert len(outputs) == 1 and outputs[0]["equal"], outputs
+        assert ranks[world - 1][1][key] is outputs[0]
+    else:
+        assert all(r[1][key]["allclose"] for r in ranks)
+        held = sorted(n for r in ranks for n in r[1][key]["params"])
+        model, _, _ = dist_worker.build()
+        assert held == sorted(n for n, _ in model.named_parameters())  # each parameter on exactly one rank
+
+
+def test_two_ranks_inference_is_bitwise_the_model(two_ranks):
+    _check(two_ranks, "0:infer", 2)
+
+
+def test_two_ranks_training_matches_single_process_after_5_steps(two_ranks):
+    _check(two_ranks, "1:train", 2)
+
+
+def test_noncontiguous_plan_runs_two_looped_stages_per_rank(two_ranks):
+    for key in ("2:infer", "3:train"):
+        _check(two_ranks, key, 2)
+        assert two_ranks[0][1][key]["layout"] == [[0, [0]], [1, [1]], [0, [2]], [1, [3]]]
+
+
+@pytest.mark.parametrize("key", ["4:train@zero-bubble", "5:train@looped-bfs"])
+def test_noncontiguous_plan_trains_with_the_other_looped_schedules(two_ranks, key):
+    _check(two_ranks, key, 2)
+
+
+def test_each_rank_loads_its_slice_of_a_checkpoint(two_ranks):
+    _check(two_ranks, "6:checkpoint", 2)  # outputs of the checkpoint's weights, not the model's own
+
+
+def test_a_weight_read_on_two_ranks_gets_the_gradient_of_both_uses(two_ranks):
+    key = "8:train-tied"
+    for _, results, err in two_ranks:
+        assert "error" not in results[key] and results[key]["allclose"], (results[key], err[-2000:])
+        assert "inp.weight" in results[key]["params"]  # both ranks hold and step a copy
+
+
+def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
+    _check(two_ranks, "9:meta", 2)
+
+
+def test_a_cluster_file_names_the_ranks_devices(two_ranks):
+    _check(two_ranks, "7:cluster", 2)
+    assert set(two_ranks[0][1]["7:cluster"]["devices"]) <= {"host0", "host1"}
+
+
+def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, stage: int | None = None) -> None:
+    """Every rank ended with an error naming rank ``failing`` and its engine ``stage`` (default:
+    ``failing``, one stage per rank), all within a few seconds of each other."""
+    key = [k for k in ranks[0][1] if k != "ended"][-1]  # the last scenario of the launch
+    for rank, (status, results, err) in enumerate(ranks):
+        assert status != 0
+        if status == -9:  # the killed rank reports nothing
+            continue
+        message = results[key]["error"]
+        assert message.startswith("DistributedError: "), message
+        assert f"rank {failing} {what} in stage {failing if stage is None else stage}" in message, message
+    ends = [r[1][key]["at"] for r in ranks if "at" in r[1].get(key, {})]
+    assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 120 s group timeout
+
+
+def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
+    _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
+    assert "ValueError: bomb went off" in two_ranks[0][1]["10:raise"]["error"]
+
+
+@pytest.mark.slow
+def test_three_ranks_inference_and_training(tmp_path):
+    ranks = launch("infer,train", 3, tmp_path)
+    _check(ranks, "0:infer", 3)
+    _check(ranks, "1:train", 3)
+
+
+@pytest.mark.slow
+def test_three_ranks_a_raise_in_the_last_stage_ends_the_ranks_before_it(tmp_path):
+    _check_fault(launch("raise", 3, tmp_path, timeout_s=120), 2, "failed")
+
+
+@pytest.mark.slow
+def test_ranks_blocked_on_a_failed_rank_that_lingers_exit_within_the_grace(tmp_path):
+    ranks = launch("raise-and-stay", 2, tmp_path, timeout_s=300)
+    status, results, err = ranks[0]
+    assert status == 1 and "torchplace: error: rank 1 failed in stage 1 (forward" in err, err
+    failed = ranks[1][1]["0:raise-and-stay"]["stayed"]  # rank 1 raised, then sleeps 30 s
+    assert results["ended"] - failed < GRACE_S + 10, results["ended"] - failed
+    assert ranks[1][0] != 0
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_rank_naming_it(tmp_path):
+    plan = tmp_path / "plan.json"
+    dist_worker.noncontiguous_plan(str(plan), "inference")
+    ranks = launch("kill", 2, tmp_path, [str(plan)], timeout_s=120)
+    assert ranks[1][0] == -9
+    _check_fault(ranks, 1, "stopped (killed or crashed)", stage=3)
+
+
+@pytest.mark.slow
+def test_the_readme_torchrun_recipe_runs_as_shown(tmp_path):
+    """README's "Many processes" commands: torchplace plan, then torchrun ... -m torchplace run."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--devices", "cpu:0", "cpu:1", "-o", "plan.json"],
+                   cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S, capture_output=True)
+    for extra in ([], ["--mode", "training"]):
+        if extra:
+            subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--mode", "training", "--devices",
+                            "cpu:0", "cpu:1", "-o", "plan.json"], cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S,
+                           capture_output=True)
+        done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "torchplace", "run",
+                               "plan.json", "--model", "mlp", *extra], cwd=tmp_path, env=env, timeout=LAUNCH_S,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        expected = "rank 1: step 4: loss" if extra else "rank 1: outputs equal to the unsplit model: True"
+        assert expected in done.stdout, done.stdout
+    example = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                              str(ROOT / "examples" / "distributed_mlp.py")], cwd=tmp_path, env=env, timeout=LAUNCH_S,
+                             capture_output=True, text=True)
+    assert example.returncode == 0 and "outputs equal to the unsplit model: True" in example.stdout, example.stderr[-2000:]
+    assert "rank 1: step 4: mean loss" in example.stdout
+    wrong = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "3", "-m", "torchplace", "run",
+                            "plan.json", "--model", "mlp", "--mode", "training"], cwd=tmp_path, env=env,
+                           timeout=LAUNCH_S, capture_output=True, text=True)
+    assert wrong.returncode != 0
+    assert "torchplace: error: the plan runs on 2 device(s) (cpu:0, cpu:1) but 3 process(es)" in wrong.stderr

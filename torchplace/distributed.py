@@ -1,0 +1,315 @@
+"""Run a torchplace plan with ``torch.distributed.pipelining``: one process per device, launched by torchrun.
+
+    # train.py, launched as: torchrun --nproc-per-node 2 train.py
+    placed = torchplace.distributed.place(model, (x,), microbatches=4)     # plan solved on rank 0
+    y = placed.run(x)                        # the model's output on the last rank (None elsewhere)
+    opt = torch.optim.AdamW(placed.parameters())                          # this rank's parameters
+    losses = placed.step(x, target=t, loss_fn=f); opt.step(); opt.zero_grad()
+
+Rank ``r`` runs the stages of the plan's ``r``-th device (``devices[r]``, or the plan's devices in
+order of first appearance): on ``cuda:LOCAL_RANK`` with NCCL where CUDA is present and the devices
+are GPUs, else on the CPU with gloo. The plan is solved once, on rank 0, and handed to the other
+ranks through the rendezvous store, or loaded from a plan file on every rank (``plan=``). Each
+rank keeps only its own stages' tensors (the rest go to the meta device) and may load its slice of
+a checkpoint (``state_dict=``). The bridge itself is :mod:`torchplace.runtime.distributed`; faults
+are :mod:`torchplace.runtime.dist_faults`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchplace.devices import Cluster, Device
+from torchplace.errors import DistributedError, UnsupportedError, UsageError
+from torchplace.plan import Plan
+
+__all__ = ["DistributedPlaced", "launch_env", "place"]
+
+_PLAN_KEY = "torchplace/plan"
+_CALLS = 0  # place() calls in this process
+
+
+def launch_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` of this process, from torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``) or an initialised default process group.
+
+    Raises:
+        DistributedError: when neither says (the script was not started by torchrun).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError):
+        raise DistributedError("RANK and WORLD_SIZE are not set: start the script with torchrun, e.g. "
+                               "'torchrun --nproc-per-node 2 script.py', or initialise torch.distributed first") from None
+
+
+def place(
+    model: nn.Module,
+    example_inputs: Any = (),
+    *,
+    devices: Sequence[str | Device] | Cluster | None = None,
+    plan: Plan | str | Path | None = None,
+    mode: str = "inference",
+    microbatches: int = 4,
+    schedule: str | None = None,
+    timeout: float = 60.0,
+    plan_timeout: float = 1800.0,
+    backend: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | str | Path | None = None,
+    **options: Any,
+) -> DistributedPlaced:
+    """Place ``model`` over the processes of a torchrun launch and build this rank's pipeline stages.
+
+    Every rank calls it with the same model (same weights: seed it, or pass ``state_dict``) and
+    example inputs. Launch checks come before any communication: the number of processes must be
+    the number of devices (of ``devices``, or of the plan file), and a plan file must place this
+    model's graph.
+
+    Args:
+        model: the model (every rank traces it; each then keeps only its stages' tensors).
+        example_inputs: positional inputs of a representative call; batch on dim 0.
+        devices: one device per rank, in rank order (default: ``cuda:0`` ... where CUDA is present,
+            else ``cpu:0`` ... ``cpu:{N-1}``), or a :class:`Cluster` (e.g. from a cluster file, whose
+            links price the transfers between hosts).
+        plan: a :class:`Plan` or plan file to run instead of solving (checked on every rank).
+        mode: ``"inference"`` or ``"training"`` (solved for the training pipeline, as
+            :func:`torchplace.place` does).
+        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
+            training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
+            the cost model counted, looped where a rank holds several stages.
+        timeout: seconds of the process group's timeout: the longest any rank waits for a peer.
+        plan_timeout: seconds the other ranks wait for rank 0 to solve.
+        backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU).
+        state_dict: a checkpoint of the model (mapping, or a ``torch.save`` file read with
+            ``mmap=True``): each rank copies in only the tensors of its own stages. Required for a
+            model built on the meta device (``with torch.device("meta"): model = Net()``), which
+            each rank then materialises only for its own stages (see :func:`_materialize_lazily`).
+        **options: further options of :func:`torchplace.api.prepare` (``solver``, ``time_limit``,
+            ``granularity``, ``leaf_modules``, ``contiguous``, ``optimizer``, ...).
+
+    Returns:
+        This rank's :class:`DistributedPlaced`.
+
+    Raises:
+        DistributedError: not launched by torchrun, or the number of processes differs from the
+            number of devices; a failure on any rank while planning.
+        InvalidPlanError: ``plan`` does not place this model.
+        UsageError, UnsupportedError: as :func:`torchplace.place`, and for plans the engine cannot
+            run (recomputation, a model that writes its inputs in place).
+    """
+    import torch.distributed as dist
+
+    from torchplace import api
+
+    rank, world, local_rank = launch_env()
+    if mode not in ("inference", "training"):
+        raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    _materialize_lazily(model, state_dict)
+    given = api._load_plan(plan) if plan is not None else None
+    rank_devices = _rank_devices(devices, given, world)
+    device, backend = _torch_device(rank_devices, local_rank, backend)
+    common = dict(options, mode=mode, microbatches=microbatches)
+    common.setdefault("allow_single_device", False)  # one process per device was launched: keep the split
+    if given is not None:  # a given plan is checked as it is: contiguity constrains solvers, not the runtime
+        common.setdefault("contiguous", False)
+    if mode == "training":
+        common.setdefault("recompute", False)  # the bridge does not recompute; the cost model must not count on it
+    placement = None
+    if given is not None:  # check the plan on every rank before any communication
+        placement = api.prepare(model, devices if devices is not None else rank_devices, example_inputs,
+                                plan=given, **_quick(common))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    from torchplace.runtime.dist_faults import Faults
+
+    global _CALLS
+    _CALLS += 1  # every rank places the same models in the same order: one plan key per call
+    faults = Faults(dist.distributed_c10d._get_default_store(), rank, world)
+    try:
+        if placement is None:
+            placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
+                                    faults, plan_timeout, f"{_PLAN_KEY}/{_CALLS}")
+        return DistributedPlaced(placement, [_name(d) for d in rank_devices], rank, world, device, faults,
+                                 schedule, state_dict)
+    except Exception as error:
+        faults._publish(f"rank {rank} failed while placing: {type(error).__name__}: {error}")
+        faults.close()
+        raise
+
+
+def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
+    """Give a model built on the meta device CPU memory that is never written before this rank
+    loads its own slice of ``state_dict`` into it.
+
+    ``to_empty`` allocates without initialising: the large blocks are fresh anonymous mappings,
+    which take no physical memory until written (reading them, as tracing and timing do, maps the
+    kernel's shared zero page). After the split each rank copies in only its own stages' tensors
+    and drops the others to the meta device, so its resident memory is its own slice plus the
+    working memory of planning. Tracing and timing see zeros (small tensors may hold garbage):
+    fine for timing dense operators, wrong for a model whose control flow reads its weights.
+
+    Raises:
+        UsageError: a model on the meta device without ``state_dict``.
+    """
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    if state_dict is None:
+        raise UsageError("the model is on the meta device: pass state_dict= (a checkpoint, mapping or torch.save file), "
+                         "from which each rank loads its own stages' tensors")
+    model.to_empty(device="cpu")
+
+
+def _quick(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options for re-evaluating a given plan: one quick timing run, no progress bar."""
+    return {**options, "warmup": 0, "repeats": 1, "progress": False}
+
+
+def _name(device: str | Device) -> str:
+    return device.name if isinstance(device, Device) else str(device)
+
+
+def _rank_devices(devices: Sequence[str | Device] | Cluster | None, plan: Plan | None,
+                  world: int) -> list[str | Device]:
+    """The device of each rank; the launch checks (before any communication)."""
+    if plan is not None and devices is None:
+        found = list(dict.fromkeys(s.device for s in plan.stages))
+        if len(found) != world:
+            raise DistributedError(f"the plan runs on {len(found)} device(s) ({', '.join(found)}) but {world} "
+                                   f"process(es) were launched: start torchrun with --nproc-per-node {len(found)}")
+        return list(found)
+    if devices is None:
+        kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+        return [f"{kind}:{i}" for i in range(world)]
+    listed = list(devices.devices) if isinstance(devices, Cluster) else list(devices)
+    if len(listed) != world:
+        raise DistributedError(f"{len(listed)} device(s) given but {world} process(es) launched: one process runs "
+                               f"one device; start torchrun with --nproc-per-node {len(listed)}")
+    if plan is not None:
+        unknown = sorted({s.device for s in plan.stages} - {_name(d) for d in listed})
+        if unknown:
+            raise DistributedError(f"the plan places stages on {unknown}, which are not among the devices "
+                                   f"{[_name(d) for d in listed]}: pass the plan's devices")
+    return listed
+
+
+def _torch_device(rank_devices: Sequence[str | Device], local_rank: int, backend: str | None) -> tuple[torch.device, str]:
+    gpus = all(_name(d).startswith("cuda") for d in rank_devices)
+    if gpus and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), backend or "nccl"
+    return torch.device("cpu"), backend or "gloo"
+
+
+def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Mapping[str, Any], faults: Any,
+                plan_timeout: float, key: str) -> Any:
+    """Rank 0 solves and publishes the plan in the store; the others read it and check it."""
+    from torchplace import api
+    from torchplace.planfile import plan_from_json
+
+    store = faults.store
+    if faults.rank == 0:
+        placement = api.prepare(model, devices, example_inputs, **options)
+        store.set(key, json.dumps(placement.plan.to_json()))
+        return placement
+    try:
+        store.wait([key], datetime.timedelta(seconds=plan_timeout))
+    except Exception as error:
+        raise DistributedError(faults.fault() or f"rank 0 published no plan within {plan_timeout:g} s "
+                               f"({type(error).__name__}); raise plan_timeout for long solves") from error
+    if faults.fault():
+        raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+    plan = plan_from_json(json.loads(store.get(key).decode()), "the plan of rank 0")
+    return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
+
+
+class DistributedPlaced:
+    """One rank's part of a placed model, run by ``torch.distributed.pipelining``.
+
+    Attributes:
+        plan, problem: the plan and the problem it was evaluated on.
+        rank, world: this process's rank and the number of processes.
+        device: this rank's torch device.
+        pipeline: the :class:`~torchplace.runtime.distributed.DistributedPipeline`.
+        is_last: whether this rank runs the last stage (it gets the outputs and the losses).
+    """
+
+    def __init__(self, placement: Any, rank_devices: Sequence[str], rank: int, world: int, device: torch.device,
+                 faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None) -> None:
+        from torchplace.placed_module import _forward_stages
+        from torchplace.runtime import GraphIO, split_stages
+        from torchplace.runtime.distributed import DistributedPipeline
+
+        traced, problem, plan = placement.traced, placement.problem, placement.plan
+        if any(s.recompute for s in plan.stages):
+            raise UnsupportedError("the plan recomputes activations on "
+                                   f"{sorted({s.device for s in plan.stages if s.recompute})}, which the "
+                                   "torch.distributed bridge does not do yet: place with recompute=False")
+        run = _forward_stages(problem, plan)
+        stage_of = {f: i for i, s in enumerate(run) for v in s.nodes for f in problem.graph.record(v).fx_nodes}
+        stages = split_stages(traced.gm, stage_of, len(run), traced.effects)
+        index = {d: r for r, d in enumerate(rank_devices)}
+        default = problem.pipeline.schedule if problem.pipeline is not None else "1f1b"
+        self.plan, self.problem, self.rank, self.world, self.device = plan, problem, rank, world, device
+        self.faults = faults
+        self.pipeline = DistributedPipeline(
+            stages, [index[s.device] for s in run], GraphIO(traced.gm), [n.name for n in traced.gm.graph.nodes],
+            rank=rank, world=world, device=device, microbatches=placement.microbatches,
+            schedule=schedule or default, faults=faults)
+        self.is_last = self.pipeline.is_last
+        if state_dict is not None:
+            self._load(traced.model, state_dict)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output for this batch on the last rank; ``None`` on the others (see
+        :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
+        return self.pipeline.run(*args, **kwargs)
+
+    __call__ = run
+
+    def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
+             **kwargs: Any) -> list[torch.Tensor]:
+        """One training step of the batch; the losses of its micro-batches on the last rank."""
+        return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (the model's own objects): build this rank's optimizer on them."""
+        return self.pipeline.parameters()
+
+    def close(self, destroy: bool = False) -> None:
+        """Stop the heartbeat thread; with ``destroy`` (at the end of the script), also destroy the
+        process group after a barrier. Keep the group to place another model in the same launch:
+        initialising it again under torchrun is not supported."""
+        import torch.distributed as dist
+
+        self.faults.close()
+        if destroy and dist.is_initialized():
+            dist.barrier()  # no rank leaves while a peer still sends to it
+            dist.destroy_process_group()
+
+    def _load(self, model: nn.Module | None, state_dict: Mapping[str, torch.Tensor] | str | Path) -> None:
+        """Copy this rank's tensors from a checkpoint of the model (keys of ``model.state_dict()``)."""
+        if model is None:
+            raise UsageError("state_dict needs the model the plan was traced from")
+        source = torch.load(state_dict, mmap=True, weights_only=True) if isinstance(state_dict, (str, Path)) else state_dict
+        mine = {id(t) for m in self.pipeline.modules for t in [*m.parameters(), *m.buffers()]}
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        missing = [n for n, t in named if id(t) in mine and n not in source]
+        if missing:
+            raise UsageError(f"state_dict has no {missing[0]!r} (and {len(missing) - 1} more of this rank's tensors): "
+                             "pass a checkpoint of this model (model.state_dict())")
+        with torch.no_grad():
+            for n, t in named:
+                if id(t) in mine:
+                    t.copy_(source[n])

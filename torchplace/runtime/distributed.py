@@ -1,0 +1,452 @@
+"""Hand a split model to ``torch.distributed.pipelining``: one process (rank) per plan device.
+
+torchplace splits the traced graph into stages (:func:`~torchplace.runtime.split.split_stages`);
+this module turns them into the engine's stages and schedules
+(https://pytorch.org/docs/stable/distributed.pipelining.html) and runs them. The steps:
+
+1. :func:`engine_layout` orders the plan's pieces into *engine stages*. The engine's multi-stage
+   schedules put engine stage ``k`` on rank ``k % world`` (its "loop" layout), so consecutive
+   pieces of one rank form one engine stage, and where the plan's next piece is not on the next
+   rank in that cycle, *pass-through* stages (no computation) on the ranks in between carry the
+   values on. Every rank then holds the same number of engine stages, as the looped schedules
+   (``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``) need.
+2. :func:`live_values` lists, for each boundary between engine stages, the values that cross it:
+   those produced before it and read after it (by a later stage or the model output). The engine
+   only sends engine stage ``k``'s outputs to engine stage ``k + 1``, so a value that skips stages
+   is carried through each one between (and its gradient back, by the engine's backward).
+3. :class:`EngineStage` is an ``nn.Module`` taking and returning flat tuples of tensors: it binds
+   its inputs to their names, runs its pieces (the model's own submodules and tensors) and returns
+   the values that cross its outgoing boundary.
+4. :class:`DistributedPipeline` builds a ``PipelineStage`` per local engine stage, moves this rank's
+   tensors to its device and frees the others' (meta device), and runs the engine's schedules:
+   ``run(x)`` (inference: forward only) and ``step(x, target=y, loss_fn=f)`` (training).
+
+Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
+(naming the rank, the engine stage and the pass) before it is raised as
+:class:`~torchplace.errors.DistributedError`; a watchdog thread on every rank ends the process
+with that message when another rank reported a fault while this one still waits, and a rank whose
+peer died (a killed process) gets gloo's or NCCL's connection error, translated into the same error
+naming the rank that stopped (found by its heartbeat in the store). See
+:mod:`torchplace.runtime.dist_faults`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchplace.errors import UnsupportedError, UsageError
+from torchplace.runtime.dist_faults import Activity
+from torchplace.runtime.params import _slots, move_in_place
+from torchplace.runtime.split import StageModule
+
+__all__ = [
+    "SCHEDULES",
+    "DistributedPipeline",
+    "EngineSlot",
+    "EngineStage",
+    "engine_layout",
+    "live_values",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble")
+"""Schedules a :class:`DistributedPipeline` runs, by the engine's classes:
+
+* ``"gpipe"``: ``ScheduleGPipe`` (GPipe, Huang et al. 2019, arXiv:1811.06965) with one engine stage
+  per rank, ``ScheduleLoopedBFS`` (breadth-first, Lamy-Poirier 2022, arXiv:2211.05953) with several;
+* ``"1f1b"``: ``Schedule1F1B`` (PipeDream-flush, Narayanan et al. 2021, arXiv:2006.09503) with one,
+  ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021, arXiv:2104.04473) with several;
+* ``"looped-bfs"``, ``"interleaved-1f1b"``: those looped schedules by name;
+* ``"zero-bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB1P, Qi et al. 2023, arXiv:2401.10241),
+  which splits each backward into input and weight gradients.
+
+The cost model's in-flight activations are GPipe's and 1F1B's (exact with one stage per rank); the
+looped and zero-bubble forms keep a similar number per stage but are not modelled exactly."""
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine stage: its rank, the plan pieces it runs, the values entering and leaving it.
+
+    Attributes:
+        index: the engine stage index (the engine puts it on rank ``index % world``).
+        rank: the rank that runs it.
+        pieces: indices of the torchplace stages it runs, in order; empty for a pass-through.
+        inputs: names of the values it receives, in the order of its forward's arguments.
+        outputs: names of the values it sends on (for the last one, the values the model output reads).
+    """
+
+    index: int
+    rank: int
+    pieces: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def engine_layout(stage_ranks: Sequence[int], world: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(rank, pieces)`` of each engine stage for pieces on ``stage_ranks`` (see the module docs).
+
+    Args:
+        stage_ranks: the rank of each torchplace stage, in plan order.
+        world: the number of ranks.
+
+    Returns:
+        One entry per engine stage; engine stage ``k`` is on rank ``k % world``; their number is a
+        multiple of ``world``; every rank has at least one.
+
+    Raises:
+        ValueError: for a rank outside ``[0, world)``.
+
+    Example:
+        >>> engine_layout([0, 1, 1, 0], 2)
+        [(0, (0,)), (1, (1, 2)), (0, (3,)), (1, ())]
+    """
+    if world < 1 or any(not 0 <= r < world for r in stage_ranks):
+        raise ValueError(f"stage ranks {list(stage_ranks)} must lie in [0, {world})")
+    slots: list[tuple[int, tuple[int, ...]]] = []
+    for piece, rank in enumerate(stage_ranks):
+        if slots and slots[-1][0] == rank:
+            slots[-1] = (rank, slots[-1][1] + (piece,))
+            continue
+        while len(slots) % world != rank:
+            slots.append((len(slots) % world, ()))
+        slots.append((rank, (piece,)))
+    while not slots or len(slots) % world:
+        slots.append((len(slots) % world, ()))
+    return slots
+
+
+def live_values(
+    layout: Sequence[tuple[int, tuple[int, ...]]],
+    stages: Sequence[StageModule],
+    placeholders: Sequence[str],
+    output_names: Sequence[str],
+    order: Sequence[str],
+) -> list[EngineSlot]:
+    """The :class:`EngineSlot` s of ``layout``: what enters and leaves each engine stage.
+
+    The first engine stage receives every model input (placeholder), as the engine hands it the
+    arguments of ``schedule.step``; a value leaves engine stage ``k`` when it was made at or
+    before ``k`` and a later engine stage or the model output reads it.
+
+    Args:
+        layout: from :func:`engine_layout`.
+        stages: the torchplace stages (``inputs`` / ``outputs`` by value name).
+        placeholders: the model's input names, in order.
+        output_names: the names the model output reads.
+        order: every value name in graph order (the order of each boundary's tuple).
+    """
+    made = {n: -1 for n in placeholders}
+    last = {n: len(layout) for n in output_names}  # read by the output: carried to the end
+    for k, (_, pieces) in enumerate(layout):
+        for p in pieces:
+            for n in stages[p].inputs:
+                last[n] = max(last.get(n, -1), k)
+            for n in stages[p].outputs:
+                made[n] = k
+    rank = {n: i for i, n in enumerate(order)}
+    slots = []
+    for k, (r, pieces) in enumerate(layout):
+        entering = tuple(placeholders) if k == 0 else _crossing(made, last, k, rank)
+        leaving = tuple(output_names) if k == len(layout) - 1 else _crossing(made, last, k + 1, rank)
+        slots.append(EngineSlot(k, r, pieces, entering, leaving))
+    return slots
+
+
+def _crossing(made: Mapping[str, int], last: Mapping[str, int], k: int, rank: Mapping[str, int]) -> tuple[str, ...]:
+    """The values made before engine stage ``k`` and read at or after it, in graph order."""
+    return tuple(sorted((n for n, at in made.items() if at < k <= last.get(n, -1)), key=rank.__getitem__))
+
+
+class EngineStage(nn.Module):
+    """One engine stage as the engine wants it: flat tensors in, a flat tuple of tensors out.
+
+    Args:
+        slot: what it runs and which values enter and leave.
+        pieces: the torchplace stages ``slot.pieces`` names (the model's own submodules).
+        activity: the rank's :class:`Activity`, told which stage runs.
+    """
+
+    def __init__(self, slot: EngineSlot, pieces: Sequence[StageModule], activity: Activity | None = None) -> None:
+        super().__init__()
+        self.slot = slot
+        self.pieces = nn.ModuleList(pieces)
+        self._activity = activity
+
+    def forward(self, *flat: Any) -> tuple[torch.Tensor, ...]:
+        slot = self.slot
+        if len(flat) != len(slot.inputs):
+            raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)}), "
+                             f"got {len(flat)}")
+        if self._activity is not None and not self._activity.now.startswith(f"stage {slot.index} "):
+            self._activity.set(slot.index, "forward")  # the engine's first call infers shapes outside its chunks
+        env = dict(zip(slot.inputs, flat))
+        for piece in self.pieces:
+            outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
+            env.update(zip(piece.outputs, outputs))
+        received = {id(v) for v in flat}
+        return tuple(_sendable(n, env[n], slot, id(env[n]) in received) for n in slot.outputs)
+
+
+def _sendable(name: str, value: Any, slot: EngineSlot, received: bool) -> torch.Tensor:
+    """``value`` as the engine can send it: a contiguous tensor that is not one of the stage's
+    inputs (a carried value is cloned: the engine detaches outputs in place and makes inputs leaves,
+    so an output must not be an input, nor a view, which the zero-bubble backward cannot detach)."""
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedError(
+            f"value {name!r} leaves engine stage {slot.index} but is a {type(value).__name__}, not a tensor: "
+            "torch.distributed.pipelining sends only tensors between stages; place so that this value does not "
+            "cross a stage boundary (e.g. keep its producer and readers in one module with leaf_modules=...)"
+        )
+    if received or value._is_view():
+        return value.clone(memory_format=torch.contiguous_format)
+    return value.contiguous()
+
+
+def _stage_class() -> type:
+    """``PipelineStage`` that tells an :class:`Activity` what it runs (imported lazily: importing
+    torch.distributed.pipelining costs a second)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):  # type: ignore[misc, valid-type]
+        activity: Activity
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.activity.set(self.stage_index, "forward", fwd_chunk_id)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if self.has_backward:  # GPipe calls it in inference too, where it does nothing
+                self.activity.set(self.stage_index, "backward", bwd_chunk_id)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.activity.set(self.stage_index, "weight backward", bwd_chunk_id)
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    return _Stage
+
+
+class DistributedPipeline:
+    """This rank's part of a split model, run by ``torch.distributed.pipelining``.
+
+    Every rank builds it from the same stages (the split is deterministic) after
+    ``torch.distributed`` is initialised; each runs the engine stages of its own rank.
+
+    Args:
+        stages: the forward stages from :func:`~torchplace.runtime.split.split_stages`, in plan order.
+        stage_ranks: the rank of each stage.
+        graph_io: the :class:`~torchplace.runtime.graph_io.GraphIO` of the split model.
+        order: every value name of the graph in graph order.
+        rank, world: this process's rank and the number of ranks.
+        device: this rank's torch device (``cuda:LOCAL_RANK`` or ``cpu``).
+        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        schedule: one of :data:`SCHEDULES`.
+        group: the process group (the default group if ``None``).
+        faults: the rank's :class:`~torchplace.runtime.dist_faults.Faults` (fault reports; none: errors
+            are raised as they are).
+        free_others: move the tensors only other ranks' stages read to the meta device (frees their memory).
+
+    Raises:
+        UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
+            rank only), or ``schedule`` is not one the engine offers for this layout.
+    """
+
+    def __init__(self, stages: Sequence[StageModule], stage_ranks: Sequence[int], graph_io: Any,
+                 order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
+                 schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True) -> None:
+        from torchplace.runtime.values import written_inputs
+
+        if schedule not in SCHEDULES:
+            raise UsageError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+        written = sorted(written_inputs(stages, graph_io))
+        if written:
+            raise UnsupportedError(f"the model writes its input {written[0]!r} in place; across processes the caller's "
+                                   "tensor is on one rank only: run it with torchplace.place (threads) instead")
+        self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
+        self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
+        self.slots = live_values(engine_layout(stage_ranks, world), stages, graph_io.placeholder_names,
+                                 graph_io.output_names, order)
+        self.activity = faults.activity if faults is not None else Activity()
+        self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity)
+                        for s in self.slots if s.rank == rank]
+        self.is_last = self.slots[-1].rank == rank
+        self._place_tensors(stages, free_others)
+        self._shared = _shared_across_ranks(self.slots, stages)
+        stage_class = _stage_class()
+        self.engine_stages = []
+        for module in self.modules:
+            stage = stage_class(module, module.slot.index, len(self.slots), self.device, group=group)
+            stage.activity = self.activity
+            self.engine_stages.append(stage)
+        self._schedules: dict[Any, Any] = {}
+        self._shape: tuple[tuple[int, ...], ...] | None = None
+
+    # -- tensors -----------------------------------------------------------------------------------------
+    def _place_tensors(self, stages: Sequence[StageModule], free_others: bool) -> None:
+        """Move this rank's tensors to its device; with ``free_others``, the rest to the meta device."""
+        mine = {id(t) for m in self.modules for t in _tensors(m)}
+        for m in self.modules:
+            for name, t in _named_tensors(m):
+                move_in_place(t, self.device, name)
+        if free_others:
+            memo: dict[int, torch.Tensor] = {}
+            for s in self.slots:
+                for p in s.pieces if s.rank != self.rank else ():
+                    for _, owner, kind, slot, t in _slots(stages[p]):
+                        if id(t) not in mine:
+                            getattr(owner, kind)[slot] = memo.setdefault(id(t), _on_meta(t))
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (the model's own objects, each once): give them to its optimizer."""
+        return list({id(p): p for m in self.modules for p in m.parameters()}.values())
+
+    def _sync_shared_grads(self) -> None:
+        """Sum the gradients of parameters that stages on several ranks read (a tied weight), so each
+        copy takes the gradient of all its uses; every rank takes part, in the same order."""
+        import torch.distributed as dist
+
+        mine = {id(p) for p in self.parameters()}
+        for param in self._shared:
+            held = id(param) in mine and param.grad is not None
+            buffer = param.grad if held else torch.zeros(param.shape, dtype=param.dtype, device=self.device)
+            dist.all_reduce(buffer, group=self.group)
+            if id(param) in mine:
+                param.grad = buffer
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output for the batch ``(args, kwargs)``, split into micro-batches; returned on
+        the rank of the last engine stage (``None`` elsewhere)."""
+        flat = self._inputs(args, kwargs)
+        schedule = self._get_schedule(None)
+        with torch.no_grad():
+            out = self._guard(lambda: schedule.step(*flat))
+        return self._assemble(out) if self.is_last else None
+
+    def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
+             **kwargs: Any) -> list[torch.Tensor]:
+        """One training step: forward and backward of every micro-batch by the schedule. The
+        parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (the engine
+        scales by ``1 / microbatches``). Returns each micro-batch's loss on the last rank (``[]``
+        elsewhere); call the rank's ``optimizer.step()`` after it."""
+        if not isinstance(target, torch.Tensor):
+            raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got {type(target).__name__}")
+        flat = self._inputs(args, kwargs)
+        schedule = self._get_schedule(loss_fn)
+        losses: list[torch.Tensor] = []
+        target = target.to(self.device) if self.is_last else target
+        self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
+        if self._shared:
+            self._guard(self._sync_shared_grads)
+        return [loss.detach() for loss in losses]
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+        bound = self.graph_io.bind_inputs(args, kwargs)
+        flat = tuple(bound[n] for n in self.graph_io.placeholder_names)
+        for name, value in zip(self.graph_io.placeholder_names, flat):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                raise UnsupportedError(f"model input {name!r} is {type(value).__name__}"
+                                       f"{' with no batch dimension' if isinstance(value, torch.Tensor) else ''}: "
+                                       "the engine splits every input along dim 0; pass batched tensors only")
+        shape = tuple(tuple(t.shape) for t in flat)
+        if self._shape is not None and shape != self._shape:
+            raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
+                             "engine sizes its buffers on the first call; call with the same batch shape")
+        if flat and flat[0].shape[0] % self.microbatches:
+            raise UsageError(f"a batch of {flat[0].shape[0]} does not split into {self.microbatches} equal micro-batches; "
+                             "use a batch size that is a multiple of microbatches")
+        self._shape = shape
+        return tuple(t.to(self.device) for t in flat) if self.slots[0].rank == self.rank else flat
+
+    def _assemble(self, out: Any) -> Any:
+        values = out if isinstance(out, tuple) else (out,)
+        return self.graph_io(dict(zip(self.slots[-1].outputs, values)))
+
+    def _get_schedule(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
+        key = None if loss_fn is None else id(loss_fn)
+        if key not in self._schedules:
+            self._schedules = {k: v for k, v in self._schedules.items() if k is None}  # one training schedule
+            self._schedules[key] = self._make_schedule(loss_fn)
+        return self._schedules[key]
+
+    def _make_schedule(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
+        from torch.distributed.pipelining import schedules as engine
+
+        multi = len(self.modules) > 1
+        name = self.schedule if loss_fn is not None else "gpipe"
+        classes = {"gpipe": engine.ScheduleLoopedBFS if multi else engine.ScheduleGPipe,
+                   "1f1b": engine.ScheduleInterleaved1F1B if multi else engine.Schedule1F1B,
+                   "looped-bfs": engine.ScheduleLoopedBFS, "interleaved-1f1b": engine.ScheduleInterleaved1F1B,
+                   "zero-bubble": engine.ScheduleInterleavedZeroBubble}
+        cls = classes[name]
+        wrapped = None if loss_fn is None else _LossOnOutput(loss_fn, self)
+        single = issubclass(cls, engine.PipelineScheduleSingle)
+        try:
+            return cls(self.engine_stages[0] if single else self.engine_stages, self.microbatches, loss_fn=wrapped)
+        except (ValueError, RuntimeError) as e:
+            raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
+                                   f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
+                                   f"micro-batches: {e}; pick another schedule or micro-batch count") from e
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a schedule step), then every rank agrees that all ranks finished it: a rank whose
+        part ended before a peer failed learns of the failure here instead of leaving quietly."""
+        if self.faults is None:
+            return fn()
+        out = self.faults.guard(fn)
+        self.faults.guard(self._agree)
+        return out
+
+    def _agree(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+
+class _LossOnOutput:
+    """The user's ``loss_fn(output, target)`` on the model's output, rebuilt from the last engine
+    stage's tuple (the engine calls the loss with that tuple)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], pipeline: DistributedPipeline) -> None:
+        self.loss_fn, self.pipeline = loss_fn, pipeline
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(self.pipeline._assemble(output), target)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        return loss
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype holding no memory (a Parameter stays a Parameter)."""
+    empty = torch.empty_like(t, device="meta")
+    return nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module``, each object once."""
+    seen: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        seen.setdefault(id(t), (name, t))
+    return list(seen.values())
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for _, t in _named_tensors(module)]
+
+
+def _shared_across_ranks(slots: Sequence[EngineSlot], stages: Sequence[StageModule]) -> list[nn.Parameter]:
+    """The parameters that require grad and are read by stages on several ranks, in slot order (the
+    same order on every rank: each rank splits its own copy of the model alike)."""
+    ranks: dict[int, set[int]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for s in slots:
+        for p in s.pieces:
+            for param in stages[p].parameters():
+                ranks.setdefault(id(param), set()).add(s.rank)
+                first.setdefault(id(param), param)
+    return [param for pid, param in first.items() if len(ranks[pid]) > 1 and param.requires_grad]
