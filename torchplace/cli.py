@@ -251,7 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
         objective=args.objective or "throughput", contiguous=not args.noncontiguous, solver=args.method,
-        time_limit=args.time_limit, allow_single_device=not args.keep_split, mode=args.mode,
+        time_limit=args.time_limit, allow_single_device=False if args.keep_split else None, mode=args.mode,
         **({"recompute": False} if args.mode == "training" else {}),
     )
     print(placed.plan)
