@@ -2,6 +2,8 @@
 against the real executors on stages that sleep a known time."""
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 from collections.abc import Sequence
@@ -14,6 +16,7 @@ from torchplace.callmodel import (
     Overheads,
     describe,
     microbatch_stage_times,
+    core_pools,
     predict_call,
     simulate_inference,
     simulate_training,
@@ -91,7 +94,7 @@ def _chain(times: Sequence[float], micro: Sequence[float] | None = None) -> tupl
             small.add_node(str(i), NodeRecord(str(i), times={"cpu": t}, output_bytes=8))
             if i:
                 small.add_edge(str(i - 1), str(i))
-    cluster = Cluster((Device("cpu:0", "cpu", "cpu", None), Device("cpu:1", "cpu", "cpu", None)))
+    cluster = Cluster((Device("cpu:0", "cpu", "cpu", None, threads=1), Device("cpu:1", "cpu", "cpu", None, threads=1)))
     return Problem(g, cluster), small
 
 
@@ -102,6 +105,23 @@ def test_stage_times_at_microbatch_size() -> None:
     assert microbatch_stage_times(problem, stages, 4) == [("cpu:0", 2.0), ("cpu:1", 2.0)]
     assert microbatch_stage_times(problem, stages, 4, small) == [("cpu:0", 3.0), ("cpu:1", 4.0)]
     assert predict_call(problem, stages, 4, microbatch_graph=small).seconds == pytest.approx(3.0 + 4 * 4.0)
+
+
+def test_logical_cpus_that_share_the_cores_never_compute_at_once() -> None:
+    """Without threads of their own, cpu:0 and cpu:1 take every core for each op: the clock runs
+    their stages one at a time (4 x (3 + 4) s, no idle core), where devices with their own threads
+    overlap (3 + 4 x 4 s); training too (2 x (1 + 2 + 1 + 2) s)."""
+    problem, small = _chain([8.0, 4.0, 4.0], micro=[3.0, 2.0, 2.0])
+    shared = dataclasses.replace(problem, cluster=Cluster(tuple(dataclasses.replace(d, threads=None)
+                                                                for d in problem.cluster.devices)))
+    stages = [Stage("cpu:0", ("0",)), Stage("cpu:1", ("1", "2"))]
+    assert core_pools(shared) == {"cpu:0": "cpu", "cpu:1": "cpu"}
+    assert core_pools(problem) == {"cpu:0": "cpu:0", "cpu:1": "cpu:1"}
+    assert predict_call(shared, stages, 4, microbatch_graph=small).seconds == pytest.approx(4 * (3.0 + 4.0))
+    pools = {"a": "cpu", "b": "cpu"}
+    assert simulate_training([("a", 1.0, 2.0), ("b", 1.0, 2.0)], 2, "1f1b", pools=pools).seconds == 12.0
+    call = simulate_inference([("a", 1.0), ("b", 1.0)], 3, pools=pools)
+    assert all(x.finish <= y.start for x, y in zip(call.tasks, call.tasks[1:]))  # one at a time
 
 
 def test_describe_prints_the_call_and_the_steady_state() -> None:

@@ -44,7 +44,10 @@ class SleepPerSample(nn.Module):
 
 
 def _place(model: nn.Module, **options: Any) -> torchplace.PlacedModule:
-    return torchplace.place(model, ["cpu:0", "cpu:1"], (torch.zeros(8, 2),),
+    """Sleeping stages take no cores: the devices are declared with their own (one thread each),
+    so the clock lets them overlap as they really do (callmodel.core_pools)."""
+    devices = [torchplace.Device(f"cpu:{i}", "cpu", "cpu", threads=1) for i in range(2)]
+    return torchplace.place(model, devices, (torch.zeros(8, 2),),
                             leaf_modules=[Sleep, SleepPerSample], **FAST, **options)
 
 

@@ -22,7 +22,9 @@ training) on a clock, with
 - :class:`Overheads`: seconds per (stage, micro-batch) task and per call, measured once per
   process on the executor itself (:mod:`torchplace.runtime.overhead`).
 
-The inference clock follows :class:`~torchplace.runtime.pipeline.PipelineExecutor` exactly:
+Logical CPU devices that share this machine's cores (:func:`core_pools`) never compute at the
+same time on the clock: each of their ops takes every core, so running two at once only
+interleaves them. The inference clock follows :class:`~torchplace.runtime.pipeline.PipelineExecutor` exactly:
 consecutive stages on one worker form a segment; a worker takes its (micro-batch, segment) pairs in
 ``worker_orders`` order, each once the micro-batch has left the segment before; the queues
 between segments hold at most ``queue_size`` micro-batches, so a worker that finished a pair waits
@@ -49,6 +51,7 @@ from torchplace.problem import Problem
 __all__ = [
     "CallPrediction",
     "Overheads",
+    "core_pools",
     "Task",
     "describe",
     "microbatch_stage_times",
@@ -138,7 +141,8 @@ def _prediction(tasks: list[Task], m: int, overheads: Overheads) -> CallPredicti
 
 
 def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: int,
-                       overheads: Overheads = Overheads(), queue_size: int = 2) -> CallPrediction:
+                       overheads: Overheads = Overheads(), queue_size: int = 2,
+                       pools: Mapping[str, str] | None = None) -> CallPrediction:
     """The clock of one inference call of a :class:`~torchplace.runtime.pipeline.PipelineExecutor`.
 
     Args:
@@ -146,6 +150,9 @@ def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: i
         microbatches: ``m`` (at least 1).
         overheads: added to every task and once to the call.
         queue_size: capacity of the queues between segments (the executor's ``queue_size``).
+        pools: worker -> the cores it computes on (:func:`core_pools`); workers of one pool never
+            compute at the same time (each would take all its cores). A worker not listed has
+            its own.
 
     Returns:
         The :class:`CallPrediction`.
@@ -159,6 +166,8 @@ def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: i
 
         >>> simulate_inference([("a", 1.0), ("b", 1.0)], 3).seconds
         4.0
+        >>> simulate_inference([("a", 1.0), ("b", 1.0)], 3, pools={"a": "cpu", "b": "cpu"}).seconds
+        6.0
     """
     from torchplace.runtime.schedule import segments, worker_orders
 
@@ -167,6 +176,8 @@ def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: i
     segs = segments([w for w, _ in stage_times])
     last = len(segs) - 1
     pending = {w: list(o) for w, o in worker_orders(microbatches, [w for w, _ in segs]).items()}
+    pool = {w: (pools or {}).get(w, w) for w in pending}
+    pool_free = dict.fromkeys(pool.values(), 0.0)
     free = dict.fromkeys(pending, 0.0)
     put: dict[tuple[int, int], float] = {}  # (micro-batch, segment) -> when it entered the next queue
     took: dict[tuple[int, int], float] = {}  # (micro-batch, segment) -> when the segment's worker took it
@@ -183,25 +194,34 @@ def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: i
                 put[(i, seg)] = free[worker] = max(done, took.get(blocker, 0.0)) if seg < last else done
                 del waiting[worker]
                 progressed = True
-            elif pending[worker]:
-                i, seg = pending[worker][0]
-                if seg > 0 and (i, seg - 1) not in put:
-                    continue
-                pending[worker].pop(0)
-                t = took[(i, seg)] = max(free[worker], put.get((i, seg - 1), 0.0))
-                for s in segs[seg][1]:
-                    dur = stage_times[s][1] + overheads.per_task
-                    tasks.append(Task(worker, s, i, "F", t, t + dur))
-                    t += dur
-                waiting[worker] = (i, seg, t)
-                progressed = True
+        # Of the workers whose next pair is ready, the one that can start first takes its cores
+        # (with no shared pools the order changes nothing: each worker keeps its own sequence).
+        ready = {}
+        for worker, order in pending.items():
+            if worker in waiting or not order:
+                continue
+            i, seg = order[0]
+            if seg > 0 and (i, seg - 1) not in put:
+                continue
+            ready[worker] = max(free[worker], put.get((i, seg - 1), 0.0), pool_free[pool[worker]])
+        if ready:
+            worker = min(ready, key=lambda w: (ready[w], w))
+            i, seg = pending[worker].pop(0)
+            t = took[(i, seg)] = ready[worker]
+            for s in segs[seg][1]:
+                dur = stage_times[s][1] + overheads.per_task
+                tasks.append(Task(worker, s, i, "F", t, t + dur))
+                t += dur
+            pool_free[pool[worker]] = t
+            waiting[worker] = (i, seg, t)
+            progressed = True
         if not progressed:
             raise AssertionError("worker_orders gave an order the pipeline cannot run")
     return _prediction(tasks, microbatches, overheads)
 
 
 def simulate_training(stage_times: Sequence[tuple[str, float, float]], microbatches: int, schedule: str,
-                      overheads: Overheads = Overheads()) -> CallPrediction:
+                      overheads: Overheads = Overheads(), pools: Mapping[str, str] | None = None) -> CallPrediction:
     """The clock of one training step of a :class:`~torchplace.runtime.training.TrainingExecutor`.
 
     Args:
@@ -210,6 +230,7 @@ def simulate_training(stage_times: Sequence[tuple[str, float, float]], microbatc
         microbatches: ``m``.
         schedule: ``"gpipe"`` or ``"1f1b"`` (:func:`~torchplace.runtime.schedule.training_schedule`).
         overheads: added to every forward and backward task and once to the step.
+        pools: worker -> the cores it computes on, as for :func:`simulate_inference`.
 
     Returns:
         The :class:`CallPrediction` (tasks of kind ``"F"`` and ``"B"``).
@@ -223,11 +244,13 @@ def simulate_training(stage_times: Sequence[tuple[str, float, float]], microbatc
     n = len(stage_times)
     workers = [w for w, _, _ in stage_times]
     orders = {w: list(o) for w, o in per_worker(training_schedule(schedule, microbatches, n), workers).items()}
+    pool = {w: (pools or {}).get(w, w) for w in orders}
+    pool_free = dict.fromkeys(pool.values(), 0.0)
     done: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(orders, 0.0)
     tasks: list[Task] = []
     while any(orders.values()):
-        progressed = False
+        ready = {}
         for worker, order in orders.items():
             if not order:
                 continue
@@ -238,15 +261,26 @@ def simulate_training(stage_times: Sequence[tuple[str, float, float]], microbatc
                 deps = [("B", a.microbatch, a.stage + 1)] if a.stage < n - 1 else [("F", a.microbatch, n - 1)]
             if any(d not in done for d in deps):
                 continue
-            order.pop(0)
-            start = max([free[worker], *(done[d] for d in deps)])
-            dur = (stage_times[a.stage][1] if a.kind == "F" else stage_times[a.stage][2]) + overheads.per_task
-            free[worker] = done[(a.kind, a.microbatch, a.stage)] = start + dur
-            tasks.append(Task(worker, a.stage, a.microbatch, a.kind, start, start + dur))
-            progressed = True
-        if not progressed:
+            ready[worker] = max([free[worker], pool_free[pool[worker]], *(done[d] for d in deps)])
+        if not ready:
             raise AssertionError("the training schedule cannot run")
+        worker = min(ready, key=lambda w: (ready[w], w))  # the first that can start takes its cores
+        a, start = orders[worker].pop(0), ready[worker]
+        dur = (stage_times[a.stage][1] if a.kind == "F" else stage_times[a.stage][2]) + overheads.per_task
+        free[worker] = pool_free[pool[worker]] = done[(a.kind, a.microbatch, a.stage)] = start + dur
+        tasks.append(Task(worker, a.stage, a.microbatch, a.kind, start, start + dur))
     return _prediction(tasks, microbatches, overheads)
+
+
+def core_pools(problem: Problem) -> dict[str, str]:
+    """Device -> the cores it computes on. Logical CPU devices without threads of their own
+    (``Device.threads`` is ``None``: each op takes every core, as ``place()`` profiled it) share
+    this machine's cores, so two of their stages cannot really run at once: measured on 2 cores,
+    a 2-stage GPT-2 pipeline over ``cpu:0``/``cpu:1`` took 1.4x the unsplit model's time per
+    call where a clock that let them overlap predicted half. Devices with their own threads
+    (``share_cores=True``, ``Device(threads=)``) and accelerators compute on their own."""
+    return {d.name: "cpu" if d.torch_device == "cpu" and d.threads is None else d.name
+            for d in problem.cluster.devices}
 
 
 def microbatch_stage_times(problem: Problem, stages: Sequence[costmodel.StageLike], microbatches: int,
@@ -284,11 +318,12 @@ def predict_call(problem: Problem, stages: Sequence[costmodel.StageLike], microb
     """
     if problem.objective == "latency":
         raise ValueError("a latency plan runs one sample per call: its time is costmodel.simulate's makespan")
+    pools = core_pools(problem)
     if problem.mode == "training" and problem.pipeline is not None:
         times = training_microbatch_times(problem, stages, microbatches)
-        return simulate_training(times, microbatches, problem.pipeline.schedule, overheads)
+        return simulate_training(times, microbatches, problem.pipeline.schedule, overheads, pools)
     times_ = microbatch_stage_times(problem, stages, microbatches, microbatch_graph)
-    return simulate_inference(times_, microbatches, overheads, queue_size)
+    return simulate_inference(times_, microbatches, overheads, queue_size, pools)
 
 
 def steady_per_sample(problem: Problem, stages: Sequence[costmodel.StageLike], batch: int) -> float:

@@ -91,9 +91,29 @@ def _device_sets() -> list[list[str]]:
     return sets
 
 
+def _check_outputs(placed: Any, case: Case, on_gpu: bool) -> bool:
+    """Print how ``placed``'s outputs compare with the model's; True when they match (bitwise on
+    the CPU, to 1e-3 on a GPU) the model run on the same micro-batches."""
+    from torchplace.runtime.microbatch import gather, scatter
+
+    m = placed.microbatches
+    with torch.no_grad():
+        out = placed(*case.inputs)
+        per_chunk = gather([case.model(*args, **kw) for args, kw in scatter(case.inputs, {}, m)])
+        whole = case.model(*case.inputs)
+        bitwise, diff_chunks = _same(out, per_chunk)
+        _, diff = _same(out, whole)
+    if on_gpu:  # CUDA kernels round differently from the CPU's: say how far, not whether bitwise
+        print(f"  outputs: max |difference| to the model on the CPU: {diff:.3g} (same {m} micro-batches: "
+              f"{diff_chunks:.3g})")
+        return diff_chunks <= 1e-3
+    print(f"  outputs: bitwise equal to the model on the same {m} micro-batch(es): {bitwise}; "
+          f"max |difference| to the model on the whole batch: {diff:.3g}")
+    return bitwise
+
+
 def _run_case(case: Case, devices: Sequence[str], microbatches: int, seconds: float) -> bool:
     import torchplace
-    from torchplace.runtime.microbatch import gather, scatter
 
     print(f"\n=== {case.name} on {devices} ===")
     # placing moves the model's own parameters onto the devices: place a copy, keep the original
@@ -102,20 +122,16 @@ def _run_case(case: Case, devices: Sequence[str], microbatches: int, seconds: fl
     print(placed.plan)
     print("device_map:", placed.device_map())
     on_gpu = any(d.startswith("cuda") for d in devices)
-    with torch.no_grad():
-        out = placed(*case.inputs)
-        per_chunk = gather([case.model(*args, **kw) for args, kw in scatter(case.inputs, {}, microbatches)])
-        whole = case.model(*case.inputs)
-        bitwise, diff_chunks = _same(out, per_chunk)
-        _, diff = _same(out, whole)
-        if on_gpu:  # CUDA kernels round differently from the CPU's: say how far, not whether bitwise
-            print(f"outputs: max |difference| to the model on the CPU: {diff:.3g} (same {microbatches} "
-                  f"micro-batches: {diff_chunks:.3g})")
-            bitwise = diff_chunks <= 1e-3
-        else:
-            print(f"outputs: bitwise equal to the model on the same {microbatches} micro-batches: {bitwise}; "
-                  f"max |difference| to the model on the whole batch: {diff:.3g}")
-    # the traced graph unsplit on one device separates what tracing changes from what pipelining gains
+    runs = {"placed": placed}
+    if len({s.device for s in placed.plan.stages}) == 1:  # torchplace chose one device: run the split too
+        runs["split (allow_single_device=False)"] = torchplace.place(
+            copy.deepcopy(case.model), devices, case.inputs, microbatches=microbatches, progress=False,
+            allow_single_device=False, **case.options)
+    ok = True
+    for name, run in runs.items():
+        print(f"{name}: {' -> '.join(s.device for s in run.plan.stages)}, m={run.microbatches}")
+        ok &= _check_outputs(run, case, on_gpu)
+    # the traced graph unsplit on one device separates what tracing changes from what placing gains
     first = torch.device("cpu" if devices[0].startswith("cpu") else devices[0])
     single = torchplace.place(copy.deepcopy(case.model), devices[:1], case.inputs, microbatches=1,
                               progress=False, **case.options)
@@ -125,11 +141,11 @@ def _run_case(case: Case, devices: Sequence[str], microbatches: int, seconds: fl
         batch = pytree.tree_leaves(case.inputs)[0].shape[0]
         base = samples_per_second(lambda: original(*inputs), batch, seconds)
         one = samples_per_second(lambda: single(*case.inputs), batch, seconds)
-        piped = samples_per_second(lambda: placed(*case.inputs), batch, seconds)
+        measured = {name: samples_per_second(lambda r=run: r(*case.inputs), batch, seconds) for name, run in runs.items()}
+    rows = " | ".join(f"{name} {v:.1f} ({v / base:.2f}x)" for name, v in measured.items())
     print(f"throughput (samples/s, same run): original model on {devices[0]} {base:.1f} | traced, one device "
-          f"{one:.1f} | placed pipeline {piped:.1f} | pipeline / original {piped / base:.2f}, "
-          f"pipeline / traced {piped / one:.2f}")
-    return bitwise
+          f"{one:.1f} | {rows}")
+    return ok
 
 
 def main(quick: bool = False) -> int:
