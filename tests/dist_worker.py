@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-torch.set_num_threads(1)
-
 
 class Bomb(nn.Module):
     """Identity, until armed: then it raises (``"raise"``) or kills its process (``"kill"``)."""
@@ -162,6 +160,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # here, not at import: the test process imports this module too
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
     plans = [None if p == "-" else p for p in sys.argv[3:]]
     rank = int(os.environ["RANK"])

@@ -27,3 +27,23 @@ def test_a_stuck_job_does_not_block_the_next_call() -> None:
     assert done.join(5) and stuck.is_alive()
     release.set()
     assert stuck.join(5)
+
+
+def test_a_worker_without_its_own_threads_computes_with_the_callers_count() -> None:
+    """A thread started before the caller's torch.set_num_threads would keep the old count and
+    round differently from the caller; each job takes the caller's count at submit time."""
+    import torch
+
+    workers = WorkerThreads("test")
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        workers.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)  # the thread starts
+        torch.set_num_threads(1)
+        workers.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)
+        assert seen == [before, 1]
+        own = WorkerThreads("test", {"cpu:0": 2})
+        own.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)
+        assert seen[-1] == 2  # a device with its own threads keeps them
+    finally:
+        torch.set_num_threads(before)

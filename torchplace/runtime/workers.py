@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from torchplace.machine import intra_op_threads
 
 __all__ = ["Job", "WorkerThreads"]
@@ -74,7 +76,9 @@ class WorkerThreads:
 
     Args:
         prefix: thread names are ``torchplace-<prefix>-<worker>``.
-        threads: intra-op threads per worker (missing or ``None``: the process's setting).
+        threads: intra-op threads per worker (missing or ``None``: the submitting thread's
+            count at each call, so a worker computes as the caller would, even after the caller
+            changed ``torch.set_num_threads``; CPU kernels round by thread count).
     """
 
     def __init__(self, prefix: str, threads: Mapping[str, int | None] | None = None) -> None:
@@ -98,7 +102,8 @@ class WorkerThreads:
                     slot.jobs.put(None)  # the busy thread ends after its job
                 slot = self._slots[worker] = fresh
             slot.current = job
-            slot.jobs.put((fn, args, job, self.threads.get(worker)))
+            threads = self.threads.get(worker)
+            slot.jobs.put((fn, args, job, torch.get_num_threads() if threads is None else threads))
         return job
 
     def busy(self) -> list[str]:
