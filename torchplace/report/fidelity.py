@@ -103,20 +103,13 @@ def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
 
 
-def _predicted_stages(plan: Plan, problem: Problem, training: bool,
-                      microbatches: int) -> dict[tuple[int, str], tuple[str, float]]:
-    """Each stage pass's predicted seconds per call: the cost model's time for the batch plus the
-    executor's fixed cost per (stage, micro-batch) task (:mod:`torchplace.runtime.overhead`, the
-    same overhead the call prediction charges), which a stage's measured spans include."""
-    from torchplace.runtime.overhead import executor_overheads
-
-    tasks = microbatches * executor_overheads().per_task
+def _predicted_stages(plan: Plan, problem: Problem, training: bool) -> dict[tuple[int, str], tuple[str, float]]:
     if training:
         out = {}
         for i, (dev, fwd, bwd) in enumerate(costmodel.training_stage_times(problem, plan.stages)):
-            out[(i, "F")], out[(i, "B")] = (dev, fwd + tasks), (dev, bwd + tasks)
+            out[(i, "F")], out[(i, "B")] = (dev, fwd), (dev, bwd)
         return out
-    return {(i, "F"): (c.device, c.load + tasks) for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))}
+    return {(i, "F"): (c.device, c.load) for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))}
 
 
 def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], walls: Sequence[float],
@@ -129,7 +122,7 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
         training: the plan is a training plan: stages are its forward stages, compared pass by
             pass (forward only when the runs have no backward spans).
     """
-    predicted = _predicted_stages(plan, problem, training, microbatches)
+    predicted = _predicted_stages(plan, problem, training)
     if training:  # an eval-mode run of a training plan measures the forward passes only
         kinds = {s.kind for spans in runs for s in spans}
         predicted = {k: v for k, v in predicted.items() if k[1] in kinds}
