@@ -145,7 +145,7 @@ def main() -> None:
         for mode in ("inference", "training"):
             model, x, _ = build(args.batch)
             placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode=mode, microbatches=args.microbatches,
-                                      progress=False, **_training(mode))
+                                      progress=False, allow_single_device=False, **_training(mode))
             plan = str(Path(tmp, f"{mode}.json"))
             placed.plan.save(plan)
             stages = " -> ".join(s.device for s in placed.plan.stages)
