@@ -158,7 +158,7 @@ def exactness(report: dict[str, Any]) -> None:
                     model, inputs, options = build()
                     reference = copy.deepcopy(model)
                     cap = int(0.5 * _param_bytes(model))
-                    placed = torchplace.place(model, [GPU, "cpu"], inputs, objective=objective,
+                    placed = torchplace.place(model, [GPU, "cpu"], inputs, objective=objective, allow_single_device=False,
                                               contiguous=contiguous, max_memory={GPU: cap}, microbatches=4,
                                               **options, **QUICK)
                     with torch.no_grad():
@@ -183,7 +183,7 @@ def exactness(report: dict[str, Any]) -> None:
         reference = copy.deepcopy(model)
         x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(2))
         y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(3))
-        placed = torchplace.place(model, [GPU, "cpu"], (x,), mode="training", microbatches=4,
+        placed = torchplace.place(model, [GPU, "cpu"], (x,), mode="training", microbatches=4, allow_single_device=False,
                                   max_memory={GPU: int(0.6 * _param_bytes(model))}, **QUICK)
         loss_fn = nn.functional.cross_entropy
         losses = placed.step(x, target=y, loss_fn=loss_fn)
@@ -232,7 +232,7 @@ def throughput(report: dict[str, Any]) -> None:
         row: dict[str, Any] = {"what": f"torchplace pipeline, m={m}"}
         rows.append(row)
         try:
-            placed = torchplace.place(copy.deepcopy(model), [GPU, "cpu"], inputs, microbatches=m,
+            placed = torchplace.place(copy.deepcopy(model), [GPU, "cpu"], inputs, microbatches=m, allow_single_device=False,
                                       max_memory={GPU: cap}, **options, **QUICK)
             with torch.no_grad():
                 row["samples_per_s"] = rate(lambda: placed(*inputs))
@@ -317,7 +317,7 @@ def fidelity(report: dict[str, Any]) -> None:
     for label, build, frac in cases:
         try:
             model, inputs, options = build()
-            placed = torchplace.place(model, [GPU, "cpu"], inputs, microbatches=1,
+            placed = torchplace.place(model, [GPU, "cpu"], inputs, microbatches=1, allow_single_device=False,
                                       max_memory={GPU: int(frac * _param_bytes(model))}, **options, **QUICK)
             timer: dict[int, list[float]] = {}
             with torch.no_grad():

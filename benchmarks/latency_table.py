@@ -339,7 +339,7 @@ def measure(name: str, repeats: int, time_limit: float) -> str:
     model, inputs = models.build(name, batch=BATCH)
     opts: dict[str, Any] = {"objective": "latency", "time_limit": time_limit, "progress": False}
     t0 = time.perf_counter()
-    two = torchplace.place(model, ["cpu:0", "cpu:1"], inputs, **opts)
+    two = torchplace.place(model, ["cpu:0", "cpu:1"], inputs, allow_single_device=False, **opts)
     seconds = time.perf_counter() - t0
     one = torchplace.place(model, ["cpu:0"], inputs, **opts)
     with torch.no_grad():

@@ -124,6 +124,7 @@ def rows(names: list[str]) -> list[tuple]:
         for devices in (["cpu:0"], ["cpu:0", "cpu:1"]):
             for m in (1, 4):
                 placed = torchplace.place(model, devices, args, example_kwargs=kwargs, microbatches=m, progress=False,
+                                          allow_single_device=False,
                                           repeats=1, warmup=0, time_limit=10)
                 measured_peaks(placed, (args, kwargs))  # warm-up
                 peaks = measured_peaks(placed, (args, kwargs))

@@ -97,6 +97,7 @@ def _row(name, model_fn, devices, schedule, m, recompute, steps, base_plan=None)
     model.train()
     reference = copy.deepcopy(model)
     placed = torchplace.place(model, devices, inputs, mode="training", microbatches=m, schedule=schedule,
+                              allow_single_device=False,
                               progress=False, plan=base_plan, **options)
     plan, problem = placed.plan, placed.problem
     stages = len({s.device for s in plan.stages})
