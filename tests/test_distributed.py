@@ -293,12 +293,13 @@ def test_the_readme_torchrun_recipe_runs_as_shown(tmp_path):
     """README's "Many processes" commands: torchplace plan, then torchrun ... -m torchplace run."""
     torchrun = Path(sys.executable).parent / "torchrun"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--devices", "cpu:0", "cpu:1", "-o", "plan.json"],
+    subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--devices", "cpu:0", "cpu:1", "--keep-split",
+                    "-o", "plan.json"],
                    cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S, capture_output=True)
     for extra in ([], ["--mode", "training"]):
         if extra:
             subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--mode", "training", "--devices",
-                            "cpu:0", "cpu:1", "-o", "plan.json"], cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S,
+                            "cpu:0", "cpu:1", "--keep-split", "-o", "plan.json"], cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S,
                            capture_output=True)
         done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "torchplace", "run",
                                "plan.json", "--model", "mlp", *extra], cwd=tmp_path, env=env, timeout=LAUNCH_S,
