@@ -408,10 +408,9 @@ def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches:
     """The ``m`` whose ``1/m`` of the example batch is at least the largest micro-batch the runtime
     makes of it (:func:`torchplace.runtime.microbatch.scatter`): what the memory model divides
     activations by."""
-    sizes = {t.shape[0] for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1 or min(sizes) == 0:
+    batch = _batch(args, kwargs)
+    if not batch:
         return 1
-    batch = sizes.pop()
     return batch // -(-batch // min(microbatches, batch))
 
 
