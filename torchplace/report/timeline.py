@@ -75,15 +75,22 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
         return _training(problem, plan, microbatches or problem.pipeline.microbatches)
     if (problem is None and plan.meta.get("objective") == "latency") or (problem is None and microbatches == 1):
         return _pipeline(stage_times(plan, None), 1)
-    return _pipeline(stage_times(plan, problem), microbatches or 4)
+    return _pipeline(stage_times(plan, problem), microbatches or 4, problem)
 
 
-def _pipeline(times: Sequence[tuple[str, float]], m: int) -> list[Bar]:
+def _pools(problem: Problem | None) -> dict[str, str] | None:
+    """Which devices share cores (:func:`torchplace.callmodel.core_pools`), as the call prediction has them."""
+    from torchplace.callmodel import core_pools
+
+    return None if problem is None else core_pools(problem)
+
+
+def _pipeline(times: Sequence[tuple[str, float]], m: int, problem: Problem | None = None) -> list[Bar]:
     """The inference clock of :func:`torchplace.callmodel.simulate_inference` (no overheads), a
-    stage's bar being its cost divided by ``m``."""
+    stage's bar being its cost divided by ``m``; devices that share cores take turns."""
     from torchplace.callmodel import simulate_inference
 
-    call = simulate_inference([(d, t / m) for d, t in times], m)
+    call = simulate_inference([(d, t / m) for d, t in times], m, pools=_pools(problem))
     return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, "F", f"stage {t.stage}, micro-batch {t.microbatch}")
             for t in call.tasks]
 
@@ -93,7 +100,8 @@ def _training(problem: Problem, plan: Plan, m: int) -> list[Bar]:
     from torchplace.callmodel import simulate_training, training_microbatch_times
 
     assert problem.pipeline is not None
-    call = simulate_training(training_microbatch_times(problem, plan.stages, m), m, problem.pipeline.schedule)
+    call = simulate_training(training_microbatch_times(problem, plan.stages, m), m, problem.pipeline.schedule,
+                             pools=_pools(problem))
     names = {"F": "forward", "B": "backward"}
     return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, t.kind,
                 f"{names[t.kind]} of stage {t.stage}, micro-batch {t.microbatch}") for t in call.tasks]
