@@ -38,10 +38,11 @@ def test_a_worker_without_its_own_threads_computes_with_the_callers_count() -> N
     seen = []
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         workers.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)  # the thread starts
         torch.set_num_threads(1)
         workers.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)
-        assert seen == [before, 1]
+        assert seen == [2, 1]
         own = WorkerThreads("test", {"cpu:0": 2})
         own.submit("cpu:0", lambda: seen.append(torch.get_num_threads())).join(10)
         assert seen[-1] == 2  # a device with its own threads keeps them
