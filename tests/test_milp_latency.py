@@ -8,13 +8,14 @@ import time
 from collections import defaultdict
 
 import networkx as nx
+import pyomo.environ as pyo
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from torchplace import costmodel
 from torchplace.devices import Cluster, Device
-from torchplace.errors import InfeasibleError
+from torchplace.errors import InfeasibleError, SolverLimitError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import is_contiguous
 from torchplace.problem import Problem
@@ -260,13 +261,72 @@ def test_time_limit_returns_a_valid_plan(workloads_dir):
     problem = dataclasses.replace(read_dnn_partitioning(DNN / "LayerGraphs/resnet50_inference.json"),
                                   objective="latency", contiguous=False)
     t0 = time.perf_counter()
-    latency.build(problem)  # the limit must leave time to hand the model over (~4x the build) and find a
-    plan = latency.solve(problem, time_limit=3 + 8 * (time.perf_counter() - t0))  # plan, on a busy machine too
+    latency.build(problem)  # a limit that leaves HiGHS some time, on a busy machine too
+    plan = latency.solve(problem, time_limit=3 + 8 * (time.perf_counter() - t0))
     assert plan.status == "time_limit" and plan.meta["ip_status"] == "time_limit"
+    _check_limited(problem, plan)
+    if plan.meta["ip_latency"] is not None:  # HiGHS had an incumbent (at worst the start)
+        assert plan.meta["ip_bound"] <= plan.meta["ip_latency"]
+
+
+def test_a_limit_before_highs_first_incumbent_returns_the_start(monkeypatch):
+    """HiGHS stopped by the limit with no incumbent of its own (a loaded machine): the single-place
+    start is feasible, so it is the answer at this limit, not an error."""
+    problem = dataclasses.replace(read_dnn_partitioning(DNN / "LayerGraphs/resnet50_inference.json"),
+                                  objective="latency", contiguous=False)
+
+    def stopped(*args, **kwargs):
+        assert kwargs["warm_start"] is True
+        raise SolverLimitError("latency IP: no feasible placement found within the 5 s time limit", 5.0, 180.0)
+
+    monkeypatch.setattr(latency, "solve_model", stopped)
+    plan = latency.solve(problem, time_limit=60)
+    assert plan.status == "time_limit" and "time limit" in plan.meta["stopped"]
+    assert plan.meta["ip_bound"] == 180.0 and plan.meta["ip_latency"] is None
+    _check_limited(problem, plan)
+    start = latency.single_place_start(problem)
+    assert start is not None and len(set(start.values())) == 1  # every node on one place
+    assert plan.objective == costmodel.evaluate_stages(problem, latency._start_stages(problem, 1, start))[0]
+
+
+def test_without_a_place_for_everything_a_stopped_ip_still_raises(monkeypatch):
+    p = _diamond()  # 4 bytes of nodes on two accelerators of 3 bytes: no one place holds them
+    problem = dataclasses.replace(p, cluster=Cluster(tuple(dataclasses.replace(d, memory_bytes=3)
+                                                           for d in p.cluster.devices)))
+    assert latency.single_place_start(problem, q=2) is None
+    monkeypatch.setattr(latency, "solve_model", lambda *a, **k: (_ for _ in ()).throw(
+        SolverLimitError("latency IP: no feasible placement found within the 1 s time limit", 1.0, None)))
+    with pytest.raises(SolverLimitError, match="no feasible placement"):
+        latency.solve(problem, q=2, time_limit=60)
+
+
+def _check_limited(problem: Problem, plan) -> None:
     plan.validate(problem)
     assert plan.objective == costmodel.evaluate(problem, plan)
     assert plan.lower_bound <= plan.objective
-    assert plan.meta["ip_bound"] <= plan.meta["ip_latency"]
+
+
+def _tarnawski_place(problem: Problem, q: int, place: dict) -> dict:
+    accels = [d.name for d in problem.cluster.devices if d.pays_transfer]
+    return {v: None if j is None else (accels[j // q], j % q) for v, j in place.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(latency_problems(max_nodes=6), st.sampled_from([1, 2]))
+def test_the_single_place_start_is_a_feasible_point_of_the_ip(problem, q):
+    """The MIP start meets every row, and its TotalLatency is Tarnawski's latency of its placement."""
+    start = latency.single_place_start(problem, q)
+    if start is None:  # no one place can run and hold every node
+        return
+    model = latency.build(problem, q=q)
+    latency.initialize(model, problem, start)
+    bad = [c.name for c in model.component_data_objects(pyo.Constraint, active=True)
+           if (c.lower is not None and pyo.value(c.body) < pyo.value(c.lower) - 1e-9)
+           or (c.upper is not None and pyo.value(c.body) > pyo.value(c.upper) + 1e-9)]
+    assert bad == []
+    assert pyo.value(model.total) == pytest.approx(tarnawski_latency(problem, _tarnawski_place(problem, q, start)),
+                                                   rel=1e-9, abs=1e-12)
+    assert pyo.value(model.total) >= latency.solve(problem, q=q).meta["ip_latency"] - 1e-6
 
 
 def test_too_little_memory_is_infeasible():

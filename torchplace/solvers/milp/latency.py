@@ -54,13 +54,16 @@ sends it to one device after another (see ``tests/test_milp_latency.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import networkx as nx
 import pyomo.environ as pyo
 
 from torchplace.devices import Device
-from torchplace.errors import InfeasibleError
+from torchplace import costmodel
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
@@ -71,7 +74,7 @@ from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.size import latency_size
 from torchplace.solvers.ordering import order_stages
 
-__all__ = ["build", "extract", "solve"]
+__all__ = ["build", "extract", "initialize", "single_place_start", "solve"]
 
 
 @dataclass(frozen=True)
@@ -275,24 +278,147 @@ def _merge_adjacent(stages: list[Stage], topo: dict[str, int]) -> list[Stage]:
     return out
 
 
+@dataclass(frozen=True)
+class _Values:
+    """What :func:`extract` reads of a solution: the assignment (node -> slot, ``None`` for the
+    CPUs) and the times (SubgraphStart / SubgraphFinish per used slot, Latency per node)."""
+
+    place: Mapping[str, int | None]
+    start: Mapping[int, float]
+    finish: Mapping[int, float]
+    latency: Mapping[str, float]
+
+
 def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
     """Stages of a solved model: each used slot a stage on its accelerator, CPU nodes list-scheduled
     on the CPU devices; ordered by the IP's SubgraphStart / CPU start times (ties made valid by
     :func:`order_stages`), neighbouring stages of one device joined where the run order allows."""
-    lay = _layout(problem, int(pyo.value(model.q)))
+    place = {v: next((j for j in model.J if pyo.value(model.x[v, j]) > 0.5), None) for v in model.V}
+    used = set(place.values()) - {None}
+    return _stages(problem, int(pyo.value(model.q)), _Values(
+        place, {j: pyo.value(model.start[j]) for j in used}, {j: pyo.value(model.finish[j]) for j in used},
+        {v: pyo.value(model.latency[v]) for v in model.V}))
+
+
+def _stages(problem: Problem, q: int, values: _Values) -> list[Stage]:
+    lay = _layout(problem, q)
     topo = {v: t for t, v in enumerate(lay.nodes)}
     units: list[tuple[float, float, int, Stage]] = []
-    for j in model.J:
-        nodes = tuple(v for v in lay.nodes if pyo.value(model.x[v, j]) > 0.5)
-        if nodes:
-            stage = Stage(lay.accels[j // lay.q].name, nodes)
-            units.append((pyo.value(model.start[j]), pyo.value(model.finish[j]), topo[nodes[0]], stage))
-    cpu_nodes = [v for v in lay.nodes if pyo.value(model.x_cpu[v]) > 0.5]
-    starts = {v: pyo.value(model.latency[v]) - pyo.value(model.p_cpu[v]) for v in cpu_nodes}
+    for j in sorted(values.start):
+        nodes = tuple(v for v in lay.nodes if values.place[v] == j)
+        units.append((values.start[j], values.finish[j], topo[nodes[0]], Stage(lay.accels[j // q].name, nodes)))
+    g = problem.graph
+    starts = {v: values.latency[v] - _finite(g.record(v).time_on("cpu")) for v in lay.nodes if values.place[v] is None}
     for begin, end, cpu, v in _cpu_schedule(problem, lay, starts):
         units.append((begin, end, topo[v], Stage(cpu, (v,))))
     units.sort(key=lambda u: u[:3])
-    return _merge_adjacent(order_stages(problem.graph, [u[3] for u in units]), topo)
+    return _merge_adjacent(order_stages(g, [u[3] for u in units]), topo)
+
+
+def single_place_start(problem: Problem, q: int = 1) -> dict[str, int | None] | None:
+    """A MIP start: every node on one place, the one whose plan simulates fastest among those that
+    can run every node and hold them all (the CPUs, each accelerator's first slot); ``None`` if no
+    place can. Valid for the IP: one slot is contiguous, colocation holds, the symmetry rows hold
+    (slot 0 of an accelerator that is not a copy of the one before it)."""
+    _check(problem, q)
+    g, lay = problem.graph, _layout(problem, q)
+    need = sum(r.param_bytes + r.temp_bytes for _, r in g.records())
+    candidates: list[dict[str, int | None]] = []
+    capped_cpus = [d.memory_bytes for d in lay.cpus if d.memory_bytes is not None]
+    if lay.cpus and all("cpu" in r.times for _, r in g.records()) and need <= min(capped_cpus, default=need):
+        candidates.append(dict.fromkeys(lay.nodes))
+    copies = set(_symmetric_pairs(lay))
+    for a, d in enumerate(lay.accels):
+        if a not in copies and (d.memory_bytes is None or need <= d.memory_bytes) and all(
+                math.isfinite(problem.node_time(v, d)) for v in lay.nodes):
+            candidates.append(dict.fromkeys(lay.nodes, a * q))
+    if not candidates:
+        return None
+    return min(candidates, key=lambda place: costmodel.evaluate_stages(
+        problem, _stages(problem, q, _start_values(problem, q, place)))[0])
+
+
+def _start_values(problem: Problem, q: int, place: Mapping[str, int | None]) -> _Values:
+    """Tarnawski's times for an assignment (App. A's computation model, each window and CPU node as
+    early as its inputs and its accelerator's earlier slot allow): the least values the rows admit.
+
+    Raises:
+        ValueError: if the assignment's slots feed each other in a cycle (not a valid start).
+    """
+    g, lay = problem.graph, _layout(problem, q)
+    head = _heads(problem, lay)
+    unit = {v: ("slot", j) if j is not None else ("cpu", v) for v, j in place.items()}
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(unit.values())
+    quotient.add_edges_from((unit[u], unit[v]) for u, v in g.edges if unit[u] != unit[v])
+    used = sorted({j for j in place.values() if j is not None})
+    quotient.add_edges_from((("slot", j - 1), ("slot", j)) for j in used if j % q and ("slot", j - 1) in quotient)
+    if not nx.is_directed_acyclic_graph(quotient):
+        raise ValueError("the start's slots feed each other in a cycle")
+    members: dict[Any, list[str]] = {}
+    for v in lay.nodes:
+        members.setdefault(unit[v], []).append(v)
+    start: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    latency: dict[str, float] = {}
+    for u_ in nx.topological_sort(quotient):
+        nodes = members[u_]
+        if u_[0] == "cpu":
+            v = nodes[0]
+            ready = max((latency[u] for u in g.predecessors(v)), default=0.0)
+            latency[v] = max(head[v], ready + _finite(g.record(v).time_on("cpu")))
+            continue
+        j, inside = u_[1], set(nodes)
+        dev = lay.accels[j // q]
+        inputs = {u for v in nodes for u in g.predecessors(v) if u not in inside}
+        outputs = {u for u in nodes if any(w not in inside for w in g.successors(u))}
+        start[j] = max([latency[u] for u in inputs] + ([finish[j - 1]] if j % q and j - 1 in finish else []),
+                       default=0.0)
+        finish[j] = start[j] + math.fsum(problem.transfer_time(u) for u in inputs | outputs) + math.fsum(
+            _finite(problem.node_time(v, dev)) for v in nodes)
+        for v in nodes:
+            latency[v] = max(finish[j], head[v])
+    return _Values(dict(place), start, finish, latency)
+
+
+def initialize(model: pyo.ConcreteModel, problem: Problem, place: Mapping[str, int | None]) -> None:
+    """Set every variable of ``model`` to the assignment ``place`` (node -> slot, ``None`` for the
+    CPUs) and its least times (:func:`_start_values`): a MIP start, HiGHS's first incumbent when
+    the assignment meets memory, colocation, contiguity and the symmetry rows (as
+    :func:`single_place_start`'s does)."""
+    q = int(pyo.value(model.q))
+    values = _start_values(problem, q, place)
+    g, lay = problem.graph, _layout(problem, q)
+    for (v, j), var in model.x.items():
+        var.value = float(place[v] == j)
+    for v, var in model.x_cpu.items():
+        var.value = float(place[v] is None)
+    succ = {u: list(g.successors(u)) for u in model.P}
+    for (u, j), var in model.comm_in.items():
+        var.value = float(place[u] != j and any(place[w] == j for w in succ[u]))
+    for (u, j), var in model.comm_out.items():
+        var.value = float(place[u] == j and any(place[w] != j for w in succ[u]))
+    z = contiguity.reach_values(lay.nodes, list(g.edges), list(model.J), place)
+    for key, var in model.z.items():
+        var.value = z[key]
+    for v, var in model.latency.items():
+        var.value = values.latency[v]
+    for j in model.J:
+        model.used[j].value = float(j in values.start)
+    for j in model.J:  # an unused slot's window is empty: it opens when the slot before it closes
+        begin = values.start.get(j, model.finish[j - 1].value if j % q else 0.0)
+        model.start[j].value = begin
+        model.finish[j].value = values.finish.get(j, begin)
+    model.total.value = max(values.latency.values(), default=0.0)
+    count = {a: 0 for a in model.A_PRE}
+    for v in lay.nodes:
+        for a in model.A_PRE:
+            count[a] += sum(place[v] == j for j in range(a * q, (a + 1) * q))
+            model.prefix[v, a].value = float(count[a])
+
+
+def _start_stages(problem: Problem, q: int, place: Mapping[str, int | None]) -> list[Stage]:
+    return _stages(problem, q, _start_values(problem, q, place))
 
 
 def _size(model: pyo.ConcreteModel) -> tuple[int, int]:
@@ -313,6 +439,12 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         time_limit: seconds for everything: building the model, handing it to HiGHS, the solve
             and the plan (HiGHS gets what is left); ``None``: no limit. mip_gap: HiGHS's relative gap.
 
+    HiGHS starts from :func:`single_place_start` (every node on the one place that simulates
+    fastest) where some place can run and hold every node; when the limit stops the build, the
+    hand-over or HiGHS before its first incumbent, that start is returned with status
+    ``"time_limit"`` and the reason in ``meta["stopped"]``. The plan is the better, under the
+    simulation, of HiGHS's incumbent and the start.
+
     Returns:
         A Plan whose objective is the cost model's simulated latency; its status is ``"feasible"``
         (the IP is optimal for Tarnawski's model, not for the simulation) or ``"time_limit"``, or
@@ -323,16 +455,33 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         ValueError: see :func:`build`.
         InfeasibleError: if no placement meets memory, colocation and contiguity.
         SolverLimitError: if the time limit passed before any placement was found (also while the
-            model was built).
+            model was built) and there is no single-place start.
         ModelTooLargeError: if the model would not fit in the solver memory budget or the time limit.
     """
-    budget = Budget(f"latency IP (Tarnawski App. A, q={q})", time_limit)
-    model = build(problem, q=q, budget=budget)
+    name = f"latency IP (Tarnawski App. A, q={q})"
+    budget = Budget(name, time_limit)
+    start = single_place_start(problem, q)
     try:
-        res = solve_model(model, name=f"latency IP (Tarnawski App. A, q={q})", mip_gap=mip_gap, budget=budget)
+        model = build(problem, q=q, budget=budget)
+        if start is not None:
+            initialize(model, problem, start)
+        res = solve_model(model, name=name, mip_gap=mip_gap, budget=budget, warm_start=start is not None)
     except InfeasibleError as e:
         raise _infeasible(problem, q) from e
+    except SolverLimitError as e:
+        if start is None or isinstance(e, ModelTooLargeError):
+            raise
+        # The limit stopped the build, the hand-over or HiGHS before its first incumbent: the
+        # start is feasible for the IP, so it is the answer at this limit.
+        plan = Plan.build(problem, _start_stages(problem, q, start), solver="milp-latency",
+                          seconds=budget.elapsed(), lower_bound=latency_lower_bound(problem), status="time_limit",
+                          meta={"ip_latency": None, "ip_bound": e.bound, "ip_status": "time_limit", "q": q,
+                                "milp_objective": None, "milp_bound": e.bound, "stopped": str(e)})
+        return plan
     stages = extract(model, problem)
+    if start is not None:  # keep the start where HiGHS's incumbent simulates worse
+        stages = min((stages, _start_stages(problem, q, start)),
+                     key=lambda s: costmodel.evaluate_stages(problem, s)[0])
     rows, cols = _size(model)
     meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
             "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
