@@ -5,6 +5,7 @@ by pixel; one test renders the report in headless Chromium where it is installed
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -18,11 +19,13 @@ import torch
 from hypothesis import given, settings
 
 import torchplace
-from torchplace import costmodel
+from torchplace import callmodel, costmodel
+from torchplace.callmodel import Overheads
 from torchplace.cli import main
 from torchplace.errors import MissingDependencyError, UsageError
 from torchplace.models import build
 from torchplace.report import Picture, plot_graph, plot_memory, plot_schedule, predicted_timeline
+from torchplace.report import fidelity
 from torchplace.report.html import render
 from torchplace.report.trace import chrome_trace
 from torchplace.runtime.schedule import training_schedule
@@ -239,6 +242,24 @@ def test_measure_compares_every_stage_and_the_objective(pipelined):
     assert m.runs == 2 and m.microbatches == 4 and "Pearson" in str(m)
     with pytest.raises(UsageError, match="runs"):
         placed.measure(inputs, runs=0)
+
+
+def test_a_stage_is_predicted_as_the_call_runs_it(pipelined):
+    """Each stage is set beside its tasks in the predicted call (m micro-batches, each timed at the
+    micro-batch size plus the executor's per-task cost), not beside its whole-batch steady-state cost."""
+    placed, inputs = pipelined
+    call = placed.plan.meta["call"]
+    tasks = callmodel.predict_call(placed.problem, placed.plan.stages, 4, overheads=Overheads(per_task=1e-3))
+    assert callmodel.stage_seconds(tasks) == [
+        [i, "F", pytest.approx(4 * (t + 1e-3))]
+        for i, (_, t) in enumerate(callmodel.microbatch_stage_times(placed.problem, placed.plan.stages, 4))]
+    m = placed.measure(inputs, runs=1)
+    assert call["microbatches"] == 4
+    assert [[s.stage, s.kind, s.predicted] for s in m.stages] == call["stage_seconds"]
+    plan = dataclasses.replace(placed.plan, meta={k: v for k, v in placed.plan.meta.items() if k != "call"})
+    spans = [placed._last_spans]
+    old = fidelity.compare(plan, placed.problem, spans, [1.0], 4)  # without a call: the steady-state costs
+    assert [s.predicted for s in old.stages] == [c.load for c in costmodel.stage_costs(placed.problem, plan.stages)]
 
 
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):

@@ -58,6 +58,7 @@ __all__ = [
     "predict_call",
     "simulate_inference",
     "simulate_training",
+    "stage_seconds",
     "steady_per_sample",
     "training_microbatch_times",
 ]
@@ -324,6 +325,16 @@ def predict_call(problem: Problem, stages: Sequence[costmodel.StageLike], microb
         return simulate_training(times, microbatches, problem.pipeline.schedule, overheads, pools)
     times_ = microbatch_stage_times(problem, stages, microbatches, microbatch_graph)
     return simulate_inference(times_, microbatches, overheads, queue_size, pools)
+
+
+def stage_seconds(call: CallPrediction) -> list[list[Any]]:
+    """``[stage, pass, seconds]`` per stage pass (``"F"``, ``"B"``): the time its tasks take in the
+    predicted call, summed over the micro-batches (what a measured run's spans of that stage add
+    up to; :func:`torchplace.report.fidelity.compare`)."""
+    total: dict[tuple[int, str], float] = {}
+    for t in call.tasks:
+        total[(t.stage, t.kind)] = total.get((t.stage, t.kind), 0.0) + t.finish - t.start
+    return [[i, kind, seconds] for (i, kind), seconds in sorted(total.items())]
 
 
 def steady_per_sample(problem: Problem, stages: Sequence[costmodel.StageLike], batch: int) -> float:

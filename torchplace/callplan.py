@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchplace import callmodel
+from torchplace import callmodel, costmodel
 from torchplace.callmodel import CallPrediction, Overheads
 from torchplace.errors import InvalidPlanError, PlacementWarning
 from torchplace.graph import OpGraph
@@ -163,7 +163,7 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
 
     mine = seconds(plan)
     plan.meta["call"] = {"microbatches": 1, "seconds": mine, "makespan": plan.objective,
-                         "overhead": mine - plan.objective}
+                         "overhead": mine - plan.objective, "stage_seconds": _latency_stage_seconds(problem, plan, overheads)}
     if len({s.device for s in plan.stages}) < 2 or given:
         return Decision(plan, 1, None)
     singles = sorted(_single_plans(problem, plan), key=seconds)
@@ -175,7 +175,7 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
         plan.meta["single_device"] = {**record, "chosen": False}
         return Decision(plan, 1, None)
     one.meta["call"] = {"microbatches": 1, "seconds": seconds(one), "makespan": one.objective,
-                        "overhead": seconds(one) - one.objective}
+                        "overhead": seconds(one) - one.objective, "stage_seconds": _latency_stage_seconds(problem, one, overheads)}
     one.meta["single_device"] = {**record, "chosen": True}
     warnings.warn(f"the whole model on {record['device']} alone is predicted faster than the "
                   f"{len({s.device for s in plan.stages})}-device plan ({_ms(seconds(one))} vs {_ms(mine)} per call): "
@@ -184,8 +184,14 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
     return Decision(one, 1, None)
 
 
+def _latency_stage_seconds(problem: Problem, plan: Plan, overheads: Overheads) -> list[list[Any]]:
+    """Each stage's predicted seconds in a latency call: its cost-model time plus the per-task overhead."""
+    return [[i, "F", c.load + overheads.per_task] for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))]
+
+
 def _summary(problem: Problem, stages: Sequence[Stage], call: CallPrediction, batch: int | None) -> dict[str, Any]:
     out: dict[str, Any] = call.summary()
+    out["stage_seconds"] = callmodel.stage_seconds(call)
     if batch:
         out["batch"] = batch
         out["per_sample"] = callmodel.steady_per_sample(problem, stages, batch)

@@ -2,8 +2,11 @@
 
 :func:`compare` takes the spans of a few runs (the executors' ``last_spans``) and their wall
 times, and sets them beside the cost model: each stage's measured seconds per call (its spans
-summed over micro-batches, the median over runs) against :func:`~torchplace.costmodel.stage_costs`
-(or :func:`~torchplace.costmodel.training_stage_times`, forward and backward apart); the run's
+summed over micro-batches, the median over runs) against the time its tasks take in the call
+``place()`` predicted (``plan.meta["call"]["stage_seconds"]``: micro-batch stage times profiled at
+the micro-batch size, plus the executor's per-task overhead) when it was for this many
+micro-batches, else :func:`~torchplace.costmodel.stage_costs` (or
+:func:`~torchplace.costmodel.training_stage_times`, forward and backward apart); the run's
 bottleneck (the busiest device's seconds per call, for throughput) or makespan (latency) against
 the plan's objective; and the wall time per call against the call ``place()`` predicted
 (:mod:`torchplace.callmodel`: the schedule's clock with micro-batch stage times and the executor's
@@ -123,6 +126,11 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
             pass (forward only when the runs have no backward spans).
     """
     predicted = _predicted_stages(plan, problem, training)
+    call = plan.meta.get("call") or {}
+    if call.get("microbatches") == microbatches and call.get("stage_seconds"):  # the call place() predicted
+        in_call = {(int(i), str(kind)): float(secs) for i, kind, secs in call["stage_seconds"]}
+        if set(predicted) <= set(in_call):
+            predicted = {key: (dev, in_call[key]) for key, (dev, _) in predicted.items()}
     if training:  # an eval-mode run of a training plan measures the forward passes only
         kinds = {s.kind for spans in runs for s in spans}
         predicted = {k: v for k, v in predicted.items() if k[1] in kinds}
@@ -142,7 +150,6 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
     stages = [StageFidelity(i, dev, kind, secs, statistics.median(per_stage[(i, kind)]))
               for (i, kind), (dev, secs) in sorted(predicted.items())]
     measured = statistics.median(makespans if problem.objective == "latency" else busy) if runs else math.nan
-    call = plan.meta.get("call") or {}
     if call.get("microbatches") == microbatches and "seconds" in call:  # place()'s prediction of this call
         wall = float(call["seconds"])
     else:
