@@ -112,6 +112,16 @@ def test_split_is_kept_when_it_is_faster() -> None:
     assert _wall(placed) == pytest.approx(predicted, rel=0.35)  # a loaded machine starves the Python between sleeps
 
 
+def test_a_training_step_is_predicted_with_stage_times_of_one_micro_batch() -> None:
+    """Each stage sleeps 20 ms per forward whatever the batch: with 4 micro-batches its forward
+    tasks take 4 x 20 ms in the predicted step (a whole-batch time divided by 4 would give 20 ms)."""
+    model = nn.Sequential(Sleep(0.02), nn.Linear(2, 2), Sleep(0.02), nn.Linear(2, 2))
+    placed = _place(model, mode="training", microbatches=4, allow_single_device=False, contiguous=True)
+    forward = {i: secs for i, kind, secs in placed.plan.meta["call"]["stage_seconds"] if kind == "F"}
+    assert len(forward) == 2
+    assert sum(forward.values()) >= 2 * 4 * 0.02 * 0.9
+
+
 def test_auto_picks_the_fastest_predicted_divisor_of_the_batch() -> None:
     placed = _place(nn.Sequential(SleepPerSample(0.002), SleepPerSample(0.002)), microbatches="auto",
                     allow_single_device=False)

@@ -369,8 +369,12 @@ def prepare(
             if cached:
                 return None
             chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
-            return profile(traced, chunk_args, chunk_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
-                           progress=progress, grad=training, threads=threads)
+            small = profile(traced, chunk_args, chunk_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
+                            progress=progress, grad=training, threads=threads)
+            if training:  # forward and backward of one micro-batch
+                small = _training_graph(traced, small, chunk_args, chunk_kwargs, kinds, optimizer, warmup, repeats,
+                                        progress, threads)
+            return small
 
         decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
                                    overheads=executor_overheads(), allow_single_device=allow_single_device,

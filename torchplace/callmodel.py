@@ -300,10 +300,14 @@ def microbatch_stage_times(problem: Problem, stages: Sequence[costmodel.StageLik
     return [(c.device, s.compute + (c.transfer_in + c.transfer_out) / microbatches) for c, s in zip(full, small)]
 
 
-def training_microbatch_times(problem: Problem, stages: Sequence[costmodel.StageLike],
-                              microbatches: int) -> list[tuple[str, float, float]]:
-    """``(device, forward, backward)`` seconds per micro-batch of each forward stage: the training
-    graph's times (profiled on the whole batch) divided by ``m``."""
+def training_microbatch_times(problem: Problem, stages: Sequence[costmodel.StageLike], microbatches: int,
+                              microbatch_graph: OpGraph | None = None) -> list[tuple[str, float, float]]:
+    """``(device, forward, backward)`` seconds per micro-batch of each forward stage
+    (:func:`~torchplace.costmodel.training_stage_times`): on ``microbatch_graph`` (the training
+    graph profiled on one micro-batch, transfers of its bytes) when given, else the whole batch's
+    times divided by ``m``."""
+    if microbatch_graph is not None:
+        return costmodel.training_stage_times(_with_graph(problem, microbatch_graph), stages)
     return [(d, f / microbatches, b / microbatches) for d, f, b in costmodel.training_stage_times(problem, stages)]
 
 
@@ -321,7 +325,7 @@ def predict_call(problem: Problem, stages: Sequence[costmodel.StageLike], microb
         raise ValueError("a latency plan runs one sample per call: its time is costmodel.simulate's makespan")
     pools = core_pools(problem)
     if problem.mode == "training" and problem.pipeline is not None:
-        times = training_microbatch_times(problem, stages, microbatches)
+        times = training_microbatch_times(problem, stages, microbatches, microbatch_graph)
         return simulate_training(times, microbatches, problem.pipeline.schedule, overheads, pools)
     times_ = microbatch_stage_times(problem, stages, microbatches, microbatch_graph)
     return simulate_inference(times_, microbatches, overheads, queue_size, pools)

@@ -3,7 +3,8 @@
 After the solver has split the model for the steady state (the max device load), ``place()``
 
 1. predicts one call of the plan with ``m`` micro-batches, each stage's time measured at the
-   micro-batch size (the traced graph profiled again on the first of the ``m`` micro-batches), the
+   micro-batch size (the traced graph profiled again on the first of the ``m`` micro-batches; for
+   training, its forward and backward), the
    executor's overheads measured once per process (:mod:`torchplace.runtime.overhead`);
 2. with ``microbatches="auto"`` tries every ``m`` that divides the example batch, up to
    :data:`AUTO_MAX_MICROBATCHES`, and keeps the one with the shortest predicted call (the
@@ -115,8 +116,7 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
 def _predict(problem: Problem, stages: Sequence[Stage], m: int, profiler: Profiler, overheads: Overheads,
              graphs: dict[int, OpGraph], notes: list[str]) -> CallPrediction:
     """The call of ``stages`` with ``m`` micro-batches, profiling the graph at that size once."""
-    training = problem.mode == "training"
-    if m > 1 and m not in graphs and not training:
+    if m > 1 and m not in graphs:
         try:
             small = profiler(m)
         except Exception as error:  # noqa: BLE001 - the prediction falls back, and says so
