@@ -117,8 +117,8 @@ def test_a_saved_plan_of_the_same_model_is_run_without_profiling(tmp_path, monke
     model, inputs = build("mlp", batch=4)
     calls = _count_profiling(monkeypatch)
     placed = _place(model, inputs, microbatches=2, mode=mode)
-    # inference: the batch, then one of its 2 micro-batches (the call's prediction, torchplace.callplan)
-    assert calls == (["profile", "profile"] if mode == "inference" else ["profile", "measure_backward"])
+    # the batch, then one of its 2 micro-batches (the call's prediction, torchplace.callplan), forward and backward
+    assert calls == (["profile", "profile"] if mode == "inference" else ["profile", "measure_backward"] * 2)
     placed.plan.save(tmp_path / "plan.json")
     calls.clear()
     fresh, _ = build("mlp", batch=4, seed=3)  # other weights, same graph

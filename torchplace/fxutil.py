@@ -19,6 +19,7 @@ __all__ = [
     "fetch_attr",
     "flat_inputs",
     "is_compute",
+    "pin_arguments",
     "pin_devices",
     "tensor_bytes",
 ]
@@ -131,6 +132,19 @@ def tensor_bytes(value: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
     )
+
+
+def pin_arguments(value: Any, device: torch.device) -> Any:
+    """A node's arguments with every ``torch.device`` (and a ``device=`` keyword given as a string)
+    replaced by ``device``: what :func:`pin_devices` does to a graph, for one call of one node."""
+
+    def pin(v: Any) -> Any:
+        return device if isinstance(v, torch.device) else v
+
+    out = fx.node.map_aggregate(value, pin)
+    if isinstance(out, dict) and isinstance(out.get("device"), str):
+        out = {**out, "device": device}
+    return out
 
 
 def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:

@@ -23,7 +23,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from torchplace.fxutil import is_compute
+from torchplace.fxutil import is_compute, pin_arguments
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
@@ -84,7 +84,7 @@ class _TimingInterpreter(fx.Interpreter):
     ``device`` with only its own part there: a ``get_attr`` tensor is copied over when the graph
     reads it (and dropped after its last reader), a called module is copied over for its call, and
     device constants in a node's arguments (``arange(..., device=cpu)``) are pinned to ``device``
-    as :func:`~torchplace.fxutil.pin_devices` does for a stage. Copies happen outside the timed
+    (:func:`~torchplace.fxutil.pin_arguments`) as :func:`~torchplace.fxutil.pin_devices` does for a stage. Copies happen outside the timed
     region; nothing of the model is moved or changed, so a model too big for one device is timed
     part by part (issue 17).
     """
@@ -111,7 +111,7 @@ class _TimingInterpreter(fx.Interpreter):
             return super().run_node(n)
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            args, kwargs = _pinned(args, device), _pinned(kwargs, device)
+            args, kwargs = pin_arguments(args, device), pin_arguments(kwargs, device)
             if n.op == "call_module":
                 part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(device)
                 token = self.timer.start()
@@ -121,18 +121,6 @@ class _TimingInterpreter(fx.Interpreter):
                 out = getattr(self, n.op)(n.target, args, kwargs)
         self.timer.stop(n.name, token)
         return out
-
-
-def _pinned(value: Any, device: torch.device) -> Any:
-    """``value`` with every ``torch.device`` (and a ``device=`` string) replaced by ``device``."""
-
-    def pin(v: Any) -> Any:
-        return device if isinstance(v, torch.device) else v
-
-    out = fx.node.map_aggregate(value, pin)
-    if isinstance(out, dict) and isinstance(out.get("device"), str):
-        out = {**out, "device": device}
-    return out
 
 
 def present_kinds() -> set[str]:

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from torchplace.errors import UsageError
-from torchplace.fxutil import is_compute, pin_devices
+from torchplace.fxutil import is_compute, pin_arguments
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
 from torchplace.profiling.trace import Traced
@@ -76,23 +76,65 @@ def _floating(t: Any) -> bool:
 
 
 class _Probe(fx.Interpreter):
-    """Runs the graph (no grad, for the values) and probes each compute node's backward."""
+    """Runs the graph (no grad, for the values) and probes each compute node's backward.
 
-    def __init__(self, gm: fx.GraphModule, params: set[int], writers: set[str], cuda: bool) -> None:
+    With ``parts`` (a device other than the CPU) the model stays where it is, as in forward
+    profiling (:class:`~torchplace.profiling.profile._TimingInterpreter`): the values live on
+    ``device``, a ``get_attr`` tensor is copied there when the graph reads it, a called module is
+    copied there for its node, and device constants in a node's arguments are pinned to ``device``;
+    so a model too big for one device is probed part by part (issue 17 item 6).
+    """
+
+    def __init__(self, gm: fx.GraphModule, params: set[int], writers: set[str], device: torch.device,
+                 parts: bool) -> None:
         super().__init__(gm)
-        self.params, self.writers, self.cuda = params, writers, cuda
+        self.params, self.writers, self.device, self.parts = params, writers, device, parts
+        self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = {}
         self.saved: dict[str, int] = {}
         self.grad_bytes: dict[str, int] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        if is_compute(n):
-            self._probe(n)
+        if self.parts and n.op == "get_attr":
+            value = super().run_node(n)
+            return self._weight(value.to(self.device)) if isinstance(value, torch.Tensor) else value
+        if not is_compute(n):
+            return super().run_node(n)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if self.parts:
+                args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
+            part = self._part(n)
+            out = self._call(n, part, args, kwargs)
+            self._probe(n, part)
         return out
 
-    def _probe(self, n: fx.Node) -> None:
+    def _weight(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of a model tensor on the device: a parameter, not an activation, for the probe."""
+        key = storage_address(t)
+        if key is not None:
+            self.params.add(key)
+        return t
+
+    def _part(self, n: fx.Node) -> torch.nn.Module | None:
+        """The module node ``n`` calls (with ``parts``, a copy on the device), or ``None``."""
+        if n.op != "call_module":
+            return None
+        module = self.module.get_submodule(str(n.target))
+        if not self.parts:
+            return module
+        copied = copy.deepcopy(module).to(self.device)
+        for t in (*copied.parameters(), *copied.buffers()):
+            self._weight(t)
+        return copied
+
+    def _call(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any) -> Any:
+        return part(*args, **kwargs) if part is not None else getattr(self, n.op)(n.target, args, kwargs)
+
+    def _probe(self, n: fx.Node, part: torch.nn.Module | None) -> None:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if self.parts:
+            args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
         leaves: list[torch.Tensor] = []
         activations = 0
 
@@ -116,9 +158,9 @@ class _Probe(fx.Interpreter):
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = getattr(self, n.op)(n.target, args, kwargs)
+            out = self._call(n, part, args, kwargs)
         outs = [t for t in pytree.tree_leaves(out) if _floating(t) and t.requires_grad]
-        targets = leaves + self._module_params(n)
+        targets = leaves + ([p for p in part.parameters() if p.requires_grad] if part is not None else [])
         seconds = 0.0
         if outs and targets:
             grads = [torch.ones_like(t) for t in outs]
@@ -135,26 +177,23 @@ class _Probe(fx.Interpreter):
         if self.cuda:
             torch.cuda.synchronize()
 
-    def _module_params(self, n: fx.Node) -> list[torch.Tensor]:
-        if n.op != "call_module":
-            return []
-        return [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
-
 
 def measure_backward(traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None,
                      *, kind: str = "cpu", warmup: int = 1, repeats: int = 3,
-                     progress: bool = True) -> dict[str, BackwardCost]:
+                     progress: bool = True, parts: bool | None = None) -> dict[str, BackwardCost]:
     """Backward seconds (median of ``repeats`` after ``warmup``), saved and gradient bytes of every
     compute fx node, on the first device of ``kind`` (``"cpu"`` or ``"cuda"``, where CUDA times are
-    taken between synchronizations); the model's parameters and buffers are restored afterwards."""
+    taken between synchronizations); the model's parameters and buffers are restored afterwards.
+
+    On a device other than the CPU (or with ``parts=True``) the model is never copied there whole:
+    each node's part is (:class:`_Probe`), so a model that does not fit the device is profiled.
+    """
     gm, device = traced.gm, torch.device("cpu" if kind == "cpu" else f"{kind}:0")
-    if device.type != "cpu":
-        gm = copy.deepcopy(gm).to(device)
-        pin_devices(gm, device)
+    parts = device.type != "cpu" if parts is None else parts
     params = {storage_address(t) for t in named_state(gm).values()} - {None}
     writers = set(traced.effects.written)
     samples: dict[str, list[float]] = {}
-    probe = _Probe(gm, params, writers, device.type == "cuda")  # type: ignore[arg-type]
+    probe = _Probe(gm, params, writers, device, parts)
     snapshot = StateSnapshot(gm)
     try:
         with torch.no_grad():

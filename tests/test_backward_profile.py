@@ -1,0 +1,60 @@
+"""Backward profiling part by part (issue 17 item 6): a device other than the CPU never receives
+the whole model; each node's part is copied there. The CPU runs the same path with parts=True."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx, nn
+
+from torchplace.models import build, leaf_modules_for
+from torchplace.profiling import training as training_profile
+from torchplace.profiling.trace import trace
+
+
+def _traced(name: str, leaves: tuple = ()):
+    model, inputs = build(name, batch=4)
+    model.train()
+    with torch.no_grad():
+        traced = trace(model, inputs, {}, granularity="module" if name in ("gpt2", "bert") else "operator",
+                       leaf_modules=leaves or (leaf_modules_for(name) if name in ("gpt2", "bert") else ()),
+                       training=True)
+    return model, traced, inputs
+
+
+@pytest.mark.parametrize(("name", "leaves"), [("mlp", ()), ("mlp", (nn.Linear,)), ("resnet", ()),
+                                              ("transformer", ()), ("gpt2", ())])
+def test_part_by_part_saves_and_sends_the_same_bytes(name, leaves):
+    """Weights read through get_attr and modules called as leaves (copied for their node) alike."""
+    model, traced, inputs = _traced(name, leaves)
+    if leaves:
+        assert sum(n.op == "call_module" for n in traced.gm.graph.nodes) >= 2
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = training_profile.measure_backward(traced, inputs, kind="cpu", warmup=0, repeats=1, progress=False)
+    parts = training_profile.measure_backward(traced, inputs, kind="cpu", warmup=0, repeats=1, progress=False,
+                                              parts=True)
+    assert parts.keys() == whole.keys() and whole
+    assert {n: (c.saved_bytes, c.grad_bytes) for n, c in parts.items()} == {
+        n: (c.saved_bytes, c.grad_bytes) for n, c in whole.items()}
+    assert any(c.seconds > 0 for c in parts.values())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # buffers restored
+
+
+def test_the_model_is_never_copied_whole(monkeypatch):
+    model, traced, inputs = _traced("resnet")
+    copied = []
+    real = copy.deepcopy
+    monkeypatch.setattr(training_profile.copy, "deepcopy", lambda x, *a: copied.append(type(x)) or real(x, *a))
+    training_profile.measure_backward(traced, inputs, kind="cpu", warmup=0, repeats=1, progress=False, parts=True)
+    assert copied and not any(issubclass(t, fx.GraphModule) for t in copied)
+    assert all(t.__name__ != type(model).__name__ for t in copied)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_backward_leaves_the_model_on_the_cpu():
+    model, traced, inputs = _traced("resnet")
+    torch.cuda.reset_peak_memory_stats()
+    costs = training_profile.measure_backward(traced, inputs, kind="cuda", warmup=0, repeats=1, progress=False)
+    assert costs and all(p.device.type == "cpu" for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in traced.gm.parameters())
