@@ -3,6 +3,14 @@ Tarnawski et al. 2020 Table 1 (max-load and runtime per method) and Archer et al
 (lower bounds as a fraction of the best plan found).
 
 Run:  python benchmarks/solvers_table.py [--time-limit 60] [--bound-time-limit 30] [--only bert24]
+      python benchmarks/solvers_table.py --certificates [--k 2 4 8 16] [--instance-limit 60]
+
+``--certificates`` (issue 16, items 5-6): every workload at k = 2, 4, 8, 16 accelerators (the
+file's CPUs), solved as a user gets it, ``auto`` with ``bounds="mip"`` within ``--instance-limit``
+seconds in all: the DP's contiguous optimum (its certificate within contiguous splits), and the
+bound over any split (the simple bound, guess-the-bottleneck, the non-contiguous max-load MILP
+started from the DP's plan). Prints bound / best per instance, the wall time against the limit,
+and the geo-mean.
 
 Methods: the ideals DP, DPL, the max-load IP restricted to contiguous splits and unrestricted
 (Tarnawski App. C), SliceGraph over random orders and BRKGA (Archer Sec. 4, App. C.1), and the
@@ -14,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from datetime import date
@@ -113,12 +124,51 @@ def run(name: str, args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return cells, bound_cells
 
 
+def certificates(args: argparse.Namespace) -> None:
+    """The ``--certificates`` table (module docstring)."""
+    from torchplace.solvers.auto import solve_auto
+
+    print(f"Run {date.today()}, {platform.machine()}, {platform.python_version()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}; auto bounds='mip' within {args.instance_limit:g} s per instance\n")
+    print("| workload | k | nodes | best max-load | contiguous optimal | bound over any split | bound / best | "
+          "bound from | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for name in WORKLOADS:
+        if args.only not in name:
+            continue
+        for k in args.k:
+            problem = read_dnn_partitioning(ROOT / "throughput" / name, accelerators=k)
+            t0 = time.perf_counter()
+            plan = solve_auto(problem, time_limit=args.instance_limit, bounds="mip", milp_nodes=0)
+            wall = time.perf_counter() - t0
+            tried = plan.meta["auto"]
+            ip = tried.get("ip")
+            best = min([plan.objective] + ([ip] if isinstance(ip, float) else []))
+            ratio = plan.lower_bound / best
+            ratios.append(ratio)
+            source = "proof (bound = plan)" if ratio >= 1 - 1e-9 else (
+                "guess-the-bottleneck" if abs(plan.lower_bound - tried.get("guess_the_bottleneck_bound", -1)) < 1e-9
+                else "IP / simple")
+            print(f"| {name.split('/')[1].removesuffix('.json')} ({name.split('/')[0][:5]}) | {k} | {len(problem.graph)} "
+                  f"| {best:.4f} | {'yes' if isinstance(tried.get('dp'), float) else 'no'} "
+                  f"| {plan.lower_bound:.4f} | {ratio:.3f} | {source} | {wall:.1f} |", flush=True)
+    geo = math.exp(statistics.fmean(math.log(max(r, 1e-12)) for r in ratios)) if ratios else math.nan
+    print(f"\ngeo-mean bound / best over {len(ratios)} instances: {geo:.3f} (goal >= 0.97)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP and per search")
     ap.add_argument("--bound-time-limit", type=float, default=30.0, help="seconds per bound MIP")
     ap.add_argument("--only", default="", help="run only workloads whose path contains this")
+    ap.add_argument("--certificates", action="store_true", help="bound / best at each k (see the docstring)")
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 8, 16], help="accelerator counts for --certificates")
+    ap.add_argument("--instance-limit", type=float, default=60.0, help="seconds per instance for --certificates")
     args = ap.parse_args()
+    if args.certificates:
+        certificates(args)
+        return
     rows, bound_rows = [], []
     for name in WORKLOADS:
         if args.only in name:

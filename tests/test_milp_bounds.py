@@ -112,3 +112,33 @@ def test_infeasible_problem_raises():
     problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 5),)))
     with pytest.raises(InfeasibleError):
         bounds.three_superblock_bound(problem)
+
+
+def test_auto_with_mip_bounds_proves_a_contiguous_plan_against_every_split(workloads_dir):
+    """bert24 inference: the DP's contiguous optimum 17.7899; auto's bounds="mip" runs
+    guess-the-bottleneck and the non-contiguous IP (from the DP's plan) for a bound over any
+    split, which the non-contiguous optimum 17.71472 caps; the plan stays the contiguous one."""
+    from torchplace.solvers.auto import solve_auto
+
+    problem = read_dnn_partitioning(DNN / "LayerGraphs/bert24_inference.json")
+    plain = solve_auto(problem, time_limit=15)
+    mip = solve_auto(problem, time_limit=15, bounds="mip")
+    assert mip.objective == plain.objective == pytest.approx(17.7899, abs=1e-4)
+    assert mip.meta["contiguous"] is not False and mip.solver == plain.solver
+    mip.validate(problem)
+    assert {"guess_the_bottleneck_bound", "ip"} <= set(mip.meta["auto"])
+    assert plain.lower_bound < mip.lower_bound <= 17.71473
+    assert mip.lower_bound >= mip.meta["auto"]["guess_the_bottleneck_bound"] - 1e-9
+
+
+def test_auto_with_mip_bounds_holds_its_time_limit(workloads_dir):
+    import time
+
+    from torchplace.solvers.auto import solve_auto
+
+    problem = read_dnn_partitioning(DNN / "OperatorGraphs/bert_l-6_inference.json")
+    t0 = time.perf_counter()
+    plan = solve_auto(problem, time_limit=4, bounds="mip")
+    assert time.perf_counter() - t0 < 4 * 1.1 + 1.5
+    plan.validate(problem)
+    assert simple_lower_bound(problem) <= plan.lower_bound <= plan.objective
