@@ -1,6 +1,6 @@
 """torchplace's device_map beside accelerate's, on the same budgets (issue 15).
 
-Run:  HF_HUB_OFFLINE=1 python benchmarks/device_map.py [--quick] [--time-limit S]
+Run:  HF_HUB_OFFLINE=1 python benchmarks/device_map.py [--quick] [--time-limit S] [--phase decode]
 
 For each model (GPT-2 small, a Llama-style decoder, BERT-base, T5-small, a small Mixtral-style
 MoE; built from configs on the meta device, no weights) and each heterogeneous cluster (a fast
@@ -20,6 +20,9 @@ Every map is timed by torchplace's cost model on one problem per (model, cluster
 batch size: seconds per sample, all estimated: nothing here has a GPU) and checked against the
 budgets with the weights, activations and the KV cache of the stated batch and sequence length.
 A map that does not fit is reported as such; speed-ups are against the best map that fits.
+With ``--phase decode`` the time is that of one generated token of every sequence of the batch
+(each attention block also reading its KV cache of ``--seq`` tokens; decoder-only models), and
+torchplace's map is solved for it.
 
 Measured: on this machine (no accelerator) only ``"cpu"`` and ``"disk"`` can be dispatched, so a
 GPT-2 with real weights and a CPU budget of half its weights is dispatched with accelerate's
@@ -125,6 +128,8 @@ def predicted(args) -> list[dict]:
     dtype = torch.float16
     for name, (config, auto) in models(args.quick).items():
         model = meta(config, auto)
+        if args.phase == "decode" and (model.config.is_encoder_decoder or not model.can_generate()):
+            continue  # a generated token is a decoder-only model's step
         w = weight_bytes(model, dtype.itemsize)
         stored, peak, kv = need(model, args, dtype)
         # each GPU: room for the largest block's activations + 60% of the weights and KV cache of the
@@ -134,7 +139,7 @@ def predicted(args) -> list[dict]:
         for fast_first in (True, False):
             label = "fast GPU 0" if fast_first else "slow GPU 0"
             problem = build_problem(model, budget, batch_size=args.batch, sequence_length=args.seq, dtype=dtype,
-                                    cluster=cluster(fast_first))
+                                    cluster=cluster(fast_first), phase=args.phase)
             t0 = time.perf_counter()
             ours = solve_device_map(model, problem, time_limit=args.time_limit)
             solve_s = time.perf_counter() - t0
@@ -234,15 +239,20 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--measured-only", action="store_true", help="only the measured cpu + disk comparison")
+    ap.add_argument("--phase", choices=["prefill", "decode"], default="prefill",
+                    help="time of the forward pass of the batch, or of one generated token")
     ap.add_argument("--share", type=float, default=0.6,
                     help="each GPU's budget: this share of weights + KV cache, plus the largest block's activations")
     args = ap.parse_args()
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}")
-    print(f"# batch {args.batch}, sequence {args.seq}, float16 weights; ms per sample predicted by the cost model; "
-          "* = does not fit the budget with the batch's activations and KV cache")
+    unit = "ms per generated token per sequence" if args.phase == "decode" else "ms per sample"
+    print(f"# batch {args.batch}, sequence {args.seq}, float16 weights, phase {args.phase}; {unit} predicted by "
+          "the cost model; * = does not fit the budget with the batch's activations and KV cache")
     if not args.measured_only:
         print(HEADER)
         predicted(args)
+    if args.phase == "decode":
+        return
     print("# measured on this machine: GPT-2 (6 x 256) dispatched over cpu (half the weights) + disk")
     for label, seconds, same, predicted_s, device_map in measured(args):
         print(f"{label:<22} measured {seconds * 1e3:8.1f} ms, predicted {predicted_s * 1e3:8.1f} ms per forward of "

@@ -177,3 +177,40 @@ def test_cli_plans_a_config_on_the_meta_device(tmp_path, capsys):
     assert set(out["memory"]) <= {"0", "cpu"} and out["seconds"] >= out["lower_bound"] > 0
     assert main(["plan", "--hf", str(config), "--max-memory", "0=10KiB"]) == 2
     assert "needs" in capsys.readouterr().err
+
+
+# -- time per generated token ------------------------------------------------------------------------
+def test_decode_phase_times_one_token_reading_the_kv_cache():
+    """phase="decode": a block's time is one token's step plus reading its KV cache once, so the
+    step grows with the cached length while the prefill pass is far longer than one token's."""
+    from torchplace.hf.blocks import HF_DEVICE_SPECS
+
+    model = build(llama_config(2), "meta")
+    budget = {0: "64MiB", "cpu": "1GiB"}
+    short = build_problem(model, budget, batch_size=4, sequence_length=16, phase="decode")
+    long = build_problem(model, budget, batch_size=4, sequence_length=128, phase="decode")
+    prefill = build_problem(model, budget, batch_size=4, sequence_length=128)
+    kv = long.graph.meta["hf"]["kv_cache"]
+    assert kv and long.graph.meta["hf"]["phase"] == "decode"
+    for v, nbytes in kv.items():
+        grown = long.graph.record(v).time_on("cuda") - short.graph.record(v).time_on("cuda")
+        assert grown == pytest.approx((nbytes - short.graph.meta["hf"]["kv_cache"][v]) / HF_DEVICE_SPECS["cuda"].mem_bandwidth)
+    def total(problem):
+        return sum(r.time_on("cuda") for _, r in problem.graph.records())
+
+    assert total(short) < total(long) < total(prefill)
+    # room for the prompt's activations is kept as in a prefill map
+    assert long.graph.meta["hf"]["activations"] >= prefill.graph.meta["hf"]["activations"]
+
+
+def test_decode_map_is_a_valid_map_timed_per_generated_token():
+    model = build(gpt2_config(2), "meta")
+    plan = plan_device_map(model, {0: "2MiB", "cpu": "1GiB"}, batch_size=2, sequence_length=64, phase="decode")
+    check_device_map(model, plan.device_map)
+    assert "per generated token" in str(plan)
+    with pytest.raises(UsageError, match="phase must be one of"):
+        plan_device_map(model, {"cpu": "1GiB"}, phase="generate")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=VOCAB))
+    with pytest.raises(UsageError, match="encoder-decoder"):
+        build_problem(t5, {"cpu": "1GiB"}, phase="decode")

@@ -7,7 +7,7 @@
                      [--baseline no-dp|no-tp|no-ar] [--knapsack exact]  Piper (data x tensor x pipeline)
     torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
-    torchplace plan --hf CONFIG.json --max-memory 0=10GiB cpu=30GiB [--batch B] [--sequence-length S]
+    torchplace plan --hf CONFIG.json --max-memory 0=10GiB cpu=30GiB [--batch B] [--sequence-length S] [--phase decode]
                     [--dtype float16] [--cluster FILE] [--json]  accelerate device_map of a HF config
     torchplace show PLAN.json                                 print a saved plan
     torchrun --nproc-per-node N -m torchplace run PLAN.json --model MODEL [--mode training]
@@ -224,7 +224,7 @@ def _plan_hf(args: argparse.Namespace) -> int:
         raise UsageError("give either a built-in MODEL or --hf CONFIG.json, not both")
     result = plan_device_map(meta_model(args.hf), dict(args.max_memory) if args.max_memory else None,
                              batch_size=args.batch or 1, sequence_length=args.sequence_length, dtype=args.dtype,
-                             cluster=args.cluster, time_limit=args.time_limit or 10.0)
+                             cluster=args.cluster, time_limit=args.time_limit or 10.0, phase=args.phase)
     if args.json:
         print(json.dumps({"device_map": result.device_map, "seconds": result.plan.objective,
                           "lower_bound": result.plan.lower_bound,
@@ -394,6 +394,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", nargs="+", type=_max_memory, metavar="DEVICE=AMOUNT",
                    help="with --hf: accelerate's max_memory, e.g. 0=10GiB 1=10GiB cpu=30GiB [disk=1TiB]")
     p.add_argument("--sequence-length", type=_count, default=128, help="with --hf: tokens per sequence (KV cache)")
+    p.add_argument("--phase", choices=["prefill", "decode"], default="prefill",
+                   help="with --hf: minimise the forward pass of the batch, or the time per generated token")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="with --hf: dtype of the dispatched weights")
     p.add_argument("--cluster", type=_input_file, default=None, help="with --hf: cluster file giving GPU kinds")

@@ -5,8 +5,10 @@ Here the model's blocks (:mod:`torchplace.hf.blocks`) with their compute, transf
 costs go to a torchplace :class:`~torchplace.problem.Problem` and a solver picks the map:
 
 - objective ``"latency"``: a dispatched model runs its blocks one after the other, so the time of
-  one forward pass (the makespan of :func:`torchplace.costmodel.simulate`) is the time per batch,
-  and per generated token when the example is one decoding step;
+  one forward pass (the makespan of :func:`torchplace.costmodel.simulate`) is the time per batch
+  (``phase="prefill"``), or, with ``phase="decode"``, the time per generated token: one token of
+  every sequence of the batch, each attention block also reading its whole KV cache
+  (:func:`_kv_reads`), which is what makes decoding memory-bound;
 - memory per device: weights + working memory of the batch + the KV cache of ``batch_size``
   sequences of ``sequence_length`` tokens on the device holding each attention layer (added to the
   blocks' working memory, so :func:`torchplace.costmodel.memory` counts it);
@@ -48,7 +50,10 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
 
-__all__ = ["DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
+__all__ = ["PHASES", "DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
+
+PHASES = ("prefill", "decode")
+"""What a map's time is: one forward pass of the batch, or one generated token of every sequence."""
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -76,7 +81,8 @@ class DeviceMapPlan:
 
     def __str__(self) -> str:
         caps = {accelerate_name(n): b for n, b in self.problem.graph.meta["hf"]["budgets"].items()}
-        lines = [f"predicted {self.plan.objective * 1e3:.3f} ms per forward pass "
+        what = "per generated token" if self.problem.graph.meta["hf"].get("phase") == "decode" else "per forward pass"
+        lines = [f"predicted {self.plan.objective * 1e3:.3f} ms {what} "
                  f"(lower bound {self.plan.lower_bound * 1e3:.3f} ms, solver {self.plan.solver})",
                  f"{'device':>8} {'memory':>12} {'KV cache':>12} {'budget':>12}"]
         for dev, used in self.memory.items():
@@ -168,27 +174,46 @@ def build_problem(
     specs: Mapping[str, DeviceSpec] | None = None,
     disk_bandwidth: float = DISK_BANDWIDTH,
     repeats: int = 3,
+    phase: str = "prefill",
 ) -> Problem:
     """The latency :class:`Problem` of ``model``'s blocks on the ``max_memory`` devices (see
     :func:`plan_device_map` for the arguments)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be an nn.Module, got {brief(model)}")
+    if phase not in PHASES:
+        raise UsageError(f"phase must be one of {list(PHASES)} (time of the forward pass of the batch, or of one "
+                         f"generated token), got {brief(phase)}")
+    if phase == "decode" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise UsageError("phase='decode' times a decoder-only model's generated token; for an encoder-decoder "
+                         "model (whose encoder does not run per token) use phase='prefill'")
     batch_size = positive_int(batch_size, "batch_size")
     sequence_length = positive_int(sequence_length, "sequence_length")
     torch_dtype = _dtype(dtype)
     hw = hf_cluster(max_memory, _load_cluster(cluster))
     kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
-    kwargs = _example(model, example_inputs, example_kwargs, batch_size, sequence_length)
+    specs = dict(specs or HF_DEVICE_SPECS)
+    no_split = _no_split(model, no_split_module_classes)
     modes = {m: m.training for m in model.modules()}
     model.eval()  # probed as it will run: inference (dropout off)
     try:
-        graph = block_graph(model, kwargs, kinds=kinds, no_split=_no_split(model, no_split_module_classes),
-                            dtype=torch_dtype, repeats=repeats, specs=specs or HF_DEVICE_SPECS)
+        kwargs = _example(model, example_inputs, example_kwargs, batch_size,
+                          1 if phase == "decode" else sequence_length)
+        graph = block_graph(model, kwargs, kinds=kinds, no_split=no_split, dtype=torch_dtype, repeats=repeats,
+                            specs=specs)
+        prefill_peak = 0
+        if phase == "decode":  # generate() runs the prompt first: its activations need room too
+            prompt = _example(model, None, None, batch_size, sequence_length)
+            prefill = block_graph(model, prompt, kinds=kinds, no_split=no_split, dtype=torch_dtype, repeats=0,
+                                  specs=specs)
+            prefill_peak = max((r.temp_bytes for _, r in prefill.records()), default=0)
     finally:
         for m, was in modes.items():
             m.training = was
     graph = _follow_inputs(model, graph)
-    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache)
+    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache, prefill_peak)
+    graph.meta["hf"]["phase"] = phase
+    if phase == "decode":
+        graph = _kv_reads(graph, specs)
     hw = _reserve(hw, graph)
     graph = offload_times(graph, hw, disk_bandwidth)
     return Problem(graph, hw, objective="latency", contiguous=False)
@@ -212,7 +237,7 @@ def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
 
 
 def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None,
-                  kv_cache: bool) -> OpGraph:
+                  kv_cache: bool, least_peak: int = 0) -> OpGraph:
     """``graph`` with each block's memory beyond its weights split into what stays and what passes.
 
     The KV cache of a block stays for the whole generation: it becomes the block's ``temp_bytes``,
@@ -220,14 +245,28 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     (``meta["hf"]["kv_cache"]``). Working memory (a block's inputs, outputs and largest
     intermediate) lives only while the block runs, and blocks run one after the other: a device
     needs room for the largest block's, not for the sum. That peak, ``meta["hf"]["activations"]``,
-    is kept free on every device that computes (:func:`_reserve`)."""
+    is kept free on every device that computes (:func:`_reserve`); at least ``least_peak`` (the
+    prompt's, when the graph is one decoding step)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
     cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize) if kv_cache else {}
     graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
-    graph.meta["hf"]["activations"] = max((r.temp_bytes for _, r in graph.records()), default=0)
+    graph.meta["hf"]["activations"] = max([least_peak, *(r.temp_bytes for _, r in graph.records())])
     for v, path in paths.items():
         graph.replace_record(v, replace(graph.record(v), temp_bytes=cache.get(path, 0)))
+    return graph
+
+
+def _kv_reads(graph: OpGraph, specs: Mapping[str, DeviceSpec]) -> OpGraph:
+    """``graph`` (one decoding step) with each attention block's time raised by reading its KV
+    cache once on each kind: ``kv_bytes / mem_bandwidth`` (every new token attends to every cached
+    one; the attention FLOPs, ``4 x batch x seq x kv_heads x head_dim`` per layer, are below the
+    weights' and left out). Measured CPU times get the same term from the CPU spec: the probe ran
+    the step without a cache."""
+    for v, nbytes in graph.meta["hf"].get("kv_cache", {}).items():
+        r = graph.record(v)
+        times = {k: t + nbytes / specs[k].mem_bandwidth if k in specs else t for k, t in r.times.items()}
+        graph.replace_record(v, replace(r, times=times))
     return graph
 
 
@@ -283,13 +322,14 @@ def plan_device_map(
     disk_bandwidth: float = DISK_BANDWIDTH,
     time_limit: float | None = 10.0,
     repeats: int = 3,
+    phase: str = "prefill",
 ) -> DeviceMapPlan:
     """Solve a device map for ``model`` (see :func:`infer_device_map`) and return it with its plan,
     predicted time and memory per device."""
     problem = build_problem(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
                             no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                             sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
-                            specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats)
+                            specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats, phase=phase)
     return solve_device_map(model, problem, time_limit=time_limit)
 
 
@@ -325,7 +365,8 @@ def infer_device_map(
     **options: Any,
 ) -> dict[str, int | str]:
     """A ``device_map`` for ``from_pretrained(device_map=...)`` / ``accelerate.dispatch_model``
-    that minimises the time of a forward pass of the stated batch and fits its KV cache.
+    that minimises the time of a forward pass of the stated batch (or, with ``phase="decode"``,
+    of one generated token) and fits its KV cache.
 
     Example:
         >>> cfg = AutoConfig.for_model("gpt2", n_layer=12)                        # doctest: +SKIP
@@ -341,8 +382,8 @@ def infer_device_map(
         max_memory: accelerate's form, ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB"}``; ``"disk"`` is
             used only when named. ``None``: the visible GPUs and the CPU.
         example_inputs, example_kwargs: one forward call (on the model's device); default: random
-            ``input_ids`` of ``(batch_size, sequence_length)``. For time per generated token give a
-            one-token call (``sequence_length=1`` examples) and the full ``sequence_length`` here.
+            ``input_ids`` of ``(batch_size, sequence_length)`` (of ``(batch_size, 1)`` with
+            ``phase="decode"``).
         no_split_module_classes: classes (or names) never split; default: the model's
             ``_no_split_modules``, as ``from_pretrained`` does.
         batch_size, sequence_length: the batch whose KV cache (and, by default, activations) the
@@ -351,7 +392,10 @@ def infer_device_map(
             model's.
         cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"cuda-t4"``,
             ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link.
-        options: ``kv_cache`` (False: no KV cache), ``specs``, ``disk_bandwidth``, ``time_limit``,
+        options: ``phase`` (``"prefill"``: the time of one forward pass of the batch, the default;
+            ``"decode"``: the time per generated token, every attention block reading its KV cache
+            of ``sequence_length`` tokens, with room kept for the prompt's activations too),
+            ``kv_cache`` (False: no KV cache), ``specs``, ``disk_bandwidth``, ``time_limit``,
             ``repeats`` (see :func:`plan_device_map`).
 
     Returns:
