@@ -1,6 +1,6 @@
 """Memory fidelity (issue 17): each device's predicted memory beside the peak measured on the CPU.
 
-Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp gpt2 bert resnet]
+Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp gpt2 bert resnet] [--training]
 
 Each model is placed on one and on two logical CPUs, with 1 and 4 micro-batches, and called once
 to warm up and once measured. The prediction is the cost model's
@@ -13,6 +13,13 @@ Parameters are the model's own tensors, counted exactly on both sides, so the ta
 activations (the modelled part) and the totals. Kernel scratch memory that never becomes a
 tensor (oneDNN workspaces) is not seen; received tensors are host memory shared with their
 sender, as the model says for CPUs.
+
+``--training``: each model placed with ``mode="training"`` (SGD: no optimizer state; 1F1B), one
+``placed.step`` measured after a warm-up step, ``.grad`` cleared before each. Predicted per
+device: gradients + working memory of one micro-batch + the activations kept for backward of the
+micro-batches in flight (:func:`torchplace.costmodel.memory_parts`); measured: the same
+per-thread peak over the step (forward and backward actions of a worker run on its thread), which
+includes the gradients it allocates.
 """
 from __future__ import annotations
 
@@ -71,8 +78,9 @@ class LiveBytes(TorchDispatchMode):
                 self.live -= self._size.pop(key)
 
 
-def measured_peaks(placed: Any, call: tuple[tuple, dict]) -> dict[str, int]:
-    """Per worker (device), the peak live bytes its thread allocated during one call."""
+def measured_peaks(placed: Any, call: tuple[tuple, dict], train: Any = None) -> dict[str, int]:
+    """Per worker (device), the peak live bytes its thread allocated during one call (with
+    ``train = (target, loss_fn)``, one training step)."""
     peaks: dict[str, int] = {}
     original = workers.WorkerThreads.submit
 
@@ -88,8 +96,12 @@ def measured_peaks(placed: Any, call: tuple[tuple, dict]) -> dict[str, int]:
 
     workers.WorkerThreads.submit = submit  # type: ignore[method-assign]
     try:
-        with torch.no_grad():
-            placed(*call[0], **call[1])
+        if train is not None:
+            placed.zero_grad(set_to_none=True)
+            placed.step(*call[0], target=train[0], loss_fn=train[1], **call[1])
+        else:
+            with torch.no_grad():
+                placed(*call[0], **call[1])
     finally:
         workers.WorkerThreads.submit = original  # type: ignore[method-assign]
     return peaks
@@ -117,39 +129,52 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def rows(names: list[str]) -> list[tuple]:
+def _loss(out: Any, target: Any) -> torch.Tensor:
+    """A mean-square loss of the model's first output (logits, hidden states) against zeros."""
+    first = out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
+    return first.float().pow(2).mean()
+
+
+def rows(names: list[str], training: bool = False) -> list[tuple]:
     out = []
     for name in names:
         model, args, kwargs = _model(name)
+        if training:
+            model.train()
         for devices in (["cpu:0"], ["cpu:0", "cpu:1"]):
             for m in (1, 4):
+                options = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b"} if training else {}
                 placed = torchplace.place(model, devices, args, example_kwargs=kwargs, microbatches=m, progress=False,
-                                          allow_single_device=False,
-                                          repeats=1, warmup=0, time_limit=10)
-                measured_peaks(placed, (args, kwargs))  # warm-up
-                peaks = measured_peaks(placed, (args, kwargs))
+                                          allow_single_device=False, repeats=1, warmup=0, time_limit=10, **options)
+                batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
+                train = (torch.zeros(batch), _loss) if training else None
+                measured_peaks(placed, (args, kwargs), train)  # warm-up
+                peaks = measured_peaks(placed, (args, kwargs), train)
                 parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
                 for dev, p in parts.items():
                     fixed = p["parameters"] + p["shared copies"]
+                    modelled = p["working"] + p["activations"] + p["gradients + optimizer"]
                     got = next((v for k, v in peaks.items() if dev in k), 0)
-                    out.append((name, len(devices), m, dev, _mib(fixed), _mib(p["working"]), _mib(got),
-                                f"{p['working'] / got:.2f}" if got else "-",
-                                _mib(fixed + p["working"]), _mib(fixed + got),
-                                f"{(fixed + p['working']) / (fixed + got):.2f}" if fixed + got else "-"))
+                    out.append((name, len(devices), m, dev, _mib(fixed), _mib(modelled), _mib(got),
+                                f"{modelled / got:.2f}" if got else "-",
+                                _mib(fixed + modelled), _mib(fixed + got),
+                                f"{(fixed + modelled) / (fixed + got):.2f}" if fixed + got else "-"))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt2", "bert"])
+    ap.add_argument("--training", action="store_true", help="one training step (SGD, 1F1B) instead of a call")
     a = ap.parse_args()
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{date.today()}")
-    header = ("model", "devices", "m", "device", "params MiB", "act. predicted", "act. measured", "ratio",
+    modelled = "grads + act." if a.training else "act."
+    header = ("model", "devices", "m", "device", "params MiB", f"{modelled} predicted", f"{modelled} measured", "ratio",
               "total predicted", "total measured", "ratio")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for r in rows(a.models):
+    for r in rows(a.models, a.training):
         print("| " + " | ".join(map(str, r)) + " |")
 
 
