@@ -114,6 +114,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
             result["max_diff"] = float((got - expected).abs().max())
+    elif scenario == "odd-batch":  # a batch that does not split among the replicas' micro-batches
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        try:
+            placed.step(x[:6], target=y[:6], loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
     elif scenario in ("train", "train-tied"):
         expected = reference_training(model, x, y, m, steps=5)
         model.train()
@@ -132,7 +138,10 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["params"] = sorted(mine)
         result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
                                  for n in mine)
+        result["max_diff"] = max((float((dict(model.named_parameters())[n] - expected[n]).abs().max()) for n in mine),
+                                 default=0.0)
         result["losses"] = [float(v) for v in losses]
+        result["replica"] = placed.replica
     elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
         from torchplace.clusterfile import load_cluster
 
@@ -183,10 +192,10 @@ if __name__ == "__main__":
 
 
 def noncontiguous_plan(path: str, mode: str, tied: bool = False,
-                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1")) -> list[str]:
+                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1"), data_parallel: int = 1) -> list[str]:
     """Save a plan of :class:`SkipNet` (or :class:`TiedNet`) in pieces of equal length on
-    ``devices`` (a training plan has the backward of each piece on its device, in reverse order);
-    return the stage devices."""
+    ``devices`` (a training plan has the backward of each piece on its device, in reverse order),
+    every stage with ``data_parallel``; return the stage devices."""
     from torchplace import api
     from torchplace.plan import Plan, Stage
 
@@ -197,10 +206,11 @@ def noncontiguous_plan(path: str, mode: str, tied: bool = False,
     graph = placement.problem.graph
     forward = [v for v in graph.topological_order() if not graph.record(v).backward]
     pieces = [tuple(c) for c in _chunks(forward, len(devices))]
-    stages = [Stage(d, p) for d, p in zip(devices, pieces)]
+    stages = [Stage(d, p, data_parallel=data_parallel) for d, p in zip(devices, pieces)]
     if mode == "training":
         back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
-        stages += [Stage(d, tuple(b for v in p for b in back[v])) for d, p in reversed(list(zip(devices, pieces)))]
+        stages += [Stage(d, tuple(b for v in p for b in back[v]), data_parallel=data_parallel)
+                   for d, p in reversed(list(zip(devices, pieces)))]
     plan = Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
     plan.save(path)
     return [s.device for s in plan.stages]

@@ -222,8 +222,9 @@ class Plan:
             "status": self.status,
             "assignment": self.assignment,
             "stages": [{"device": s.device, "nodes": list(s.nodes), **({"recompute": True} if s.recompute else {}),
-                        **({"data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel,
-                            "tmpcs": dict(s.tmpcs)} if s.tmpcs else {})}
+                        **({"data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel}
+                           if s.tmpcs or s.data_parallel > 1 or s.tensor_parallel > 1 else {}),
+                        **({"tmpcs": dict(s.tmpcs)} if s.tmpcs else {})}
                        for s in self.stages],
             "costs": [asdict(c) for c in self.costs],
             "meta": self.meta,

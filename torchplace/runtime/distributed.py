@@ -20,6 +20,9 @@ this module turns them into the engine's stages and schedules
 4. :class:`DistributedPipeline` builds a ``PipelineStage`` per local engine stage, moves this rank's
    tensors to its device and frees the others' (meta device), and runs the engine's schedules:
    ``run(x)`` (inference: forward only) and ``step(x, target=y, loss_fn=f)`` (training).
+5. Data parallelism: with :class:`~torchplace.runtime.dist_replicas.Replicas`, the pipeline is one
+   of ``d`` copies, each on its own process group with ``1/d`` of every batch; gradients are
+   averaged over the copies after the backward and outputs joined (:mod:`~torchplace.runtime.dist_replicas`).
 
 Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
 (naming the rank, the engine stage and the pass) before it is raised as
@@ -40,6 +43,7 @@ from torch import nn
 
 from torchplace.errors import UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import Activity
+from torchplace.runtime.dist_replicas import Replicas
 from torchplace.runtime.params import _slots, move_in_place
 from torchplace.runtime.split import StageModule
 
@@ -243,12 +247,15 @@ class DistributedPipeline:
         order: every value name of the graph in graph order.
         rank, world: this process's rank and the number of ranks.
         device: this rank's torch device (``cuda:LOCAL_RANK`` or ``cpu``).
-        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        microbatches: micro-batches per batch of this pipeline (the engine's ``n_microbatches``; with
+            ``replicas``, per replica's share of the batch).
         schedule: one of :data:`SCHEDULES`.
         group: the process group (the default group if ``None``).
         faults: the rank's :class:`~torchplace.runtime.dist_faults.Faults` (fault reports; none: errors
             are raised as they are).
         free_others: move the tensors only other ranks' stages read to the meta device (frees their memory).
+        replicas: this pipeline's place among data-parallel copies (``None``: the only one); then
+            ``rank``, ``world`` and ``group`` are those of this rank's own pipeline.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
@@ -257,7 +264,8 @@ class DistributedPipeline:
 
     def __init__(self, stages: Sequence[StageModule], stage_ranks: Sequence[int], graph_io: Any,
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
-                 schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True) -> None:
+                 schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
+                 replicas: Replicas | None = None) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -268,6 +276,7 @@ class DistributedPipeline:
                                    "tensor is on one rank only: run it with torchplace.place (threads) instead")
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
+        self.replicas = replicas
         self.slots = live_values(engine_layout(stage_ranks, world), stages, graph_io.placeholder_names,
                                  graph_io.output_names, order)
         self.activity = faults.activity if faults is not None else Activity()
@@ -325,24 +334,38 @@ class DistributedPipeline:
         schedule = self._get_schedule(None)
         with torch.no_grad():
             out = self._guard(lambda: schedule.step(*flat))
+        replicas = self.replicas
+        if replicas is not None and self.is_last:
+            values = out if isinstance(out, tuple) else (out,)
+            out = tuple(self._guard(lambda: replicas.gather(values, self.slots[-1].outputs), agree=False))
         return self._assemble(out) if self.is_last else None
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
         """One training step: forward and backward of every micro-batch by the schedule. The
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (the engine
-        scales by ``1 / microbatches``). Returns each micro-batch's loss on the last rank (``[]``
-        elsewhere); call the rank's ``optimizer.step()`` after it."""
+        scales by ``1 / microbatches``; with ``replicas``, averaged over the copies: the mean over
+        the whole batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
+        last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
+        rank's ``optimizer.step()`` after it."""
         if not isinstance(target, torch.Tensor):
             raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got {type(target).__name__}")
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
+        target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
         self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
         if self._shared:
             self._guard(self._sync_shared_grads)
-        return [loss.detach() for loss in losses]
+        replicas = self.replicas
+        if replicas is None:
+            return [loss.detach() for loss in losses]
+        self._guard(lambda: replicas.average_grads(self.parameters()))
+        if not self.is_last:
+            return []
+        gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
+        return list(gathered[0])
 
     def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         bound = self.graph_io.bind_inputs(args, kwargs)
@@ -356,11 +379,17 @@ class DistributedPipeline:
         if self._shape is not None and shape != self._shape:
             raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
                              "engine sizes its buffers on the first call; call with the same batch shape")
-        if flat and flat[0].shape[0] % self.microbatches:
-            raise UsageError(f"a batch of {flat[0].shape[0]} does not split into {self.microbatches} equal micro-batches; "
-                             "use a batch size that is a multiple of microbatches")
+        copies = self.replicas.count if self.replicas is not None else 1
+        if flat and flat[0].shape[0] % (copies * self.microbatches):
+            split = f"{copies} replicas x {self.microbatches}" if copies > 1 else f"{self.microbatches}"
+            raise UsageError(f"a batch of {flat[0].shape[0]} does not split into {split} equal micro-batches; "
+                             f"use a batch size that is a multiple of {copies * self.microbatches}")
         self._shape = shape
+        flat = tuple(self._share_of(t) for t in flat)
         return tuple(t.to(self.device) for t in flat) if self.slots[0].rank == self.rank else flat
+
+    def _share_of(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch if self.replicas is None else self.replicas.share(batch)
 
     def _assemble(self, out: Any) -> Any:
         values = out if isinstance(out, tuple) else (out,)
@@ -392,13 +421,15 @@ class DistributedPipeline:
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
                                    f"micro-batches: {e}; pick another schedule or micro-batch count") from e
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (a schedule step), then every rank agrees that all ranks finished it: a rank whose
-        part ended before a peer failed learns of the failure here instead of leaving quietly."""
+    def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
+        """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
+        finished it: a rank whose part ended before a peer failed learns of the failure here instead
+        of leaving quietly. ``agree=False`` for a collective only some ranks call (a replicas' gather)."""
         if self.faults is None:
             return fn()
         out = self.faults.guard(fn)
-        self.faults.guard(self._agree)
+        if agree:
+            self.faults.guard(self._agree)
         return out
 
     def _agree(self) -> None:
