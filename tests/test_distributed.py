@@ -7,6 +7,7 @@ single-process model (inference outputs bitwise; parameters after 5 SGD steps al
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -14,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError
+from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
 from torchplace.runtime.distributed import EngineSlot, EngineStage, engine_layout, live_values
 from torchplace.runtime.split import split_stages
@@ -255,6 +257,104 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
     assert "ValueError: bomb went off" in two_ranks[0][1]["10:raise"]["error"]
+
+
+# -- data x pipeline: 2 copies of a 2-stage pipeline on 4 ranks ---------------------------------------
+@pytest.fixture(scope="module")
+def dp_plans(tmp_path_factory) -> tuple[Path, Path]:
+    """Plan files of SkipNet in 2 pieces on cpu:0, cpu:1, every stage with data_parallel=2."""
+    tmp = tmp_path_factory.mktemp("dp")
+    infer, train = tmp / "dp-infer.json", tmp / "dp-train.json"
+    dist_worker.noncontiguous_plan(str(infer), "inference", devices=("cpu:0", "cpu:1"), data_parallel=2)
+    dist_worker.noncontiguous_plan(str(train), "training", devices=("cpu:0", "cpu:1"), data_parallel=2)
+    return infer, train
+
+
+def test_a_hand_built_plan_file_keeps_its_data_parallel_degree(dp_plans):
+    from torchplace.plan import Plan
+
+    plan = Plan.load(dp_plans[1])
+    assert [s.data_parallel for s in plan.stages] == [2, 2, 2, 2] and not any(s.tmpcs for s in plan.stages)
+
+
+def _dp_plan(path: Path, **change) -> Any:
+    """The plan of ``path`` with its first stage changed (``dataclasses.replace``)."""
+    from torchplace.plan import Plan
+
+    plan = Plan.load(path)
+    plan.stages[0] = dataclasses.replace(plan.stages[0], **change)
+    return plan
+
+
+def test_data_x_pipeline_launch_checks_come_before_communication(monkeypatch, dp_plans):
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    model, x, _ = dist_worker.build()
+    _env(monkeypatch, 0, 3)
+    with pytest.raises(DistributedError, match=r"2 data-parallel copies of a pipeline on 2 device\(s\) \(cpu:0, cpu:1\): "
+                                               r"it needs 4 processes .* but 3 were launched.*--nproc-per-node 4"):
+        tpd.place(model, (x,), plan=dp_plans[0])
+    _env(monkeypatch, 0, 4)
+    with pytest.raises(UsageError, match="3 micro-batches do not split among the plan.s 2 data-parallel copies"):
+        tpd.place(model, (x,), plan=dp_plans[0], microbatches=3)
+    with pytest.raises(UnsupportedError, match=r"stage 0 \(cpu:0\) has tensor_parallel=2: .* not tensor parallelism"):
+        tpd.place(model, (x,), plan=_dp_plan(dp_plans[0], tensor_parallel=2))
+    with pytest.raises(UnsupportedError, match=r"degrees differ between devices \(\{'cpu:0': 1, 'cpu:1': 2\}\).*"
+                                               "data_parallel=2 on every stage"):
+        tpd.place(model, (x,), plan=_dp_plan(dp_plans[0], data_parallel=1))
+    with pytest.raises(InvalidPlanError, match="stage 2 runs on cpu:1 with data_parallel=2, but an earlier stage of "
+                                               "cpu:1 has 1"):
+        plan = _dp_plan(dp_plans[1])
+        plan.stages[1] = dataclasses.replace(plan.stages[1], data_parallel=1)
+        tpd.place(model, (x,), plan=plan, mode="training")
+    assert not dist.is_initialized()
+
+
+def test_replicas_share_equal_rows_of_a_batch():
+    from torchplace.runtime.dist_replicas import Replicas
+
+    batch = torch.arange(12).reshape(6, 2)
+    assert torch.equal(Replicas(3, 1, None).share(batch), batch[2:4])
+    with pytest.raises(UsageError, match=r"a batch of shape \(6, 2\) does not split into 4 equal parts"):
+        Replicas(4, 0, None).share(batch)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, dp_plans):
+    """One launch of 4 ranks: 2 copies x 2 stages (rank r runs stage r % 2 of copy r // 2):
+    inference, 5 training steps, then a batch that does not split among the copies."""
+    tmp = tmp_path_factory.mktemp("four")
+    infer, train = dp_plans
+    return launch("infer,train,odd-batch", 4, tmp, [str(infer), str(train), str(train)], timeout_s=60)
+
+
+def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
+    for status, results, err in four_ranks:
+        assert status == 0 and "error" not in results["0:infer"], (results, err[-3000:])
+    assert [r[1]["0:infer"].get("equal") for r in four_ranks] == [None, True, None, True]  # each copy's last rank
+    assert all(r[1]["0:infer"]["layout"] == [[0, [0]], [1, [1]]] for r in four_ranks)
+
+
+def test_data_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+    """Parameters after 5 SGD steps (momentum 0.9) on every rank: allclose to one process training
+    on the whole batch, atol 1e-6 (float32; the copies' gradients are averaged in another order)."""
+    train = [r[1]["1:train"] for r in four_ranks]
+    assert all("error" not in t and t["allclose"] for t in train), (train, [r[2][-3000:] for r in four_ranks])
+    assert max(t["max_diff"] for t in train) <= 1e-6
+    assert [t["replica"] for t in train] == [0, 0, 1, 1]
+    assert train[0]["params"] == train[2]["params"] and train[1]["params"] == train[3]["params"]
+    model, _, _ = dist_worker.build()
+    assert sorted(train[0]["params"] + train[1]["params"]) == sorted(n for n, _ in model.named_parameters())
+    assert len(train[1]["losses"]) == 4 and train[1]["losses"] == train[3]["losses"]  # every micro-batch's, in order
+    assert train[0]["losses"] == train[2]["losses"] == []
+
+
+def test_a_batch_that_does_not_split_among_the_copies_is_refused(four_ranks):
+    for _, results, _ in four_ranks:
+        assert results["2:odd-batch"]["refused"] == ("UsageError: a batch of 6 does not split into 2 replicas x 2 "
+                                                     "equal micro-batches; use a batch size that is a multiple of 4")
 
 
 @pytest.mark.slow
