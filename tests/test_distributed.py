@@ -259,56 +259,62 @@ def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     assert "ValueError: bomb went off" in two_ranks[0][1]["10:raise"]["error"]
 
 
-# -- data x pipeline: 2 copies of a 2-stage pipeline on 4 ranks ---------------------------------------
+# -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
 @pytest.fixture(scope="module")
-def dp_plans(tmp_path_factory) -> tuple[Path, Path]:
-    """Plan files of SkipNet in 2 pieces on cpu:0, cpu:1, every stage with data_parallel=2."""
-    tmp = tmp_path_factory.mktemp("dp")
-    infer, train = tmp / "dp-infer.json", tmp / "dp-train.json"
-    dist_worker.noncontiguous_plan(str(infer), "inference", devices=("cpu:0", "cpu:1"), data_parallel=2)
-    dist_worker.noncontiguous_plan(str(train), "training", devices=("cpu:0", "cpu:1"), data_parallel=2)
-    return infer, train
+def grid_plans(tmp_path_factory) -> dict[str, Path]:
+    """Plan files of SkipNet in 2 pieces on cpu:0, cpu:1, every stage with data_parallel=2
+    (``dp-*``), or with tensor_parallel=2, traced with Linear modules as leaves (``tp-*``)."""
+    tmp = tmp_path_factory.mktemp("grid")
+    plans = {}
+    for kind, degrees in (("dp", dict(data_parallel=2)), ("tp", dict(tensor_parallel=2))):
+        for mode in ("inference", "training"):
+            plans[f"{kind}-{mode}"] = tmp / f"{kind}-{mode}.json"
+            dist_worker.noncontiguous_plan(str(plans[f"{kind}-{mode}"]), mode, devices=("cpu:0", "cpu:1"), **degrees)
+    return plans
 
 
-def test_a_hand_built_plan_file_keeps_its_data_parallel_degree(dp_plans):
+def test_a_hand_built_plan_file_keeps_its_degrees(grid_plans):
     from torchplace.plan import Plan
 
-    plan = Plan.load(dp_plans[1])
+    plan = Plan.load(grid_plans["dp-training"])
     assert [s.data_parallel for s in plan.stages] == [2, 2, 2, 2] and not any(s.tmpcs for s in plan.stages)
+    assert [s.tensor_parallel for s in Plan.load(grid_plans["tp-inference"]).stages] == [2, 2]
 
 
-def _dp_plan(path: Path, **change) -> Any:
-    """The plan of ``path`` with its first stage changed (``dataclasses.replace``)."""
+def _changed(plan: Any, stage: int = 0, **change) -> Any:
+    """The plan (or plan file) ``plan`` with one stage changed (``dataclasses.replace``)."""
     from torchplace.plan import Plan
 
-    plan = Plan.load(path)
-    plan.stages[0] = dataclasses.replace(plan.stages[0], **change)
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    plan.stages[stage] = dataclasses.replace(plan.stages[stage], **change)
     return plan
 
 
-def test_data_x_pipeline_launch_checks_come_before_communication(monkeypatch, dp_plans):
+def test_grid_launch_checks_come_before_communication(monkeypatch, grid_plans):
     import torch.distributed as dist
 
     import torchplace.distributed as tpd
 
     model, x, _ = dist_worker.build()
+    dp = grid_plans["dp-inference"]
     _env(monkeypatch, 0, 3)
-    with pytest.raises(DistributedError, match=r"2 data-parallel copies of a pipeline on 2 device\(s\) \(cpu:0, cpu:1\): "
-                                               r"it needs 4 processes .* but 3 were launched.*--nproc-per-node 4"):
-        tpd.place(model, (x,), plan=dp_plans[0])
+    with pytest.raises(DistributedError, match=r"2 data-parallel copies of a pipeline on 2 device\(s\) \(cpu:0, cpu:1\), "
+                                               r"1 tensor-parallel rank\(s\) per stage: it needs 4 processes .* but 3 "
+                                               "were launched.*--nproc-per-node 4"):
+        tpd.place(model, (x,), plan=dp)
+    with pytest.raises(DistributedError, match=r"it needs 8 processes .*--nproc-per-node 8"):
+        tpd.place(model, (x,), plan=_changed(_changed(dp, tensor_parallel=2), 1, tensor_parallel=2))
     _env(monkeypatch, 0, 4)
-    with pytest.raises(UsageError, match="3 micro-batches do not split among the plan.s 2 data-parallel copies"):
-        tpd.place(model, (x,), plan=dp_plans[0], microbatches=3)
-    with pytest.raises(UnsupportedError, match=r"stage 0 \(cpu:0\) has tensor_parallel=2: .* not tensor parallelism"):
-        tpd.place(model, (x,), plan=_dp_plan(dp_plans[0], tensor_parallel=2))
-    with pytest.raises(UnsupportedError, match=r"degrees differ between devices \(\{'cpu:0': 1, 'cpu:1': 2\}\).*"
-                                               "data_parallel=2 on every stage"):
-        tpd.place(model, (x,), plan=_dp_plan(dp_plans[0], data_parallel=1))
-    with pytest.raises(InvalidPlanError, match="stage 2 runs on cpu:1 with data_parallel=2, but an earlier stage of "
-                                               "cpu:1 has 1"):
-        plan = _dp_plan(dp_plans[1])
-        plan.stages[1] = dataclasses.replace(plan.stages[1], data_parallel=1)
-        tpd.place(model, (x,), plan=plan, mode="training")
+    with pytest.raises(UsageError, match="3 micro-batches do not split among the plan's 2 data-parallel copies"):
+        tpd.place(model, (x,), plan=dp, microbatches=3)
+    with pytest.raises(UnsupportedError, match=r"degrees differ between devices \(\{'cpu:0': \(1, 1\), 'cpu:1': \(2, 1\)\}\)"
+                                               ".*data_parallel=2, tensor_parallel=1 on every stage"):
+        tpd.place(model, (x,), plan=_changed(dp, data_parallel=1))
+    with pytest.raises(InvalidPlanError, match=r"stage 2 runs on cpu:1 with \(data_parallel, tensor_parallel\)=\(2, 1\), "
+                                               r"but an earlier stage of cpu:1 has \(1, 1\)"):
+        tpd.place(model, (x,), plan=_changed(grid_plans["dp-training"], 1, data_parallel=1), mode="training")
+    with pytest.raises(UnsupportedError, match="state_dict= with tensor_parallel > 1"):
+        tpd.place(model, (x,), plan=grid_plans["tp-inference"], state_dict={})
     assert not dist.is_initialized()
 
 
@@ -321,40 +327,93 @@ def test_replicas_share_equal_rows_of_a_batch():
         Replicas(4, 0, None).share(batch)
 
 
+def test_tensor_parallel_splits_linear_pairs_the_graph_calls_as_modules():
+    from torchplace.runtime.dist_tensor import linear_pairs, refuse_unsplit
+
+    model, x, _ = dist_worker.build()
+    gm = torch.fx.symbolic_trace(model)  # calls the Linear modules: inp's output also skips, out follows an add
+    assert linear_pairs(gm, 2) == [("layers.0", "layers.1"), ("layers.2", "layers.3"), ("layers.4", "layers.5")]
+    assert linear_pairs(gm, 3) == []  # 16 out-features do not split in 3
+    from torchplace import api
+
+    traced = api.prepare(model, ["cpu:0", "cpu:1"], (x,), leaf_modules=[dist_worker.Bomb], progress=False, warmup=0,
+                         repeats=1).traced.gm  # the default trace calls F.linear on the weights
+    assert linear_pairs(traced, 2) == []
+    with pytest.raises(UnsupportedError, match=r"engine stage 1 has tensor_parallel=2 but no pair of nn.Linear modules.*"
+                                               r"leaf_modules=\[torch.nn.Linear\]"):
+        refuse_unsplit(1, [traced], 2)
+
+
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory, dp_plans):
-    """One launch of 4 ranks: 2 copies x 2 stages (rank r runs stage r % 2 of copy r // 2):
-    inference, 5 training steps, then a batch that does not split among the copies."""
+def four_ranks(tmp_path_factory, grid_plans):
+    """One launch of 4 ranks: 2 stages x 2 copies (rank r runs stage r // 2 of copy r % 2):
+    inference, 5 training steps, a batch that does not split among the copies; then 2 stages x 2
+    tensor-parallel ranks: inference and 5 training steps."""
     tmp = tmp_path_factory.mktemp("four")
-    infer, train = dp_plans
-    return launch("infer,train,odd-batch", 4, tmp, [str(infer), str(train), str(train)], timeout_s=60)
+    plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp", 4, tmp, [str(p) for p in plans], timeout_s=60)
 
 
 def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
     for status, results, err in four_ranks:
         assert status == 0 and "error" not in results["0:infer"], (results, err[-3000:])
-    assert [r[1]["0:infer"].get("equal") for r in four_ranks] == [None, True, None, True]  # each copy's last rank
+    assert [r[1]["0:infer"].get("equal") for r in four_ranks] == [None, None, True, True]  # each copy's last rank
     assert all(r[1]["0:infer"]["layout"] == [[0, [0]], [1, [1]]] for r in four_ranks)
 
 
-def test_data_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+def _check_grid_training(ranks: list[tuple[int, dict, str]], key: str) -> list[dict]:
     """Parameters after 5 SGD steps (momentum 0.9) on every rank: allclose to one process training
-    on the whole batch, atol 1e-6 (float32; the copies' gradients are averaged in another order)."""
-    train = [r[1]["1:train"] for r in four_ranks]
-    assert all("error" not in t and t["allclose"] for t in train), (train, [r[2][-3000:] for r in four_ranks])
+    on the whole batch, atol 1e-6 (float32; copies' gradients and slices' products are summed in
+    another order); ranks 0, 1 hold the first stage's parameters, ranks 2, 3 the second's."""
+    train = [r[1][key] for r in ranks]
+    assert all("error" not in t and t["allclose"] for t in train), (train, [r[2][-3000:] for r in ranks])
     assert max(t["max_diff"] for t in train) <= 1e-6
-    assert [t["replica"] for t in train] == [0, 0, 1, 1]
-    assert train[0]["params"] == train[2]["params"] and train[1]["params"] == train[3]["params"]
+    assert train[0]["params"] == train[1]["params"] and train[2]["params"] == train[3]["params"]
     model, _, _ = dist_worker.build()
-    assert sorted(train[0]["params"] + train[1]["params"]) == sorted(n for n, _ in model.named_parameters())
-    assert len(train[1]["losses"]) == 4 and train[1]["losses"] == train[3]["losses"]  # every micro-batch's, in order
-    assert train[0]["losses"] == train[2]["losses"] == []
+    assert sorted(train[0]["params"] + train[2]["params"]) == sorted(n for n, _ in model.named_parameters())
+    assert len(train[2]["losses"]) == 4 and train[2]["losses"] == train[3]["losses"]  # every micro-batch's, in order
+    assert train[0]["losses"] == train[1]["losses"] == []
+    return train
+
+
+def test_data_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+    train = _check_grid_training(four_ranks, "1:train")
+    assert [t["replica"] for t in train] == [0, 1, 0, 1] and not any(t["sliced"] for t in train)
 
 
 def test_a_batch_that_does_not_split_among_the_copies_is_refused(four_ranks):
     for _, results, _ in four_ranks:
         assert results["2:odd-batch"]["refused"] == ("UsageError: a batch of 6 does not split into 2 replicas x 2 "
                                                      "equal micro-batches; use a batch size that is a multiple of 4")
+
+
+def test_tensor_x_pipeline_inference_is_close_to_the_model(four_ranks):
+    results = [r[1]["3:infer-tp"] for r in four_ranks]
+    assert all("error" not in r for r in results), results
+    assert [r.get("max_diff") is not None for r in results] == [False, False, True, True]  # on each last rank
+    assert max(r.get("max_diff", 0.0) for r in results) <= 1e-6  # atol 1e-6, not bitwise: a sum of slices
+
+
+def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+    train = _check_grid_training(four_ranks, "4:train-tp")
+    assert train[0]["sliced"] == [f"layers.{i}.{w}" for i in range(4) for w in ("bias", "weight")]
+    assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
+
+
+@pytest.mark.slow
+def test_data_x_tensor_x_pipeline_on_8_ranks_trains_like_one_process(tmp_path):
+    plans = []
+    for mode in ("inference", "training"):
+        plans.append(tmp_path / f"{mode}.json")
+        dist_worker.noncontiguous_plan(str(plans[-1]), mode, devices=("cpu:0", "cpu:1"), data_parallel=2,
+                                       tensor_parallel=2)
+    ranks = launch("infer-tp,train-tp", 8, tmp_path, [str(p) for p in plans], timeout_s=120)
+    infer = [r[1]["0:infer-tp"] for r in ranks]
+    assert [r.get("max_diff") is not None for r in infer] == [False] * 4 + [True] * 4, ranks
+    assert max(r.get("max_diff", 0.0) for r in infer) <= 1e-6
+    train = [r[1]["1:train-tp"] for r in ranks]
+    assert all("error" not in t and t["allclose"] and t["max_diff"] <= 1e-6 for t in train), train
+    assert [t["replica"] for t in train] == [0, 0, 1, 1] * 2
 
 
 @pytest.mark.slow

@@ -118,8 +118,12 @@ def place(
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
-    copies = _replica_count(given) if given is not None else 1
-    rank_devices = _rank_devices(devices, given, world, copies)
+    degrees = _degrees(given) if given is not None else (1, 1)
+    copies = degrees[0]
+    rank_devices = _rank_devices(devices, given, world, degrees)
+    if degrees[1] > 1 and state_dict is not None:
+        raise UnsupportedError("state_dict= with tensor_parallel > 1: the ranks of a stage shard its weights after "
+                               "placing; load the checkpoint into the model before place() instead")
     if microbatches % copies:
         raise UsageError(f"{microbatches} micro-batches do not split among the plan's {copies} data-parallel copies: "
                          f"pass microbatches= a multiple of {copies} (each copy runs microbatches / {copies})")
@@ -146,7 +150,7 @@ def place(
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
                                     faults, plan_timeout, f"{_PLAN_KEY}/{_CALLS}")
         return DistributedPlaced(placement, [_name(d) for d in rank_devices], rank, world, device, faults,
-                                 schedule, state_dict, copies=copies, timeout=timeout)
+                                 schedule, state_dict, degrees=degrees, timeout=timeout)
     except Exception as error:
         faults._publish(f"rank {rank} failed while placing: {type(error).__name__}: {error}")
         faults.close()
@@ -184,51 +188,50 @@ def _name(device: str | Device) -> str:
     return device.name if isinstance(device, Device) else str(device)
 
 
-def _replica_count(plan: Plan) -> int:
-    """The data-parallel degree ``d`` of ``plan``: the number of copies of its pipeline to run.
+def _degrees(plan: Plan) -> tuple[int, int]:
+    """The data- and tensor-parallel degrees ``(d, t)`` of ``plan``, the same on every stage: ``d``
+    copies of its pipeline, each stage on ``t`` tensor-parallel ranks.
 
     Raises:
-        UnsupportedError: a stage with ``tensor_parallel > 1``, or degrees that differ between
-            devices (one pipeline per copy needs the same ``d`` everywhere).
+        UnsupportedError: degrees that differ between devices (``d`` copies of one pipeline need
+            the same degrees everywhere).
         InvalidPlanError: stages of one device with different degrees.
     """
-    tensor = [(i, s) for i, s in enumerate(plan.stages) if s.tensor_parallel > 1]
-    if tensor:
-        i, s = tensor[0]
-        raise UnsupportedError(f"stage {i} ({s.device}) has tensor_parallel={s.tensor_parallel}: the torch.distributed "
-                               "runtime runs data x pipeline plans but not tensor parallelism yet; run a plan with "
-                               "tensor_parallel=1 on every stage (e.g. solve with tensor_parallel=False)")
-    degree: dict[str, int] = {}
+    degree: dict[str, tuple[int, int]] = {}
     for i, s in enumerate(plan.stages):
-        if degree.setdefault(s.device, s.data_parallel) != s.data_parallel:
-            raise InvalidPlanError(f"stage {i} runs on {s.device} with data_parallel={s.data_parallel}, but an earlier "
-                                   f"stage of {s.device} has {degree[s.device]}: give every stage of a device the "
-                                   "same data-parallel degree")
+        mine = (s.data_parallel, s.tensor_parallel)
+        if degree.setdefault(s.device, mine) != mine:
+            raise InvalidPlanError(f"stage {i} runs on {s.device} with (data_parallel, tensor_parallel)={mine}, but an "
+                                   f"earlier stage of {s.device} has {degree[s.device]}: give every stage of a device "
+                                   "the same degrees")
     if len(set(degree.values())) > 1:
-        raise UnsupportedError(f"the plan's data-parallel degrees differ between devices ({degree}): the torch.distributed "
-                               "runtime runs d copies of one pipeline, so every stage needs the same data_parallel; "
-                               f"use data_parallel={max(degree.values())} on every stage (or 1, one pipeline)")
-    return next(iter(degree.values()), 1)
+        most = max(degree.values())
+        raise UnsupportedError(f"the plan's (data_parallel, tensor_parallel) degrees differ between devices ({degree}): the "
+                               "torch.distributed runtime runs d copies of one pipeline with t ranks per stage, so every "
+                               f"stage needs the same degrees; use data_parallel={most[0]}, tensor_parallel={most[1]} "
+                               "on every stage (or 1, one pipeline)")
+    return next(iter(degree.values()), (1, 1))
 
 
 def _rank_devices(devices: Sequence[str | Device] | Cluster | None, plan: Plan | None,
-                  world: int, copies: int = 1) -> list[str | Device]:
-    """The device of each rank of one pipeline (``world / copies`` of them); the launch checks
-    (before any communication)."""
-    if plan is not None and copies > 1:
+                  world: int, degrees: tuple[int, int] = (1, 1)) -> list[str | Device]:
+    """The device of each position of one pipeline (``world / (d * t)`` of them); the launch
+    checks (before any communication)."""
+    if plan is not None and degrees != (1, 1):
         found = list(dict.fromkeys(s.device for s in plan.stages))
         need = sum(s.data_parallel * s.tensor_parallel for s in {s.device: s for s in plan.stages}.values())
         if need != world:
-            raise DistributedError(f"the plan runs {copies} data-parallel copies of a pipeline on {len(found)} device(s) "
-                                   f"({', '.join(found)}): it needs {need} processes (the sum of data_parallel x "
-                                   f"tensor_parallel over its devices) but {world} were launched: start torchrun "
-                                   f"with --nproc-per-node {need}")
+            raise DistributedError(f"the plan runs {degrees[0]} data-parallel copies of a pipeline on {len(found)} "
+                                   f"device(s) ({', '.join(found)}), {degrees[1]} tensor-parallel rank(s) per stage: it "
+                                   f"needs {need} processes (the sum of data_parallel x tensor_parallel over its devices) "
+                                   f"but {world} were launched: start torchrun with --nproc-per-node {need}")
         if devices is None:
             return list(found)
         listed = list(devices.devices) if isinstance(devices, Cluster) else list(devices)
         if sorted(_name(d) for d in listed) != sorted(found):
             raise DistributedError(f"devices {[_name(d) for d in listed]} are not the plan's devices {found}: with "
-                                   "data-parallel copies, devices= names one pipeline's devices, those of the plan")
+                                   "data- or tensor-parallel degrees, devices= names one pipeline's devices, those of "
+                                   "the plan")
         return listed
     if plan is not None and devices is None:
         found = list(dict.fromkeys(s.device for s in plan.stages))
@@ -294,10 +297,10 @@ class DistributedPlaced:
 
     def __init__(self, placement: Any, rank_devices: Sequence[str], rank: int, world: int, device: torch.device,
                  faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None,
-                 copies: int = 1, timeout: float = 60.0) -> None:
+                 degrees: tuple[int, int] = (1, 1), timeout: float = 60.0) -> None:
         from torchplace.placed_module import _forward_stages
         from torchplace.runtime import GraphIO, split_stages
-        from torchplace.runtime.dist_replicas import replica_groups
+        from torchplace.runtime.dist_replicas import grid_groups
         from torchplace.runtime.distributed import DistributedPipeline
 
         traced, problem, plan = placement.traced, placement.problem, placement.plan
@@ -312,15 +315,17 @@ class DistributedPlaced:
         default = problem.pipeline.schedule if problem.pipeline is not None else "1f1b"
         self.plan, self.problem, self.rank, self.world, self.device = plan, problem, rank, world, device
         self.faults = faults
-        group, replicas = None, None
-        if copies > 1:  # rank r runs position r % P of copy r // P (torchplace.runtime.dist_replicas)
-            group, replicas = replica_groups(copies, len(rank_devices), rank, datetime.timedelta(seconds=timeout))
+        copies, tensor = degrees
+        group, replicas, tensor_group = None, None, None
+        if copies * tensor > 1:  # rank (k * d + j) * t + i: position k, copy j (torchplace.runtime.dist_replicas)
+            group, replicas, tensor_group = grid_groups(len(rank_devices), copies, tensor, rank,
+                                                        datetime.timedelta(seconds=timeout))
         self.replica = replicas.index if replicas is not None else 0
         self.pipeline = DistributedPipeline(
             stages, [index[s.device] for s in run], GraphIO(traced.gm), [n.name for n in traced.gm.graph.nodes],
-            rank=rank % len(rank_devices), world=len(rank_devices), device=device,
+            rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
-            replicas=replicas)
+            replicas=replicas, tensor_group=tensor_group)
         self.is_last = self.pipeline.is_last
         if state_dict is not None:
             self._load(traced.model, state_dict)

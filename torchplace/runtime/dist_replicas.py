@@ -1,10 +1,14 @@
 """Data parallelism over pipelines: ``d`` copies of one pipeline, each with ``1/d`` of every batch.
 
-A plan whose stages have data-parallel degree ``d`` (:attr:`torchplace.plan.Stage.data_parallel`)
-runs on ``d * P`` ranks for ``P`` pipeline positions (the plan's devices): rank ``r`` runs position
-``r % P`` of copy ``r // P``. Each copy is an ordinary
+A plan whose stages have data-parallel degree ``d`` and tensor-parallel degree ``t``
+(:attr:`torchplace.plan.Stage.data_parallel`, ``tensor_parallel``) runs on ``P * d * t`` ranks for
+``P`` pipeline positions (the plan's devices), laid out as a ``(P, d, t)`` grid, tensor parallelism
+innermost (:func:`grid_groups`): rank ``(k * d + j) * t + i`` runs position ``k`` of copy ``j``, as
+tensor-parallel rank ``i``, so one stage's ``d * t`` ranks are consecutive (as Piper's plans name
+them, ``dev[a:b]``). Each copy is an ordinary
 :class:`~torchplace.runtime.distributed.DistributedPipeline` on its own process group; the ``d``
-ranks of one position form a data-parallel group, over which :class:`Replicas`
+ranks of one position (and tensor-parallel rank) form a data-parallel group, over which
+:class:`Replicas`
 
 * takes this copy's rows of every batch (:meth:`Replicas.share`): copy ``j`` gets the ``j``-th of
   ``d`` equal parts along dim 0, so with ``m`` micro-batches per batch it runs ``m / d`` of them;
@@ -15,7 +19,7 @@ ranks of one position form a data-parallel group, over which :class:`Replicas`
 * joins the outputs and losses of the copies along dim 0 (:meth:`Replicas.gather`), so the last
   position of every copy returns the whole batch's.
 
-This is PipeDream-2BW's and Piper's "data parallelism of a stage" (Piper, Tarnawski et al. 2021,
+This is PipeDream-2BW's and Piper's data parallelism of a stage (Piper, Tarnawski et al. 2021,
 Sec. 3) with the same degree on every stage; torch DDP's gradient averaging, done once per step.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 
 from torchplace.errors import UnsupportedError, UsageError
 
-__all__ = ["Replicas", "replica_groups"]
+__all__ = ["Replicas", "grid_groups"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Replicas:
         rows = batch.shape[0] // self.count
         return batch.narrow(0, self.index * rows, rows)
 
+    @torch.no_grad()
     def average_grads(self, params: Iterable[nn.Parameter]) -> None:
         """Replace each gradient by its mean over the copies: one all-reduce per dtype of the
         gradients flattened in ``params`` order (the same order, and the same parameters with a
@@ -67,8 +72,9 @@ class Replicas:
 
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            if p.grad is not None:  # a tensor-parallel slice (DTensor) averages its own slice
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.group)
@@ -98,20 +104,34 @@ class Replicas:
         return out
 
 
-def replica_groups(count: int, positions: int, rank: int, timeout: Any = None) -> tuple[Any, Replicas]:
-    """The process groups of ``count`` copies of a ``positions``-rank pipeline: this rank's
-    pipeline group and its :class:`Replicas`. Every rank of the default group must call it alike
-    (``new_group`` is collective): first the pipeline groups, copy by copy, then the data-parallel
-    groups, position by position.
+def grid_groups(positions: int, copies: int, tensor: int, rank: int,
+                timeout: Any = None) -> tuple[Any, Replicas | None, Any]:
+    """The process groups of this rank in the ``(positions, copies, tensor)`` grid (module docs):
+    its pipeline's group, its :class:`Replicas` (``None`` for one copy) and its tensor-parallel
+    group (``None`` for ``tensor == 1``). Every rank of the default group calls it alike
+    (``new_group`` is collective): the pipeline groups, then the data-parallel groups, then the
+    tensor-parallel groups, each in grid order.
 
-    Example: ``count=2, positions=2``: pipelines ``[0, 1]`` and ``[2, 3]``; data-parallel groups
-    ``[0, 2]`` and ``[1, 3]``.
+    Example: ``positions=2, copies=2, tensor=1``: pipelines ``[0, 2]`` and ``[1, 3]``;
+    data-parallel groups ``[0, 1]`` and ``[2, 3]``.
     """
     import torch.distributed as dist
 
-    pipelines = [dist.new_group([j * positions + k for k in range(positions)], timeout=timeout)
-                 for j in range(count)]
-    parallel = [dist.new_group([j * positions + k for j in range(count)], timeout=timeout)
-                for k in range(positions)]
-    index, position = divmod(rank, positions)
-    return pipelines[index], Replicas(count, index, parallel[position])
+    def at(k: int, j: int, i: int) -> int:
+        return (k * copies + j) * tensor + i
+
+    k, rest = divmod(rank, copies * tensor)
+    j, i = divmod(rest, tensor)
+    mine: dict[str, Any] = {}
+    for name, members in [
+        *((("pp", j2, i2), [at(k2, j2, i2) for k2 in range(positions)]) for j2 in range(copies) for i2 in range(tensor)),
+        *((("dp", k2, i2), [at(k2, j2, i2) for j2 in range(copies)]) for k2 in range(positions) for i2 in range(tensor)
+          if copies > 1),
+        *((("tp", k2, j2), [at(k2, j2, i2) for i2 in range(tensor)]) for k2 in range(positions) for j2 in range(copies)
+          if tensor > 1),
+    ]:
+        group = dist.new_group(members, timeout=timeout)
+        if rank in members:
+            mine[name[0]] = group
+    replicas = Replicas(copies, j, mine["dp"]) if copies > 1 else None
+    return mine["pp"], replicas, mine.get("tp")

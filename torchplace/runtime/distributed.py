@@ -34,6 +34,7 @@ naming the rank that stopped (found by its heartbeat in the store). See
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -256,6 +257,8 @@ class DistributedPipeline:
         free_others: move the tensors only other ranks' stages read to the meta device (frees their memory).
         replicas: this pipeline's place among data-parallel copies (``None``: the only one); then
             ``rank``, ``world`` and ``group`` are those of this rank's own pipeline.
+        tensor_group: the process group of the ranks that run this rank's stages together, tensor
+            parallel (:mod:`torchplace.runtime.dist_tensor`); ``None``: this rank alone.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
@@ -265,7 +268,7 @@ class DistributedPipeline:
     def __init__(self, stages: Sequence[StageModule], stage_ranks: Sequence[int], graph_io: Any,
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
                  schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
-                 replicas: Replicas | None = None) -> None:
+                 replicas: Replicas | None = None, tensor_group: Any = None) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -285,6 +288,8 @@ class DistributedPipeline:
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
+        if tensor_group is not None:
+            self._shard(stages, tensor_group)
         stage_class = _stage_class()
         self.engine_stages = []
         for module in self.modules:
@@ -308,6 +313,28 @@ class DistributedPipeline:
                     for _, owner, kind, slot, t in _slots(stages[p]):
                         if id(t) not in mine:
                             getattr(owner, kind)[slot] = memo.setdefault(id(t), _on_meta(t))
+
+    def _shard(self, stages: Sequence[StageModule], tensor_group: Any) -> None:
+        """Split the linear pairs of this rank's stages over ``tensor_group`` (refuse a stage without any)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from torchplace.runtime.dist_tensor import linear_pairs, refuse_unsplit, shard_stage
+
+        tensor = dist.get_world_size(tensor_group)
+        calls = Counter(str(n.target) for s in stages for n in s.graph.nodes if n.op == "call_module")
+        shared = {id(p) for p in self._shared}
+        mesh = DeviceMesh.from_group(tensor_group, self.device.type)
+        for module in self.modules:
+            pieces = list(module.pieces)
+            found = [(piece, [pair for pair in linear_pairs(piece, tensor, calls)
+                              if not any(id(p) in shared for name in pair
+                                         for p in piece.get_submodule(name).parameters())])
+                     for piece in pieces]
+            if pieces and not any(pairs for _, pairs in found):
+                refuse_unsplit(module.slot.index, pieces, tensor)
+            for piece, pairs in found:
+                shard_stage(piece, pairs, mesh)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (the model's own objects, each once): give them to its optimizer."""
