@@ -8,7 +8,11 @@
 
 Rank ``r`` runs the stages of the plan's ``r``-th device (``devices[r]``, or the plan's devices in
 order of first appearance): on ``cuda:LOCAL_RANK`` with NCCL where CUDA is present and the devices
-are GPUs, else on the CPU with gloo. The plan is solved once, on rank 0, and handed to the other
+are GPUs, else on the CPU with gloo. A plan whose stages have ``data_parallel=d`` and
+``tensor_parallel=t`` (the same on every stage) runs on ``P * d * t`` processes for its ``P``
+devices: rank ``(k * d + j) * t + i`` runs device ``k``'s stages in pipeline copy ``j``, as
+tensor-parallel rank ``i`` (:mod:`torchplace.runtime.dist_replicas`,
+:mod:`torchplace.runtime.dist_tensor`). The plan is solved once, on rank 0, and handed to the other
 ranks through the rendezvous store, or loaded from a plan file on every rank (``plan=``). Each
 rank keeps only its own stages' tensors (the rest go to the meta device) and may load its slice of
 a checkpoint (``state_dict=``). The bridge itself is :mod:`torchplace.runtime.distributed`; faults
@@ -76,6 +80,22 @@ def place(
     the number of devices (of ``devices``, or of the plan file), and a plan file must place this
     model's graph.
 
+    Data x tensor x pipeline: a ``plan`` whose stages have ``data_parallel=d`` and
+    ``tensor_parallel=t`` (a plan file, or ``Plan`` built by hand with ``Stage(device, nodes,
+    data_parallel=2)``; the same degrees on every stage) runs on the sum over its devices of
+    ``d * t`` processes (``torchrun --nproc-per-node 4`` for 2 devices with ``d=2``). Rank
+    ``(k * d + j) * t + i`` runs the stages of the plan's ``k``-th device in copy ``j`` of the
+    pipeline, as tensor-parallel rank ``i``. Every rank passes the whole batch; copy ``j`` takes
+    its ``j``-th of ``d`` equal parts (``microbatches / d`` micro-batches), and after each
+    ``step`` the gradients are averaged over the copies, so the parameters move as one pipeline's
+    on the whole batch (the gradient of the mean micro-batch loss). With ``t > 1`` each stage's
+    ``nn.Linear`` pairs (Linear, elementwise operators, Linear) are split Megatron-style by
+    ``torch.distributed.tensor.parallel`` (``ColwiseParallel`` then ``RowwiseParallel``): the
+    plan must be traced with ``leaf_modules=[torch.nn.Linear]`` (pass the same here), the split
+    parameters become ``DTensor`` slices (``p.full_tensor()`` joins them), and outputs are
+    allclose to the model's, no longer bitwise. ``run`` and ``step`` return the whole batch's
+    outputs and losses on every copy's last rank.
+
     Args:
         model: the model (every rank traces it; each then keeps only its stages' tensors).
         example_inputs: positional inputs of a representative call; batch on dim 0.
@@ -85,7 +105,8 @@ def place(
         plan: a :class:`Plan` or plan file to run instead of solving (checked on every rank).
         mode: ``"inference"`` or ``"training"`` (solved for the training pipeline, as
             :func:`torchplace.place` does).
-        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        microbatches: micro-batches per batch (the engine's ``n_microbatches``); with ``d`` copies,
+            a multiple of ``d``, and each copy runs ``microbatches / d``.
         schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
             training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
             the cost model counted, looped where a rank holds several stages.
@@ -104,10 +125,20 @@ def place(
 
     Raises:
         DistributedError: not launched by torchrun, or the number of processes differs from the
-            number of devices; a failure on any rank while planning.
-        InvalidPlanError: ``plan`` does not place this model.
+            number of devices (times ``d * t``; the message names the ``--nproc-per-node`` to
+            use); a failure on any rank while planning.
+        InvalidPlanError: ``plan`` does not place this model, or gives one device's stages
+            different degrees.
         UsageError, UnsupportedError: as :func:`torchplace.place`, and for plans the engine cannot
-            run (recomputation, a model that writes its inputs in place).
+            run (recomputation, a model that writes its inputs in place, degrees that differ
+            between devices, ``microbatches`` not a multiple of ``d``, a stage with ``t > 1`` but
+            no Linear pair to split, ``state_dict`` with ``t > 1``).
+
+    Example::
+
+        # plan.json's stages have data_parallel=2 on cpu:0, cpu:1: torchrun --nproc-per-node 4 train.py
+        placed = place(model, (x,), plan="plan.json", mode="training", microbatches=4)
+        losses = placed.step(x, target=y, loss_fn=f)  # copy 0 (ranks 0, 2) trains on x[:B/2], copy 1 (1, 3) on x[B/2:]
     """
     import torch.distributed as dist
 
@@ -290,6 +321,7 @@ class DistributedPlaced:
     Attributes:
         plan, problem: the plan and the problem it was evaluated on.
         rank, world: this process's rank and the number of processes.
+        replica: which data-parallel copy of the pipeline this rank runs (0 with ``d = 1``).
         device: this rank's torch device.
         pipeline: the :class:`~torchplace.runtime.distributed.DistributedPipeline`.
         is_last: whether this rank runs the last stage (it gets the outputs and the losses).
