@@ -348,15 +348,17 @@ def test_tensor_parallel_splits_linear_pairs_the_graph_calls_as_modules():
 def four_ranks(tmp_path_factory, grid_plans):
     """One launch of 4 ranks: 2 stages x 2 copies (rank r runs stage r // 2 of copy r % 2):
     inference, 5 training steps, a batch that does not split among the copies; then 2 stages x 2
-    tensor-parallel ranks: inference and 5 training steps."""
+    tensor-parallel ranks: inference and 5 training steps; last, 2 x 2 copies again, where the last
+    stage of both copies raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("four")
-    plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training")]
-    return launch("infer,train,odd-batch,infer-tp,train-tp", 4, tmp, [str(p) for p in plans], timeout_s=60)
+    plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training",
+                                     "dp-inference")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp,raise", 4, tmp, [str(p) for p in plans], timeout_s=60)
 
 
 def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
     for status, results, err in four_ranks:
-        assert status == 0 and "error" not in results["0:infer"], (results, err[-3000:])
+        assert "error" not in results["0:infer"], (results, err[-3000:])
     assert [r[1]["0:infer"].get("equal") for r in four_ranks] == [None, None, True, True]  # each copy's last rank
     assert all(r[1]["0:infer"]["layout"] == [[0, [0]], [1, [1]]] for r in four_ranks)
 
@@ -398,6 +400,16 @@ def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ra
     train = _check_grid_training(four_ranks, "4:train-tp")
     assert train[0]["sliced"] == [f"layers.{i}.{w}" for i in range(4) for w in ("bias", "weight")]
     assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
+
+
+def test_a_raise_in_one_copy_ends_every_rank_of_every_copy(four_ranks):
+    messages = [r[1]["5:raise"].get("error", "") for r in four_ranks]
+    assert all(r[0] != 0 for r in four_ranks), messages
+    assert all(m.startswith("DistributedError: ") and "failed in stage 1" in m for m in messages), messages
+    failing = {m.split("DistributedError: rank ")[1].split(" ")[0] for m in messages}
+    assert len(failing) == 1 and failing <= {"2", "3"}, messages  # one copy's last rank published first
+    ends = [r[1]["5:raise"]["at"] for r in four_ranks]
+    assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 60 s group timeout
 
 
 @pytest.mark.slow
