@@ -23,6 +23,8 @@ this module turns them into the engine's stages and schedules
 5. Data parallelism: with :class:`~torchplace.runtime.dist_replicas.Replicas`, the pipeline is one
    of ``d`` copies, each on its own process group with ``1/d`` of every batch; gradients are
    averaged over the copies after the backward and outputs joined (:mod:`~torchplace.runtime.dist_replicas`).
+   Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
+   over its ranks before the engine's stages are built (:mod:`~torchplace.runtime.dist_tensor`).
 
 Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
 (naming the rank, the engine stage and the pass) before it is raised as
