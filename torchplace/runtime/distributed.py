@@ -358,7 +358,8 @@ class DistributedPipeline:
     # -- running -----------------------------------------------------------------------------------------
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for the batch ``(args, kwargs)``, split into micro-batches; returned on
-        the rank of the last engine stage (``None`` elsewhere)."""
+        the rank of the last engine stage (``None`` elsewhere); with ``replicas``, the whole batch's
+        on the last rank of every copy."""
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(None)
         with torch.no_grad():
