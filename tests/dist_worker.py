@@ -94,9 +94,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     import torchplace.distributed as tpd
 
     scenario, _, schedule = scenario.partition("@")
+    linear = scenario.endswith("-tp")  # a plan traced with Linear modules as leaves: tensor parallel stages
+    scenario = scenario.removesuffix("-tp")
     model, x, y = build(tied=scenario == "train-tied")
     m = 4
-    opts = dict(microbatches=m, leaf_modules=[Bomb], timeout=float(os.environ.get("TP_TIMEOUT", "30")),
+    opts = dict(microbatches=m, leaf_modules=[Bomb, nn.Linear] if linear else [Bomb],
+                timeout=float(os.environ.get("TP_TIMEOUT", "30")),
                 progress=False, warmup=0, repeats=1, plan=plan, contiguous=plan is None)
     if scenario in ("infer", "raise", "kill", "raise-and-stay"):
         expected = reference_output(model, x, m)
@@ -114,6 +117,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
             result["max_diff"] = float((got - expected).abs().max())
+    elif scenario == "odd-batch":  # a batch that does not split among the replicas' micro-batches
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        try:
+            placed.step(x[:6], target=y[:6], loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
     elif scenario in ("train", "train-tied"):
         expected = reference_training(model, x, y, m, steps=5)
         model.train()
@@ -130,9 +139,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         mine = [names[id(p)] for p in placed.parameters()]
         result["params"] = sorted(mine)
-        result["allclose"] = all(torch.allclose(dict(model.named_parameters())[n], expected[n], atol=1e-6)
-                                 for n in mine)
+        now = {n: _whole(v) for n, v in model.named_parameters() if n in mine}  # tensor-parallel slices joined
+        result["allclose"] = all(torch.allclose(now[n], expected[n], atol=1e-6) for n in mine)
+        result["max_diff"] = max((float((now[n] - expected[n].detach()).abs().max()) for n in mine), default=0.0)
+        result["sliced"] = sorted(n for n, v in model.named_parameters() if n in mine and hasattr(v, "full_tensor"))
         result["losses"] = [float(v) for v in losses]
+        result["replica"] = placed.replica
     elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
         from torchplace.clusterfile import load_cluster
 
@@ -159,6 +171,11 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     placed.close()
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the whole tensor of a tensor-parallel slice (a collective over its ranks)."""
+    return t.full_tensor().detach() if hasattr(t, "full_tensor") else t.detach()
+
+
 def main() -> None:
     torch.set_num_threads(1)  # here, not at import: the test process imports this module too
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
@@ -183,24 +200,29 @@ if __name__ == "__main__":
 
 
 def noncontiguous_plan(path: str, mode: str, tied: bool = False,
-                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1")) -> list[str]:
+                       devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1"), data_parallel: int = 1,
+                       tensor_parallel: int = 1) -> list[str]:
     """Save a plan of :class:`SkipNet` (or :class:`TiedNet`) in pieces of equal length on
-    ``devices`` (a training plan has the backward of each piece on its device, in reverse order);
-    return the stage devices."""
+    ``devices`` (a training plan has the backward of each piece on its device, in reverse order),
+    every stage with ``data_parallel`` and ``tensor_parallel`` (traced with Linear modules as leaves
+    when it is above 1); return the stage devices."""
     from torchplace import api
     from torchplace.plan import Plan, Stage
 
     model, x, _ = build(tied=tied)
     model.train(mode == "training")
-    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=[Bomb],
+    leaves = [Bomb, nn.Linear] if tensor_parallel > 1 else [Bomb]
+    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=leaves,
                             microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
     graph = placement.problem.graph
     forward = [v for v in graph.topological_order() if not graph.record(v).backward]
     pieces = [tuple(c) for c in _chunks(forward, len(devices))]
-    stages = [Stage(d, p) for d, p in zip(devices, pieces)]
+    degrees = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel)
+    stages = [Stage(d, p, **degrees) for d, p in zip(devices, pieces)]
     if mode == "training":
         back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
-        stages += [Stage(d, tuple(b for v in p for b in back[v])) for d, p in reversed(list(zip(devices, pieces)))]
+        stages += [Stage(d, tuple(b for v in p for b in back[v]), **degrees)
+                   for d, p in reversed(list(zip(devices, pieces)))]
     plan = Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
     plan.save(path)
     return [s.device for s in plan.stages]

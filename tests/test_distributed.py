@@ -7,6 +7,7 @@ single-process model (inference outputs bitwise; parameters after 5 SGD steps al
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -14,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError
+from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
 from torchplace.runtime.distributed import EngineSlot, EngineStage, engine_layout, live_values
 from torchplace.runtime.split import split_stages
@@ -257,6 +259,175 @@ def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     assert "ValueError: bomb went off" in two_ranks[0][1]["10:raise"]["error"]
 
 
+# -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
+@pytest.fixture(scope="module")
+def grid_plans(tmp_path_factory) -> dict[str, Path]:
+    """Plan files of SkipNet in 2 pieces on cpu:0, cpu:1, every stage with data_parallel=2
+    (``dp-*``), or with tensor_parallel=2, traced with Linear modules as leaves (``tp-*``)."""
+    tmp = tmp_path_factory.mktemp("grid")
+    plans = {}
+    for kind, degrees in (("dp", dict(data_parallel=2)), ("tp", dict(tensor_parallel=2))):
+        for mode in ("inference", "training"):
+            plans[f"{kind}-{mode}"] = tmp / f"{kind}-{mode}.json"
+            dist_worker.noncontiguous_plan(str(plans[f"{kind}-{mode}"]), mode, devices=("cpu:0", "cpu:1"), **degrees)
+    return plans
+
+
+def test_a_hand_built_plan_file_keeps_its_degrees(grid_plans):
+    from torchplace.plan import Plan
+
+    plan = Plan.load(grid_plans["dp-training"])
+    assert [s.data_parallel for s in plan.stages] == [2, 2, 2, 2] and not any(s.tmpcs for s in plan.stages)
+    assert [s.tensor_parallel for s in Plan.load(grid_plans["tp-inference"]).stages] == [2, 2]
+
+
+def _changed(plan: Any, stage: int = 0, **change) -> Any:
+    """The plan (or plan file) ``plan`` with one stage changed (``dataclasses.replace``)."""
+    from torchplace.plan import Plan
+
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    plan.stages[stage] = dataclasses.replace(plan.stages[stage], **change)
+    return plan
+
+
+def test_grid_launch_checks_come_before_communication(monkeypatch, grid_plans):
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    model, x, _ = dist_worker.build()
+    dp = grid_plans["dp-inference"]
+    _env(monkeypatch, 0, 3)
+    with pytest.raises(DistributedError, match=r"2 data-parallel copies of a pipeline on 2 device\(s\) \(cpu:0, cpu:1\), "
+                                               r"1 tensor-parallel rank\(s\) per stage: it needs 4 processes .* but 3 "
+                                               "were launched.*--nproc-per-node 4"):
+        tpd.place(model, (x,), plan=dp)
+    with pytest.raises(DistributedError, match=r"it needs 8 processes .*--nproc-per-node 8"):
+        tpd.place(model, (x,), plan=_changed(_changed(dp, tensor_parallel=2), 1, tensor_parallel=2))
+    _env(monkeypatch, 0, 4)
+    with pytest.raises(UsageError, match="3 micro-batches do not split among the plan's 2 data-parallel copies"):
+        tpd.place(model, (x,), plan=dp, microbatches=3)
+    with pytest.raises(UnsupportedError, match=r"degrees differ between devices \(\{'cpu:0': \(1, 1\), 'cpu:1': \(2, 1\)\}\)"
+                                               ".*data_parallel=2, tensor_parallel=1 on every stage"):
+        tpd.place(model, (x,), plan=_changed(dp, data_parallel=1))
+    with pytest.raises(InvalidPlanError, match=r"stage 2 runs on cpu:1 with \(data_parallel, tensor_parallel\)=\(2, 1\), "
+                                               r"but an earlier stage of cpu:1 has \(1, 1\)"):
+        tpd.place(model, (x,), plan=_changed(grid_plans["dp-training"], 1, data_parallel=1), mode="training")
+    with pytest.raises(UnsupportedError, match="state_dict= with tensor_parallel > 1"):
+        tpd.place(model, (x,), plan=grid_plans["tp-inference"], state_dict={})
+    assert not dist.is_initialized()
+
+
+def test_replicas_share_equal_rows_of_a_batch():
+    from torchplace.runtime.dist_replicas import Replicas
+
+    batch = torch.arange(12).reshape(6, 2)
+    assert torch.equal(Replicas(3, 1, None).share(batch), batch[2:4])
+    with pytest.raises(UsageError, match=r"a batch of shape \(6, 2\) does not split into 4 equal parts"):
+        Replicas(4, 0, None).share(batch)
+
+
+def test_tensor_parallel_splits_linear_pairs_the_graph_calls_as_modules():
+    from torchplace.runtime.dist_tensor import linear_pairs, refuse_unsplit
+
+    model, x, _ = dist_worker.build()
+    gm = torch.fx.symbolic_trace(model)  # calls the Linear modules: inp's output also skips, out follows an add
+    assert linear_pairs(gm, 2) == [("layers.0", "layers.1"), ("layers.2", "layers.3"), ("layers.4", "layers.5")]
+    assert linear_pairs(gm, 3) == []  # 16 out-features do not split in 3
+    from torchplace import api
+
+    traced = api.prepare(model, ["cpu:0", "cpu:1"], (x,), leaf_modules=[dist_worker.Bomb], progress=False, warmup=0,
+                         repeats=1).traced.gm  # the default trace calls F.linear on the weights
+    assert linear_pairs(traced, 2) == []
+    with pytest.raises(UnsupportedError, match=r"engine stage 1 has tensor_parallel=2 but no pair of nn.Linear modules.*"
+                                               r"leaf_modules=\[torch.nn.Linear\]"):
+        refuse_unsplit(1, [traced], 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, grid_plans):
+    """One launch of 4 ranks: 2 stages x 2 copies (rank r runs stage r // 2 of copy r % 2):
+    inference, 5 training steps, a batch that does not split among the copies; then 2 stages x 2
+    tensor-parallel ranks: inference and 5 training steps; last, 2 x 2 copies again, where the last
+    stage of both copies raises (every rank then ends with an error)."""
+    tmp = tmp_path_factory.mktemp("four")
+    plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training",
+                                     "dp-inference")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp,raise", 4, tmp, [str(p) for p in plans], timeout_s=60)
+
+
+def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
+    for status, results, err in four_ranks:
+        assert "error" not in results["0:infer"], (results, err[-3000:])
+    assert [r[1]["0:infer"].get("equal") for r in four_ranks] == [None, None, True, True]  # each copy's last rank
+    assert all(r[1]["0:infer"]["layout"] == [[0, [0]], [1, [1]]] for r in four_ranks)
+
+
+def _check_grid_training(ranks: list[tuple[int, dict, str]], key: str) -> list[dict]:
+    """Parameters after 5 SGD steps (momentum 0.9) on every rank: allclose to one process training
+    on the whole batch, atol 1e-6 (float32; copies' gradients and slices' products are summed in
+    another order); ranks 0, 1 hold the first stage's parameters, ranks 2, 3 the second's."""
+    train = [r[1][key] for r in ranks]
+    assert all("error" not in t and t["allclose"] for t in train), (train, [r[2][-3000:] for r in ranks])
+    assert max(t["max_diff"] for t in train) <= 1e-6
+    assert train[0]["params"] == train[1]["params"] and train[2]["params"] == train[3]["params"]
+    model, _, _ = dist_worker.build()
+    assert sorted(train[0]["params"] + train[2]["params"]) == sorted(n for n, _ in model.named_parameters())
+    assert len(train[2]["losses"]) == 4 and train[2]["losses"] == train[3]["losses"]  # every micro-batch's, in order
+    assert train[0]["losses"] == train[1]["losses"] == []
+    return train
+
+
+def test_data_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+    train = _check_grid_training(four_ranks, "1:train")
+    assert [t["replica"] for t in train] == [0, 1, 0, 1] and not any(t["sliced"] for t in train)
+
+
+def test_a_batch_that_does_not_split_among_the_copies_is_refused(four_ranks):
+    for _, results, _ in four_ranks:
+        assert results["2:odd-batch"]["refused"] == ("UsageError: a batch of 6 does not split into 2 replicas x 2 "
+                                                     "equal micro-batches; use a batch size that is a multiple of 4")
+
+
+def test_tensor_x_pipeline_inference_is_close_to_the_model(four_ranks):
+    results = [r[1]["3:infer-tp"] for r in four_ranks]
+    assert all("error" not in r for r in results), results
+    assert [r.get("max_diff") is not None for r in results] == [False, False, True, True]  # on each last rank
+    assert max(r.get("max_diff", 0.0) for r in results) <= 1e-6  # atol 1e-6, not bitwise: a sum of slices
+
+
+def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ranks):
+    train = _check_grid_training(four_ranks, "4:train-tp")
+    assert train[0]["sliced"] == [f"layers.{i}.{w}" for i in range(4) for w in ("bias", "weight")]
+    assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
+
+
+def test_a_raise_in_one_copy_ends_every_rank_of_every_copy(four_ranks):
+    messages = [r[1]["5:raise"].get("error", "") for r in four_ranks]
+    assert all(r[0] != 0 for r in four_ranks), messages
+    assert all(m.startswith("DistributedError: ") and "failed in stage 1" in m for m in messages), messages
+    failing = {m.split("DistributedError: rank ")[1].split(" ")[0] for m in messages}
+    assert len(failing) == 1 and failing <= {"2", "3"}, messages  # one copy's last rank published first
+    ends = [r[1]["5:raise"]["at"] for r in four_ranks]
+    assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 60 s group timeout
+
+
+@pytest.mark.slow
+def test_data_x_tensor_x_pipeline_on_8_ranks_trains_like_one_process(tmp_path):
+    plans = []
+    for mode in ("inference", "training"):
+        plans.append(tmp_path / f"{mode}.json")
+        dist_worker.noncontiguous_plan(str(plans[-1]), mode, devices=("cpu:0", "cpu:1"), data_parallel=2,
+                                       tensor_parallel=2)
+    ranks = launch("infer-tp,train-tp", 8, tmp_path, [str(p) for p in plans], timeout_s=120)
+    infer = [r[1]["0:infer-tp"] for r in ranks]
+    assert [r.get("max_diff") is not None for r in infer] == [False] * 4 + [True] * 4, ranks
+    assert max(r.get("max_diff", 0.0) for r in infer) <= 1e-6
+    train = [r[1]["1:train-tp"] for r in ranks]
+    assert all("error" not in t and t["allclose"] and t["max_diff"] <= 1e-6 for t in train), train
+    assert [t["replica"] for t in train] == [0, 0, 1, 1] * 2
+
+
 @pytest.mark.slow
 def test_three_ranks_inference_and_training(tmp_path):
     ranks = launch("infer,train", 3, tmp_path)
@@ -317,3 +488,26 @@ def test_the_readme_torchrun_recipe_runs_as_shown(tmp_path):
                            timeout=LAUNCH_S, capture_output=True, text=True)
     assert wrong.returncode != 0
     assert "torchplace: error: the plan runs on 2 device(s) (cpu:0, cpu:1) but 3 process(es)" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_the_readme_data_parallel_recipe_runs_as_shown(tmp_path):
+    """README's "Data x tensor x pipeline" commands: a training plan made data parallel by hand and
+    run on 4 processes gives the losses of the 2-process run of the plan it came from."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torchplace", "plan", "mlp", "--mode", "training", "--devices", "cpu:0",
+                    "cpu:1", "--keep-split", "-o", "train.json"], cwd=tmp_path, env=env, check=True, timeout=LAUNCH_S,
+                   capture_output=True)
+    subprocess.run([sys.executable, "-c", "import dataclasses; from torchplace.plan import Plan; p = Plan.load('train.json'); "
+                    "p.stages = [dataclasses.replace(s, data_parallel=2) for s in p.stages]; p.save('train-dp2.json')"],
+                   cwd=tmp_path, env=env, check=True, timeout=60)
+    losses = {}
+    for plan, n in (("train.json", 2), ("train-dp2.json", 4)):
+        done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(n), "-m", "torchplace", "run", plan,
+                               "--model", "mlp", "--mode", "training"], cwd=tmp_path, env=env, timeout=LAUNCH_S,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses[n] = sorted(line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith(f"rank {n - 1}: step"))
+    assert len(losses[2]) == 5 and losses[4] == losses[2]  # "step 4: loss 0.004703" on ranks 1 and 3 alike
+

@@ -8,7 +8,11 @@
 
 Rank ``r`` runs the stages of the plan's ``r``-th device (``devices[r]``, or the plan's devices in
 order of first appearance): on ``cuda:LOCAL_RANK`` with NCCL where CUDA is present and the devices
-are GPUs, else on the CPU with gloo. The plan is solved once, on rank 0, and handed to the other
+are GPUs, else on the CPU with gloo. A plan whose stages have ``data_parallel=d`` and
+``tensor_parallel=t`` (the same on every stage) runs on ``P * d * t`` processes for its ``P``
+devices: rank ``(k * d + j) * t + i`` runs device ``k``'s stages in pipeline copy ``j``, as
+tensor-parallel rank ``i`` (:mod:`torchplace.runtime.dist_replicas`,
+:mod:`torchplace.runtime.dist_tensor`). The plan is solved once, on rank 0, and handed to the other
 ranks through the rendezvous store, or loaded from a plan file on every rank (``plan=``). Each
 rank keeps only its own stages' tensors (the rest go to the meta device) and may load its slice of
 a checkpoint (``state_dict=``). The bridge itself is :mod:`torchplace.runtime.distributed`; faults
@@ -27,7 +31,7 @@ import torch
 from torch import nn
 
 from torchplace.devices import Cluster, Device
-from torchplace.errors import DistributedError, UnsupportedError, UsageError
+from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import Plan
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
@@ -76,6 +80,22 @@ def place(
     the number of devices (of ``devices``, or of the plan file), and a plan file must place this
     model's graph.
 
+    Data x tensor x pipeline: a ``plan`` whose stages have ``data_parallel=d`` and
+    ``tensor_parallel=t`` (a plan file, or ``Plan`` built by hand with ``Stage(device, nodes,
+    data_parallel=2)``; the same degrees on every stage) runs on the sum over its devices of
+    ``d * t`` processes (``torchrun --nproc-per-node 4`` for 2 devices with ``d=2``). Rank
+    ``(k * d + j) * t + i`` runs the stages of the plan's ``k``-th device in copy ``j`` of the
+    pipeline, as tensor-parallel rank ``i``. Every rank passes the whole batch; copy ``j`` takes
+    its ``j``-th of ``d`` equal parts (``microbatches / d`` micro-batches), and after each
+    ``step`` the gradients are averaged over the copies, so the parameters move as one pipeline's
+    on the whole batch (the gradient of the mean micro-batch loss). With ``t > 1`` each stage's
+    ``nn.Linear`` pairs (Linear, elementwise operators, Linear) are split Megatron-style by
+    ``torch.distributed.tensor.parallel`` (``ColwiseParallel`` then ``RowwiseParallel``): the
+    plan must be traced with ``leaf_modules=[torch.nn.Linear]`` (pass the same here), the split
+    parameters become ``DTensor`` slices (``p.full_tensor()`` joins them), and outputs are
+    allclose to the model's, no longer bitwise. ``run`` and ``step`` return the whole batch's
+    outputs and losses on every copy's last rank.
+
     Args:
         model: the model (every rank traces it; each then keeps only its stages' tensors).
         example_inputs: positional inputs of a representative call; batch on dim 0.
@@ -85,7 +105,8 @@ def place(
         plan: a :class:`Plan` or plan file to run instead of solving (checked on every rank).
         mode: ``"inference"`` or ``"training"`` (solved for the training pipeline, as
             :func:`torchplace.place` does).
-        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        microbatches: micro-batches per batch (the engine's ``n_microbatches``); with ``d`` copies,
+            a multiple of ``d``, and each copy runs ``microbatches / d``.
         schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
             training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
             the cost model counted, looped where a rank holds several stages.
@@ -104,10 +125,20 @@ def place(
 
     Raises:
         DistributedError: not launched by torchrun, or the number of processes differs from the
-            number of devices; a failure on any rank while planning.
-        InvalidPlanError: ``plan`` does not place this model.
+            number of devices (times ``d * t``; the message names the ``--nproc-per-node`` to
+            use); a failure on any rank while planning.
+        InvalidPlanError: ``plan`` does not place this model, or gives one device's stages
+            different degrees.
         UsageError, UnsupportedError: as :func:`torchplace.place`, and for plans the engine cannot
-            run (recomputation, a model that writes its inputs in place).
+            run (recomputation, a model that writes its inputs in place, degrees that differ
+            between devices, ``microbatches`` not a multiple of ``d``, a stage with ``t > 1`` but
+            no Linear pair to split, ``state_dict`` with ``t > 1``).
+
+    Example::
+
+        # plan.json's stages have data_parallel=2 on cpu:0, cpu:1: torchrun --nproc-per-node 4 train.py
+        placed = place(model, (x,), plan="plan.json", mode="training", microbatches=4)
+        losses = placed.step(x, target=y, loss_fn=f)  # copy 0 (ranks 0, 2) trains on x[:B/2], copy 1 (1, 3) on x[B/2:]
     """
     import torch.distributed as dist
 
@@ -118,7 +149,15 @@ def place(
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
-    rank_devices = _rank_devices(devices, given, world)
+    degrees = _degrees(given) if given is not None else (1, 1)
+    copies = degrees[0]
+    rank_devices = _rank_devices(devices, given, world, degrees)
+    if degrees[1] > 1 and state_dict is not None:
+        raise UnsupportedError("state_dict= with tensor_parallel > 1: the ranks of a stage shard its weights after "
+                               "placing; load the checkpoint into the model before place() instead")
+    if microbatches % copies:
+        raise UsageError(f"{microbatches} micro-batches do not split among the plan's {copies} data-parallel copies: "
+                         f"pass microbatches= a multiple of {copies} (each copy runs microbatches / {copies})")
     device, backend = _torch_device(rank_devices, local_rank, backend)
     common = dict(options, mode=mode, microbatches=microbatches)
     common.setdefault("allow_single_device", False)  # one process per device was launched: keep the split
@@ -142,7 +181,7 @@ def place(
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
                                     faults, plan_timeout, f"{_PLAN_KEY}/{_CALLS}")
         return DistributedPlaced(placement, [_name(d) for d in rank_devices], rank, world, device, faults,
-                                 schedule, state_dict)
+                                 schedule, state_dict, degrees=degrees, timeout=timeout)
     except Exception as error:
         faults._publish(f"rank {rank} failed while placing: {type(error).__name__}: {error}")
         faults.close()
@@ -180,9 +219,51 @@ def _name(device: str | Device) -> str:
     return device.name if isinstance(device, Device) else str(device)
 
 
+def _degrees(plan: Plan) -> tuple[int, int]:
+    """The data- and tensor-parallel degrees ``(d, t)`` of ``plan``, the same on every stage: ``d``
+    copies of its pipeline, each stage on ``t`` tensor-parallel ranks.
+
+    Raises:
+        UnsupportedError: degrees that differ between devices (``d`` copies of one pipeline need
+            the same degrees everywhere).
+        InvalidPlanError: stages of one device with different degrees.
+    """
+    degree: dict[str, tuple[int, int]] = {}
+    for i, s in enumerate(plan.stages):
+        mine = (s.data_parallel, s.tensor_parallel)
+        if degree.setdefault(s.device, mine) != mine:
+            raise InvalidPlanError(f"stage {i} runs on {s.device} with (data_parallel, tensor_parallel)={mine}, but an "
+                                   f"earlier stage of {s.device} has {degree[s.device]}: give every stage of a device "
+                                   "the same degrees")
+    if len(set(degree.values())) > 1:
+        most = max(degree.values())
+        raise UnsupportedError(f"the plan's (data_parallel, tensor_parallel) degrees differ between devices ({degree}): the "
+                               "torch.distributed runtime runs d copies of one pipeline with t ranks per stage, so every "
+                               f"stage needs the same degrees; use data_parallel={most[0]}, tensor_parallel={most[1]} "
+                               "on every stage (or 1, one pipeline)")
+    return next(iter(degree.values()), (1, 1))
+
+
 def _rank_devices(devices: Sequence[str | Device] | Cluster | None, plan: Plan | None,
-                  world: int) -> list[str | Device]:
-    """The device of each rank; the launch checks (before any communication)."""
+                  world: int, degrees: tuple[int, int] = (1, 1)) -> list[str | Device]:
+    """The device of each position of one pipeline (``world / (d * t)`` of them); the launch
+    checks (before any communication)."""
+    if plan is not None and degrees != (1, 1):
+        found = list(dict.fromkeys(s.device for s in plan.stages))
+        need = sum(s.data_parallel * s.tensor_parallel for s in {s.device: s for s in plan.stages}.values())
+        if need != world:
+            raise DistributedError(f"the plan runs {degrees[0]} data-parallel copies of a pipeline on {len(found)} "
+                                   f"device(s) ({', '.join(found)}), {degrees[1]} tensor-parallel rank(s) per stage: it "
+                                   f"needs {need} processes (the sum of data_parallel x tensor_parallel over its devices) "
+                                   f"but {world} were launched: start torchrun with --nproc-per-node {need}")
+        if devices is None:
+            return list(found)
+        listed = list(devices.devices) if isinstance(devices, Cluster) else list(devices)
+        if sorted(_name(d) for d in listed) != sorted(found):
+            raise DistributedError(f"devices {[_name(d) for d in listed]} are not the plan's devices {found}: with "
+                                   "data- or tensor-parallel degrees, devices= names one pipeline's devices, those of "
+                                   "the plan")
+        return listed
     if plan is not None and devices is None:
         found = list(dict.fromkeys(s.device for s in plan.stages))
         if len(found) != world:
@@ -240,15 +321,18 @@ class DistributedPlaced:
     Attributes:
         plan, problem: the plan and the problem it was evaluated on.
         rank, world: this process's rank and the number of processes.
+        replica: which data-parallel copy of the pipeline this rank runs (0 with ``d = 1``).
         device: this rank's torch device.
         pipeline: the :class:`~torchplace.runtime.distributed.DistributedPipeline`.
         is_last: whether this rank runs the last stage (it gets the outputs and the losses).
     """
 
     def __init__(self, placement: Any, rank_devices: Sequence[str], rank: int, world: int, device: torch.device,
-                 faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None) -> None:
+                 faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None,
+                 degrees: tuple[int, int] = (1, 1), timeout: float = 60.0) -> None:
         from torchplace.placed_module import _forward_stages
         from torchplace.runtime import GraphIO, split_stages
+        from torchplace.runtime.dist_replicas import grid_groups
         from torchplace.runtime.distributed import DistributedPipeline
 
         traced, problem, plan = placement.traced, placement.problem, placement.plan
@@ -263,10 +347,17 @@ class DistributedPlaced:
         default = problem.pipeline.schedule if problem.pipeline is not None else "1f1b"
         self.plan, self.problem, self.rank, self.world, self.device = plan, problem, rank, world, device
         self.faults = faults
+        copies, tensor = degrees
+        group, replicas, tensor_group = None, None, None
+        if copies * tensor > 1:  # rank (k * d + j) * t + i: position k, copy j (torchplace.runtime.dist_replicas)
+            group, replicas, tensor_group = grid_groups(len(rank_devices), copies, tensor, rank,
+                                                        datetime.timedelta(seconds=timeout))
+        self.replica = replicas.index if replicas is not None else 0
         self.pipeline = DistributedPipeline(
             stages, [index[s.device] for s in run], GraphIO(traced.gm), [n.name for n in traced.gm.graph.nodes],
-            rank=rank, world=world, device=device, microbatches=placement.microbatches,
-            schedule=schedule or default, faults=faults)
+            rank=rank // (copies * tensor), world=len(rank_devices), device=device,
+            microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
+            replicas=replicas, tensor_group=tensor_group)
         self.is_last = self.pipeline.is_last
         if state_dict is not None:
             self._load(traced.model, state_dict)

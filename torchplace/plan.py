@@ -195,7 +195,7 @@ class Plan:
             f"Plan by {self.solver} ({status}) in {self.seconds:.3g} s: objective {self.objective:.6g}; "
             f"lower bound for any split {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"
         )
-        if any(s.data_parallel > 1 or s.tensor_parallel > 1 or s.tmpcs for s in self.stages):
+        if any(s.tmpcs for s in self.stages):
             return "\n".join([head, *_parallel_rows(self)])
         rows = [("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load")]
         cost_of = {c.device: c for c in self.costs}
@@ -209,6 +209,10 @@ class Plan:
         lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
         if len({s.device for s in self.stages}) < len(self.stages):
             lines.append("(a device with several stages shows its whole load on each of its stages)")
+        degrees = sorted({(s.data_parallel, s.tensor_parallel) for s in self.stages})
+        if degrees != [(1, 1)]:  # a plan given degrees by hand: torchplace.distributed runs them
+            lines.append(f"(data_parallel, tensor_parallel) of the stages: {', '.join(map(str, degrees))}; the numbers "
+                         "above are one pipeline's on the whole batch (degrees are priced on Piper problems only)")
         return "\n".join([head, *lines, *describe_call(self.meta)])  # the predicted call, when place() made one
 
     def to_json(self) -> dict[str, Any]:
@@ -222,8 +226,9 @@ class Plan:
             "status": self.status,
             "assignment": self.assignment,
             "stages": [{"device": s.device, "nodes": list(s.nodes), **({"recompute": True} if s.recompute else {}),
-                        **({"data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel,
-                            "tmpcs": dict(s.tmpcs)} if s.tmpcs else {})}
+                        **({"data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel}
+                           if s.tmpcs or s.data_parallel > 1 or s.tensor_parallel > 1 else {}),
+                        **({"tmpcs": dict(s.tmpcs)} if s.tmpcs else {})}
                        for s in self.stages],
             "costs": [asdict(c) for c in self.costs],
             "meta": self.meta,

@@ -20,6 +20,11 @@ this module turns them into the engine's stages and schedules
 4. :class:`DistributedPipeline` builds a ``PipelineStage`` per local engine stage, moves this rank's
    tensors to its device and frees the others' (meta device), and runs the engine's schedules:
    ``run(x)`` (inference: forward only) and ``step(x, target=y, loss_fn=f)`` (training).
+5. Data parallelism: with :class:`~torchplace.runtime.dist_replicas.Replicas`, the pipeline is one
+   of ``d`` copies, each on its own process group with ``1/d`` of every batch; gradients are
+   averaged over the copies after the backward and outputs joined (:mod:`~torchplace.runtime.dist_replicas`).
+   Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
+   over its ranks before the engine's stages are built (:mod:`~torchplace.runtime.dist_tensor`).
 
 Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
 (naming the rank, the engine stage and the pass) before it is raised as
@@ -31,6 +36,7 @@ naming the rank that stopped (found by its heartbeat in the store). See
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +46,7 @@ from torch import nn
 
 from torchplace.errors import UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import Activity
+from torchplace.runtime.dist_replicas import Replicas
 from torchplace.runtime.params import _slots, move_in_place
 from torchplace.runtime.split import StageModule
 
@@ -243,12 +250,17 @@ class DistributedPipeline:
         order: every value name of the graph in graph order.
         rank, world: this process's rank and the number of ranks.
         device: this rank's torch device (``cuda:LOCAL_RANK`` or ``cpu``).
-        microbatches: micro-batches per batch (the engine's ``n_microbatches``).
+        microbatches: micro-batches per batch of this pipeline (the engine's ``n_microbatches``; with
+            ``replicas``, per replica's share of the batch).
         schedule: one of :data:`SCHEDULES`.
         group: the process group (the default group if ``None``).
         faults: the rank's :class:`~torchplace.runtime.dist_faults.Faults` (fault reports; none: errors
             are raised as they are).
         free_others: move the tensors only other ranks' stages read to the meta device (frees their memory).
+        replicas: this pipeline's place among data-parallel copies (``None``: the only one); then
+            ``rank``, ``world`` and ``group`` are those of this rank's own pipeline.
+        tensor_group: the process group of the ranks that run this rank's stages together, tensor
+            parallel (:mod:`torchplace.runtime.dist_tensor`); ``None``: this rank alone.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
@@ -257,7 +269,8 @@ class DistributedPipeline:
 
     def __init__(self, stages: Sequence[StageModule], stage_ranks: Sequence[int], graph_io: Any,
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
-                 schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True) -> None:
+                 schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
+                 replicas: Replicas | None = None, tensor_group: Any = None) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -268,6 +281,7 @@ class DistributedPipeline:
                                    "tensor is on one rank only: run it with torchplace.place (threads) instead")
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
+        self.replicas = replicas
         self.slots = live_values(engine_layout(stage_ranks, world), stages, graph_io.placeholder_names,
                                  graph_io.output_names, order)
         self.activity = faults.activity if faults is not None else Activity()
@@ -276,6 +290,8 @@ class DistributedPipeline:
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
+        if tensor_group is not None:
+            self._shard(stages, tensor_group)
         stage_class = _stage_class()
         self.engine_stages = []
         for module in self.modules:
@@ -300,6 +316,28 @@ class DistributedPipeline:
                         if id(t) not in mine:
                             getattr(owner, kind)[slot] = memo.setdefault(id(t), _on_meta(t))
 
+    def _shard(self, stages: Sequence[StageModule], tensor_group: Any) -> None:
+        """Split the linear pairs of this rank's stages over ``tensor_group`` (refuse a stage without any)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from torchplace.runtime.dist_tensor import linear_pairs, refuse_unsplit, shard_stage
+
+        tensor = dist.get_world_size(tensor_group)
+        calls = Counter(str(n.target) for s in stages for n in s.graph.nodes if n.op == "call_module")
+        shared = {id(p) for p in self._shared}
+        mesh = DeviceMesh.from_group(tensor_group, self.device.type)
+        for module in self.modules:
+            pieces = list(module.pieces)
+            found = [(piece, [pair for pair in linear_pairs(piece, tensor, calls)
+                              if not any(id(p) in shared for name in pair
+                                         for p in piece.get_submodule(name).parameters())])
+                     for piece in pieces]
+            if pieces and not any(pairs for _, pairs in found):
+                refuse_unsplit(module.slot.index, pieces, tensor)
+            for piece, pairs in found:
+                shard_stage(piece, pairs, mesh)
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (the model's own objects, each once): give them to its optimizer."""
         return list({id(p): p for m in self.modules for p in m.parameters()}.values())
@@ -320,29 +358,44 @@ class DistributedPipeline:
     # -- running -----------------------------------------------------------------------------------------
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for the batch ``(args, kwargs)``, split into micro-batches; returned on
-        the rank of the last engine stage (``None`` elsewhere)."""
+        the rank of the last engine stage (``None`` elsewhere); with ``replicas``, the whole batch's
+        on the last rank of every copy."""
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(None)
         with torch.no_grad():
             out = self._guard(lambda: schedule.step(*flat))
+        replicas = self.replicas
+        if replicas is not None and self.is_last:
+            values = out if isinstance(out, tuple) else (out,)
+            out = tuple(self._guard(lambda: replicas.gather(values, self.slots[-1].outputs), agree=False))
         return self._assemble(out) if self.is_last else None
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
         """One training step: forward and backward of every micro-batch by the schedule. The
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (the engine
-        scales by ``1 / microbatches``). Returns each micro-batch's loss on the last rank (``[]``
-        elsewhere); call the rank's ``optimizer.step()`` after it."""
+        scales by ``1 / microbatches``; with ``replicas``, averaged over the copies: the mean over
+        the whole batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
+        last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
+        rank's ``optimizer.step()`` after it."""
         if not isinstance(target, torch.Tensor):
             raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got {type(target).__name__}")
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
+        target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
         self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
         if self._shared:
             self._guard(self._sync_shared_grads)
-        return [loss.detach() for loss in losses]
+        replicas = self.replicas
+        if replicas is None:
+            return [loss.detach() for loss in losses]
+        self._guard(lambda: replicas.average_grads(self.parameters()))
+        if not self.is_last:
+            return []
+        gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
+        return list(gathered[0])
 
     def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         bound = self.graph_io.bind_inputs(args, kwargs)
@@ -356,11 +409,17 @@ class DistributedPipeline:
         if self._shape is not None and shape != self._shape:
             raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
                              "engine sizes its buffers on the first call; call with the same batch shape")
-        if flat and flat[0].shape[0] % self.microbatches:
-            raise UsageError(f"a batch of {flat[0].shape[0]} does not split into {self.microbatches} equal micro-batches; "
-                             "use a batch size that is a multiple of microbatches")
+        copies = self.replicas.count if self.replicas is not None else 1
+        if flat and flat[0].shape[0] % (copies * self.microbatches):
+            split = f"{copies} replicas x {self.microbatches}" if copies > 1 else f"{self.microbatches}"
+            raise UsageError(f"a batch of {flat[0].shape[0]} does not split into {split} equal micro-batches; "
+                             f"use a batch size that is a multiple of {copies * self.microbatches}")
         self._shape = shape
+        flat = tuple(self._share_of(t) for t in flat)
         return tuple(t.to(self.device) for t in flat) if self.slots[0].rank == self.rank else flat
+
+    def _share_of(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch if self.replicas is None else self.replicas.share(batch)
 
     def _assemble(self, out: Any) -> Any:
         values = out if isinstance(out, tuple) else (out,)
@@ -392,13 +451,15 @@ class DistributedPipeline:
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
                                    f"micro-batches: {e}; pick another schedule or micro-batch count") from e
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (a schedule step), then every rank agrees that all ranks finished it: a rank whose
-        part ended before a peer failed learns of the failure here instead of leaving quietly."""
+    def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
+        """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
+        finished it: a rank whose part ended before a peer failed learns of the failure here instead
+        of leaving quietly. ``agree=False`` for a collective only some ranks call (a replicas' gather)."""
         if self.faults is None:
             return fn()
         out = self.faults.guard(fn)
-        self.faults.guard(self._agree)
+        if agree:
+            self.faults.guard(self._agree)
         return out
 
     def _agree(self) -> None:
