@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchplace import callplan, solvers
+from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
@@ -63,6 +64,9 @@ def place(
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
+    parallelism: str = "pipeline",
+    allreduce_bandwidth: float | str | None = None,
+    tensor_bandwidth: float | str | None = None,
 ) -> PlacedModule:
     """Place ``model`` on ``devices`` and return a module that runs it there.
 
@@ -151,6 +155,18 @@ def place(
             re-time each stage as measured, solve again on those costs, run that plan too if it
             differs, and keep the one whose calls measure faster; ``placed.refinement`` (and the
             report) shows both. Inference only.
+        parallelism: ``"pipeline"`` (default) or ``"piper"`` (:mod:`torchplace.parallelism`):
+            ``mode="training"`` planned with Piper's data x tensor x pipeline parallelism and
+            recomputation (Tarnawski, Narayanan, Phanishayee 2021) over the model's layers, with
+            Megatron's split of attention and MLP blocks (:mod:`torchplace.profiling.tmpc`). The
+            example call is then one micro-batch and ``microbatches`` is Piper's ``N`` (the most
+            micro-batches of a batch). :func:`plan_model` returns the plan; ``place()`` cannot run
+            it in one process and raises :class:`~torchplace.errors.UnsupportedError` with the plan
+            on it (``.plan``), pointing to :func:`torchplace.distributed.place`.
+        allreduce_bandwidth: Piper's ``B`` (bytes/s or ``"25GB/s"``): stage-to-stage transfers and
+            the data-parallel all-reduce of the gradients; default: the devices' link.
+        tensor_bandwidth: bytes/s of the tensor-parallel all-reduces (NVLink within a server in the
+            paper); default: ``allreduce_bandwidth``.
 
     Returns:
         A :class:`PlacedModule` with ``.plan``; ``placed(*example_inputs)`` equals
@@ -164,6 +180,7 @@ def place(
             memory that would.
         InvalidPlanError: ``plan`` does not place this model's graph, or was made by ``place()``
             for another graph (its fingerprint differs).
+        UnsupportedError: ``parallelism="piper"``: its plan runs over many processes, not here.
     """
     check_model(model)  # a model on the meta device is refused here: plan_model() plans it
     placement = prepare(
@@ -172,8 +189,11 @@ def place(
         microbatches=microbatches, granularity=granularity, leaf_modules=leaf_modules, max_memory=max_memory,
         share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
         trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, progress=progress,
-        plan=plan, refine=refine,
+        plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
+        tensor_bandwidth=tensor_bandwidth,
     )
+    if parallelism == "piper":
+        raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example)
     if refine:
@@ -272,6 +292,9 @@ def prepare(
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
+    parallelism: str = "pipeline",
+    allreduce_bandwidth: float | str | None = None,
+    tensor_bandwidth: float | str | None = None,
 ) -> Placement:
     """Decide where ``model`` runs on ``devices`` without running it: :func:`place` up to its
     plan (trace, profile, solve, choose the micro-batch count or one device), with
@@ -293,6 +316,8 @@ def prepare(
             f"got {objective!r}"
         )
     solvers.check_method(solver, objective)
+    parallelisms.check(parallelism, mode=mode, objective=objective, solver=solver, contiguous=contiguous, plan=plan,
+                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
                        ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):
@@ -350,6 +375,13 @@ def prepare(
                         grad=training, threads=threads)
         if training:
             graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
+    if parallelism == "piper":
+        problem, solved = parallelisms.piper_plan(graph, cluster, model, microbatches=microbatches,  # type: ignore[arg-type]
+                                                  solver=solver, recompute=recompute, time_limit=time_limit,
+                                                  allreduce_bandwidth=allreduce_bandwidth,
+                                                  tensor_bandwidth=tensor_bandwidth)
+        return Placement(traced, problem, solved, microbatches, args, kwargs,  # type: ignore[arg-type]
+                         profile_meta(traced, graph, mode, settings))
     # Inference: the memory model charges activations per micro-batch (for "auto", the largest one).
     split = microbatches if isinstance(microbatches, int) else 1
     pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
