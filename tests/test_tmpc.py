@@ -1,0 +1,191 @@
+"""Piper on real models: layers, Megatron pairs and TMPCs of a profiled training graph
+(torchplace.profiling.tmpc, .megatron) and parallelism='piper' in plan_model / place."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from tests.test_piper import brute_force
+from torchplace import costmodel
+from torchplace.api import prepare
+from torchplace.errors import UnsupportedError, UsageError
+from torchplace.profiling.tmpc import heads_by_module, parameter_shapes, piper_problem
+from torchplace.solvers import piper
+
+transformers = pytest.importorskip("transformers")
+
+FAST = {"progress": False, "warmup": 0, "repeats": 1}
+B = 1e9  # bytes/s
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    """A 2-layer GPT-2's profiled training graph (op level), and the model."""
+    model, kwargs = _gpt2()
+    placement = prepare(model, ["cpu:0", "cpu:1"], example_kwargs=kwargs, mode="training",
+                        allow_single_device=False, **FAST)
+    return placement.problem.graph, model
+
+
+def _problem(graph, model, **kw):
+    opts = {"kind": "cpu", "devices": 8, "memory_bytes": 1e12, "bandwidth": B, "microbatches": 8,
+            "shapes": parameter_shapes(model), "heads": heads_by_module(model)}
+    return piper_problem(graph, **{**opts, **kw})
+
+
+def test_layers_and_megatron_pairs_of_gpt2(gpt2_graph):
+    graph, model = gpt2_graph
+    p = _problem(graph, model)
+    meta = p.graph.meta["piper"]
+    assert list(meta["layers"]) == ["input", "transformer.h.0", "transformer.h.1", "output"]
+    assert meta["degrees"] == [1, 2, 4]  # 4 heads: no t = 8
+    for block in ("transformer.h.0", "transformer.h.1"):
+        attn, mlp = meta["pairs"][block]
+        modules = lambda nodes: [graph.record(v).module for v in nodes]  # noqa: E731
+        assert modules(attn)[0].endswith("attn.c_attn") and modules(attn)[-1].endswith("attn.c_proj")
+        assert modules(mlp)[0].endswith("mlp.c_fc") and modules(mlp)[-1].endswith("mlp.c_proj")
+        assert not any("ln_" in m for m in modules(attn) + modules(mlp))  # norms are replicated
+    assert meta["pairs"]["input"] == [] and meta["pairs"]["output"] == []
+    assert sorted(p.graph.record("transformer.h.0").tmpcs) == [1, 2, 4]
+
+
+def test_tensor_parallel_tmpcs_follow_megatron(gpt2_graph):
+    graph, model = gpt2_graph
+    p = _problem(graph, model, tensor_bandwidth=B)
+    block = "transformer.h.0"
+    nodes = p.graph.meta["piper"]["layers"][block]
+    pairs = p.graph.meta["piper"]["pairs"][block]
+    split = {v for pair in pairs for v in pair}
+    fb = {v: graph.record(v).times["cpu"] + graph.record(f"{v}:backward").times["cpu"] for v in nodes}
+    x1, x2 = (p.graph.record(block).tmpcs[t][0] for t in (1, 2))
+    # t = 1: the measured forward + backward; t = 2: the split operators (the matmuls among them) at
+    # half, the rest replicated, plus an all-reduce of each row linear's output forward and backward
+    assert x1.time == pytest.approx(math.fsum(fb.values()))
+    allreduce = sum(2 * 2 * (2 - 1) / 2 * graph.record(pair[-1]).output_bytes / B for pair in pairs)
+    assert x2.time == pytest.approx(sum(fb[v] / (2 if v in split else 1) for v in nodes) + allreduce)
+    assert allreduce > 0 and x2.time < x1.time + allreduce
+    state = graph.meta["state"]
+    split_weights = sum(e["bytes"] for e in state.values() if e["trainable"] and e["owner"] in split)
+    assert x2.param_bytes == pytest.approx(x1.param_bytes - split_weights / 2)
+    assert x2.mem_b < x1.mem_b and x2.mem_a < x1.mem_a
+    assert x1.sync_in == {"input": 0.0} and x2.sync_in == {"input": p.graph.edge_bytes("input", block)}
+    # layers without a Megatron pair are replicated: same cost at every t
+    out = p.graph.record("output").tmpcs
+    assert out[2][0].time == out[1][0].time and out[4][0].param_bytes == out[1][0].param_bytes
+
+
+def test_recomputation_costs_time_and_saves_memory(gpt2_graph):
+    graph, model = gpt2_graph
+    p = _problem(graph, model)
+    block = "transformer.h.1"
+    nodes = p.graph.meta["piper"]["layers"][block]
+    for t, (vanilla, recomp) in p.graph.record(block).tmpcs.items():
+        assert recomp.recompute and not vanilla.recompute and recomp.id == "activation recomp"
+        assert recomp.time > vanilla.time and recomp.mem_a < vanilla.mem_a
+        assert recomp.param_bytes == vanilla.param_bytes
+    vanilla, recomp = p.graph.record(block).tmpcs[1]
+    assert recomp.time - vanilla.time == pytest.approx(math.fsum(graph.record(v).times["cpu"] for v in nodes))
+    assert recomp.mem_a == p.graph.edge_bytes("transformer.h.0", block)  # the stash: its input
+
+
+def test_piper_plan_of_gpt2_is_valid_and_evaluates_to_its_objective(gpt2_graph):
+    graph, model = gpt2_graph
+    for memory in (1e12, 2e6):
+        p = _problem(graph, model, memory_bytes=memory)
+        plan = piper.solve(p)
+        plan.validate(p)
+        assert plan.objective == costmodel.evaluate(p, plan)
+        assert sum(s.data_parallel * s.tensor_parallel for s in plan.stages) <= 8
+        assert sorted(v for s in plan.stages for v in s.nodes) == sorted(p.graph)
+    # memory below what a block needs on one device (in any TMPC), above what it needs on two
+    tmpcs = _problem(graph, model).graph.record("transformer.h.0").tmpcs
+    need = {t: min(x.mem_a + x.mem_b for x in tmpcs[t]) for t in (1, 2)}
+    assert need[2] < need[1]
+    p = _problem(graph, model, memory_bytes=need[1] - 1, devices=4, microbatches=4)
+    tight = piper.solve(p)
+    assert all(s.tensor_parallel > 1 for s in tight.stages if "transformer.h.0" in s.nodes)
+    assert tight.objective == costmodel.evaluate(p, tight)
+
+
+def test_piper_dp_equals_brute_force_on_a_tiny_traced_model():
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # noqa: E731
+    model = nn.Sequential(block(), nn.LayerNorm(8), block())
+    for devices, n, memory in ((2, 2, None), (4, 4, None), (4, 2, "9KiB")):
+        names = [f"cpu:{i}" for i in range(devices)]
+        caps = None if memory is None else dict.fromkeys(names, memory)
+        plan, p = torchplace.plan_model(model, names, (torch.randn(4, 8),), mode="training", parallelism="piper",
+                                        microbatches=n, max_memory=caps, **FAST)
+        assert list(p.graph.meta["piper"]["layers"]) == ["0", "1", "2"]
+        assert [len(x) for x in p.graph.meta["piper"]["pairs"].values()] == [1, 0, 1]
+        exact = piper.solve(p, knapsack="brute-force")
+        assert exact.objective == pytest.approx(brute_force(p), rel=1e-9)
+        assert plan.objective >= exact.objective * (1 - 1e-9)
+
+
+def test_plan_model_plans_gpt2_and_place_refuses_to_run_it():
+    model, kwargs = _gpt2()
+    devices = [f"cpu:{i}" for i in range(4)]
+    plan, problem = torchplace.plan_model(model, devices, example_kwargs=kwargs, mode="training",
+                                          parallelism="piper", microbatches=4, allreduce_bandwidth="10GB/s", **FAST)
+    assert plan.solver == "piper" and problem.parallel.devices == 4 and problem.parallel.bandwidth == 10e9
+    assert plan.objective == costmodel.evaluate(problem, plan) and plan.meta["piper_devices"] == devices
+    assert "dev[0:" in str(plan)
+    with pytest.raises(UnsupportedError, match="torchplace.distributed.place") as e:
+        torchplace.place(model, devices, example_kwargs=kwargs, mode="training", parallelism="piper",
+                         microbatches=4, **FAST)
+    assert e.value.plan.stages and e.value.problem.parallel is not None
+
+
+def test_bert_plans_with_piper():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=128, max_position_embeddings=32)
+    model = transformers.BertForSequenceClassification(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    plan, problem = torchplace.plan_model(model, [f"cpu:{i}" for i in range(8)],
+                                          example_kwargs={"input_ids": ids, "labels": torch.tensor([0, 1])},
+                                          mode="training", parallelism="piper", microbatches=8, **FAST)
+    meta = problem.graph.meta["piper"]
+    blocks = [k for k in meta["layers"] if k.startswith("bert.encoder.layer.")]
+    assert blocks == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    assert all(len(meta["pairs"][b]) == 2 for b in blocks) and meta["degrees"] == [1, 2, 4]
+    plan.validate(problem)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"parallelism": "megatron"}, "parallelism must be one of ['pipeline', 'piper']"),
+    ({"parallelism": "piper"}, "mode='training'"),
+    ({"parallelism": "piper", "mode": "training", "solver": "dp"}, "solved by"),
+    ({"parallelism": "piper", "mode": "training", "contiguous": False}, "contiguous"),
+    ({"mode": "training", "solver": "piper"}, "parallelism='piper'"),
+    ({"allreduce_bandwidth": "1GB/s"}, "goes with parallelism='piper'"),
+    ({"parallelism": "piper", "mode": "training", "tensor_bandwidth": "fast"}, "bandwidth"),
+])
+def test_bad_parallelism_options_are_usage_errors(options, words):
+    with pytest.raises(UsageError) as e:
+        torchplace.plan_model(nn.Linear(2, 2), ["cpu:0"], (torch.randn(2, 2),), **options)
+    assert words in str(e.value)
+
+
+def test_piper_needs_devices_of_one_kind(gpt2_graph):
+    from torchplace.devices import Cluster, Device
+    from torchplace.parallelism import piper_plan
+
+    graph, model = gpt2_graph
+    mixed = Cluster((Device("a", "cpu", "cpu", 2**30), Device("b", "cpu", "accel", 2**30)))
+    with pytest.raises(UsageError, match="one kind"):
+        piper_plan(graph, mixed, model, microbatches=2, solver="auto", recompute=True, time_limit=None)
