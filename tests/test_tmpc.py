@@ -189,3 +189,13 @@ def test_piper_needs_devices_of_one_kind(gpt2_graph):
     mixed = Cluster((Device("a", "cpu", "cpu", 2**30), Device("b", "cpu", "accel", 2**30)))
     with pytest.raises(UsageError, match="one kind"):
         piper_plan(graph, mixed, model, microbatches=2, solver="auto", recompute=True, time_limit=None)
+
+
+def test_cli_plans_an_example_model_with_piper(capsys):
+    from torchplace.cli import main
+
+    assert main(["plan", "mlp", "--mode", "training", "--parallelism", "piper", "--devices", "cpu:0", "cpu:1",
+                 "--microbatches", "2", "--batch", "4"]) == 0
+    assert "Plan by piper" in capsys.readouterr().out
+    assert main(["plan", "mlp", "--parallelism", "piper"]) == 2  # inference: a one-line usage error
+    assert "mode='training'" in capsys.readouterr().err

@@ -7,6 +7,8 @@
                      [--baseline no-dp|no-tp|no-ar] [--knapsack exact]  Piper (data x tensor x pipeline)
     torchplace methods                                        list the solvers
     torchplace plan MODEL [--devices cpu:0 cpu:1]             place a built-in example model
+    torchplace plan MODEL --mode training --parallelism piper [--devices ...] [--microbatches N]
+                                                              Piper's plan of an example model
     torchplace plan --hf CONFIG.json --max-memory 0=10GiB cpu=30GiB [--batch B] [--sequence-length S] [--phase decode]
                     [--dtype float16] [--cluster FILE] [--json]  accelerate device_map of a HF config
     torchplace show PLAN.json                                 print a saved plan
@@ -238,6 +240,19 @@ def _plan_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_piper(args: argparse.Namespace, model: Any, inputs: Any) -> int:
+    """``plan MODEL --mode training --parallelism piper``: Piper's plan over the model's layers
+    (operator granularity, so that Megatron's split of attention and MLP blocks is visible)."""
+    import torchplace
+
+    plan, _ = torchplace.plan_model(model, args.devices, inputs, mode=args.mode, parallelism="piper",
+                                    microbatches=args.microbatches, solver=args.method, time_limit=args.time_limit)
+    print(plan)
+    if args.output:
+        plan.save(args.output)
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torchplace
     from torchplace.models import build, leaf_modules_for
@@ -247,6 +262,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise UsageError("plan needs a built-in MODEL or --hf CONFIG.json")
     model, inputs = build(args.model, batch=args.batch or 8)
+    if args.parallelism == "piper":
+        return _plan_piper(args, model, inputs)
     placed = torchplace.place(
         model, args.devices, inputs, microbatches=args.microbatches, granularity=args.granularity,
         leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
@@ -407,6 +424,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
     p.add_argument("--mode", choices=["inference", "training"], default="inference",
                    help="training: a plan for training steps (no recomputation, so `torchplace run` can run it)")
+    p.add_argument("--parallelism", choices=["pipeline", "piper"], default="pipeline",
+                   help="piper (with --mode training): data x tensor x pipeline parallelism and recomputation "
+                        "(Piper), the example batch one micro-batch, --microbatches Piper's N; prints the plan")
     _add_solver_options(p, list(METHODS))
     p.add_argument("-o", "--output", type=_output_file, help="also save the plan as JSON here (written atomically)")
     p.set_defaults(func=_plan)
