@@ -199,3 +199,37 @@ def test_cli_plans_an_example_model_with_piper(capsys):
     assert "Plan by piper" in capsys.readouterr().out
     assert main(["plan", "mlp", "--parallelism", "piper"]) == 2  # inference: a one-line usage error
     assert "mode='training'" in capsys.readouterr().err
+
+
+def test_a_model_on_the_meta_device_is_planned_from_estimates():
+    from torchplace.devices import Device
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    devices = [Device(f"gpu{i}", "cuda", "cuda", 2**34) for i in range(8)]
+    plan, problem = torchplace.plan_model(model, devices, example_kwargs={"input_ids": ids, "labels": ids},
+                                          mode="training", parallelism="piper", microbatches=8, progress=False)
+    assert problem.cluster.devices[0].kind == "cuda" and problem.graph.meta["piper"]["degrees"] == [1, 2, 4]
+    assert plan.objective == costmodel.evaluate(problem, plan) > 0
+
+
+def test_edges_between_layers_count_the_tensors_read(gpt2_graph):
+    from torchplace.profiling import trace
+
+    graph, model = gpt2_graph
+    _, kwargs = _gpt2()
+    model.train()
+    with torch.no_grad():
+        traced = trace(model, (), kwargs, training=True)
+    from torchplace.profiling.tmpc import fx_outputs
+
+    coarse = _problem(graph, model).graph
+    fine = _problem(graph, model, fx=fx_outputs(traced.gm)).graph
+    hidden = 2 * 16 * 64 * 4  # the residual stream: batch x tokens x width, float32
+    edge = ("transformer.h.0", "transformer.h.1")
+    # per graph node, layer 0's mask node also counts the attention output it computes; per fx node
+    # only the hidden state and the mask cross
+    assert hidden <= fine.edge_bytes(*edge) < coarse.edge_bytes(*edge)
+    assert fine.edge_bytes(*edge) <= hidden + 2 * 16 * 16 * 4

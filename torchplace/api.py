@@ -237,6 +237,10 @@ def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, exam
     kind's times are roofline estimates (:mod:`torchplace.profiling.estimate`), memory the exact
     bytes of its parameters and the liveness of its activations.
 
+    With ``mode="training", parallelism="piper"`` the plan is Piper's (stages with data- and
+    tensor-parallel degrees, :mod:`torchplace.parallelism`) and the problem its layer graph with
+    TMPCs; the example call is one micro-batch.
+
     Returns:
         ``(plan, problem)``; ``plan.device_map(problem)`` is the placement in accelerate's form,
         and ``place(model, devices, ..., plan=plan)`` runs it once the weights are loaded.
@@ -379,7 +383,7 @@ def prepare(
         problem, solved = parallelisms.piper_plan(graph, cluster, model, microbatches=microbatches,  # type: ignore[arg-type]
                                                   solver=solver, recompute=recompute, time_limit=time_limit,
                                                   allreduce_bandwidth=allreduce_bandwidth,
-                                                  tensor_bandwidth=tensor_bandwidth)
+                                                  tensor_bandwidth=tensor_bandwidth, traced=traced)
         return Placement(traced, problem, solved, microbatches, args, kwargs,  # type: ignore[arg-type]
                          profile_meta(traced, graph, mode, settings))
     # Inference: the memory model charges activations per micro-batch (for "auto", the largest one).

@@ -86,15 +86,16 @@ def _bandwidth(cluster: Cluster, given: Any) -> float:
 
 
 def piper_plan(graph: Any, cluster: Cluster, model: Any, *, microbatches: int, solver: str, recompute: bool,
-               time_limit: float | None, allreduce_bandwidth: Any = None,
-               tensor_bandwidth: Any = None) -> tuple[Problem, Plan]:
-    """The Piper problem of a profiled training ``graph`` on ``cluster`` and its plan.
+               time_limit: float | None, allreduce_bandwidth: Any = None, tensor_bandwidth: Any = None,
+               traced: Any = None) -> tuple[Problem, Plan]:
+    """The Piper problem of a profiled training ``graph`` on ``cluster`` and its plan (``traced``:
+    the traced model the graph was profiled from, for exact tensor bytes between layers).
 
     Raises:
         UsageError: devices of more than one kind.
         InfeasibleError: no configuration fits (from the solver).
     """
-    from torchplace.profiling.tmpc import heads_by_module, parameter_shapes, piper_problem
+    from torchplace.profiling.tmpc import fx_outputs, heads_by_module, parameter_shapes, piper_problem
 
     kind = _alike(cluster)
     memory = [d.memory_bytes for d in cluster.devices if d.memory_bytes is not None]
@@ -102,7 +103,8 @@ def piper_plan(graph: Any, cluster: Cluster, model: Any, *, microbatches: int, s
     problem = piper_problem(
         graph, kind=kind, devices=len(cluster.devices), memory_bytes=float(min(memory)) if memory else UNLIMITED,
         bandwidth=bandwidth, microbatches=microbatches, shapes=parameter_shapes(model), heads=heads_by_module(model),
-        tensor_bandwidth=None if tensor_bandwidth is None else float(parse_bandwidth(tensor_bandwidth)))
+        tensor_bandwidth=None if tensor_bandwidth is None else float(parse_bandwidth(tensor_bandwidth)),
+        fx=None if traced is None else fx_outputs(traced.gm))
     method = "piper" if solver == "auto" else solver
     plan = solvers.solve(problem, method=method, time_limit=time_limit, recompute=recompute)
     plan.meta["piper_devices"] = [d.name for d in cluster.devices]

@@ -12,7 +12,10 @@ module path it lies under up to the first numeric component (``transformer.h.3``
 ``input`` when no block operator reaches them (embeddings) and to ``output`` when they reach no
 block operator (final norm, head, loss), else to the block of their latest predecessor. Layers that
 would form a cycle are merged (strongly connected components), so the layer graph is a DAG. The
-edge ``c(U, W)`` is the bytes of the outputs of ``U``'s operators that ``W`` reads (each tensor once).
+edge ``c(U, W)`` is the bytes of the outputs of ``U``'s operators that ``W`` reads (each tensor once),
+counted per fx node when the traced model's tensor sizes are given (:func:`fx_outputs`: a graph
+node that groups several fx nodes, e.g. a mask computed beside layer 0's attention, then counts only
+the tensors another layer reads), else per graph node.
 
 **TMPCs** for ``t`` in ``degrees`` (at most the device count), the example call being one
 micro-batch (Piper's unit of work; ``microbatches`` is ``N``, the most micro-batches of a batch):
@@ -44,6 +47,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
@@ -53,7 +57,7 @@ from torchplace.graph import TMPC, NodeRecord, OpGraph
 from torchplace.problem import Parallel, Problem
 from torchplace.profiling.megatron import MegatronPair, linear_weights, megatron_pairs
 
-__all__ = ["DEGREES", "LayerCost", "heads_by_module", "layers", "parameter_shapes", "piper_problem"]
+__all__ = ["DEGREES", "LayerCost", "fx_outputs", "heads_by_module", "layers", "parameter_shapes", "piper_problem"]
 
 DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees offered by default (Piper's evaluation, Sec. 5)."""
@@ -157,7 +161,8 @@ def _allreduce(nbytes: float, t: int, bandwidth: float) -> float:
 def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: float, bandwidth: float,
                   microbatches: int, shapes: Mapping[str, Sequence[int]] | None = None,
                   heads: Mapping[str, int] | None = None, tensor_bandwidth: float | None = None,
-                  degrees: Sequence[int] = DEGREES) -> Problem:
+                  degrees: Sequence[int] = DEGREES,
+                  fx: Mapping[str, tuple[int, Sequence[str]]] | None = None) -> Problem:
     """The Piper problem of a profiled training graph (module docstring).
 
     Args:
@@ -171,6 +176,7 @@ def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: floa
         tensor_bandwidth: bytes/s of the tensor-parallel all-reduces (NVLink within a server in
             the paper); ``None`` means ``bandwidth``.
         degrees: the tensor-parallel degrees to try (1 is always kept).
+        fx: :func:`fx_outputs` of the traced model, for exact edge bytes between layers.
 
     Returns:
         A throughput Problem over the layer graph with TMPCs on every layer and
@@ -192,7 +198,7 @@ def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: floa
     pairs = {name: megatron_pairs(fwd, nodes, weights, heads or {}, wanted) for name, nodes in layer_nodes.items()}
     offered = [1] + [t for t in wanted if any(ps and all(t in p.degrees for p in ps) for ps in pairs.values())]
     member = {v: name for name, nodes in layer_nodes.items() for v in nodes}
-    edges = _layer_edges(fwd, member)
+    edges = _layer_edges(fwd, member, fx)
     owned, borrowed = _trainable(graph)
     out = OpGraph(meta={"source": "profiled model", "format": "piper",
                         "piper": {"layers": layer_nodes, "degrees": offered,
@@ -200,7 +206,7 @@ def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: floa
     for name, nodes in layer_nodes.items():
         preds = {u for (u, w) in edges if w == name}
         succs = {w for (u, w) in edges if u == name}
-        inputs = _input_bytes(fwd, nodes, member)
+        inputs = sum(edges[u, name] for u in preds)  # the tensors it reads from other layers: its stash
         tmpcs: dict[int, tuple[TMPC, ...]] = {}
         for t in offered:
             if any(t not in p.degrees for p in pairs[name]) and t > 1:
@@ -243,19 +249,38 @@ def _layer_cost(graph: OpGraph, nodes: Sequence[str], pairs: Sequence[MegatronPa
     return cost
 
 
-def _layer_edges(fwd: OpGraph, member: Mapping[str, str]) -> dict[tuple[str, str], float]:
-    """``c(U, W)``: bytes of ``U``'s outputs read in ``W``, each producer's output once per ``W``."""
+def fx_outputs(gm: Any) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """``{fx node: (output bytes, fx nodes reading it)}`` of a traced GraphModule whose nodes carry
+    ``meta["torchplace"]`` (:class:`~torchplace.fxutil.TensorInfo`)."""
+    out: dict[str, tuple[int, tuple[str, ...]]] = {}
+    for n in gm.graph.nodes:
+        info = n.meta.get("torchplace")
+        if info is not None:
+            out[n.name] = (int(info.output_bytes), tuple(u.name for u in n.users))
+    return out
+
+
+def _layer_edges(fwd: OpGraph, member: Mapping[str, str],
+                 fx: Mapping[str, tuple[int, Sequence[str]]] | None) -> dict[tuple[str, str], float]:
+    """``c(U, W)``: bytes of ``U``'s outputs read in ``W``, each tensor once per ``W`` (per fx node
+    where ``fx`` gives their sizes and readers, else per graph node)."""
     seen: dict[tuple[str, str], set[str]] = defaultdict(set)
     for u, v in fwd.edges:
         if member[u] != member[v]:
             seen[member[u], member[v]].add(u)
-    return {k: float(sum(fwd.record(u).output_bytes for u in us)) for k, us in seen.items()}
-
-
-def _input_bytes(fwd: OpGraph, nodes: Sequence[str], member: Mapping[str, str]) -> int:
-    """Bytes of the tensors a layer reads from other layers (its stash under recomputation)."""
-    inside = set(nodes)
-    return sum(fwd.record(u).output_bytes for u in {u for v in nodes for u in fwd.predecessors(v) if u not in inside})
+    if fx is None:
+        return {k: float(sum(fwd.record(u).output_bytes for u in us)) for k, us in seen.items()}
+    layer_of = {f: member[v] for v, r in fwd.records() for f in r.fx_nodes}
+    missing = sorted(set(layer_of) - set(fx))
+    if missing:
+        raise UsageError(f"the traced model's fx nodes do not match the graph (no fx node {missing[0]!r}): "
+                         "give the traced model the graph was profiled from")
+    out = {}
+    for (a, b), producers in seen.items():
+        tensors = {f for u in producers for f in fwd.record(u).fx_nodes
+                   if f in fx and any(layer_of.get(x) == b for x in fx[f][1])}
+        out[a, b] = float(sum(fx[f][0] for f in tensors))
+    return out
 
 
 def _common(modules: Sequence[str]) -> str:
