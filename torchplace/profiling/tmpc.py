@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -199,30 +200,12 @@ def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: floa
     offered = [1] + [t for t in wanted if any(ps and all(t in p.degrees for p in ps) for ps in pairs.values())]
     member = {v: name for name, nodes in layer_nodes.items() for v in nodes}
     edges = _layer_edges(fwd, member, fx)
-    owned, borrowed = _trainable(graph)
     out = OpGraph(meta={"source": "profiled model", "format": "piper",
                         "piper": {"layers": layer_nodes, "degrees": offered,
                                   "pairs": {k: [p.nodes for p in ps] for k, ps in pairs.items()}}})
+    prices = _Prices(kind, microbatches, bandwidth, tensor_bandwidth, *_trainable(graph))
     for name, nodes in layer_nodes.items():
-        preds = {u for (u, w) in edges if w == name}
-        succs = {w for (u, w) in edges if u == name}
-        inputs = sum(edges[u, name] for u in preds)  # the tensors it reads from other layers: its stash
-        tmpcs: dict[int, tuple[TMPC, ...]] = {}
-        for t in offered:
-            if any(t not in p.degrees for p in pairs[name]) and t > 1:
-                continue
-            cost = _layer_cost(graph, nodes, pairs[name], t, kind, owned, borrowed)
-            tied = math.fsum(borrowed[v] for v in nodes) / microbatches / bandwidth
-            comm = sum(_allreduce(fwd.record(p.row).output_bytes, t, tensor_bandwidth) for p in pairs[name])
-            sync_in = {u: (edges[u, name] if t > 1 else 0.0) for u in preds}
-            sync_out = {w: (edges[name, w] if t > 1 else 0.0) for w in succs}
-            common = dict(param_bytes=cost.weights, sync_in=sync_in, sync_out=sync_out)
-            vanilla = TMPC("vanilla", time=cost.forward + cost.backward + 2 * comm + tied,
-                           mem_a=cost.saved, mem_b=cost.weights + cost.resident, **common)
-            recomp = TMPC("activation recomp", time=2 * cost.forward + cost.backward + 3 * comm + tied,
-                          mem_a=float(inputs), mem_b=cost.weights + cost.resident + max(cost.saved - inputs, 0.0),
-                          recompute=True, **common)
-            tmpcs[t] = (vanilla, recomp) if cost.saved > 0 else (vanilla,)
+        tmpcs = _layer_tmpcs(graph, fwd, name, nodes, pairs[name], offered, edges, prices)
         modules = sorted({fwd.record(v).module for v in nodes})
         out.add_node(name, NodeRecord(name=name, op=f"layer ({len(nodes)} ops)", module=_common(modules),
                                       fx_nodes=tuple(f for v in nodes for f in fwd.record(v).fx_nodes),
@@ -235,10 +218,48 @@ def piper_problem(graph: OpGraph, *, kind: str, devices: int, memory_bytes: floa
     return Problem(out, Cluster((device,), bandwidth=float(bandwidth)), parallel=parallel)
 
 
-def _layer_cost(graph: OpGraph, nodes: Sequence[str], pairs: Sequence[MegatronPair], t: int, kind: str,
-                owned: Mapping[str, float], borrowed: Mapping[str, float]) -> LayerCost:
+@dataclass(frozen=True)
+class _Prices:
+    """What the TMPCs of every layer are priced with."""
+
+    kind: str
+    microbatches: int
+    bandwidth: float
+    tensor_bandwidth: float
+    owned: Mapping[str, float]
+    borrowed: Mapping[str, float]
+
+
+def _layer_tmpcs(graph: OpGraph, fwd: OpGraph, name: str, nodes: Sequence[str], pairs: Sequence[MegatronPair],
+                 offered: Sequence[int], edges: Mapping[tuple[str, str], float],
+                 prices: _Prices) -> dict[int, tuple[TMPC, ...]]:
+    """The TMPCs of layer ``name`` (module docstring), for each offered ``t`` all its pairs split into."""
+    preds = {u for (u, w) in edges if w == name}
+    succs = {w for (u, w) in edges if u == name}
+    inputs = sum(edges[u, name] for u in preds)  # the tensors it reads from other layers: its stash
+    tied = math.fsum(prices.borrowed.get(v, 0.0) for v in nodes) / prices.microbatches / prices.bandwidth
+    out: dict[int, tuple[TMPC, ...]] = {}
+    for t in offered:
+        if t > 1 and any(t not in p.degrees for p in pairs):
+            continue
+        cost = _layer_cost(graph, nodes, pairs, t, prices)
+        comm = sum(_allreduce(fwd.record(p.row).output_bytes, t, prices.tensor_bandwidth) for p in pairs)
+        common = {"param_bytes": cost.weights, "sync_in": {u: edges[u, name] if t > 1 else 0.0 for u in preds},
+                  "sync_out": {w: edges[name, w] if t > 1 else 0.0 for w in succs}}
+        vanilla = TMPC("vanilla", time=cost.forward + cost.backward + 2 * comm + tied,
+                       mem_a=cost.saved, mem_b=cost.weights + cost.resident, **common)
+        recomp = TMPC("activation recomp", time=2 * cost.forward + cost.backward + 3 * comm + tied,
+                      mem_a=float(inputs), mem_b=cost.weights + cost.resident + max(cost.saved - inputs, 0.0),
+                      recompute=True, **common)
+        out[t] = (vanilla, recomp) if cost.saved > 0 else (vanilla,)
+    return out
+
+
+def _layer_cost(graph: OpGraph, nodes: Sequence[str], pairs: Sequence[MegatronPair], t: int,
+                prices: _Prices) -> LayerCost:
     split = {v for p in pairs for v in p.nodes} if t > 1 else set()
     factor = float((graph.meta.get("training") or {}).get("state_factor", 0.0))
+    owned, borrowed, kind = prices.owned, prices.borrowed, prices.kind
     cost = LayerCost()
     for v in nodes:
         r, b = graph.record(v), graph.record(f"{v}:backward")
