@@ -233,3 +233,57 @@ def test_edges_between_layers_count_the_tensors_read(gpt2_graph):
     # only the hidden state and the mask cross
     assert hidden <= fine.edge_bytes(*edge) < coarse.edge_bytes(*edge)
     assert fine.edge_bytes(*edge) <= hidden + 2 * 16 * 16 * 4
+
+
+# -- synthetic graphs: the rules on their own ----------------------------------------------------
+def _synthetic(nodes, edges, weights):
+    """An OpGraph of ``(id, op, module)`` nodes; ``weights``: node -> 2-D weight shape it owns."""
+    from torchplace.graph import NodeRecord, OpGraph
+
+    g = OpGraph(meta={"state": {f"{v}.weight": {"bytes": 4 * a * b, "trainable": True, "owner": v, "readers": [v]}
+                                for v, (a, b) in weights.items()}})
+    for v, op, module in nodes:
+        g.add_node(v, NodeRecord(v, op=f"call_function:aten.{op}", module=module))
+    for u, v in edges:
+        g.add_edge(u, v)
+    return g, {f"{v}.weight": shape for v, shape in weights.items()}
+
+
+def test_megatron_pairs_of_a_llama_block():
+    from torchplace.profiling.megatron import linear_weights, megatron_pairs
+
+    L = "model.layers.0"
+    nodes = [("pow", "pow.Tensor_Scalar", f"{L}.input_layernorm"), ("mean", "mean.dim", f"{L}.input_layernorm"),
+             ("norm", "mul.Tensor", f"{L}.input_layernorm"),
+             ("q", "linear.default", f"{L}.self_attn.q_proj"), ("k", "linear.default", f"{L}.self_attn.k_proj"),
+             ("v", "linear.default", f"{L}.self_attn.v_proj"),
+             ("sdpa", "scaled_dot_product_attention.default", f"{L}.self_attn"),
+             ("o", "linear.default", f"{L}.self_attn.o_proj"), ("add", "add.Tensor", L),
+             ("pow2", "pow.Tensor_Scalar", f"{L}.post_attention_layernorm"),
+             ("mean2", "mean.dim", f"{L}.post_attention_layernorm"),
+             ("norm2", "mul.Tensor", f"{L}.post_attention_layernorm"),
+             ("gate", "linear.default", f"{L}.mlp.gate_proj"), ("up", "linear.default", f"{L}.mlp.up_proj"),
+             ("silu", "silu.default", f"{L}.mlp.act_fn"), ("mul", "mul.Tensor", f"{L}.mlp"),
+             ("down", "linear.default", f"{L}.mlp.down_proj"), ("add2", "add.Tensor", L)]
+    edges = [("pow", "mean"), ("mean", "norm"), ("norm", "q"), ("norm", "k"), ("norm", "v"), ("q", "sdpa"),
+             ("k", "sdpa"), ("v", "sdpa"), ("sdpa", "o"), ("o", "add"), ("add", "pow2"), ("pow2", "mean2"),
+             ("mean2", "norm2"), ("add", "norm2"), ("norm2", "gate"), ("norm2", "up"), ("gate", "silu"),
+             ("silu", "mul"), ("up", "mul"), ("mul", "down"), ("down", "add2"), ("add", "add2")]
+    weights = {"q": (64, 64), "k": (64, 64), "v": (64, 64), "o": (64, 64), "gate": (128, 64), "up": (128, 64),
+               "down": (64, 128)}
+    g, shapes = _synthetic(nodes, edges, weights)
+    pairs = megatron_pairs(g, g.topological_order(), linear_weights(g, shapes), {f"{L}.self_attn": 2}, (2, 4, 8))
+    assert [(p.columns, p.region, p.row) for p in pairs] == [(("q", "k", "v"), ("sdpa",), "o"),
+                                                            (("gate", "up"), ("silu", "mul"), "down")]
+    assert pairs[0].degrees == (2,) and pairs[1].degrees == (2, 4, 8)  # 2 heads; the MLP by its widths
+
+
+def test_layers_that_would_form_a_cycle_are_merged():
+    from torchplace.profiling.tmpc import layers
+
+    # an op outside every block between two blocks goes with its latest predecessor's block; a
+    # block read by an op of an earlier block would make a cycle: the two merge
+    nodes = [("a", "relu.default", "blocks.0"), ("x", "relu.default", "mid"), ("b", "relu.default", "blocks.1"),
+             ("c", "relu.default", "blocks.0.late"), ("out", "relu.default", "head")]
+    g, _ = _synthetic(nodes, [("a", "x"), ("x", "b"), ("b", "c"), ("c", "out")], {})
+    assert layers(g) == {"blocks.0+blocks.1": ["a", "x", "b", "c"], "output": ["out"]}
