@@ -119,8 +119,9 @@ def refuse_to_run(plan: Plan, problem: Problem) -> UnsupportedError:
             else "its stages are layer groups of the Piper graph, not the runtime's stages")
     err = UnsupportedError(
         f"place() runs a model in this process, which cannot run this Piper plan ({what}). Plan it with "
-        "torchplace.plan_model(..., parallelism='piper') (the plan is also on this error as .plan), and run "
-        "data- and tensor-parallel stages over many processes with torchplace.distributed.place; "
-        "parallelism='pipeline' gives a pipeline place() runs here")
+        "torchplace.plan_model(..., parallelism='piper') (the plan is also on this error as .plan); "
+        "data- and tensor-parallel stages run over many processes with torchplace.distributed.place, which "
+        "takes operator-level plans with one d and t for every stage (a Piper plan of layers is not converted "
+        "to one yet); parallelism='pipeline' gives a pipeline place() runs here")
     err.plan, err.problem = plan, problem  # type: ignore[attr-defined]
     return err
