@@ -31,12 +31,12 @@ from torchplace.workloads import read_piper  # noqa: E402
 BERT = ROOT.parent / "shared" / "workloads" / "piper" / "bert32a100.json"
 GIB = 2**30
 LIMIT = 240.0  # seconds per DP run in fig1; a run cut off shows "t/o"
-BASELINES = {
-    "no DP": lambda p: piper.solve(p, data_parallel=False, time_limit=LIMIT),
-    "no TP": lambda p: piper.solve(p, tensor_parallel=False, time_limit=LIMIT),
-    "no AR": lambda p: piper.solve(p, recompute=False, time_limit=LIMIT),
-    "equi": lambda p: piper_equi.solve(p),
-    "equi-no TP": lambda p: piper_equi.solve(p, tensor_parallel=False),
+BASELINES = {  # (problem, seconds) -> plan
+    "no DP": lambda p, limit: piper.solve(p, data_parallel=False, time_limit=limit),
+    "no TP": lambda p, limit: piper.solve(p, tensor_parallel=False, time_limit=limit),
+    "no AR": lambda p, limit: piper.solve(p, recompute=False, time_limit=limit),
+    "equi": lambda p, limit: piper_equi.solve(p),
+    "equi-no TP": lambda p, limit: piper_equi.solve(p, tensor_parallel=False),
 }
 
 
@@ -63,16 +63,16 @@ def _ratio(ours: float, tps: float) -> str:
     return "0.000" if math.isinf(tps) else f"{ours / tps:.3f}"
 
 
-def fig1(memories: list[float], devices: list[int]) -> None:
+def fig1(memories: list[float], devices: list[int], limit: float = LIMIT) -> None:
     print("| memory | K | Piper TPS (s) | Piper s | " + " | ".join(f"{b}" for b in BASELINES) + " | baselines s |")
     print("|---|---|---|---|" + "---|" * len(BASELINES) + "---|")
     for mem in memories:
         for k in devices:
             p = problem(k, mem)
-            ours, secs = _timed(lambda q: piper.solve(q, time_limit=LIMIT), p)
+            ours, secs = _timed(lambda q: piper.solve(q, time_limit=limit), p)
             cells, base_secs = [], 0.0
             for fn in BASELINES.values():
-                tps, s = _timed(fn, p)
+                tps, s = _timed(lambda q, fn=fn: fn(q, limit), p)
                 base_secs += s
                 cells.append(_ratio(ours, tps))
             shown = "t/o" if math.isnan(ours) else "OOM" if math.isinf(ours) else f"{ours:.6g}"
@@ -169,6 +169,7 @@ def main() -> None:
     f = sub.add_parser("fig1")
     f.add_argument("--memory", type=float, nargs="+", default=[1, 2, 8, 80])
     f.add_argument("--devices", type=int, nargs="+", default=[8, 32, 64, 128, 512, 1024, 2048])
+    f.add_argument("--limit", type=float, default=LIMIT, help="seconds per DP run before it shows t/o")
     t = sub.add_parser("time")
     t.add_argument("--devices", type=int, default=2048)
     t.add_argument("--microbatches", type=int, default=512)
@@ -183,7 +184,7 @@ def main() -> None:
     k.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.what == "fig1":
-        fig1(args.memory, args.devices)
+        fig1(args.memory, args.devices, args.limit)
     elif args.what == "fig2":
         fig2(args.microbatches, args.memory, args.devices)
     elif args.what == "time":
