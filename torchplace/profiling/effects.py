@@ -133,14 +133,16 @@ class AccessLog:
         if module is not None:
             read += [*module.parameters(), *module.buffers()]
         access = self.access.setdefault(node.name, _Access())
+        declared = _declares_no_writes(node)
         watched: list[_Watch] = []
         for t in read:
             key = storage_address(t)
             if key is not None:
                 access.reads.add(key)
-                copy = t.detach().clone() if id(t) in self._state_ids else None
+                copy = t.detach().clone() if id(t) in self._state_ids and not declared else None
                 watched.append((t, version_of(t), copy))
-        watched += [(t, version_of(t), None) for _, t in self._state]
+        if not declared:
+            watched += [(t, version_of(t), None) for _, t in self._state]
         return watched
 
     def after(self, node: fx.Node, token: Sequence[_Watch], out: Any) -> None:
@@ -161,6 +163,15 @@ class AccessLog:
             if key is not None:
                 access.makes.add(key)
                 self.creator.setdefault(key, ("temp", node.name))
+
+
+def _declares_no_writes(node: fx.Node) -> bool:
+    """Whether ``node`` calls an ATen operator whose schema writes none of its arguments (an
+    exported graph's nodes): it cannot write the state it reads, nor state it does not get, so
+    the copies and counters that catch undeclared writes are not needed (they cost a copy of
+    every parameter read, e.g. a 150 MB embedding table)."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
