@@ -34,9 +34,12 @@ class Blocks(nn.Module):
 
 
 class WritesInPlace(nn.Module):
+    """Four identical in-place adds: run twice, each would add twice."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * 2
-        h.relu_()
+        for _ in range(4):
+            h.add_(1)
         return h + 1
 
 
@@ -108,13 +111,19 @@ def test_signature_tells_shapes_and_operations_apart(traced_blocks):
     assert len(gelus) == 1 and not gelus & set(linears)
 
 
-def test_a_graph_that_writes_in_place_is_timed_node_by_node(monkeypatch):
+def test_a_node_that_writes_in_place_runs_and_is_timed_once():
     model, x = WritesInPlace(), torch.randn(2, 3)
     with torch.no_grad():
         traced = trace(model, (x,))
-    assert not traced.effects.pure
-    monkeypatch.setattr(profile_module, "_measure_shared", lambda *a, **k: pytest.fail("ran nodes twice"))
-    graph = profile(traced, (x,), progress=False, warmup=0, repeats=1)
+    writers = set(traced.effects.written)
+    assert len(writers) == 4
+    interpreter = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, None, 2, 5,
+                                                     once=writers)
+    with torch.no_grad():
+        out = interpreter.run(*traced.flat_inputs((x,)))
+    assert torch.equal(out, model(x))  # no add ran twice
+    assert writers <= set(interpreter.times)
+    graph = profile(traced, (x,), progress=False)
     assert all("cpu" in r.times for _, r in graph.records())
 
 

@@ -143,9 +143,9 @@ def place(
         profiling: ``"fast"``: each distinct operator signature (operation, argument shapes,
             dtypes, strides) is timed once, on its first node, and its median given to the nodes
             that share it; its repeats stop once the median settles (at most ``repeats``).
-            ``"exhaustive"``: every node is timed in each of ``warmup + repeats`` runs of the
-            whole graph (as graphs that write tensors in place always are;
-            :mod:`torchplace.profiling.profile`).
+            A node that writes a tensor in place runs, and is timed, once. ``"exhaustive"``: every
+            node is timed in each of ``warmup + repeats`` runs of the whole graph
+            (:mod:`torchplace.profiling.profile`).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
             solving. A plan ``place()`` made carries its graph's fingerprint and profiled costs

@@ -5,10 +5,11 @@ nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default th
 and each distinct operator signature (:mod:`.signature`: operation, argument shapes, dtypes and
 strides) is timed on its first node, in a loop of its own: ``warmup`` untimed runs, then timed
 runs until the median settles or ``repeats`` were taken; the other nodes with that signature get
-its median (a transformer's repeated blocks are timed once). A graph that writes tensors in place
-(:mod:`.effects`), whose nodes cannot run twice on the same inputs, and ``exhaustive=True``, time
-every node instead over ``warmup`` untimed and ``repeats`` timed runs of the whole graph. An
-OpGraph node's time is the sum of its fx nodes' medians. Times are seconds for one call on the
+its median (a transformer's repeated blocks are timed once). A node that writes a tensor in place
+(:mod:`.effects`) cannot run twice on the same inputs: it runs once, timed once, shares with no
+other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
+``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its fx nodes'
+medians. Times are seconds for one call on the
 example inputs, the unit of work of a profiled graph (see :class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
@@ -132,13 +133,16 @@ class _TimingInterpreter(fx.Interpreter):
 class _SharingInterpreter(_TimingInterpreter):
     """Runs the graph once; times each distinct signature on its first node, in a loop of its own
     until its :class:`~torchplace.profiling.signature.Sampler` is done, and gives that median to
-    every node with the signature. Only for graphs that write nothing in place: a node runs
-    again on the very inputs it ran on. ``times`` holds seconds per compute fx node."""
+    every node with the signature. A node in ``once`` (one that writes in place: run again on the
+    inputs it wrote, it would compute something else) runs once, timed once, shared with none.
+    ``times`` holds seconds per compute fx node."""
 
     def __init__(self, gm: fx.GraphModule, timer: type[_CpuTimer] | type[_CudaTimer], device: torch.device | None,
-                 warmup: int, repeats: int, tick: Callable[[], Any] = lambda: None) -> None:
+                 warmup: int, repeats: int, tick: Callable[[], Any] = lambda: None,
+                 once: Iterable[str] = ()) -> None:
         super().__init__(gm, timer(), device)
         self.timer_type, self.warmup, self.repeats, self.tick = timer, warmup, repeats, tick
+        self.once = frozenset(once)
         self.measured: dict[Hashable, float] = {}
         self.times: dict[str, float] = {}
 
@@ -151,6 +155,9 @@ class _SharingInterpreter(_TimingInterpreter):
             if self.device is not None:
                 args, kwargs = _pinned(args, self.device), _pinned(kwargs, self.device)
             call = self._call(n, args, kwargs)
+            if n.name in self.once:
+                out, self.times[n.name] = self._timed(call)
+                return out
             key = signature(n, self.module, args, kwargs)
             if key in self.measured:
                 self.times[n.name] = self.measured[key]
@@ -260,7 +267,8 @@ def _measure_shared(
     timer = _CudaTimer if kind == "cuda" else _CpuTimer
     with torch.set_grad_enabled(grad), _restoring(StateSnapshot(gm)), bar:
         inputs = _inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind)
-        interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update)
+        interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update,
+                                          once=traced.effects.written)
         interpreter.run(*inputs)
     return interpreter.times
 
@@ -327,7 +335,7 @@ def profile(
     for kind in dict.fromkeys(kinds):
         if kind in present:
             with intra_op_threads((threads or {}).get(kind)):
-                measure = _measure if exhaustive or not traced.effects.pure else _measure_shared
+                measure = _measure if exhaustive else _measure_shared
                 fx_times = measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
             times[kind] = _node_times(traced.graph, fx_times)
         else:
