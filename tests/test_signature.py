@@ -152,6 +152,9 @@ def test_sampler_shortens_the_warm_up_and_the_repeats_of_a_long_operator():
     assert not s.done and s.samples == []
     s.add(BUDGET)  # one timed run that fills the budget
     assert s.done and s.samples == [BUDGET]
+    s = Sampler(warmup=2, max_repeats=5)
+    s.add(2 * BUDGET)  # a first run of the whole budget is warm enough: it is the sample
+    assert s.done and s.samples == [2 * BUDGET]
 
 
 def test_place_takes_the_profiling_option():

@@ -8,8 +8,9 @@ strides, device and whether it requires grad (other values by their ``repr``). N
 signatures run the same kernels on the same shapes, so one measurement serves them all.
 
 :class:`Sampler` decides how often to run one: ``warmup`` untimed runs (fewer for a long
-operator: a warm-up run of :data:`LONG_RUN` seconds ends them, first-call costs such as allocation
-being small next to it), then timed runs until the median has settled (at least ``min_repeats``,
+operator: a warm-up run of :data:`LONG_RUN` seconds ends them, and one of ``budget`` seconds is
+itself the sample, first-call costs such as allocation being small next to it), then timed runs
+until the median has settled (at least ``min_repeats``,
 the median moved by at most ``rtol`` with the last sample), ``max_repeats`` were taken, or the
 timed runs add up to ``budget`` seconds (an operator of a second is timed once: the scheduler's
 noise averages out within it).
@@ -92,9 +93,10 @@ class Sampler:
 
     def add(self, seconds: float) -> None:
         """Record one run (warm-up runs are counted, not kept)."""
-        if self.warm < self.warmup:
+        if self.warm < self.warmup and seconds < self.budget:
             self.warm = self.warmup if seconds >= LONG_RUN else self.warm + 1
             return
+        self.warm = self.warmup  # a run of the whole budget is warm enough to count
         before = statistics.median(self.samples) if self.samples else None
         self.samples.append(seconds)
         now = statistics.median(self.samples)
