@@ -9,8 +9,8 @@ its median (a transformer's repeated blocks are timed once). A node that writes 
 (:mod:`.effects`) cannot run twice on the same inputs: it runs once, timed once, shares with no
 other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
 ``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its fx nodes'
-medians. Times are seconds for one call on the
-example inputs, the unit of work of a profiled graph (see :class:`~torchplace.graph.NodeRecord`).
+medians. Times are seconds for one call on the example inputs, the unit of work of a profiled
+graph (see :class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
 """
