@@ -61,6 +61,7 @@ def place(
     dynamic_dims: DynamicDims = None,
     warmup: int = 2,
     repeats: int = 5,
+    profiling: str = "fast",
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
@@ -143,6 +144,12 @@ def place(
             model lets vary). Profiling and memory use the example's sizes. A call outside what
             the export accepts raises :class:`UsageError` (:mod:`torchplace.profiling.dynamic`).
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
+        profiling: ``"fast"``: each distinct operator signature (operation, argument shapes,
+            dtypes, strides) is timed once, on its first node, and its median given to the nodes
+            that share it; its repeats stop once the median settles (at most ``repeats``).
+            A node that writes a tensor in place runs, and is timed, once. ``"exhaustive"``: every
+            node is timed in each of ``warmup + repeats`` runs of the whole graph
+            (:mod:`torchplace.profiling.profile`).
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
             solving. A plan ``place()`` made carries its graph's fingerprint and profiled costs
@@ -188,8 +195,8 @@ def place(
         optimizer=optimizer, schedule=schedule, recompute=recompute, contiguous=contiguous, time_limit=time_limit,
         microbatches=microbatches, granularity=granularity, leaf_modules=leaf_modules, max_memory=max_memory,
         share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
-        trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, progress=progress,
-        plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
+        trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, profiling=profiling,
+        progress=progress, plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
         tensor_bandwidth=tensor_bandwidth,
     )
     if parallelism == "piper":
@@ -293,6 +300,7 @@ def prepare(
     dynamic_dims: DynamicDims = None,
     warmup: int = 2,
     repeats: int = 5,
+    profiling: str = "fast",
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
@@ -340,6 +348,10 @@ def prepare(
         raise UsageError(f"allow_single_device must be True or False, got {brief(allow_single_device)}")
     time_limit = None if time_limit is None else positive_float(time_limit, "time_limit", unit="of seconds")
     warmup, repeats = non_negative_int(warmup, "warmup"), positive_int(repeats, "repeats")
+    if profiling not in ("fast", "exhaustive"):
+        raise UsageError(f"profiling must be 'fast' (each distinct operator timed once) or 'exhaustive' (every "
+                         f"operator in every run), got {brief(profiling)}")
+    exhaustive = profiling == "exhaustive"
     args, kwargs = example_call(example_inputs, example_kwargs)
     if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -376,7 +388,7 @@ def prepare(
     cached = graph is not None
     if graph is None:
         graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress,
-                        grad=training, threads=threads)
+                        grad=training, threads=threads, exhaustive=exhaustive)
         if training:
             graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
     if parallelism == "piper":
@@ -406,7 +418,7 @@ def prepare(
                 return None
             chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
             small = profile(traced, chunk_args, chunk_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
-                            progress=progress, grad=training, threads=threads)
+                            progress=progress, grad=training, threads=threads, exhaustive=exhaustive)
             if training:  # forward and backward of one micro-batch
                 small = _training_graph(traced, small, chunk_args, chunk_kwargs, kinds, optimizer, warmup, repeats,
                                         progress, threads)

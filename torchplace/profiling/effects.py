@@ -133,14 +133,16 @@ class AccessLog:
         if module is not None:
             read += [*module.parameters(), *module.buffers()]
         access = self.access.setdefault(node.name, _Access())
+        declared = _declares_no_writes(node)
         watched: list[_Watch] = []
         for t in read:
             key = storage_address(t)
             if key is not None:
                 access.reads.add(key)
-                copy = t.detach().clone() if id(t) in self._state_ids else None
+                copy = t.detach().clone() if id(t) in self._state_ids and not (declared and _is_param(t)) else None
                 watched.append((t, version_of(t), copy))
-        watched += [(t, version_of(t), None) for _, t in self._state]
+        if not declared:
+            watched += [(t, version_of(t), None) for _, t in self._state]
         return watched
 
     def after(self, node: fx.Node, token: Sequence[_Watch], out: Any) -> None:
@@ -161,6 +163,21 @@ class AccessLog:
             if key is not None:
                 access.makes.add(key)
                 self.creator.setdefault(key, ("temp", node.name))
+
+
+def _declares_no_writes(node: fx.Node) -> bool:
+    """Whether ``node`` calls an ATen operator whose schema writes none of its arguments (an
+    exported graph's nodes). Such an operator cannot write state it does not get, and writes no
+    parameter it gets, so those counters and value copies are skipped (a copy of every parameter
+    read cost seconds: GPT-2's 150 MB embedding table). Buffers it gets are still compared:
+    ``aten.batch_norm``'s schema declares no write, yet in training it updates the running
+    statistics without moving their version counters."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

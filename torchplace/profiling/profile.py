@@ -1,10 +1,16 @@
 """Measure the time of every OpGraph node on each device kind of this machine.
 
-The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times each
-compute node (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). After ``warmup``
-untimed runs, ``repeats`` timed runs give a median per fx node; an OpGraph node's time is the sum
-of its fx nodes' medians. Times are seconds for one call on the example inputs, the unit of
-work of a profiled graph (see :class:`~torchplace.graph.NodeRecord`).
+The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times compute
+nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default the graph runs once
+and each distinct operator signature (:mod:`.signature`: operation, argument shapes, dtypes and
+strides) is timed on its first node, in a loop of its own: ``warmup`` untimed runs, then timed
+runs until the median settles or ``repeats`` were taken; the other nodes with that signature get
+its median (a transformer's repeated blocks are timed once). A node that writes a tensor in place
+(:mod:`.effects`) cannot run twice on the same inputs: it runs once, timed once, shares with no
+other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
+``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its fx nodes'
+medians. Times are seconds for one call on the example inputs, the unit of work of a profiled
+graph (see :class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
 """
@@ -13,7 +19,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -28,6 +34,7 @@ from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.estimate import estimate_times
+from torchplace.profiling.signature import Sampler, signature
 from torchplace.profiling.trace import Traced
 
 __all__ = ["present_kinds", "profile"]
@@ -123,6 +130,62 @@ class _TimingInterpreter(fx.Interpreter):
         return out
 
 
+class _SharingInterpreter(_TimingInterpreter):
+    """Runs the graph once; times each distinct signature on its first node, in a loop of its own
+    until its :class:`~torchplace.profiling.signature.Sampler` is done, and gives that median to
+    every node with the signature. A node in ``once`` (one that writes in place: run again on the
+    inputs it wrote, it would compute something else) runs once, timed once, shared with none.
+    ``times`` holds seconds per compute fx node."""
+
+    def __init__(self, gm: fx.GraphModule, timer: type[_CpuTimer] | type[_CudaTimer], device: torch.device | None,
+                 warmup: int, repeats: int, tick: Callable[[], Any] = lambda: None,
+                 once: Iterable[str] = ()) -> None:
+        super().__init__(gm, timer(), device)
+        self.timer_type, self.warmup, self.repeats, self.tick = timer, warmup, repeats, tick
+        self.once = frozenset(once)
+        self.measured: dict[Hashable, float] = {}
+        self.times: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if not is_compute(n):
+            return super().run_node(n)
+        self.tick()
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if self.device is not None:
+                args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
+            call = self._call(n, args, kwargs)
+            if n.name in self.once:
+                out, self.times[n.name] = self._timed(call)
+                return out
+            key = signature(n, self.module, args, kwargs)
+            if key in self.measured:
+                self.times[n.name] = self.measured[key]
+                return call()
+            sampler = Sampler(self.warmup, self.repeats)
+            while True:
+                out, seconds = self._timed(call)
+                sampler.add(seconds)
+                if sampler.done:
+                    break
+                del out
+        self.times[n.name] = self.measured[key] = sampler.median
+        return out
+
+    def _call(self, n: fx.Node, args: Any, kwargs: Any) -> Callable[[], Any]:
+        if self.device is not None and n.op == "call_module":
+            part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(self.device)
+            return lambda: part(*args, **kwargs)
+        return lambda: getattr(self, n.op)(n.target, args, kwargs)
+
+    def _timed(self, call: Callable[[], Any]) -> tuple[Any, float]:
+        timer = self.timer_type()
+        token = timer.start()
+        out = call()
+        timer.stop("run", token)
+        return out, timer.elapsed()["run"]
+
+
 def present_kinds() -> set[str]:
     """Device kinds this machine can measure: ``"cpu"``, plus ``"cuda"`` when a GPU is visible."""
     return {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
@@ -179,6 +242,25 @@ def _measure(
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
+def _measure_shared(
+    traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any], kind: str,
+    warmup: int, repeats: int, progress: bool, grad: bool = False,
+) -> dict[str, float]:
+    """Seconds per compute fx node, each distinct signature timed once (:class:`_SharingInterpreter`);
+    the model's parameters and buffers are restored afterwards, the inputs are copies."""
+    gm = traced.gm
+    device = None if kind == "cpu" else _device_of(kind)
+    compute = sum(1 for n in gm.graph.nodes if is_compute(n))
+    bar = tqdm(total=compute, desc=f"profiling on {kind}", disable=not progress, leave=False)
+    timer = _CudaTimer if kind == "cuda" else _CpuTimer
+    with torch.set_grad_enabled(grad), _restoring(StateSnapshot(gm)), bar:
+        inputs = _inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind)
+        interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update,
+                                          once=traced.effects.written)
+        interpreter.run(*inputs)
+    return interpreter.times
+
+
 def _node_times(graph: OpGraph, fx_times: Mapping[str, float]) -> dict[str, float]:
     """Seconds per OpGraph node: the sum over its fx nodes."""
     return {node_id: sum(fx_times[n] for n in r.fx_nodes) for node_id, r in graph.records()}
@@ -206,6 +288,7 @@ def profile(
     progress: bool = True,
     grad: bool = False,
     threads: Mapping[str, int | None] | None = None,
+    exhaustive: bool = False,
 ) -> OpGraph:
     """Time every node of ``traced.graph`` on each device kind.
 
@@ -217,11 +300,15 @@ def profile(
             the others are estimated with :func:`torchplace.profiling.estimate.estimate_times`, and
             so is every kind for a model on the meta device (weights without values).
         warmup: untimed runs before measuring.
-        repeats: timed runs; each fx node's time is the median over them.
+        repeats: timed runs; each fx node's time is the median over them. By signature (the
+            default) the most a signature gets: it stops once the median settles
+            (:class:`~torchplace.profiling.signature.Sampler`).
         progress: show a tqdm bar over the runs.
         grad: time with autograd recording, as a training forward pass runs.
         threads: intra-op threads to time each kind with, as its devices' workers will run
             (``Device.threads``; missing: the process's setting).
+        exhaustive: time every node in each of ``warmup + repeats`` runs of the whole graph,
+            instead of each distinct signature once (module docstring).
 
     Returns:
         A new :class:`OpGraph` with the same nodes, edges and meta, and ``times`` filled in.
@@ -236,7 +323,8 @@ def profile(
     for kind in dict.fromkeys(kinds):
         if kind in present:
             with intra_op_threads((threads or {}).get(kind)):
-                fx_times = _measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
+                measure = _measure if exhaustive else _measure_shared
+                fx_times = measure(traced, example_inputs, example_kwargs or {}, kind, warmup, repeats, progress, grad)
             times[kind] = _node_times(traced.graph, fx_times)
         else:
             times[kind] = estimate_times(traced, example_inputs, kind, example_kwargs)

@@ -91,12 +91,13 @@ class StreamedDP:
         self.partial = (self.k > 0) & (self.k < size)
         self.b = self.partial.astype(np.float64) @ self.c
 
-    def subs(self, i: int) -> np.ndarray:
-        """Indices of ideal ``i``'s proper sub-ideals."""
-        mask = self.below[i]
+    def subs(self, i: int, live: int = -1) -> np.ndarray:
+        """Indices of ideal ``i``'s proper sub-ideals (those in the bitset ``live`` only)."""
+        mask = self.below[i] & live
         if not mask:
             return np.zeros(0, dtype=np.int64)
-        bits = np.unpackbits(np.frombuffer(mask.to_bytes((i + 8) // 8, "little"), dtype=np.uint8), bitorder="little")
+        nbytes = (mask.bit_length() + 7) // 8
+        bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
         return np.flatnonzero(bits)
 
     def costs(self, i: int, subs: np.ndarray) -> list[np.ndarray]:
@@ -125,30 +126,46 @@ class StreamedDP:
         return s[:c] + (s[c] - 1,) + s[c + 1:]
 
     def run(self) -> float:
-        """Fill the DP; return the optimum (``inf`` if nothing fits)."""
+        """Fill the DP; return the optimum (``inf`` if nothing fits).
+
+        Only pairs that can matter are costed: a sub-ideal ``I'`` whose row is ``inf`` in every
+        source state is skipped (with one device used only ``I' = {}`` is finite), and the state
+        that uses every device is filled for the whole graph alone (no other state reads it). With
+        two devices this costs O(ideals) pieces instead of O(ideal pairs); the optimum, and the
+        backtrack (which costs its own pairs), are unchanged."""
         dp, states = self.dp, self.states
         dp[0, 0] = 0.0  # the empty ideal with no device used
-        rows = {c: (np.array([self.state_index[s] for s in states if s[c]]),
-                    np.array([self.state_index[self._less(s, c)] for s in states if s[c]]))
+        full, last = self.state_index[self.counts], len(self.sets) - 1
+        rows = {c: (np.array([self.state_index[s] for s in states if s[c]], dtype=np.int64),
+                    np.array([self.state_index[self._less(s, c)] for s in states if s[c]], dtype=np.int64))
                 for c in range(len(self.classes))}
+        partial = {c: (to[to != full], frm[to != full]) for c, (to, frm) in rows.items()}
         empty = [[self.state_index[self._less(s, c)] for c in range(len(s)) if s[c]] for s in states]
+        sources = [np.unique(np.concatenate([frm for _, frm in r.values()])) for r in (partial, rows)]
+        live = [1 if np.isfinite(dp[0, cols]).any() else 0 for cols in sources]  # bitsets of useful sub-ideals
         for i in range(1, len(self.sets)):
             self.tick()
-            subs = self.subs(i)
+            whole = i == last
+            subs = self.subs(i, live[whole])
             below = dp[subs]  # (sub-ideals, states): one gather for every class
             best = np.full(len(states), math.inf)
             for c, cost in enumerate(self.costs(i, subs)):
-                to, frm = rows[c]
+                to, frm = (rows if whole else partial)[c]
                 if to.size:
-                    vals = np.maximum(below, cost[:, None]).min(axis=0, initial=math.inf)  # per source state
-                    best[to] = np.minimum(best[to], vals[frm])
+                    vals = np.maximum(below[:, frm], cost[:, None]).min(axis=0, initial=math.inf)
+                    best[to] = np.minimum(best[to], vals)
             row = best.tolist()
-            for si, sources in enumerate(empty):  # a device left empty: s - e_c comes first
-                for sj in sources:
+            for si, srcs in enumerate(empty):  # a device left empty: s - e_c comes first
+                for sj in srcs:
                     if row[sj] < row[si]:
                         row[si] = row[sj]
+            if not whole:
+                row[full] = math.inf  # not computed: read by no state (module docstring)
             dp[i] = row
-        return float(dp[-1, self.state_index[self.counts]])
+            for k, cols in enumerate(sources):
+                if any(math.isfinite(row[j]) for j in cols.tolist()):
+                    live[k] |= 1 << i
+        return float(dp[-1, full])
 
     def pieces(self) -> list[tuple[int, list[int]]]:
         """The optimal split's pieces ``(class, supernodes)``, first to last."""

@@ -56,20 +56,31 @@ def _too_many(limit: int) -> TooManyIdealsError:
 
 
 def _levels(n: int, preds: Sequence[int], limit: int, tick: Callable[[], None]) -> tuple[list[int], list[list[int]]]:
-    """Grow ideals one node at a time; return them and each ideal's immediate sub-ideals."""
+    """Grow ideals one node at a time; return them and each ideal's immediate sub-ideals.
+
+    Each ideal keeps its frontier (the nodes it could take next: outside it, every predecessor
+    inside), so growing it visits those nodes only, in increasing order as a scan of all ``n``
+    would, and the ideals come out in the same order."""
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        p = preds[v]
+        while p:
+            low = p & -p
+            succs[low.bit_length() - 1].append(v)
+            p ^= low
     sets = [0]
     index = {0: 0}
     immediate: list[list[int]] = [[]]
-    level = [0]
+    level = [(0, sum(1 << v for v in range(n) if not preds[v]))]
     while level:
-        nxt: list[int] = []
-        for ideal in level:
+        nxt: list[tuple[int, int]] = []
+        for ideal, frontier in level:
             tick()
             me = index[ideal]
-            for v in range(n):
-                bit = 1 << v
-                if ideal & bit or preds[v] & ~ideal:
-                    continue
+            f = frontier
+            while f:
+                bit = f & -f
+                f ^= bit
                 grown = ideal | bit
                 j = index.get(grown)
                 if j is None:
@@ -78,7 +89,11 @@ def _levels(n: int, preds: Sequence[int], limit: int, tick: Callable[[], None]) 
                         raise _too_many(limit)
                     sets.append(grown)
                     immediate.append([])
-                    nxt.append(grown)
+                    ready = frontier ^ bit
+                    for w in succs[bit.bit_length() - 1]:
+                        if not preds[w] & ~grown:
+                            ready |= 1 << w
+                    nxt.append((grown, ready))
                 immediate[j].append(me)
         level = nxt
     return sets, immediate

@@ -1,0 +1,168 @@
+"""Profiling by operator signature (torchplace/profiling/signature.py, issue 16 item 4): the same
+records as timing every node, each distinct signature run in one loop, repeats that stop when the
+median settles. Nothing here asserts a measured time."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace.errors import UsageError
+from torchplace.fxutil import is_compute
+from torchplace.profiling import profile, trace
+from torchplace.profiling.cache import _structure
+from torchplace.profiling.signature import BUDGET, LONG_RUN, Sampler, signature
+
+profile_module = sys.modules["torchplace.profiling.profile"]
+
+
+class Blocks(nn.Module):
+    """Four identical blocks (same shapes), then a head of another width."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class WritesInPlace(nn.Module):
+    """Four identical in-place adds: run twice, each would add twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        for _ in range(4):
+            h.add_(1)
+        return h + 1
+
+
+@pytest.fixture
+def traced_blocks():
+    torch.manual_seed(0)
+    model, x = Blocks().eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        return model, x, trace(model, (x,))
+
+
+def _signatures(traced, inputs: tuple) -> dict[str, object]:
+    """Each compute fx node's signature on the example run (recorded by the sharing interpreter)."""
+    seen: dict[str, object] = {}
+
+    class Recording(profile_module._SharingInterpreter):
+        def run_node(self, n):
+            if is_compute(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                seen[n.name] = signature(n, self.module, args, kwargs)
+            return super().run_node(n)
+
+    with torch.no_grad():
+        Recording(traced.gm, profile_module._CpuTimer, None, 0, 1).run(*traced.flat_inputs(inputs))
+    return seen
+
+
+def test_sharing_gives_the_records_of_per_node_profiling_but_times(traced_blocks):
+    _, x, traced = traced_blocks
+    shared = profile(traced, (x,), progress=False, warmup=0, repeats=2)
+    exhaustive = profile(traced, (x,), progress=False, warmup=0, repeats=2, exhaustive=True)
+    assert _structure(shared) == _structure(exhaustive)  # nodes, edges, bytes, names: exact
+    assert set(shared) == set(exhaustive)
+    for node_id, record in shared.records():
+        assert set(record.times) == set(exhaustive.record(node_id).times) == {"cpu"}
+        assert record.times["cpu"] > 0
+
+
+def test_nodes_with_one_signature_share_one_measurement(traced_blocks, monkeypatch):
+    _, x, traced = traced_blocks
+    sigs = _signatures(traced, (x,))
+    loops: list[str] = []
+    run_node = profile_module._SharingInterpreter.run_node
+
+    def counting(self, n):
+        before = len(self.measured)
+        out = run_node(self, n)
+        if len(self.measured) > before:
+            loops.append(n.name)
+        return out
+
+    monkeypatch.setattr(profile_module._SharingInterpreter, "run_node", counting)
+    fx_times = profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
+    assert set(fx_times) == set(sigs)  # every compute node has a time
+    assert len(loops) == len(set(sigs.values())) < len(sigs)  # one timing loop per distinct signature
+    by_sig: dict[object, set[float]] = {}
+    for name, sig in sigs.items():
+        by_sig.setdefault(sig, set()).add(fx_times[name])
+    assert all(len(times) == 1 for times in by_sig.values())  # identical nodes get the shared median
+
+
+def test_signature_tells_shapes_and_operations_apart(traced_blocks):
+    _, x, traced = traced_blocks
+    sigs = _signatures(traced, (x,))
+    linears = [sigs[n.name] for n in traced.gm.graph.nodes if n.op == "call_function" and "linear" in n.name]
+    assert len(linears) == 5  # four blocks and the head
+    assert len(set(linears[:4])) == 1 and linears[4] != linears[0]  # the head's weight is 3 x 16
+    gelus = {sigs[n.name] for n in traced.gm.graph.nodes if "gelu" in n.name}
+    assert len(gelus) == 1 and not gelus & set(linears)
+
+
+def test_a_node_that_writes_in_place_runs_and_is_timed_once():
+    model, x = WritesInPlace(), torch.randn(2, 3)
+    with torch.no_grad():
+        traced = trace(model, (x,))
+    writers = set(traced.effects.written)
+    assert len(writers) == 4
+    interpreter = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, None, 2, 5,
+                                                     once=writers)
+    with torch.no_grad():
+        out = interpreter.run(*traced.flat_inputs((x,)))
+    assert torch.equal(out, model(x))  # no add ran twice
+    assert writers <= set(interpreter.times)
+    graph = profile(traced, (x,), progress=False)
+    assert all("cpu" in r.times for _, r in graph.records())
+
+
+def test_sampler_stops_once_the_median_is_stable():
+    s = Sampler(warmup=2, max_repeats=10)
+    runs = 0
+    while not s.done:
+        s.add(0.001)
+        runs += 1
+    assert runs == 2 + 3 and len(s.samples) == 3 and s.median == 0.001
+
+
+def test_sampler_respects_the_most_repeats_when_the_median_keeps_moving():
+    s = Sampler(warmup=1, max_repeats=6)
+    t, runs = 1e-4, 0
+    while not s.done:
+        s.add(t)
+        t *= 1.5  # every sample moves the median by more than rtol
+        runs += 1
+    assert len(s.samples) == 6 and runs == 7
+
+
+def test_sampler_shortens_the_warm_up_and_the_repeats_of_a_long_operator():
+    s = Sampler(warmup=2, max_repeats=5)
+    s.add(LONG_RUN)  # one long warm-up run is enough
+    assert not s.done and s.samples == []
+    s.add(BUDGET)  # one timed run that fills the budget
+    assert s.done and s.samples == [BUDGET]
+    s = Sampler(warmup=2, max_repeats=5)
+    s.add(2 * BUDGET)  # a first run of the whole budget is warm enough: it is the sample
+    assert s.done and s.samples == [2 * BUDGET]
+
+
+def test_place_takes_the_profiling_option():
+    torch.manual_seed(0)
+    model, x = Blocks().eval(), torch.randn(4, 16)
+    with pytest.raises(UsageError, match="profiling must be 'fast'"):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), profiling="quick", progress=False)
+    for how in ("fast", "exhaustive"):
+        placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), profiling=how, progress=False, warmup=0, repeats=1,
+                                  microbatches=1)
+        assert torch.equal(placed(x), model(x))
