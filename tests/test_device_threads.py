@@ -101,18 +101,19 @@ def test_training_workers_and_profiling_use_the_devices_threads(monkeypatch) -> 
 
     monkeypatch.setattr(machine, "cpu_cores", lambda: 4)
     measured_with: list[int] = []
-    measure = profile_module._measure
+    for name in ("_measure", "_measure_shared"):  # exhaustive and by-signature timing
+        def recording(*args, _measure=getattr(profile_module, name), **kwargs):
+            measured_with.append(torch.get_num_threads())
+            return _measure(*args, **kwargs)
 
-    def recording_measure(*args, **kwargs):
-        measured_with.append(torch.get_num_threads())
-        return measure(*args, **kwargs)
-
-    monkeypatch.setattr(profile_module, "_measure", recording_measure)
+        monkeypatch.setattr(profile_module, name, recording)
     model = MLP()
     x, y = torch.randn(8, 32), torch.randn(8, 10)
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=2, share_cores=True,
                               progress=False, repeats=1, warmup=0)
-    assert measured_with == [2]  # the forward pass was timed with a device's share of the cores
+    # the forward pass (of the batch, then of one micro-batch for the call's prediction) was timed
+    # with a device's share of the cores
+    assert measured_with == [2, 2]
     seen: dict[int, int] = {}
     _record_threads(placed.stage_modules, seen)
     placed.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
