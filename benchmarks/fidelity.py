@@ -26,12 +26,12 @@ from torchplace.report.fidelity import pearson
 DEVICE_SETS = (["cpu:0", "cpu:1"], ["cpu:0", "cpu:1", "cpu:2"])
 
 
-def _place(name: str, devices: list[str], objective: str):
+def _place(name: str, devices: list[str], objective: str, profiling: str = "fast"):
     model, inputs = build(name, batch=8)
     options = {"granularity": "module", "leaf_modules": leaf_modules_for(name)} if name in ("gpt2", "bert") else {}
     # the split itself is measured: place() would run these small models on one device
     placed = torchplace.place(model, devices, inputs, objective=objective, microbatches=4, time_limit=5,
-                              progress=False, allow_single_device=False, **options)
+                              progress=False, allow_single_device=False, profiling=profiling, **options)
     return placed, inputs
 
 
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "inception", "transformer", "gpt2", "bert"])
+    ap.add_argument("--profiling", choices=["fast", "exhaustive"], default="fast", help="place()'s profiling")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{platform.node() or 'machine'}: {os.cpu_count()} cores, torch {torch.__version__}, {date.today()}\n")
@@ -49,7 +50,7 @@ def main() -> None:
     for name in args.models:
         for devices in DEVICE_SETS:
             for objective in ("throughput", "latency"):
-                placed, inputs = _place(name, devices, objective)
+                placed, inputs = _place(name, devices, objective, args.profiling)
                 m = placed.measure(inputs, runs=args.runs, warmup=2)
                 xs += [s.predicted for s in m.stages]
                 ys += [s.measured for s in m.stages]

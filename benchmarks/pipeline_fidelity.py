@@ -105,14 +105,15 @@ def _wall(fn: Callable[[], Any], runs: int) -> float:
     return statistics.median(walls)
 
 
-def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int, share_cores: bool) -> list[dict[str, Any]]:
+def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int, share_cores: bool,
+          profiling: str = "fast") -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model, inputs, options = MODELS[name](seq)
     devices = [f"cpu:{i}" for i in range(cpus)]
     with torch.no_grad():
         plain = _wall(lambda: model(*inputs), runs)
     placed = torchplace.place(model, devices, inputs, progress=False, allow_single_device=False, time_limit=10,
-                              share_cores=share_cores, **options)
+                              share_cores=share_cores, profiling=profiling, **options)
     problem, plan, traced = placed.problem, placed.plan, placed._traced
     batch = inputs[0].shape[0]
     overheads = executor_overheads()
@@ -121,7 +122,7 @@ def _rows(name: str, cpus: int, ms: list[int], runs: int, seq: int, share_cores:
     def profiler(m: int) -> Any:
         chunk_args, chunk_kwargs = scatter(inputs, {}, m)[0]
         return profile(traced, chunk_args, chunk_kwargs, kinds=["cpu"], progress=False,
-                       threads=kind_threads(problem.cluster))
+                       threads=kind_threads(problem.cluster), exhaustive=profiling == "exhaustive")
 
     # what place() with default settings runs: the same decision, single device allowed
     default = decide(problem, dataclasses.replace(plan, meta={}), "auto", batch, profiler, overheads=overheads)
@@ -156,6 +157,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence for the transformers models")
     ap.add_argument("--share-cores", action="store_true", help="place with share_cores=True (default: False)")
+    ap.add_argument("--profiling", choices=["fast", "exhaustive"], default="fast", help="place()'s profiling")
     args = ap.parse_args()
     models = args.models or (["demo-gpt2-quick", "demo-cnn-quick"] if args.small else
                              ["demo-cnn", "demo-gpt2", "llama-style", "bert-base", "gpt2-small"])
@@ -170,7 +172,7 @@ def main() -> None:
     print("| model | CPUs | m | stages | predicted ms | measured ms | error | measured / predicted throughput | "
           "steady-state ms | one device predicted ms | plain model ms | plain / placed | place() default runs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [r for name in models for c in cpus for r in _rows(name, c, ms, args.runs, args.seq, args.share_cores)]
+    rows = [r for name in models for c in cpus for r in _rows(name, c, ms, args.runs, args.seq, args.share_cores, args.profiling)]
     xs, ys = [r["predicted"] for r in rows], [r["measured"] for r in rows]
     errors = [abs(y - x) / x for x, y in zip(xs, ys)]
     high = [r["predicted"] / r["measured"] for r in rows if r["m"] >= 8]
