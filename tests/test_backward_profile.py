@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from torchplace.models import build, leaf_modules_for
 from torchplace.profiling import training as training_profile
@@ -58,3 +59,31 @@ def test_cuda_backward_leaves_the_model_on_the_cpu():
     costs = training_profile.measure_backward(traced, inputs, kind="cuda", warmup=0, repeats=1, progress=False)
     assert costs and all(p.device.type == "cpu" for p in model.parameters())
     assert all(p.device.type == "cpu" for p in traced.gm.parameters())
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["exhaustive", "by-signature"])
+def test_forward_timing_on_a_device_copies_parts_only(monkeypatch, sharing):
+    """The forward timers' device path (run here with device=cpu): the graph's output is the
+    model's, every compute node is timed, and only called modules are copied, never the model."""
+    import importlib
+
+    from torchplace.fxutil import is_compute
+
+    profile_module = importlib.import_module("torchplace.profiling.profile")  # the package exports profile()
+
+    model, traced, inputs = _traced("mlp", (nn.Linear,))
+    copied = []
+    real = copy.deepcopy
+    monkeypatch.setattr(profile_module.copy, "deepcopy", lambda x, *a: copied.append(type(x)) or real(x, *a))
+    cpu = torch.device("cpu")
+    if sharing:
+        interp = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, cpu, 0, 1)
+    else:
+        interp = profile_module._TimingInterpreter(traced.gm, profile_module._CpuTimer(), cpu)
+    with torch.no_grad():
+        out = interp.run(*traced.flat_inputs(inputs, {}))
+        expected = traced.gm(*traced.flat_inputs(inputs, {}))
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(expected)))
+    timed = interp.times if sharing else interp.timer.elapsed()
+    assert set(timed) == {n.name for n in traced.gm.graph.nodes if is_compute(n)}
+    assert copied and all(t is nn.Linear for t in copied)

@@ -118,16 +118,19 @@ class _TimingInterpreter(fx.Interpreter):
             return super().run_node(n)
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            args, kwargs = pin_arguments(args, device), pin_arguments(kwargs, device)
-            if n.op == "call_module":
-                part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(device)
-                token = self.timer.start()
-                out = part(*args, **kwargs)
-            else:
-                token = self.timer.start()
-                out = getattr(self, n.op)(n.target, args, kwargs)
+            call = self._call(n, pin_arguments(args, device), pin_arguments(kwargs, device))
+            token = self.timer.start()
+            out = call()
         self.timer.stop(n.name, token)
         return out
+
+    def _call(self, n: fx.Node, args: Any, kwargs: Any) -> Callable[[], Any]:
+        """Node ``n``'s call on ``args``, ``kwargs``; with ``device``, a called module is copied
+        there first (outside any timed region)."""
+        if self.device is not None and n.op == "call_module":
+            part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(self.device)
+            return lambda: part(*args, **kwargs)
+        return lambda: getattr(self, n.op)(n.target, args, kwargs)
 
 
 class _SharingInterpreter(_TimingInterpreter):
@@ -171,12 +174,6 @@ class _SharingInterpreter(_TimingInterpreter):
                 del out
         self.times[n.name] = self.measured[key] = sampler.median
         return out
-
-    def _call(self, n: fx.Node, args: Any, kwargs: Any) -> Callable[[], Any]:
-        if self.device is not None and n.op == "call_module":
-            part = copy.deepcopy(self.module.get_submodule(str(n.target))).to(self.device)
-            return lambda: part(*args, **kwargs)
-        return lambda: getattr(self, n.op)(n.target, args, kwargs)
 
     def _timed(self, call: Callable[[], Any]) -> tuple[Any, float]:
         timer = self.timer_type()
