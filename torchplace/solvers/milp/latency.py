@@ -461,6 +461,7 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
     name = f"latency IP (Tarnawski App. A, q={q})"
     budget = Budget(name, time_limit)
     start = single_place_start(problem, q)
+    start_stages = None if start is None else _start_stages(problem, q, start)
     try:
         model = build(problem, q=q, budget=budget)
         if start is not None:
@@ -469,25 +470,23 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
     except InfeasibleError as e:
         raise _infeasible(problem, q) from e
     except SolverLimitError as e:
-        if start is None or isinstance(e, ModelTooLargeError):
+        if start_stages is None or isinstance(e, ModelTooLargeError):
             raise
         # The limit stopped the build, the hand-over or HiGHS before its first incumbent: the
         # start is feasible for the IP, so it is the answer at this limit.
-        plan = Plan.build(problem, _start_stages(problem, q, start), solver="milp-latency",
-                          seconds=budget.elapsed(), lower_bound=latency_lower_bound(problem), status="time_limit",
-                          meta={"ip_latency": None, "ip_bound": e.bound, "ip_status": "time_limit", "q": q,
-                                "milp_objective": None, "milp_bound": e.bound, "stopped": str(e)})
-        return plan
-    stages = extract(model, problem)
-    if start is not None:  # keep the start where HiGHS's incumbent simulates worse
-        stages = min((stages, _start_stages(problem, q, start)),
-                     key=lambda s: costmodel.evaluate_stages(problem, s)[0])
-    rows, cols = _size(model)
-    meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
-            "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
+        stages, status = start_stages, "time_limit"
+        meta = {"ip_latency": None, "ip_bound": e.bound, "ip_status": "time_limit", "q": q,
+                "milp_objective": None, "milp_bound": e.bound, "stopped": str(e)}
+    else:
+        stages = extract(model, problem)
+        if start_stages is not None:  # keep the start where HiGHS's incumbent simulates worse
+            stages = min((stages, start_stages), key=lambda s: costmodel.evaluate_stages(problem, s)[0])
+        status = "time_limit" if res.status == "time_limit" else "feasible"
+        rows, cols = _size(model)
+        meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
+                "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
     plan = Plan.build(problem, stages, solver="milp-latency", seconds=budget.elapsed(),
-                      lower_bound=latency_lower_bound(problem),
-                      status="time_limit" if res.status == "time_limit" else "feasible", meta=meta)
+                      lower_bound=latency_lower_bound(problem), status=status, meta=meta)
     if plan.objective <= plan.lower_bound * (1 + 1e-9):
         plan.status = "optimal"  # the simulation bound proves it, whatever the IP's status
     return plan
