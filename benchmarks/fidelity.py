@@ -1,6 +1,7 @@
 """Cost-model fidelity: predicted vs measured stage time of placed models (``placed.measure``).
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/fidelity.py [--runs 5] [--models mlp resnet gpt2 ...]
+      [--profiling fast|exhaustive]
 
 For each built-in example model, each device set (2 and 3 logical CPUs) and each objective
 (throughput with 4 micro-batches; latency), the model is placed, run ``--runs`` times after a

@@ -1,7 +1,7 @@
 """Pipeline fidelity (issue 17): the predicted time of one call vs the measured one, and placed vs plain.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/pipeline_fidelity.py [--small] [--models ...] [--cpus 2 3]
-      [--microbatches 1 4 8 16] [--runs 3]
+      [--microbatches 1 4 8 16] [--runs 3] [--profiling fast|exhaustive]
 
 For each model and each set of logical CPUs (``cpu:0``, ``cpu:1`` [, ``cpu:2``]) the model is placed
 with default settings except ``allow_single_device=False`` (so the split itself is measured), then
