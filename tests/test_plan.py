@@ -133,3 +133,28 @@ def test_a_bound_above_the_objective_is_a_bug_not_clamped():
     stages = dp.solve(p).stages
     with pytest.raises(AssertionError, match="lower bound .* exceeds the objective"):
         Plan.build(p, stages, solver="broken", seconds=0.0, lower_bound=1e9)
+
+
+def test_an_invalid_plan_is_refused_as_invalid_whatever_its_bound():
+    # found on a GPU: the whole model on a capped fast device beats the split's true bound, but
+    # does not fit; build() must say "invalid", not "your bound is wrong"
+    p = _problem(mem=10)
+    with pytest.raises(InvalidPlanError, match="needs 12 bytes but has 10"):
+        Plan.build(p, [Stage("acc0", ("a", "b", "c"))], solver="one device", seconds=0.0, lower_bound=100.0)
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_one_device_too_small_for_the_model_is_skipped_not_an_error(objective):
+    from torchplace import callplan
+    from torchplace.callmodel import Overheads
+
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", param_bytes=8, output_bytes=4, times={"fast": 1.0, "cpu": 10.0}))
+    g.add_node("b", NodeRecord("b", param_bytes=8, times={"fast": 1.0, "cpu": 10.0}))
+    g.add_edge("a", "b")
+    cluster = Cluster((Device("gpu", "meta", "fast", 12), Device("cpu", "cpu", "cpu")))
+    p = Problem(g, cluster, objective=objective)
+    split = Plan.build(p, [Stage("gpu", ("a",)), Stage("cpu", ("b",))], solver="test", seconds=0.0, lower_bound=10.0)
+    assert callplan._single_plans(p, split)[0].stages[0].device == "cpu"  # the GPU (2 s alone) holds 8 of 16 bytes
+    decision = callplan.decide(p, split, 1, None, lambda m: None, overheads=Overheads())
+    assert decision.plan.meta["single_device"]["device"] == "cpu"

@@ -87,14 +87,16 @@ class Plan:
 
         Raises:
             InvalidPlanError: if the stages break a constraint (see :meth:`validate`).
-            AssertionError: if ``lower_bound`` exceeds the plan's objective: a bound that a
-                feasible plan beats is no bound, and the solver that claimed it has a bug.
+            AssertionError: if ``lower_bound`` exceeds the objective of the (valid) plan: a bound
+                that a feasible plan beats is no bound, and the solver that claimed it has a bug.
+                An invalid plan raises InvalidPlanError whatever its bound: a plan on a device
+                too small for it may well beat a true bound.
         """
         objective, costs = costmodel.evaluate_stages(problem, stages)
+        plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs, dict(meta or {}))
+        plan.validate(problem)  # first: a bound holds for feasible plans only (an infeasible one may beat it)
         if lower_bound > objective * (1 + 1e-9) + 1e-12:
             raise AssertionError(f"{solver}: lower bound {lower_bound} exceeds the objective {objective} of its own plan")
-        plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs, dict(meta or {}))
-        plan.validate(problem)
         return plan
 
     # -- views -----------------------------------------------------------------------------------
