@@ -1,8 +1,11 @@
 """Memory fidelity (issue 17): each device's predicted memory beside the peak measured on the CPU.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp gpt2 bert resnet] [--training]
+      [--devices cuda:0,cpu --cap 0.5]
 
-Each model is placed on one and on two logical CPUs, with 1 and 4 micro-batches, and called once
+Each model is placed on one and on two logical CPUs (or on the ``--devices`` sets, comma-separated;
+``--cap``: the first device holds at most that share of the parameter bytes), with 1 and 4
+micro-batches, and called once
 to warm up and once measured. The prediction is the cost model's
 (:func:`torchplace.costmodel.device_memory_parts`): parameters and buffers, shared copies, and
 the liveness peak of one micro-batch's activations. The measurement counts, inside each device's
@@ -20,6 +23,10 @@ device: gradients + working memory of one micro-batch + the activations kept for
 micro-batches in flight (:func:`torchplace.costmodel.memory_parts`); measured: the same
 per-thread peak over the step (forward and backward actions of a worker run on its thread), which
 includes the gradients it allocates.
+
+On a CUDA device the CUDA caching allocator's own count is shown too: ``max_memory_allocated``
+over the call minus ``memory_allocated`` before it (what the call added at its peak: activations,
+gradients, kernel workspaces), beside the per-thread tensor count.
 """
 from __future__ import annotations
 
@@ -135,21 +142,39 @@ def _loss(out: Any, target: Any) -> torch.Tensor:
     return first.float().pow(2).mean()
 
 
-def rows(names: list[str], training: bool = False) -> list[tuple]:
+def _cuda_peaks(placed: Any, call: tuple[tuple, dict], train: Any) -> dict[str, int]:
+    """Per CUDA device of the plan, what one call added to the caching allocator at its peak."""
+    cudas = sorted({s.device for s in placed.plan.stages if s.device.startswith("cuda")})
+    before = {d: torch.cuda.memory_allocated(d) for d in cudas}
+    for d in cudas:
+        torch.cuda.synchronize(d)
+        torch.cuda.reset_peak_memory_stats(d)
+    measured_peaks(placed, call, train)
+    for d in cudas:
+        torch.cuda.synchronize(d)
+    return {d: torch.cuda.max_memory_allocated(d) - before[d] for d in cudas}
+
+
+def rows(names: list[str], training: bool = False, device_sets: list[list[str]] | None = None,
+         cap: float | None = None) -> list[tuple]:
     out = []
     for name in names:
         model, args, kwargs = _model(name)
         if training:
             model.train()
-        for devices in (["cpu:0"], ["cpu:0", "cpu:1"]):
+        for devices in device_sets or (["cpu:0"], ["cpu:0", "cpu:1"]):
             for m in (1, 4):
-                options = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b"} if training else {}
+                options: dict[str, Any] = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b"} if training else {}
+                if cap is not None and len(devices) > 1:
+                    params = sum(p.numel() * p.element_size() for p in model.parameters())
+                    options["max_memory"] = {devices[0]: int(cap * params)}
                 placed = torchplace.place(model, devices, args, example_kwargs=kwargs, microbatches=m, progress=False,
                                           allow_single_device=False, repeats=1, warmup=0, time_limit=10, **options)
                 batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
                 train = (torch.zeros(batch), _loss) if training else None
                 measured_peaks(placed, (args, kwargs), train)  # warm-up
                 peaks = measured_peaks(placed, (args, kwargs), train)
+                allocator = _cuda_peaks(placed, (args, kwargs), train) if torch.cuda.is_available() else {}
                 parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
                 for dev, p in parts.items():
                     fixed = p["parameters"] + p["shared copies"]
@@ -158,7 +183,8 @@ def rows(names: list[str], training: bool = False) -> list[tuple]:
                     out.append((name, len(devices), m, dev, _mib(fixed), _mib(modelled), _mib(got),
                                 f"{modelled / got:.2f}" if got else "-",
                                 _mib(fixed + modelled), _mib(fixed + got),
-                                f"{(fixed + modelled) / (fixed + got):.2f}" if fixed + got else "-"))
+                                f"{(fixed + modelled) / (fixed + got):.2f}" if fixed + got else "-",
+                                _mib(allocator[dev]) if dev in allocator else "-"))
     return out
 
 
@@ -166,15 +192,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt2", "bert"])
     ap.add_argument("--training", action="store_true", help="one training step (SGD, 1F1B) instead of a call")
+    ap.add_argument("--devices", nargs="+", help="device sets, comma-separated (default: cpu:0 and cpu:0,cpu:1)")
+    ap.add_argument("--cap", type=float, help="the first device of a set of several: this share of the parameter bytes")
     a = ap.parse_args()
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{date.today()}")
     modelled = "grads + act." if a.training else "act."
     header = ("model", "devices", "m", "device", "params MiB", f"{modelled} predicted", f"{modelled} measured", "ratio",
-              "total predicted", "total measured", "ratio")
+              "total predicted", "total measured", "ratio", "CUDA allocator peak added")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for r in rows(a.models, a.training):
+    for r in rows(a.models, a.training, [d.split(",") for d in a.devices] if a.devices else None, a.cap):
         print("| " + " | ".join(map(str, r)) + " |")
 
 
