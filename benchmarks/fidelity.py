@@ -77,7 +77,8 @@ def main() -> None:
                 ys += [s.measured for s in m.stages]
                 for s in m.stages:
                     by_kind.setdefault(s.device.split(":")[0], []).append((s.predicted, s.measured))
-                print(f"| {name} | {_label(devices, cap)} | {objective} | {len(m.stages)} | {m.pearson:.3f} | "
+                where = " ".join(f"{s.device}x{len(s.nodes)}" for s in placed.plan.stages)
+                print(f"| {name} | {_label(devices, cap)}: {where} | {objective} | {len(m.stages)} | {m.pearson:.3f} | "
                       f"{100 * m.median_error:.1f}% | {m.predicted_objective:.3g} / {m.measured_objective:.3g} | "
                       f"{m.predicted_wall:.3g} / {m.measured_wall:.3g} |", flush=True)
     errors = [abs(y - x) / x for x, y in zip(xs, ys) if x > 0]

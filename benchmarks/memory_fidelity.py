@@ -159,11 +159,11 @@ def rows(names: list[str], training: bool = False, device_sets: list[list[str]] 
          cap: float | None = None) -> list[tuple]:
     out = []
     for name in names:
-        model, args, kwargs = _model(name)
-        if training:
-            model.train()
         for devices in device_sets or (["cpu:0"], ["cpu:0", "cpu:1"]):
             for m in (1, 4):
+                model, args, kwargs = _model(name)  # a fresh copy: placing moves the model's own tensors
+                if training:
+                    model.train()
                 options: dict[str, Any] = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b"} if training else {}
                 if cap is not None and len(devices) > 1:
                     params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -279,6 +279,17 @@ def test_bad_example_inputs_are_refused_before_profiling(monkeypatch, inputs, kw
         torchplace.place(model, DEVICES, inputs, example_kwargs=kwargs)
 
 
+def test_a_model_left_on_several_devices_is_named_as_the_cause():
+    # found on an H100: placing a model a second time, after the first place() moved its tensors
+    # to cuda:0 and the CPU; here the meta device stands in for the GPU
+    from torchplace.arguments import try_example_call
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[2].to("meta")
+    with pytest.raises(UsageError, match=r"several devices \(cpu, meta\).*fresh copy"):
+        try_example_call(model, (torch.randn(4, 8),), {})
+
+
 @pytest.mark.parametrize("options, fragment", [
     ({"microbatches": 2.5}, "microbatches"), ({"microbatches": 0}, "microbatches"),
     ({"time_limit": float("nan")}, "time_limit"), ({"time_limit": -1}, "time_limit"),

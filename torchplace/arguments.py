@@ -92,6 +92,14 @@ def try_example_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[st
             model(*copies[0], **copies[1])
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
+        devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
+        if len(devices) > 1:
+            raise UsageError(
+                f"the model fails on example_inputs/example_kwargs ({type(e).__name__}: {first}) and its parameters "
+                f"and buffers are on several devices ({', '.join(devices)}), as an earlier torchplace.place() of it "
+                "leaves them (placing moves the model's own tensors to their stages); place a fresh copy of the "
+                "model, or move it to one device first (model.to('cpu'))"
+            ) from e
         raise UsageError(
             f"the model fails on example_inputs/example_kwargs: {type(e).__name__}: {first}; pass inputs "
             "the model accepts (positional in example_inputs, keywords in example_kwargs)"

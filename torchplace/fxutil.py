@@ -21,6 +21,7 @@ __all__ = [
     "is_compute",
     "pin_arguments",
     "pin_devices",
+    "relax_views",
     "tensor_bytes",
 ]
 
@@ -189,3 +190,81 @@ def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "expand", "expand_as", "unsqueeze",
+    "squeeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind", "contiguous", "__getitem__",
+    "as_strided", "diagonal", "movedim", "swapaxes", "unfold", "detach", "real", "imag",
+})
+"""Tensor methods whose result may share memory with their input (what a mutation would reach)."""
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s output may share memory with its first input (a view, a getitem)."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return target is getattr(__import__("operator"), "getitem") or getattr(target, "__name__", "") in _VIEW_METHODS
+
+
+def _mutates(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` may write one of its inputs in place (unknown calls count as writing only
+    when they say so: an ``inplace`` flag, a trailing ``_``, ``setitem``, a mutable ATen schema)."""
+    target = node.target
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(target)), "inplace", False))
+    if node.op == "call_method":
+        name = str(target)
+        return name.endswith("_") and not name.startswith("__") or name == "__setitem__"
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+    name = getattr(target, "__name__", "")
+    return bool(node.kwargs.get("inplace")) or name == "setitem" or name.endswith("_") and not name.startswith("__")
+
+
+def relax_views(gm: fx.GraphModule) -> int:
+    """Turn ``view`` into ``reshape`` where no write can reach the memory; returns how many.
+
+    A graph traced on one device fixes nothing about the strides its kernels return on another:
+    the CPU's attention kernel gives a tensor that ``view`` accepts where CUDA's returns one whose
+    ``view`` fails ("view size is not compatible with input tensor's size and stride", seen for
+    ``nn.TransformerEncoderLayer`` traced on the CPU and run on an H100). ``reshape`` is ``view``
+    wherever ``view`` succeeds (same values, same memory, bit for bit) and copies only where it
+    would fail, so the one difference is that such a copy no longer shares memory with its input:
+    a write through either would not reach the other. A view is therefore rewritten only when
+    nothing in its alias set (the tensors connected to it by view-like ops) is written in place.
+    Recompiles ``gm`` when anything changed.
+    """
+    root: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        first = next((a for a in node.args if isinstance(a, fx.Node)), None)
+        root[node] = root.get(first, first) if first is not None and _aliases_input(node) else node
+    written: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS and _mutates(node, gm):
+            written.update(root.get(a, a) for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node))
+    changed = 0
+    for node in gm.graph.nodes:
+        if root[node] in written:
+            continue
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+        elif node.op == "call_method" and node.target == "view" and not _dtype_view(node):
+            node.target = "reshape"
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.float16)``: a reinterpretation of the bytes, which ``reshape`` is not."""
+    return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) or isinstance(node.kwargs.get("dtype"), torch.dtype)

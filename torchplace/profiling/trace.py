@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError, UsageError
-from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, tensor_bytes
+from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, relax_views, tensor_bytes
 from torchplace.graph import OpGraph
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
@@ -377,6 +377,7 @@ def trace(
     kwargs = dict(example_kwargs or {})
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
+    relax_views(gm)  # strides are the tracing device's: a stage placed elsewhere may get others
     effects = _record(gm, model, example_inputs, kwargs)
     grouping = replace(effects, merged=effects.merged + effects.colocated, colocated=()) if training else effects
     graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=grouping)
