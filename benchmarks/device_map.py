@@ -217,26 +217,34 @@ def measured(args) -> list[tuple[str, float, bool, float, dict]]:
             for k, m in maps.items()]
 
 
-def measured_gpu(args) -> list[dict]:
-    """GPT-2 small with real (random) weights, cuda:0 holding ``--gpu-share`` of its weights and the
-    host the rest (accelerate streams CPU-mapped weights to the GPU on each call): each map
-    dispatched with ``dispatch_model``; forward seconds (median, CUDA-synchronised), the cost
-    model's prediction, logits against the model wholly on cuda:0 and greedy ``generate()`` tokens
-    against it too (with the KV cache)."""
+def measured_gpu(args, share: float) -> list[dict]:
+    """GPT-2 small with real (random) weights, cuda:0 holding ``share`` of its weights and the host
+    the rest (accelerate streams CPU-mapped weights to the GPU and computes there): each map
+    dispatched with ``dispatch_model``. Per map: the time of one forward pass as ``generate()``
+    runs its prefill (KV cache on, the last token's logits: what the maps are sized for), median and
+    CUDA-synchronised; the peak the allocator saw during it (weights included) beside the budget and
+    the cost model's prediction of that device's memory; full logits against the model wholly on
+    cuda:0; greedy ``generate()`` tokens (KV cache on) against it too."""
     import transformers as tf
     from accelerate import dispatch_model, infer_auto_device_map
+
+    from torchplace.errors import InfeasibleError
 
     config = tf.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
                            bos_token_id=1, eos_token_id=1, pad_token_id=1)
     torch.manual_seed(0)
     base = tf.AutoModelForCausalLM.from_config(config).eval()
     w = weight_bytes(base, 4)
-    budget = {0: int(args.gpu_share * w), "cpu": 4 * w}
+    budget = {0: int(share * w), "cpu": 4 * w}
     ids = torch.randint(0, config.vocab_size, (args.batch, args.gpu_seq))
     problem = build_problem(base, budget, batch_size=args.batch, sequence_length=args.gpu_seq)
-    maps = {"torchplace": solve_device_map(base, problem, time_limit=args.time_limit).device_map,
-            "accelerate sequential": infer_auto_device_map(base, max_memory=dict(budget),
-                                                           no_split_module_classes=base._no_split_modules)}
+    maps: dict[str, object] = {}
+    try:
+        maps["torchplace"] = solve_device_map(base, problem, time_limit=args.time_limit).device_map
+    except InfeasibleError as e:
+        maps["torchplace"] = f"refused: {e}"
+    maps["accelerate sequential"] = infer_auto_device_map(base, max_memory=dict(budget),
+                                                          no_split_module_classes=base._no_split_modules)
     whole = tf.AutoModelForCausalLM.from_config(config).eval()
     whole.load_state_dict(base.state_dict())
     whole = whole.to("cuda:0")
@@ -245,7 +253,6 @@ def measured_gpu(args) -> list[dict]:
     with torch.no_grad():
         expected = whole(gpu_ids).logits.cpu()
         tokens = whole.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True)
-    rows = []
 
     def timed(model) -> float:
         times = []
@@ -253,16 +260,18 @@ def measured_gpu(args) -> list[dict]:
             for _ in range(args.repeats):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                model(gpu_ids)
+                model(gpu_ids, logits_to_keep=1)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    rows.append({"map": "whole model on cuda:0 (no cap)", "seconds": timed(whole), "predicted": None,
-                 "max_abs_diff": 0.0, "generate_equal": True, "on_gpu": "all"})
+    rows = [{"map": "whole model on cuda:0 (no cap)", "seconds": timed(whole)}]
     del whole
     torch.cuda.empty_cache()
     for label, device_map in maps.items():
+        if isinstance(device_map, str):
+            rows.append({"map": label, "refused": device_map})
+            continue
         model = tf.AutoModelForCausalLM.from_config(config).eval()
         model.load_state_dict(base.state_dict())
         model = dispatch_model(model, device_map)
@@ -270,12 +279,14 @@ def measured_gpu(args) -> list[dict]:
             logits = model(gpu_ids).logits.cpu()
             out = model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(0)
         seconds = timed(model)
-        rows.append({"map": label, "seconds": seconds, "predicted": evaluate_device_map(problem, device_map).seconds,
-                     "max_abs_diff": float((logits - expected).abs().max()),
+        cost = evaluate_device_map(problem, device_map)
+        rows.append({"map": label, "seconds": seconds, "predicted": cost.seconds, "fits": cost.fits,
+                     "predicted_gpu_bytes": cost.memory.get(0, 0), "peak_gpu_bytes": torch.cuda.max_memory_allocated(0),
+                     "budget_gpu_bytes": budget[0], "max_abs_diff": float((logits - expected).abs().max()),
                      "generate_equal": bool(torch.equal(out.cpu(), tokens.cpu())),
-                     "peak_gpu_bytes": torch.cuda.max_memory_allocated(0), "budget_gpu_bytes": budget[0],
                      "on_gpu": sum(1 for d in device_map.values() if d == 0), "entries": len(device_map)})
         del model
         torch.cuda.empty_cache()
@@ -307,7 +318,8 @@ def main() -> None:
     ap.add_argument("--phase", choices=["prefill", "decode"], default="prefill",
                     help="time of the forward pass of the batch, or of one generated token")
     ap.add_argument("--gpu", action="store_true", help="only the measured cuda:0 + host comparison (needs a GPU)")
-    ap.add_argument("--gpu-share", type=float, default=0.5, help="with --gpu: cuda:0's budget, a share of the weights")
+    ap.add_argument("--gpu-share", type=float, nargs="+", default=[0.75, 1.0],
+                    help="with --gpu: cuda:0's budgets, shares of the weights")
     ap.add_argument("--gpu-seq", type=int, default=256, help="with --gpu: tokens per sequence")
     ap.add_argument("--share", type=float, default=0.6,
                     help="each GPU's budget: this share of weights + KV cache, plus the largest block's activations")
@@ -318,16 +330,22 @@ def main() -> None:
           "the cost model; * = does not fit the budget with the batch's activations and KV cache")
     if args.gpu:
         print(f"# measured on {torch.cuda.get_device_name(0)}: GPT-2 small (12 x 768) fp32, batch {args.batch} x "
-              f"{args.gpu_seq}, cuda:0 budget {args.gpu_share:g} of the weights, the rest on the host (streamed)")
-        print("| map | measured ms | predicted ms | samples/s | entries on cuda:0 | peak GPU MiB / budget MiB | "
-              "max abs diff vs whole on GPU | generate() tokens equal |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in measured_gpu(args):
-            pred = "-" if r["predicted"] is None else f"{r['predicted'] * 1e3:.1f}"
-            peak = f"{r['peak_gpu_bytes'] / 2**20:.0f} / {r['budget_gpu_bytes'] / 2**20:.0f}" if "peak_gpu_bytes" in r else "-"
-            print(f"| {r['map']} | {r['seconds'] * 1e3:.1f} | {pred} | {args.batch / r['seconds']:.1f} | "
-                  f"{r['on_gpu'] if 'entries' not in r else str(r['on_gpu']) + ' of ' + str(r['entries'])} | {peak} | "
-                  f"{r['max_abs_diff']:.2e} | {r['generate_equal']} |", flush=True)
+              f"{args.gpu_seq}, a forward pass as generate() runs its prefill (KV cache, last token's logits); "
+              "cuda:0's budget a share of the weights, the rest on the host (streamed to the GPU)")
+        print("| cuda:0 budget | map | measured ms | predicted ms | entries on cuda:0 | fits (predicted) | "
+              "GPU MiB predicted / peak / budget | max abs diff vs whole on GPU | generate() tokens equal |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for share in args.gpu_share:
+            for r in measured_gpu(args, share):
+                if "refused" in r:
+                    print(f"| {share:g} x weights | {r['map']} | {r['refused']} |||||||", flush=True)
+                elif "predicted" not in r:
+                    print(f"| {share:g} x weights | {r['map']} | {r['seconds'] * 1e3:.1f} | - | all | - | - | - | - |")
+                else:
+                    mib = [r[k] / 2**20 for k in ("predicted_gpu_bytes", "peak_gpu_bytes", "budget_gpu_bytes")]
+                    print(f"| {share:g} x weights | {r['map']} | {r['seconds'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
+                          f"{r['on_gpu']} of {r['entries']} | {r['fits']} | {mib[0]:.0f} / {mib[1]:.0f} / {mib[2]:.0f} | "
+                          f"{r['max_abs_diff']:.2e} | {r['generate_equal']} |", flush=True)
         return
     if not args.measured_only:
         print(HEADER)

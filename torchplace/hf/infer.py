@@ -22,6 +22,7 @@ Every plan is validated by the solver; the map is checked by accelerate's own
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from torchplace.hf.budget import (
     kv_cache_bytes,
     offload_times,
 )
-from torchplace.hf.maps import to_device_map, with_reserve
+from torchplace.hf.maps import dispatched_memory, main_device, offload_charge, to_device_map, with_reserve
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
@@ -340,15 +341,72 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
         InfeasibleError: the budgets cannot hold the model; the message says how much is needed.
     """
     _check_fits(problem)
-    plan = solvers.solve(problem, method="auto", time_limit=time_limit)
+    plan = _solve_dispatched(problem, time_limit)
     kv = problem.graph.meta["hf"].get("kv_cache", {})
+    main = main_device(problem, plan.stages)
     held: dict[int | str, int] = {}
     for s in plan.stages:
+        where = main if main is not None and problem.cluster.device(s.device).kind in OFFLOAD_KINDS else s.device
         for v in s.nodes:
-            if kv.get(v):
-                held[accelerate_name(s.device)] = held.get(accelerate_name(s.device), 0) + kv[v]
-    memory = with_reserve(problem, device_memory(problem, plan.stages))
+            if kv.get(v):  # an offloaded block's cache is made on the main device, where it computes
+                held[accelerate_name(where)] = held.get(accelerate_name(where), 0) + kv[v]
+    memory = with_reserve(problem, dispatched_memory(problem, plan.stages))
     return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
+
+
+OFFLOAD_ROUNDS = 3
+"""Re-solves with room kept on the main device for what offloaded blocks put there."""
+
+
+def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
+    """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory`.
+
+    The cost model charges a block's KV cache where the block is mapped, but an offloaded block
+    computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), which the solver
+    cannot see (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the first
+    plan's problem charges less than the truth, so its bound holds; when that plan overfills the main
+    device, the problem is solved again with the main device's budget lowered by what the last plan
+    put there (a restriction: its plans fit where the charge does not grow), and at last by the most
+    any plan can put there (every block's KV cache and the largest block's weights), after which
+    every plan fits. A plan of the restriction keeps the first plan's bound.
+
+    Raises:
+        InfeasibleError: if no plan fits once the main device keeps that room.
+    """
+    start = time.perf_counter()
+    first = plan = solvers.solve(problem, method="auto", time_limit=time_limit)
+    g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
+    most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
+    reserve = 0
+    for round_ in range(OFFLOAD_ROUNDS + 1):
+        main, extra = offload_charge(problem, plan.stages)
+        if main is None or _fits(problem, dispatched_memory(problem, plan.stages)):
+            break
+        reserve = most if round_ == OFFLOAD_ROUNDS - 1 else max(reserve + 1, extra)
+        if round_ == OFFLOAD_ROUNDS:
+            raise InfeasibleError(f"no map keeps {reserve} bytes free on {main} for the KV cache and weights of the "
+                                  "blocks offloaded there: raise its max_memory or lower batch_size or sequence_length")
+        devices = tuple(replace(d, memory_bytes=max(d.memory_bytes - reserve, 0))
+                        if d.name == main and d.memory_bytes is not None else d for d in problem.cluster.devices)
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.1)
+        try:
+            solved = solvers.solve(replace(problem, cluster=replace(problem.cluster, devices=devices)),
+                                   method="auto", time_limit=left)
+        except InfeasibleError as e:
+            raise InfeasibleError(f"with {reserve} bytes kept free on {main} for the KV cache and weights of the "
+                                  f"blocks offloaded there, no map fits ({e}): raise its max_memory or lower "
+                                  "batch_size or sequence_length") from e
+        plan = Plan.build(problem, solved.stages, solver=solved.solver, seconds=time.perf_counter() - start,
+                          lower_bound=first.lower_bound, status="feasible",
+                          meta={**solved.meta, "offload_reserve": reserve})
+        if plan.objective <= plan.lower_bound * (1 + 1e-9):
+            plan.status = "optimal"
+    return plan
+
+
+def _fits(problem: Problem, memory: Mapping[str, int]) -> bool:
+    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    return all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
 
 
 def infer_device_map(

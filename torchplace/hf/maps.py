@@ -7,19 +7,20 @@ onto the blocks and prices it with the one cost model.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from torchplace.costmodel import device_memory, evaluate_stages
-from torchplace.errors import UsageError
+from torchplace.errors import InfeasibleError, UsageError
 from torchplace.hf.budget import OFFLOAD_KINDS, accelerate_name
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "collapse", "evaluate_device_map", "to_device_map", "with_reserve"]
+__all__ = ["MapCost", "collapse", "dispatched_memory", "evaluate_device_map", "main_device", "offload_charge",
+           "to_device_map", "with_reserve"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,43 @@ def with_reserve(problem: Problem, memory: Mapping[str, int]) -> dict[int | str,
     peak = problem.graph.meta["hf"]["activations"]
     return {accelerate_name(d): b + (0 if problem.cluster.device(d).kind in OFFLOAD_KINDS else peak)
             for d, b in memory.items()}
+
+
+def main_device(problem: Problem, stages: Sequence[Stage]) -> str | None:
+    """The device accelerate's ``dispatch_model`` computes offloaded blocks on: the first device in
+    the map (blocks in order) that is not an offload device; when every block is offloaded, the
+    cluster's first device that computes, which :func:`to_device_map` then names in the map
+    (``None`` if the cluster has none)."""
+    for s in stages:
+        if problem.cluster.device(s.device).kind not in OFFLOAD_KINDS:
+            return s.device
+    return next((d.name for d in problem.cluster.devices if d.kind not in OFFLOAD_KINDS), None)
+
+
+def offload_charge(problem: Problem, stages: Sequence[Stage]) -> tuple[str | None, int]:
+    """The main device and the bytes the blocks offloaded to ``"cpu"`` / ``"disk"`` put on it.
+
+    Measured on an H100 (GPT-2 small, half its weights on cuda:0, the rest offloaded): an offloaded
+    block computes on the main device, so its KV cache is made and kept there, and its weights are
+    copied there while it runs (one block at a time). So the main device holds, beyond its own
+    blocks, the KV cache of every offloaded block and the largest offloaded block's weights. The
+    offload devices are still charged their blocks' KV cache (room that stays unused: safe)."""
+    main = main_device(problem, stages)
+    g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
+    away = [v for s in stages if problem.cluster.device(s.device).kind in OFFLOAD_KINDS for v in s.nodes]
+    if main is None or not away:
+        return main, 0
+    return main, sum(kv.get(v, 0) for v in away) + max(g.record(v).param_bytes for v in away)
+
+
+def dispatched_memory(problem: Problem, stages: Sequence[Stage]) -> dict[str, int]:
+    """Bytes per device (torchplace names) of the map of ``stages`` run by ``dispatch_model``:
+    :func:`~torchplace.costmodel.device_memory` plus :func:`offload_charge` on the main device."""
+    memory = dict(device_memory(problem, stages))
+    main, extra = offload_charge(problem, stages)
+    if main is not None and extra:
+        memory[main] = memory.get(main, 0) + extra
+    return memory
 
 
 def _owners(names: Iterable[str]) -> set[str]:
@@ -82,7 +120,29 @@ def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, i
             leaves.update(dict.fromkeys(names, device))
     if not leaves:
         return {"": accelerate_name(plan.stages[0].device)}
+    computing = main_device(problem, plan.stages)
+    if computing is not None and all(problem.cluster.device(s.device).kind in OFFLOAD_KINDS for s in plan.stages):
+        leaves = {_weightless(model, leaves, computing): accelerate_name(computing), **leaves}
     return collapse(leaves)
+
+
+def _weightless(model: nn.Module, leaves: Mapping[str, Any], device: str) -> str:
+    """A module without weights outside every entry of ``leaves``, to name ``device`` in the map.
+
+    accelerate computes offloaded blocks on the first GPU its map names, and on the CPU when it
+    names none; a plan that offloads every block was priced computing on ``device``, so the map
+    must name it: a weightless module (a dropout) mapped there does, and holds nothing.
+
+    Raises:
+        InfeasibleError: if the model has no such module.
+    """
+    for path, m in model.named_modules():
+        if path and not any(True for _ in m.parameters()) and not any(True for _ in m.buffers()) and not any(
+                path == k or path.startswith(f"{k}.") or not k for k in leaves):
+            return path
+    raise InfeasibleError(f"every block is offloaded and computes on {device}, but accelerate would compute them on "
+                          f"the CPU: the map cannot name {device} without a module to put there; raise its max_memory "
+                          "so that a block fits there, or lower batch_size or sequence_length")
 
 
 def _direct_names(model: nn.Module, path: str) -> tuple[str, ...]:
@@ -141,7 +201,7 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
         else:
             stages.append(Stage(prev, (v,)))
     seconds, _ = evaluate_stages(problem, stages)
-    memory = device_memory(problem, stages)
+    memory = dispatched_memory(problem, stages)
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
     fits = all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
     return MapCost(seconds, fits, with_reserve(problem, memory))
