@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +41,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchplace.errors import UsageError
@@ -121,7 +125,61 @@ class _Record:
     out_bytes: int = 0
     in_bytes: int = 0
     peak_bytes: int = 0
+    live_bytes: int = 0
     seconds: list[float] | None = None
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages the operators run under it create, while Python still holds them,
+    and their peak since :meth:`mark` (fake tensors count too: they have storages, not memory).
+
+    A storage is counted from the first tensor an operator returns on it until the last such
+    tensor dies; a result that views an input's storage adds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def mark(self) -> int:
+        """Start a new peak from what is live now; returns it."""
+        self.peak = self.live
+        return self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if _strided(t)}
+        for t in pytree.tree_leaves(out):
+            if not _strided(t):
+                continue
+            key = _storage(t)
+            with self._lock:
+                if key in seen and key not in self._count:
+                    continue  # a view of memory made elsewhere (weights, inputs)
+                if key not in self._count:
+                    self._count[key], self._size[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self._size[key]
+                    self.peak = max(self.peak, self.live)
+                self._count[key] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self._count[key] -= 1
+            if self._count[key] == 0:
+                del self._count[key]
+                self.live -= self._size.pop(key)
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def _bytes(value: Any) -> int:
@@ -131,8 +189,9 @@ def _bytes(value: Any) -> int:
 class _Probe:
     """Hooks on every block (and their descendants) for one forward pass."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[Block]) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, blocks: Sequence[Block], live: _LiveBytes | None = None) -> None:
+        self.model, self.live = model, live
+        self.marks: dict[str, int] = {}
         self.paths = [b.path for b in blocks]
         self.records = {p: _Record() for p in self.paths}
         self.order: list[str] = []
@@ -160,6 +219,8 @@ class _Probe:
                 self.order.append(path)
             r = self.records[path]
             r.in_bytes = max(r.in_bytes, _bytes((args, kwargs)))
+            if self.live is not None:
+                self.marks[path] = self.live.mark()
             self.started[path] = time.perf_counter()
         return hook
 
@@ -169,6 +230,8 @@ class _Probe:
             if r.seconds is not None:
                 r.seconds.append(time.perf_counter() - self.started[path])
             r.out_bytes = max(r.out_bytes, _bytes(out))
+            if self.live is not None and path in self.marks:
+                r.live_bytes = max(r.live_bytes, self.live.peak - self.marks.pop(path))
         return hook
 
     def _inner(self, path: str) -> Any:
@@ -197,19 +260,25 @@ def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
     A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
     :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
     skips its data-dependent checks on them as it does while tracing."""
-    probe = _Probe(model, blocks)
+    live = _LiveBytes()
+    probe = _Probe(model, blocks, live)
     counter = FlopCounterMode(display=False)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    # attention as the math kernel runs it (its score matrices materialised): the most memory any
+    # backend takes (an H100 ran GPT-2's fp32 attention so, 108 MiB per block where CPU's flash
+    # kernel's outputs and the submodules' said 36)
     if on_meta:
-        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), probe, counter:
+        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
+                sdpa_kernel(SDPBackend.MATH), probe, counter, live:
             state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
                      for n, t in [*model.named_parameters(), *model.named_buffers()]}
             fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
                                    if isinstance(v, torch.Tensor) else v, dict(kwargs))
             functional_call(model, state, (), fake, strict=False)
     else:
-        with torch.no_grad(), probe, counter:
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), probe, counter, live:
             model(**kwargs)
+    probe.live = None  # the timed passes below run as the model runs
     flops = counter.get_flop_counts()
     root = type(model).__name__
     for path, r in probe.records.items():
@@ -279,7 +348,7 @@ def block_graph(
         if "cpu" in kinds and r.seconds:
             times["cpu"] = statistics.median(r.seconds)
         node = f"b{i}"
-        work = r.in_bytes + r.out_bytes + r.peak_bytes
+        work = r.in_bytes + max(r.out_bytes + r.peak_bytes, r.live_bytes)  # live: the most made at once
         g.add_node(node, NodeRecord(name=b.path or type(model).__name__, op=f"block:{b.cls}", module=b.path,
                                     param_bytes=b.param_bytes, output_bytes=r.out_bytes, temp_bytes=work,
                                     times=times))
@@ -311,7 +380,7 @@ def _block_records(model: nn.Module, blocks: Sequence[Block], probe: _Probe | No
     for b in ranked:
         r = probe.records[b.path]
         out.append((b, _Record(r.flops, int(r.out_bytes * scale), int(r.in_bytes * scale), int(r.peak_bytes * scale),
-                               r.seconds)))
+                               int(r.live_bytes * scale), r.seconds)))
     return out, "measured" if _timed(probe) else "estimated"
 
 
