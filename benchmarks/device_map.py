@@ -32,6 +32,7 @@ forward pass of the batch is timed (median of repeats).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -272,6 +273,9 @@ def measured_gpu(args, share: float) -> list[dict]:
         if isinstance(device_map, str):
             rows.append({"map": label, "refused": device_map})
             continue
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(0)  # what earlier maps left behind: not this map's
         model = tf.AutoModelForCausalLM.from_config(config).eval()
         model.load_state_dict(base.state_dict())
         model = dispatch_model(model, device_map)
@@ -284,11 +288,13 @@ def measured_gpu(args, share: float) -> list[dict]:
         seconds = timed(model)
         cost = evaluate_device_map(problem, device_map)
         rows.append({"map": label, "seconds": seconds, "predicted": cost.seconds, "fits": cost.fits,
-                     "predicted_gpu_bytes": cost.memory.get(0, 0), "peak_gpu_bytes": torch.cuda.max_memory_allocated(0),
+                     "predicted_gpu_bytes": cost.memory.get(0, 0),
+                     "peak_gpu_bytes": torch.cuda.max_memory_allocated(0) - before,
                      "budget_gpu_bytes": budget[0], "max_abs_diff": float((logits - expected).abs().max()),
                      "generate_equal": bool(torch.equal(out.cpu(), tokens.cpu())),
                      "on_gpu": sum(1 for d in device_map.values() if d == 0), "entries": len(device_map)})
-        del model
+        del model, logits, out
+        gc.collect()
         torch.cuda.empty_cache()
     return rows
 

@@ -33,56 +33,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import threading
-import weakref
 from datetime import date
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchplace
 from torchplace import costmodel
 from torchplace.models import build
+from torchplace.profiling.livebytes import LiveBytes
 from torchplace.runtime import workers
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor memory created by the operators run under it and still held."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._count: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
-            key = t.untyped_storage().data_ptr()
-            with self._lock:
-                if key == 0 or (key in seen and key not in self._count):
-                    continue  # empty, or a view of memory made elsewhere (weights, inputs)
-                if key not in self._count:
-                    self._count[key], self._size[key] = 0, t.untyped_storage().nbytes()
-                    self.live += self._size[key]
-                    self.peak = max(self.peak, self.live)
-                self._count[key] += 1
-            weakref.finalize(t, self._drop, key)
-        return out
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            self._count[key] -= 1
-            if self._count[key] == 0:
-                del self._count[key]
-                self.live -= self._size.pop(key)
 
 
 def measured_peaks(placed: Any, call: tuple[tuple, dict], train: Any = None) -> dict[str, int]:

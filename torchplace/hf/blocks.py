@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,12 +41,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchplace.errors import UsageError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
+from torchplace.profiling.livebytes import LiveBytes
 
 __all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of"]
 
@@ -129,57 +127,6 @@ class _Record:
     seconds: list[float] | None = None
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages the operators run under it create, while Python still holds them,
-    and their peak since :meth:`mark` (fake tensors count too: they have storages, not memory).
-
-    A storage is counted from the first tensor an operator returns on it until the last such
-    tensor dies; a result that views an input's storage adds nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._count: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def mark(self) -> int:
-        """Start a new peak from what is live now; returns it."""
-        self.peak = self.live
-        return self.live
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        seen = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if _strided(t)}
-        for t in pytree.tree_leaves(out):
-            if not _strided(t):
-                continue
-            key = _storage(t)
-            with self._lock:
-                if key in seen and key not in self._count:
-                    continue  # a view of memory made elsewhere (weights, inputs)
-                if key not in self._count:
-                    self._count[key], self._size[key] = 0, t.untyped_storage().nbytes()
-                    self.live += self._size[key]
-                    self.peak = max(self.peak, self.live)
-                self._count[key] += 1
-            weakref.finalize(t, self._drop, key)
-        return out
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            self._count[key] -= 1
-            if self._count[key] == 0:
-                del self._count[key]
-                self.live -= self._size.pop(key)
-
-
-def _strided(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.layout == torch.strided
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _bytes(value: Any) -> int:
@@ -189,7 +136,7 @@ def _bytes(value: Any) -> int:
 class _Probe:
     """Hooks on every block (and their descendants) for one forward pass."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[Block], live: _LiveBytes | None = None) -> None:
+    def __init__(self, model: nn.Module, blocks: Sequence[Block], live: LiveBytes | None = None) -> None:
         self.model, self.live = model, live
         self.marks: dict[str, int] = {}
         self.paths = [b.path for b in blocks]
@@ -260,7 +207,7 @@ def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
     A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
     :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
     skips its data-dependent checks on them as it does while tracing."""
-    live = _LiveBytes()
+    live = LiveBytes()
     probe = _Probe(model, blocks, live)
     counter = FlopCounterMode(display=False)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
