@@ -33,7 +33,6 @@ from torch import nn
 
 from torchplace import solvers
 from torchplace.checks import brief, positive_int
-from torchplace.costmodel import device_memory
 from torchplace.devices import Cluster
 from torchplace.errors import InfeasibleError, UsageError
 from torchplace.graph import OpGraph
@@ -46,7 +45,14 @@ from torchplace.hf.budget import (
     kv_cache_bytes,
     offload_times,
 )
-from torchplace.hf.maps import dispatched_memory, main_device, offload_charge, to_device_map, with_reserve
+from torchplace.hf.maps import (
+    dispatched_memory,
+    main_device,
+    offload_charge,
+    to_device_map,
+    with_reserve,
+    within_budgets,
+)
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
@@ -380,12 +386,13 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     reserve = 0
     for round_ in range(OFFLOAD_ROUNDS + 1):
         main, extra = offload_charge(problem, plan.stages)
-        if main is None or _fits(problem, dispatched_memory(problem, plan.stages)):
+        if main is None or within_budgets(problem, dispatched_memory(problem, plan.stages)):
             break
         reserve = most if round_ == OFFLOAD_ROUNDS - 1 else max(reserve + 1, extra)
         if round_ == OFFLOAD_ROUNDS:
-            raise InfeasibleError(f"no map keeps {reserve} bytes free on {main} for the KV cache and weights of the "
-                                  "blocks offloaded there: raise its max_memory or lower batch_size or sequence_length")
+            raise InfeasibleError(f"no map keeps {_gib(reserve)} free on {main} for the KV cache and weights of the "
+                                  "blocks offloaded there (they compute on it): raise its max_memory or lower "
+                                  "batch_size or sequence_length")
         devices = tuple(replace(d, memory_bytes=max(d.memory_bytes - reserve, 0))
                         if d.name == main and d.memory_bytes is not None else d for d in problem.cluster.devices)
         left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.1)
@@ -393,7 +400,7 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
             solved = solvers.solve(replace(problem, cluster=replace(problem.cluster, devices=devices)),
                                    method="auto", time_limit=left)
         except InfeasibleError as e:
-            raise InfeasibleError(f"with {reserve} bytes kept free on {main} for the KV cache and weights of the "
+            raise InfeasibleError(f"with {_gib(reserve)} kept free on {main} for the KV cache and weights of the "
                                   f"blocks offloaded there, no map fits ({e}): raise its max_memory or lower "
                                   "batch_size or sequence_length") from e
         plan = Plan.build(problem, solved.stages, solver=solved.solver, seconds=time.perf_counter() - start,
@@ -403,10 +410,6 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
             plan.status = "optimal"
     return plan
 
-
-def _fits(problem: Problem, memory: Mapping[str, int]) -> bool:
-    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
-    return all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
 
 
 def infer_device_map(

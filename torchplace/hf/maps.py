@@ -20,7 +20,7 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
 __all__ = ["MapCost", "collapse", "dispatched_memory", "evaluate_device_map", "main_device", "offload_charge",
-           "to_device_map", "with_reserve"]
+           "to_device_map", "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,10 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
             stages.append(Stage(prev, (v,)))
     seconds, _ = evaluate_stages(problem, stages)
     memory = dispatched_memory(problem, stages)
+    return MapCost(seconds, within_budgets(problem, memory), with_reserve(problem, memory))
+
+
+def within_budgets(problem: Problem, memory: Mapping[str, int]) -> bool:
+    """Whether ``memory`` (bytes per device, torchplace names) is within every device's budget."""
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
-    fits = all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
-    return MapCost(seconds, fits, with_reserve(problem, memory))
+    return all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
