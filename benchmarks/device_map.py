@@ -25,7 +25,7 @@ With ``--phase decode`` the time is that of one generated token of every sequenc
 torchplace's map is solved for it.
 
 Measured: on this machine (no accelerator) only ``"cpu"`` and ``"disk"`` can be dispatched, so a
-GPT-2 with real weights and a CPU budget of half its weights is dispatched with accelerate's
+GPT-2 with real weights and a CPU budget of 1.25 x its weights (less than the weights, KV cache and activations need) is dispatched with accelerate's
 ``dispatch_model`` under torchplace's map and under accelerate's ``sequential`` map, and one
 forward pass of the batch is timed (median of repeats).
 """
@@ -192,7 +192,7 @@ def measured(args) -> list[tuple[str, float, bool, float, dict]]:
     torch.manual_seed(0)
     base = tf.AutoModelForCausalLM.from_config(config).eval()
     w = weight_bytes(base, 4)
-    budget = {"cpu": w // 2, "disk": 4 * w}
+    budget = {"cpu": w * 5 // 4, "disk": 4 * w}  # not the weights with the KV cache: some blocks stream from disk
     ids = torch.randint(0, 8000, (args.batch, 64))
     ours = solve_device_map(base, build_problem(base, budget, batch_size=args.batch, sequence_length=64),
                             time_limit=args.time_limit).device_map
@@ -358,7 +358,7 @@ def main() -> None:
         predicted(args)
     if args.phase == "decode":
         return
-    print("# measured on this machine: GPT-2 (6 x 256) dispatched over cpu (half the weights) + disk")
+    print("# measured on this machine: GPT-2 (6 x 256) dispatched over cpu (1.25 x the weights) + disk")
     for label, seconds, same, predicted_s, device_map in measured(args):
         print(f"{label:<22} measured {seconds * 1e3:8.1f} ms, predicted {predicted_s * 1e3:8.1f} ms per forward of "
               f"batch {args.batch}; logits equal: {same}; map {device_map}")

@@ -262,3 +262,31 @@ def test_block_memory_counts_the_attention_scores_the_math_kernel_makes():
     model = build(gpt2_config(1), "meta")
     problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq)
     assert problem.graph.meta["hf"]["activations"] >= 2 * batch * heads * seq * seq * 4  # scores and softmax
+
+
+@pytest.mark.parametrize("share", [0.3, 0.4, 0.5, 0.6])
+def test_every_map_returned_fits_once_offloaded_blocks_are_charged_to_their_gpu(share, tmp_path):
+    # a fast GPU 0, a slow GPU 1 and the host: offloading to the host (computing on GPU 0) is what
+    # the time prefers, and what overfills GPU 0 unless the solve keeps room for it (at 0.4 and 0.5
+    # of the weights per GPU the first plan does; at 0.3 nothing fits)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"format": "torchplace.cluster/1", "devices": ['
+                       '{"name": "cuda:0", "kind": "cuda", "torch_device": "cuda:0"},'
+                       '{"name": "cuda:1", "kind": "cuda-t4", "torch_device": "cuda:1"},'
+                       '{"name": "cpu", "kind": "cpu", "torch_device": "cpu"}]}')
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=128,
+                                     bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = build(config, "meta")
+    gpu = int(share * sum(p.numel() * 4 for p in model.parameters()))
+    try:
+        plan = plan_device_map(model, {0: gpu, 1: gpu, "cpu": "1GiB"}, cluster=cluster, batch_size=2,
+                               sequence_length=16)
+    except InfeasibleError as e:
+        assert share < 0.4 and "max_memory" in str(e)
+        return
+    check_device_map(model, plan.device_map)
+    cost = evaluate_device_map(plan.problem, plan.device_map)
+    assert cost.fits and cost.seconds == pytest.approx(plan.plan.objective)
+    if share in (0.4, 0.5):
+        assert plan.plan.meta["offload"].startswith("room kept")
+        assert "cpu" in plan.device_map.values()

@@ -47,9 +47,11 @@ received one, counted at one of its readers), so its plans always fit. Solvers c
 with the liveness memory, but an optimality claim of theirs holds only where memory does not bind.
 Plans are validated, and reported, with the liveness memory.
 
-Training keeps the sum of ``temp_bytes`` for working memory (liveness is for inference). A training
-graph profiled from a model carries a :class:`~torchplace.problem.Pipeline`: then working memory is
-one micro-batch's, and the activations kept for backward (``saved_bytes``) count once per
+In training, working memory is one micro-batch's: with liveness, the forward nodes' liveness peak
+(an edge from a forward node to its backward node keeps nothing alive there: autograd's saved
+tensors are the activations below) plus the largest backward node's own peak; without, the sum of
+``temp_bytes`` over ``m``. A training graph profiled from a model carries a
+:class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
 position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
 while its forward compute counts twice (:func:`memory`, :func:`in_flight`).
@@ -168,9 +170,9 @@ def transfers(problem: Problem, nodes: Collection[str]) -> tuple[float, float]:
 
 
 def uses_liveness(problem: Problem) -> bool:
-    """Whether a device's working memory is the liveness peak (:func:`working_memory`): an
-    inference problem on a profiled graph (``graph.meta["liveness"]``)."""
-    return bool(problem.graph.meta.get("liveness")) and problem.mode == "inference" and problem.parallel is None
+    """Whether a device's working memory is the liveness peak (:func:`working_memory`): a problem
+    on a profiled graph (``graph.meta["liveness"]``), inference or training (not Piper's)."""
+    return bool(problem.graph.meta.get("liveness")) and problem.parallel is None
 
 
 def microbatches(problem: Problem) -> int:
@@ -199,7 +201,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         for u in g.predecessors(v):
             last[root.get(u, u)] = max(last.get(root.get(u, u), -1), i)
     for v in order:
-        if any(w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
+        if any(_reads(g, v, w) and w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
             last[root[v]] = end
     receives = device is None or device.pays_transfer
     frees: dict[int, int] = defaultdict(int)
@@ -218,8 +220,16 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         live -= frees.pop(i, 0)
     held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
     sent = sum(_per_microbatch(g.record(v).resident, m) for v in order
-               if any(w not in members for w in g.successors(v)) and not outputs.intersection(g.record(v).fx_nodes))
+               if any(_reads(g, v, w) and w not in members for w in g.successors(v))
+               and not outputs.intersection(g.record(v).fx_nodes))
     return peak + (m - 1) * held + queued(m) * sent
+
+
+def _reads(g: OpGraph, v: str, w: str) -> bool:
+    """Whether edge ``v -> w`` keeps ``v``'s output alive as working memory: not the edge from a
+    forward node to a backward one (what autograd keeps for backward is ``saved_bytes``, counted
+    per micro-batch in flight)."""
+    return not g.record(w).backward or g.record(v).backward
 
 
 def queued(m: int) -> int:
@@ -288,8 +298,15 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
     grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
     copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
-    work = working_memory(problem, members, device) if uses_liveness(problem) else sum(
-        g.record(v).temp_bytes for v in members)
+    live = uses_liveness(problem)
+    if live and problem.mode == "training":  # forward's peak, then backward's largest node (one micro-batch)
+        m = microbatches(problem)
+        work = working_memory(problem, {v for v in members if not g.record(v).backward}, device) + max(
+            (_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
+    elif live:
+        work = working_memory(problem, members, device)
+    else:
+        work = sum(g.record(v).temp_bytes for v in members)
     parts = dict.fromkeys(MEMORY_KINDS, 0)
     parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": copies, "working": work})
     p = problem.pipeline
@@ -301,7 +318,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     activations = k * _per_microbatch(saved, m)
     if recompute:
         activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)
-    parts.update({"working": _per_microbatch(work, m), "activations": activations})
+    parts.update({"working": work if live else _per_microbatch(work, m), "activations": activations})
     return parts
 
 

@@ -360,8 +360,8 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
     return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
 
 
-OFFLOAD_ROUNDS = 3
-"""Re-solves with room kept on the main device for what offloaded blocks put there."""
+OFFLOAD_ROUNDS = 2
+"""Re-solves with room kept on the GPU the last plan overfilled, before the last resorts."""
 
 
 def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
@@ -371,44 +371,66 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), which the solver
     cannot see (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the first
     plan's problem charges less than the truth, so its bound holds; when that plan overfills the main
-    device, the problem is solved again with the main device's budget lowered by what the last plan
-    put there (a restriction: its plans fit where the charge does not grow), and at last by the most
-    any plan can put there (every block's KV cache and the largest block's weights), after which
-    every plan fits. A plan of the restriction keeps the first plan's bound.
+    device, the problem is solved again with that device's budget lowered by what the last plan
+    put there (a restriction: its plans fit where the charge does not grow); if that does not
+    settle it, the better of two last resorts: no offloading at all, and every GPU's budget
+    lowered by the most any map can put there (every block's KV cache and the largest block's
+    weights), after which every plan fits whichever GPU the map names first. A plan of a
+    restriction keeps the first plan's bound.
 
     Raises:
-        InfeasibleError: if no plan fits once the main device keeps that room.
+        InfeasibleError: if neither last resort has a plan that fits.
     """
     start = time.perf_counter()
     first = plan = solvers.solve(problem, method="auto", time_limit=time_limit)
-    g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
-    most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
-    reserve = 0
-    for round_ in range(OFFLOAD_ROUNDS + 1):
-        main, extra = offload_charge(problem, plan.stages)
-        if main is None or within_budgets(problem, dispatched_memory(problem, plan.stages)):
-            break
-        reserve = most if round_ == OFFLOAD_ROUNDS - 1 else max(reserve + 1, extra)
-        if round_ == OFFLOAD_ROUNDS:
-            raise InfeasibleError(f"no map keeps {_gib(reserve)} free on {main} for the KV cache and weights of the "
-                                  "blocks offloaded there (they compute on it): raise its max_memory or lower "
-                                  "batch_size or sequence_length")
-        devices = tuple(replace(d, memory_bytes=max(d.memory_bytes - reserve, 0))
-                        if d.name == main and d.memory_bytes is not None else d for d in problem.cluster.devices)
+
+    def fits(p: Plan) -> bool:
+        return offload_charge(problem, p.stages)[0] is None or within_budgets(problem, dispatched_memory(problem, p.stages))
+
+    def restricted(caps: Mapping[str, int], why: str) -> Plan | None:
+        """The plan for budgets ``caps`` (torchplace names), or ``None`` if the solver finds none."""
+        devices = tuple(replace(d, memory_bytes=max(min(d.memory_bytes, caps[d.name]), 0))
+                        if d.name in caps and d.memory_bytes is not None else d for d in problem.cluster.devices)
         left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.1)
         try:
             solved = solvers.solve(replace(problem, cluster=replace(problem.cluster, devices=devices)),
                                    method="auto", time_limit=left)
-        except InfeasibleError as e:
-            raise InfeasibleError(f"with {_gib(reserve)} kept free on {main} for the KV cache and weights of the "
-                                  f"blocks offloaded there, no map fits ({e}): raise its max_memory or lower "
-                                  "batch_size or sequence_length") from e
-        plan = Plan.build(problem, solved.stages, solver=solved.solver, seconds=time.perf_counter() - start,
-                          lower_bound=first.lower_bound, status="feasible",
-                          meta={**solved.meta, "offload_reserve": reserve})
-        if plan.objective <= plan.lower_bound * (1 + 1e-9):
-            plan.status = "optimal"
-    return plan
+        except InfeasibleError:
+            return None
+        out = Plan.build(problem, solved.stages, solver=solved.solver, seconds=time.perf_counter() - start,
+                         lower_bound=first.lower_bound, status="feasible", meta={**solved.meta, "offload": why})
+        if out.objective <= out.lower_bound * (1 + 1e-9):
+            out.status = "optimal"
+        return out
+
+    if fits(plan):
+        return plan
+    caps = {d.name: d.memory_bytes for d in problem.cluster.devices if d.memory_bytes is not None}
+    reserves: dict[str, int] = {}
+    for _ in range(OFFLOAD_ROUNDS):  # room on the GPU the last plan overfilled for what it offloaded there
+        main, extra = offload_charge(problem, plan.stages)
+        if main is None or main not in caps:
+            break
+        reserves[main] = max(reserves.get(main, 0) + 1, extra)
+        found = restricted({d: caps[d] - b for d, b in reserves.items()}, f"room kept: {reserves}")
+        if found is None:
+            break
+        if fits(found):
+            return found
+        plan = found
+    # last: no offload at all, or room on every computing device for the most any map offloads there
+    g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
+    most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
+    gpus = [d.name for d in problem.cluster.devices if d.kind not in OFFLOAD_KINDS and d.name in caps]
+    offload = [d.name for d in problem.cluster.devices if d.kind in OFFLOAD_KINDS]
+    found_plans = [p for p in (restricted(dict.fromkeys(offload, 0), "none") if offload else None,
+                               restricted({d: caps[d] - most for d in gpus}, f"room kept: {_gib(most)} per GPU"))
+                   if p is not None and fits(p)]
+    if not found_plans:
+        raise InfeasibleError(f"every map that fits the weights overfills the device that computes the offloaded blocks "
+                              f"(their KV cache and streamed weights, up to {_gib(most)}), and none fits without "
+                              "offloading: raise max_memory or lower batch_size or sequence_length")
+    return min(found_plans, key=lambda p: p.objective)
 
 
 

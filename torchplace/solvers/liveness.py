@@ -11,7 +11,8 @@ solved through two problems whose node memory is a sum:
    objective, so when its plan also fits the liveness memory that plan keeps its proof (the usual
    case: memory is not what binds);
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
-   m)`` (plus ``(m - 1) ceil(out_v / m)`` when it makes a model output, held for the other
+   m)`` (in training ``m`` times that, since a training problem divides the sum by ``m``; a backward
+   node its ``temp``, rounded up to whole micro-batches) (plus ``(m - 1) ceil(out_v / m)`` when it makes a model output, held for the other
    micro-batches, or ``queued(m) ceil(out_v / m)`` when it has readers, which may be on another
    device), never less than its share of the liveness memory (costmodel docstring), so its plans always
    fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
@@ -64,13 +65,18 @@ def conservative(problem: Problem) -> Problem:
 
     outputs = set(g.meta.get("outputs", ()))
 
+    training = problem.mode == "training"
+
     def share(v: str, r: NodeRecord) -> int:
+        if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest)
+            return m * -(-r.temp_bytes // m)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
         if outputs.intersection(r.fx_nodes):
             held = (m - 1) * -(-r.output_bytes // m)
         else:  # its readers may be on another device: it holds what it sent on
             held = costmodel.queued(m) * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
-        return -(-r.temp_bytes // m) + received + held
+        # a training problem's working memory is the sum over m (costmodel.memory_parts)
+        return (m if training else 1) * (-(-r.temp_bytes // m) + received + held)
 
     return _summed(problem, share)
 
