@@ -1,6 +1,7 @@
 """torchplace's device_map beside accelerate's, on the same budgets (issue 15).
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/device_map.py [--quick] [--time-limit S] [--phase decode]
+      HF_HUB_OFFLINE=1 python benchmarks/device_map.py --gpu [--gpu-share 1.0 1.25]   (needs a GPU)
 
 For each model (GPT-2 small, a Llama-style decoder, BERT-base, T5-small, a small Mixtral-style
 MoE; built from configs on the meta device, no weights) and each heterogeneous cluster (a fast
@@ -24,10 +25,13 @@ With ``--phase decode`` the time is that of one generated token of every sequenc
 (each attention block also reading its KV cache of ``--seq`` tokens; decoder-only models), and
 torchplace's map is solved for it.
 
-Measured: on this machine (no accelerator) only ``"cpu"`` and ``"disk"`` can be dispatched, so a
-GPT-2 with real weights and a CPU budget of 1.25 x its weights (less than the weights, KV cache and activations need) is dispatched with accelerate's
-``dispatch_model`` under torchplace's map and under accelerate's ``sequential`` map, and one
-forward pass of the batch is timed (median of repeats).
+Measured with ``--gpu`` (:func:`measured_gpu`): GPT-2 small dispatched over cuda:0 and the host
+under each map, time, peak GPU memory against the budget, logits and ``generate()`` tokens against
+the model on the GPU. Measured without a GPU: only ``"cpu"`` and ``"disk"`` can be dispatched, so a
+GPT-2 with real weights and a CPU budget of 1.25 x its weights (less than its weights, KV cache and
+activations need together) is dispatched with accelerate's ``dispatch_model`` under torchplace's
+map and under accelerate's ``sequential`` map, and one forward pass of the batch is timed (median
+of repeats).
 """
 from __future__ import annotations
 

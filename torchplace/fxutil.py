@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +210,7 @@ def _aliases_input(node: fx.Node) -> bool:
         return False
     if isinstance(target, torch._ops.OpOverload):
         return any(r.alias_info is not None for r in target._schema.returns)
-    return target is getattr(__import__("operator"), "getitem") or getattr(target, "__name__", "") in _VIEW_METHODS
+    return target is operator.getitem or getattr(target, "__name__", "") in _VIEW_METHODS
 
 
 def _mutates(node: fx.Node, gm: fx.GraphModule) -> bool:

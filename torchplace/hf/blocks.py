@@ -127,8 +127,6 @@ class _Record:
     seconds: list[float] | None = None
 
 
-
-
 def _bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
