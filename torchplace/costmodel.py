@@ -47,10 +47,13 @@ received one, counted at one of its readers), so its plans always fit. Solvers c
 with the liveness memory, but an optimality claim of theirs holds only where memory does not bind.
 Plans are validated, and reported, with the liveness memory.
 
-In training, working memory is one micro-batch's: with liveness, the forward nodes' liveness peak
-(an edge from a forward node to its backward node keeps nothing alive there: autograd's saved
-tensors are the activations below) plus the largest backward node's own peak; without, the sum of
-``temp_bytes`` over ``m``. A training graph profiled from a model carries a
+In training, working memory is one micro-batch's. With liveness it is the larger of two peaks,
+because a worker runs one micro-batch's forward or one's backward at a time, never both:
+- the forward nodes' liveness peak (an edge from a forward node to its backward node keeps
+  nothing alive there: autograd's saved tensors are the activations below);
+- the backward pass's: the gradient of the model outputs it makes, plus the largest backward
+  node's own peak.
+Without liveness it is the sum of ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
 :class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
 position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
@@ -299,10 +302,13 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
     copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
     live = uses_liveness(problem)
-    if live and problem.mode == "training":  # forward's peak, then backward's largest node (one micro-batch)
+    if live and problem.mode == "training":  # one micro-batch's forward, or its backward: never both at once
         m = microbatches(problem)
-        work = working_memory(problem, {v for v in members if not g.record(v).backward}, device) + max(
-            (_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
+        outputs = set(g.meta.get("outputs", ()))
+        grad_out = sum(_per_microbatch(g.record(v).resident, m) for v in members  # the loss's gradient arrives
+                       if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes))
+        work = max(working_memory(problem, {v for v in members if not g.record(v).backward}, device), grad_out + max(
+            (_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0))
     elif live:
         work = working_memory(problem, members, device)
     else:
