@@ -4,6 +4,7 @@ before anything is traced (issue 9, items 4-6)."""
 from __future__ import annotations
 
 import copy
+import json
 import io
 import pickle
 
@@ -13,7 +14,7 @@ from torch import nn
 
 import torchplace
 from torchplace import api
-from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
+from torchplace.errors import InvalidPlanError, PlacementWarning, UnsupportedError, UsageError
 from torchplace.models import MLP, build
 from torchplace.plan import Plan
 
@@ -435,3 +436,39 @@ def test_a_forward_that_writes_a_parameter_is_refused_rather_than_changed():
     with pytest.raises(UnsupportedError, match="writes its parameter 'a.weight'"):
         _place(model, (torch.randn(4, 8),))
     assert torch.equal(model.a.weight, before)
+
+
+def test_a_profile_cache_makes_a_second_place_time_nothing(tmp_path, monkeypatch):
+    model, inputs = build("mlp", batch=8)
+    first = _place(model, inputs, microbatches=2, profile_cache=tmp_path / "profiles")
+    files = sorted((tmp_path / "profiles").glob("*.json"))
+    assert files, "nothing was kept"  # the whole batch, and one micro-batch for the call prediction
+    monkeypatch.setattr(api, "profile", _never_profile)
+    again = _place(copy.deepcopy(model), inputs, microbatches=2, profile_cache=tmp_path / "profiles")
+    assert again.plan.stages == first.plan.stages and again.plan.objective == first.plan.objective
+    with torch.no_grad():
+        assert torch.equal(again(*inputs), model(*inputs))
+    # other example shapes are another profile: profiling starts (and is refused here)
+    with pytest.raises(AssertionError, match="profiling started"):
+        _place(copy.deepcopy(model), (torch.randn(4, *inputs[0].shape[1:]),), microbatches=2,
+               profile_cache=tmp_path / "profiles")
+
+
+def test_an_unreadable_profile_is_profiled_again_and_said(tmp_path):
+    model, inputs = build("mlp", batch=8)
+    _place(model, inputs, microbatches=1, profile_cache=tmp_path)
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{not json")
+    with pytest.warns(PlacementWarning, match="cannot be read"):
+        placed = _place(copy.deepcopy(model), inputs, microbatches=1, profile_cache=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), model(*inputs))
+    assert all(json.loads(f.read_text())["format"] == "torchplace.profile/1" for f in tmp_path.glob("*.json"))
+
+
+def test_a_profile_cache_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(api, "profile", _never_profile)
+    (tmp_path / "f").write_text("")
+    model, inputs = build("mlp", batch=8)
+    with pytest.raises(UsageError, match="is a file"):
+        torchplace.place(model, DEVICES, inputs, profile_cache=tmp_path / "f")

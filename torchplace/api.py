@@ -27,7 +27,7 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
-from torchplace.profiling.cache import cached_graph, profile_meta
+from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 from torchplace.runtime.microbatch import batch_size, scatter
@@ -62,6 +62,7 @@ def place(
     warmup: int = 2,
     repeats: int = 5,
     profiling: str = "exhaustive",
+    profile_cache: str | Path | None = None,
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
@@ -153,6 +154,10 @@ def place(
             an operator timed in a loop of its own runs on warm caches, so on 2 logical CPUs the
             predicted call time was off by 17% (median; Pearson 0.951) against 7.6% (0.989)
             exhaustive (``benchmarks/pipeline_fidelity.py --profiling``, RESULTS.md).
+        profile_cache: a directory (made if missing) that keeps every profile this call makes, and
+            gives it back to later calls for the same model, example shapes, device kinds,
+            profiling settings and machine (:mod:`torchplace.profiling.cache`): a job that places
+            the same model again times nothing. ``None`` (default): nothing is kept.
         progress: show a progress bar while profiling.
         plan: run this plan (a :class:`Plan` or a plan file from :meth:`Plan.save`) instead of
             solving. A plan ``place()`` made carries its graph's fingerprint and profiled costs
@@ -199,7 +204,7 @@ def place(
         microbatches=microbatches, granularity=granularity, leaf_modules=leaf_modules, max_memory=max_memory,
         share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
         trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, profiling=profiling,
-        progress=progress, plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
+        profile_cache=profile_cache, progress=progress, plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
         tensor_bandwidth=tensor_bandwidth,
     )
     if parallelism == "piper":
@@ -304,6 +309,7 @@ def prepare(
     warmup: int = 2,
     repeats: int = 5,
     profiling: str = "exhaustive",
+    profile_cache: str | Path | None = None,
     progress: bool = True,
     plan: Plan | str | Path | None = None,
     refine: bool = False,
@@ -355,6 +361,7 @@ def prepare(
         raise UsageError(f"profiling must be 'fast' (each distinct operator timed once) or 'exhaustive' (every "
                          f"operator in every run), got {brief(profiling)}")
     exhaustive = profiling == "exhaustive"
+    cache_dir = _cache_dir(profile_cache)
     args, kwargs = example_call(example_inputs, example_kwargs)
     if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -389,11 +396,25 @@ def prepare(
     settings = {"threads": threads, "optimizer": optimizer if training else None}
     graph = None if given is None else cached_graph(given.meta, traced, mode, kinds, settings, source=_source(plan))
     cached = graph is not None
-    if graph is None:
-        graph = profile(traced, args, kwargs, kinds=kinds, warmup=warmup, repeats=repeats, progress=progress,
-                        grad=training, threads=threads, exhaustive=exhaustive)
+
+    def profiled(call_args: tuple[Any, ...], call_kwargs: Mapping[str, Any]) -> Any:
+        """The graph's costs on this call (forward and backward for training), from the profile
+        cache when it has them."""
+        key = None if cache_dir is None else disk_key(traced, mode, (call_args, call_kwargs), kinds, settings, exhaustive)
+        hit = None if key is None else load_profile(cache_dir, key)  # type: ignore[arg-type]
+        if hit is not None:
+            return hit
+        costs = profile(traced, call_args, call_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
+                        progress=progress, grad=training, threads=threads, exhaustive=exhaustive)
         if training:
-            graph = _training_graph(traced, graph, args, kwargs, kinds, optimizer, warmup, repeats, progress, threads)
+            costs = _training_graph(traced, costs, call_args, call_kwargs, kinds, optimizer, warmup, repeats,
+                                    progress, threads)
+        if key is not None:
+            store_profile(cache_dir, key, costs)  # type: ignore[arg-type]
+        return costs
+
+    if graph is None:
+        graph = profiled(args, kwargs)
     if parallelism == "piper":
         problem, solved = parallelisms.piper_plan(graph, cluster, model, microbatches=microbatches,  # type: ignore[arg-type]
                                                   solver=solver, recompute=recompute, time_limit=time_limit,
@@ -420,18 +441,25 @@ def prepare(
             if cached:
                 return None
             chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
-            small = profile(traced, chunk_args, chunk_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,
-                            progress=progress, grad=training, threads=threads, exhaustive=exhaustive)
-            if training:  # forward and backward of one micro-batch
-                small = _training_graph(traced, small, chunk_args, chunk_kwargs, kinds, optimizer, warmup, repeats,
-                                        progress, threads)
-            return small
+            return profiled(chunk_args, chunk_kwargs)  # training: forward and backward of one micro-batch
 
         decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
                                    overheads=executor_overheads(), allow_single_device=allow_single_device,
                                    given=given is not None)
         solved, m = decision.plan, decision.microbatches
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings))
+
+
+def _cache_dir(profile_cache: str | Path | None) -> Path | None:
+    """``profile_cache`` as a directory (``~`` expanded; made when first written)."""
+    if profile_cache is None:
+        return None
+    if not isinstance(profile_cache, (str, Path)) or not str(profile_cache):
+        raise UsageError(f"profile_cache must be a directory path (str or Path), got {brief(profile_cache)}")
+    path = Path(profile_cache).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"profile_cache {str(path)!r} is a file; give a directory (it is made if missing)")
+    return path
 
 
 def _batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

@@ -16,7 +16,7 @@ import psutil
 from torchplace.errors import UsageError
 from torchplace.units import parse_torch_device
 
-__all__ = ["cpu_memory", "cuda_count", "cuda_memory", "device_count", "names", "require_attached"]
+__all__ = ["cpu_memory", "cpu_model", "cuda_count", "cuda_memory", "device_count", "names", "require_attached"]
 
 
 def cuda_count() -> int:
@@ -31,6 +31,20 @@ def cuda_memory(index: int) -> int:
     import torch
 
     return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; else what :mod:`platform` says)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_cores() -> int:

@@ -12,19 +12,39 @@ and the OpGraph without its times (node ids, edges and their bytes, parameter, o
 temporary bytes, colocation and support, the tensors' names and shapes). So another model,
 another granularity or leaf set, other example input shapes, or training instead of inference
 all give another fingerprint (``mode`` is hashed with it); new weights of the same architecture do not (they change no cost).
+
+``place(..., profile_cache="DIR")`` keeps profiles on disk too (:func:`load_profile`,
+:func:`store_profile`): one JSON file per profiled graph, named by a key over the fingerprint, the
+example call's shapes (the whole batch, or one micro-batch for the call prediction), the device
+kinds and profiling settings, and the machine the times were measured on (processor, core count,
+GPU names, torch version). A second ``place()`` of the same model on the same machine then times
+nothing. A file that cannot be read is reported (:class:`~torchplace.errors.PlacementWarning`) and
+profiled again; files are written whole or not at all.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
+import tempfile
+import warnings
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
-from torchplace.errors import InvalidPlanError, WorkloadFormatError
+import torch
+from torch.utils import _pytree as pytree
+
+from torchplace import machine
+from torchplace.errors import InvalidPlanError, PlacementWarning, WorkloadFormatError
 from torchplace.graph import OpGraph
 from torchplace.profiling.trace import Traced
 
-__all__ = ["KEY", "cached_graph", "fingerprint", "profile_meta"]
+__all__ = ["KEY", "cached_graph", "disk_key", "fingerprint", "load_profile", "profile_meta", "store_profile"]
+
+FORMAT = "torchplace.profile/1"
+"""The ``format`` of a profile file in a ``profile_cache`` directory."""
 
 KEY = "profile"
 """The key of a plan's ``meta`` that holds ``{"fingerprint": ..., "graph": ...}``."""
@@ -82,3 +102,55 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
     if not set(kinds) <= graph.device_kinds():
         return None
     return graph
+
+
+def disk_key(traced: Traced, mode: str, call: Any, kinds: Iterable[str], settings: Mapping[str, Any],
+             exhaustive: bool) -> dict[str, Any]:
+    """What a profile on disk is for (see the module docstring); :func:`load_profile` finds the
+    file by its hash and checks it whole."""
+    shapes = [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t)
+              for t in pytree.tree_leaves(call)]
+    kinds = sorted(kinds)
+    gpus = [torch.cuda.get_device_name(i) for i in range(machine.cuda_count())] if "cuda" in kinds else []
+    return {"fingerprint": fingerprint(traced, mode), "call": shapes, "kinds": kinds,
+            "settings": json.loads(json.dumps(settings)), "exhaustive": exhaustive,
+            "machine": {"processor": machine.cpu_model(), "arch": platform.machine(), "cores": machine.cpu_cores(),
+                        "gpus": gpus, "torch": torch.__version__}}
+
+
+def _path(directory: Path, key: Mapping[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return directory / f"{digest[:32]}.json"
+
+
+def load_profile(directory: Path, key: Mapping[str, Any]) -> OpGraph | None:
+    """The graph stored for ``key`` in ``directory``, or ``None`` (none stored, or unreadable:
+    then a :class:`~torchplace.errors.PlacementWarning` names the file, and it is profiled anew)."""
+    path = _path(directory, key)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(key)):
+            raise WorkloadFormatError("not a profile of this key")
+        return OpGraph.from_json(data["graph"], str(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, WorkloadFormatError) as e:
+        warnings.warn(f"profile cache: {path} cannot be read ({type(e).__name__}: {e}); profiling again "
+                      "and writing it anew", PlacementWarning, stacklevel=3)
+        return None
+
+
+def store_profile(directory: Path, key: Mapping[str, Any], graph: OpGraph) -> Path:
+    """Write ``graph`` for ``key`` into ``directory`` (made if missing), atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = _path(directory, key)
+    data = {"format": FORMAT, "key": json.loads(json.dumps(key)), "graph": graph.to_json()}
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
