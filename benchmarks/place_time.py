@@ -1,7 +1,7 @@
 """How long ``place()`` takes on real models, per phase, today's path beside the fast one (issue 16 item 4).
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/place_time.py [--models gpt2-small bert-base ...] [--quick]
-                                                         [--paths before exhaustive fast] [--threads 1]
+                                                         [--paths before exhaustive fast cached] [--threads 1]
                                                          [--base REV]
 
 Each model is built from its transformers config (random weights, nothing downloaded), batch 4,
@@ -14,8 +14,11 @@ run, one fresh process each (so peak RSS is that path's own):
   ``main``), extracted with ``git archive`` into a temporary folder;
 * ``exhaustive`` -- this tree with ``place(..., profiling="exhaustive")``: every operator timed in
   each of ``warmup + repeats`` runs of the whole graph (the faster trace and DP kept);
-* ``fast`` -- this tree's default: one measurement per distinct operator signature, shared by the
-  operators that have it, with adaptive repeats (:mod:`torchplace.profiling.profile`).
+* ``fast`` -- this tree with ``profiling="fast"``: one measurement per distinct operator
+  signature, shared by the operators that have it, with adaptive repeats
+  (:mod:`torchplace.profiling.profile`);
+* ``cached`` -- this tree's default (exhaustive), the second ``place()`` of the same model with
+  ``profile_cache=`` set: the first call (not timed) fills the cache, the second times nothing.
 
 Columns: nodes of the operator graph; seconds of the whole ``place()`` call and of its phases
 (trace, profile, coarsen, solve; ``other`` is the rest: argument checks, the micro-batch decision,
@@ -47,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 BATCH, SEQ = 4, 128
-PATHS = ("before", "exhaustive", "fast")
+PATHS = ("before", "exhaustive", "fast", "cached")
 
 
 def _gpt2_small(quick: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -133,7 +136,14 @@ def measure(name: str, path: str, quick: bool, profile_path: str | None) -> dict
     api.profile = _timed(phases, "profile", api.profile)
     fusion.coarsen = _timed(phases, "coarsen", fusion.coarsen)
     solvers.solve = _timed(phases, "solve", solvers.solve)
-    options = {"profiling": "exhaustive"} if path == "exhaustive" else {}
+    options: dict[str, Any] = {"profiling": "fast"} if path == "fast" else {"profiling": "exhaustive"}
+    if path == "cached":  # a second place() of the same model: the first fills the profile cache
+        import tempfile
+
+        options["profile_cache"] = tempfile.mkdtemp(prefix="torchplace-profiles-")
+        torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=kwargs, progress=False,
+                         allow_single_device=False, **options)
+        phases.clear()
     t0 = time.perf_counter()
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=kwargs, progress=False,
                               allow_single_device=False, **options)
