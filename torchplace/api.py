@@ -204,8 +204,8 @@ def place(
         microbatches=microbatches, granularity=granularity, leaf_modules=leaf_modules, max_memory=max_memory,
         share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
         trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, profiling=profiling,
-        profile_cache=profile_cache, progress=progress, plan=plan, refine=refine, parallelism=parallelism, allreduce_bandwidth=allreduce_bandwidth,
-        tensor_bandwidth=tensor_bandwidth,
+        profile_cache=profile_cache, progress=progress, plan=plan, refine=refine, parallelism=parallelism,
+        allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth,
     )
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
@@ -400,7 +400,8 @@ def prepare(
     def profiled(call_args: tuple[Any, ...], call_kwargs: Mapping[str, Any]) -> Any:
         """The graph's costs on this call (forward and backward for training), from the profile
         cache when it has them."""
-        key = None if cache_dir is None else disk_key(traced, mode, (call_args, call_kwargs), kinds, settings, exhaustive)
+        key = None if cache_dir is None else disk_key(traced, mode, (call_args, call_kwargs), kinds, settings,
+                                                      exhaustive)
         hit = None if key is None else load_profile(cache_dir, key)  # type: ignore[arg-type]
         if hit is not None:
             return hit
