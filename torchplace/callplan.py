@@ -162,8 +162,7 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
         return p.objective + overheads.per_call + overheads.per_task * len(p.stages)
 
     mine = seconds(plan)
-    plan.meta["call"] = {"microbatches": 1, "seconds": mine, "makespan": plan.objective,
-                         "overhead": mine - plan.objective, "stage_seconds": _latency_stage_seconds(problem, plan, overheads)}
+    plan.meta["call"] = _latency_summary(problem, plan, overheads, mine)
     if len({s.device for s in plan.stages}) < 2 or given:
         return Decision(plan, 1, None)
     singles = sorted(_single_plans(problem, plan), key=seconds)
@@ -174,8 +173,7 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
     if seconds(one) >= mine or not allow_single_device:
         plan.meta["single_device"] = {**record, "chosen": False}
         return Decision(plan, 1, None)
-    one.meta["call"] = {"microbatches": 1, "seconds": seconds(one), "makespan": one.objective,
-                        "overhead": seconds(one) - one.objective, "stage_seconds": _latency_stage_seconds(problem, one, overheads)}
+    one.meta["call"] = _latency_summary(problem, one, overheads, seconds(one))
     one.meta["single_device"] = {**record, "chosen": True}
     warnings.warn(f"the whole model on {record['device']} alone is predicted faster than the "
                   f"{len({s.device for s in plan.stages})}-device plan ({_ms(seconds(one))} vs {_ms(mine)} per call): "
@@ -184,9 +182,12 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
     return Decision(one, 1, None)
 
 
-def _latency_stage_seconds(problem: Problem, plan: Plan, overheads: Overheads) -> list[list[Any]]:
-    """Each stage's predicted seconds in a latency call: its cost-model time plus the per-task overhead."""
-    return [[i, "F", c.load + overheads.per_task] for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))]
+def _latency_summary(problem: Problem, plan: Plan, overheads: Overheads, seconds: float) -> dict[str, Any]:
+    """``plan.meta["call"]`` of a latency call of ``seconds``: its makespan, the executor's overhead,
+    and each stage's predicted seconds (its cost-model time plus the per-task overhead)."""
+    stages = [[i, "F", c.load + overheads.per_task] for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))]
+    return {"microbatches": 1, "seconds": seconds, "makespan": plan.objective, "overhead": seconds - plan.objective,
+            "stage_seconds": stages}
 
 
 def _summary(problem: Problem, stages: Sequence[Stage], call: CallPrediction, batch: int | None) -> dict[str, Any]:

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import inspect
-import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +143,7 @@ def pin_arguments(value: Any, device: torch.device) -> Any:
         return device if isinstance(v, torch.device) else v
 
     out = fx.node.map_aggregate(value, pin)
-    if isinstance(out, dict) and isinstance(out.get("device"), str):
+    if isinstance(out, dict) and isinstance(out.get("device"), str) and torch.device(out["device"]) != device:
         out = {**out, "device": device}
     return out
 
@@ -164,10 +163,6 @@ def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:
     tensor's device does not change its numbers; transfers between pieces are the runtime's job).
     Recompiles ``gm`` when anything changed.
     """
-
-    def pin(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value != device else value
-
     changed = 0
     state = {id(t) for t in (*gm.parameters(), *gm.buffers())}
     for node in gm.graph.nodes:
@@ -181,10 +176,7 @@ def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:
             continue
         if node.op not in COMPUTE_OPS:
             continue
-        args = fx.node.map_aggregate(node.args, pin)
-        kwargs = dict(fx.node.map_aggregate(node.kwargs, pin))
-        if isinstance(kwargs.get("device"), str) and torch.device(kwargs["device"]) != device:
-            kwargs["device"] = device
+        args, kwargs = pin_arguments(node.args, device), dict(pin_arguments(node.kwargs, device))
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs = args, kwargs
             changed += 1
@@ -193,45 +185,8 @@ def pin_devices(gm: fx.GraphModule, device: torch.device) -> int:
     return changed
 
 
-_VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "expand", "expand_as", "unsqueeze",
-    "squeeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind", "contiguous", "__getitem__",
-    "as_strided", "diagonal", "movedim", "swapaxes", "unfold", "detach", "real", "imag",
-})
-"""Tensor methods whose result may share memory with their input (what a mutation would reach)."""
-
-
-def _aliases_input(node: fx.Node) -> bool:
-    """Whether ``node``'s output may share memory with its first input (a view, a getitem)."""
-    target = node.target
-    if node.op == "call_method":
-        return str(target) in _VIEW_METHODS
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in target._schema.returns)
-    return target is operator.getitem or getattr(target, "__name__", "") in _VIEW_METHODS
-
-
-def _mutates(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether ``node`` may write one of its inputs in place (unknown calls count as writing only
-    when they say so: an ``inplace`` flag, a trailing ``_``, ``setitem``, a mutable ATen schema)."""
-    target = node.target
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(target)), "inplace", False))
-    if node.op == "call_method":
-        name = str(target)
-        return name.endswith("_") and not name.startswith("__") or name == "__setitem__"
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
-    name = getattr(target, "__name__", "")
-    return bool(node.kwargs.get("inplace")) or name == "setitem" or name.endswith("_") and not name.startswith("__")
-
-
-def relax_views(gm: fx.GraphModule) -> int:
-    """Turn ``view`` into ``reshape`` where no write can reach the memory; returns how many.
+def relax_views(gm: fx.GraphModule, keep: Collection[str] = ()) -> int:
+    """Turn ``view`` into ``reshape``, except in the nodes named in ``keep``; returns how many.
 
     A graph traced on one device fixes nothing about the strides its kernels return on another:
     the CPU's attention kernel gives a tensor that ``view`` accepts where CUDA's returns one whose
@@ -239,21 +194,13 @@ def relax_views(gm: fx.GraphModule) -> int:
     ``nn.TransformerEncoderLayer`` traced on the CPU and run on an H100). ``reshape`` is ``view``
     wherever ``view`` succeeds (same values, same memory, bit for bit) and copies only where it
     would fail, so the one difference is that such a copy no longer shares memory with its input:
-    a write through either would not reach the other. A view is therefore rewritten only when
-    nothing in its alias set (the tensors connected to it by view-like ops) is written in place.
-    Recompiles ``gm`` when anything changed.
+    a write through either would not reach the other. ``keep`` therefore names every value whose
+    memory is written in place (the aliases in :attr:`~torchplace.profiling.effects.Effects.written`,
+    found when the trace ran the graph). Recompiles ``gm`` when anything changed.
     """
-    root: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        first = next((a for a in node.args if isinstance(a, fx.Node)), None)
-        root[node] = root.get(first, first) if first is not None and _aliases_input(node) else node
-    written: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op in COMPUTE_OPS and _mutates(node, gm):
-            written.update(root.get(a, a) for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node))
     changed = 0
     for node in gm.graph.nodes:
-        if root[node] in written:
+        if node.name in keep:
             continue
         if node.op == "call_function" and node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default

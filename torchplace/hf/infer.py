@@ -385,7 +385,7 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     first = plan = solvers.solve(problem, method="auto", time_limit=time_limit)
 
     def fits(p: Plan) -> bool:
-        return offload_charge(problem, p.stages)[0] is None or within_budgets(problem, dispatched_memory(problem, p.stages))
+        return within_budgets(problem, dispatched_memory(problem, p.stages))
 
     def restricted(caps: Mapping[str, int], why: str) -> Plan | None:
         """The plan for budgets ``caps`` (torchplace names), or ``None`` if the solver finds none."""
@@ -431,7 +431,6 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
                               f"(their KV cache and streamed weights, up to {_gib(most)}), and none fits without "
                               "offloading: raise max_memory or lower batch_size or sequence_length")
     return min(found_plans, key=lambda p: p.objective)
-
 
 
 def infer_device_map(

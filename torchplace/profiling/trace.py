@@ -377,8 +377,9 @@ def trace(
     kwargs = dict(example_kwargs or {})
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
-    relax_views(gm)  # strides are the tracing device's: a stage placed elsewhere may get others
     effects = _record(gm, model, example_inputs, kwargs)
+    # strides are the tracing device's: a stage placed elsewhere may get others
+    relax_views(gm, keep=frozenset().union(*effects.written.values()))
     grouping = replace(effects, merged=effects.merged + effects.colocated, colocated=()) if training else effects
     graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=grouping)
     return Traced(gm=gm, graph=graph, method=used, effects=effects, model=model, granularity=granularity,

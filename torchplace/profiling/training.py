@@ -106,7 +106,7 @@ class _Probe(fx.Interpreter):
                 args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
             part = self._part(n)
             out = self._call(n, part, args, kwargs)
-            self._probe(n, part)
+            self._probe(n, part, args, kwargs)
         return out
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
@@ -131,10 +131,8 @@ class _Probe(fx.Interpreter):
     def _call(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any) -> Any:
         return part(*args, **kwargs) if part is not None else getattr(self, n.op)(n.target, args, kwargs)
 
-    def _probe(self, n: fx.Node, part: torch.nn.Module | None) -> None:
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        if self.parts:
-            args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
+    def _probe(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any) -> None:
+        """Time node ``n``'s backward on its (pinned) arguments, and count what it saves."""
         leaves: list[torch.Tensor] = []
         activations = 0
 

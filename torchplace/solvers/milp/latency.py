@@ -334,8 +334,7 @@ def single_place_start(problem: Problem, q: int = 1) -> dict[str, int | None] | 
             candidates.append(dict.fromkeys(lay.nodes, a * q))
     if not candidates:
         return None
-    return min(candidates, key=lambda place: costmodel.evaluate_stages(
-        problem, _stages(problem, q, _start_values(problem, q, place)))[0])
+    return min(candidates, key=lambda place: costmodel.evaluate_stages(problem, _start_stages(problem, q, place))[0])
 
 
 def _start_values(problem: Problem, q: int, place: Mapping[str, int | None]) -> _Values:
