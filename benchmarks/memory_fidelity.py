@@ -18,9 +18,11 @@ tensor (oneDNN workspaces) is not seen; received tensors are host memory shared 
 sender, as the model says for CPUs.
 
 ``--training``: each model placed with ``mode="training"`` (SGD: no optimizer state; 1F1B), one
-``placed.step`` measured after a warm-up step, ``.grad`` cleared before each. Predicted per
-device: gradients + working memory of one micro-batch + the activations kept for backward of the
-micro-batches in flight (:func:`torchplace.costmodel.memory_parts`); measured: the same
+``placed.step`` measured after a warm-up step, ``.grad`` cleared before each; the loss (a mean square
+of the first output) is given to ``place`` too, so its memory is measured there. Predicted per
+device: gradients + working memory of one micro-batch (the loss's on the outputs' device) + the
+activations kept for backward of the micro-batches in flight
+(:func:`torchplace.costmodel.memory_parts`); measured: the same
 per-thread peak over the step (forward and backward actions of a worker run on its thread), which
 includes the gradients it allocates.
 
@@ -125,14 +127,15 @@ def rows(names: list[str], training: bool = False, device_sets: list[list[str]] 
                 model, args, kwargs = _model(name)  # a fresh copy: placing moves the model's own tensors
                 if training:
                     model.train()
-                options: dict[str, Any] = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b"} if training else {}
+                batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
+                train = (torch.zeros(batch), _loss) if training else None
+                options: dict[str, Any] = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b",
+                                           "loss_fn": _loss, "example_target": train[0]} if train else {}
                 if cap is not None and len(devices) > 1:
                     params = sum(p.numel() * p.element_size() for p in model.parameters())
                     options["max_memory"] = {devices[0]: int(cap * params)}
                 placed = torchplace.place(model, devices, args, example_kwargs=kwargs, microbatches=m, progress=False,
                                           allow_single_device=False, repeats=1, warmup=0, time_limit=10, **options)
-                batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
-                train = (torch.zeros(batch), _loss) if training else None
                 measured_peaks(placed, (args, kwargs), train)  # warm-up
                 peaks = measured_peaks(placed, (args, kwargs), train)
                 allocator = _cuda_peaks(placed, (args, kwargs), train) if torch.cuda.is_available() else {}

@@ -214,7 +214,7 @@ def _live_training_problems(draw):
     """A profiled-like training graph: forward nodes on a random DAG, a backward node per forward
     node (its saved activations on the forward -> backward edge), a micro-batched pipeline."""
     n = draw(st.integers(1, 5))
-    g = OpGraph(meta={"liveness": True, "outputs": [f"f{n - 1}"]})
+    g = OpGraph(meta={"liveness": True, "outputs": [f"f{n - 1}"], "loss_bytes": draw(st.integers(0, 20))})
     for i in range(n):
         out = draw(st.integers(0, 9))
         g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=out,
@@ -257,3 +257,53 @@ def test_training_working_memory_is_the_larger_of_the_forward_and_backward_peaks
     # of c) while a' (6) runs; the two passes never run at once
     assert parts["working"] == max(8, 4 + 6)
     assert parts["working"] < sum(r.temp_bytes for _, r in g.records())  # was the sum: 23
+
+
+def test_the_loss_is_charged_where_the_model_outputs_are():
+    # a(4) -> b(4) -> c(4), c the model's output; backward nodes need 6, 2, 3; the loss holds 12
+    # bytes beyond c (its temporaries and c's gradient) for the whole batch of 2 micro-batches
+    g = _graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c")], ["c"])
+    for v, grad in (("a", 6), ("b", 2), ("c", 3)):
+        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0}))
+        g.add_edge(v, f"{v}'")
+    g.add_edge("c'", "b'")
+    g.add_edge("b'", "a'")
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))), mode="training",
+                pipeline=Pipeline(2))
+    without = {d: costmodel.memory_parts(p, d)["working"] for d in (("c", "c'"), ("a", "b", "a'", "b'"))}
+    g.meta["loss_bytes"] = 24
+    # the device making c: c's gradient (2 bytes a micro-batch) and the loss's 12 beyond it
+    assert costmodel.memory_parts(p, ("c", "c'"))["working"] == 2 + 12 > without["c", "c'"]
+    # a device without a model output runs no loss
+    assert costmodel.memory_parts(p, ("a", "b", "a'", "b'"))["working"] == without["a", "b", "a'", "b'"]
+    members = [v for v, _ in g.records()]
+    assert costmodel.memory(conservative(p), members) >= costmodel.memory(p, members)
+
+
+def _saving_chain(a_peak: int) -> Problem:
+    """a(4) -> b(4) -> c(4), c the model's output, one micro-batch; a and b save 10 bytes each for
+    backward, c nothing; a's own peak ``a_peak``; backward nodes need 1 byte."""
+    g = OpGraph(meta={"liveness": True, "outputs": ["c"]})
+    for v, saved in (("a", 10), ("b", 10), ("c", 0)):
+        peak = a_peak if v == "a" else 4
+        g.add_node(v, NodeRecord(v, fx_nodes=(v,), output_bytes=4, temp_bytes=peak, peak_bytes=peak, saved_bytes=saved,
+                                 times={"cpu": 1.0}))
+        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=1, temp_bytes=1, backward=True, times={"cpu": 1.0}))
+        g.add_edge(v, f"{v}'")
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    return Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"),)), mode="training", pipeline=Pipeline(1))
+
+
+def test_what_the_forward_saved_so_far_counts_in_its_peak_once():
+    p = _saving_chain(a_peak=4)
+    parts = costmodel.memory_parts(p, [v for v, _ in p.graph.records()])
+    assert parts["activations"] == 20
+    # the peak is at c: b's output (4) is read while c makes its own (4), and a's and b's saved 20
+    # bytes are alive: 28 in all, 8 beyond the activations
+    assert parts["working"] + parts["activations"] == 28
+    # a's own peak comes before anything is saved: 30, where adding the forward's peak (30) to
+    # the activations (20) said 50
+    p = _saving_chain(a_peak=30)
+    parts = costmodel.memory_parts(p, [v for v, _ in p.graph.records()])
+    assert parts["working"] + parts["activations"] == 30

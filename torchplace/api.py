@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +29,7 @@ from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
+from torchplace.profiling.loss import assumed_loss_bytes, loss_bytes
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
@@ -45,6 +46,8 @@ def place(
     objective: str = "throughput",
     mode: str = "inference",
     optimizer: str | float = "adamw",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: Any = None,
     schedule: str = "1f1b",
     recompute: bool = True,
     contiguous: bool = True,
@@ -103,6 +106,13 @@ def place(
             runs ``schedule``; ``placed.eval()`` runs the model's eval-mode graph on the same devices.
         optimizer: training: the optimizer whose state the memory model counts (``"sgd"``,
             ``"momentum"``, ``"adam"``, ``"adamw"``, or state bytes per parameter byte).
+        loss_fn: training: the loss ``placed.step`` will compute, ``loss_fn(output, target)``
+            (then the default of ``step``'s ``loss_fn``). Its memory on the device of the model's
+            outputs is measured on the example call's outputs and ``example_target``
+            (:mod:`torchplace.profiling.loss`); without it the plan assumes
+            :data:`~torchplace.profiling.loss.ASSUMED_LOSS_FACTOR` times the outputs' bytes, which
+            a cross-entropy or mean-square loss needs.
+        example_target: training: the target of the example batch, for ``loss_fn``.
         schedule: training: ``"1f1b"`` (PipeDream-flush) or ``"gpipe"`` (fill-drain).
         recompute: training: whether the solver may let a device recompute its activations in
             the backward pass where memory demands it.
@@ -205,12 +215,13 @@ def place(
         share_cores=share_cores, allow_single_device=allow_single_device, solver=solver, fuse=fuse,
         trace_method=trace_method, dynamic_dims=dynamic_dims, warmup=warmup, repeats=repeats, profiling=profiling,
         profile_cache=profile_cache, progress=progress, plan=plan, refine=refine, parallelism=parallelism,
+        loss_fn=loss_fn, example_target=example_target,
         allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth,
     )
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
-    placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example)
+    placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
@@ -292,6 +303,8 @@ def prepare(
     objective: str = "throughput",
     mode: str = "inference",
     optimizer: str | float = "adamw",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: Any = None,
     schedule: str = "1f1b",
     recompute: bool = True,
     contiguous: bool = True,
@@ -329,6 +342,11 @@ def prepare(
     if mode == "training" and refine is True:
         raise UsageError("refine=True measures inference calls; place for training without it (measure a training "
                          "step with placed.measure(x, target=y, loss_fn=f))")
+    if loss_fn is not None and (mode != "training" or not callable(loss_fn)):
+        raise UsageError(f"loss_fn is the training loss (mode='training'), a function loss_fn(output, target) -> "
+                         f"scalar tensor; got {brief(loss_fn)} with mode={mode!r}")
+    if example_target is not None and loss_fn is None:
+        raise UsageError("example_target is the target of loss_fn: give loss_fn too (or leave example_target out)")
     if mode == "training" and schedule not in ("gpipe", "1f1b"):
         raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective not in ("throughput", "latency"):
@@ -381,9 +399,13 @@ def prepare(
         optimizer_state_factor(optimizer)
     modes = {m: m.training for m in model.modules()}
     model.train(training)
+    measured_loss = None  # bytes of the training loss on the example outputs (loss_fn given)
     try:
         if not shapes_only:  # a meta model's Python may branch on values it does not have; export does not
-            try_example_call(model, args, kwargs)
+            output = try_example_call(model, args, kwargs)
+            if training and loss_fn is not None:
+                measured_loss = loss_bytes(output, loss_fn, example_target)
+            del output
     except BaseException:
         for m, was in modes.items():  # a refused call leaves the model as it was
             m.training = was
@@ -416,6 +438,8 @@ def prepare(
 
     if graph is None:
         graph = profiled(args, kwargs)
+    if training:
+        graph.meta["loss_bytes"] = assumed_loss_bytes(graph) if measured_loss is None else measured_loss
     if parallelism == "piper":
         problem, solved = parallelisms.piper_plan(graph, cluster, model, microbatches=microbatches,  # type: ignore[arg-type]
                                                   solver=solver, recompute=recompute, time_limit=time_limit,

@@ -78,8 +78,9 @@ def example_call(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) 
     return args, kwargs
 
 
-def try_example_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """Run ``model`` once on copies of the example inputs (no grad); its state is restored after.
+def try_example_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Run ``model`` once on copies of the example inputs (no grad) and return its output; its
+    state is restored after.
 
     Raises:
         UsageError: if the model fails on them (wrong number, shape or dtype of inputs), with the
@@ -89,7 +90,7 @@ def try_example_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[st
     snapshot = StateSnapshot(model)
     try:
         with torch.no_grad():
-            model(*copies[0], **copies[1])
+            return model(*copies[0], **copies[1])
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
         devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})

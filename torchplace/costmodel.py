@@ -49,11 +49,20 @@ Plans are validated, and reported, with the liveness memory.
 
 In training, working memory is one micro-batch's. With liveness it is the larger of two peaks,
 because a worker runs one micro-batch's forward or one's backward at a time, never both:
-- the forward nodes' liveness peak (an edge from a forward node to its backward node keeps
-  nothing alive there: autograd's saved tensors are the activations below);
-- the backward pass's: the gradient of the model outputs it makes, plus the largest backward
-  node's own peak.
-Without liveness it is the sum of ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
+- the forward pass's: its liveness peak with what its nodes saved for backward so far alive too
+  (an edge from a forward node to its backward node keeps nothing alive in the walk; each node's
+  ``saved_bytes`` is, from the node on), less the micro-batch's saved activations, which the
+  activations below count. A saved tensor that later nodes still read is counted twice, so this
+  stays an upper bound; adding the whole pass's saved bytes to the forward peak over-counted
+  more (1.2-1.4x on first stages, ``benchmarks/memory_fidelity.py --training``);
+- the backward pass's: the gradient of the model outputs it makes, plus the larger of the largest
+  backward node's own peak and, on a device making model outputs, the loss's bytes
+  (``graph.meta["loss_bytes"]``, :mod:`torchplace.profiling.loss`: what the loss and its backward
+  hold beyond the outputs, its gradient of them included).
+The other micro-batches in flight (below) keep their model outputs and sent tensors on the device
+until their backward (the executor forgets a stage's values then), where inference holds ``m - 1``
+outputs and :func:`queued` sends. A copy of a trainable shared tensor has its gradient on the
+device too. Without liveness it is the sum of ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
 :class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
 position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
@@ -183,11 +192,16 @@ def microbatches(problem: Problem) -> int:
     return problem.pipeline.microbatches if problem.pipeline is not None else 1
 
 
-def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None = None) -> int:
+def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None = None, *,
+                   others: int | None = None, saving: bool = False) -> int:
     """The liveness peak of ``nodes`` on ``device`` for one micro-batch (module docstring).
 
     The nodes run in the graph's topological order. ``device=None`` counts received tensors (as an
     accelerator does); a device that pays no transfer (a CPU) reads them where they are.
+    ``others``: the other micro-batches whose model outputs and sent tensors the device holds
+    meanwhile; ``None`` is inference's ``m - 1`` outputs (the call returns them all) and
+    :func:`queued` sent tensors. ``saving`` (a training forward pass): what each node keeps for its
+    backward (``saved_bytes``) is alive from the node to the end of the pass, in the peak too.
 
     Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
     output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
@@ -220,12 +234,15 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         if root[v] == v and last.get(v, -1) > i:
             live += _per_microbatch(r.resident, m)
             frees[last[v]] += _per_microbatch(r.resident, m)
+        if saving:
+            live += _per_microbatch(r.saved_bytes, m)
         live -= frees.pop(i, 0)
+    peak = max(peak, live)
     held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
     sent = sum(_per_microbatch(g.record(v).resident, m) for v in order
                if any(_reads(g, v, w) and w not in members for w in g.successors(v))
                and not outputs.intersection(g.record(v).fx_nodes))
-    return peak + (m - 1) * held + queued(m) * sent
+    return peak + (m - 1 if others is None else others) * held + (queued(m) if others is None else others) * sent
 
 
 def _reads(g: OpGraph, v: str, w: str) -> bool:
@@ -300,21 +317,31 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
     grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
-    copies = sum(t.nbytes for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members))
+    copies = [t for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members)]
+    if problem.mode == "training":  # a trainable copy's readers make its gradient here too
+        grads += sum(t.nbytes for t in copies if t.trainable)
     live = uses_liveness(problem)
     if live and problem.mode == "training":  # one micro-batch's forward, or its backward: never both at once
         m = microbatches(problem)
+        others = (m if in_flight is None else in_flight) - 1  # held until their backward
         outputs = set(g.meta.get("outputs", ()))
         grad_out = sum(_per_microbatch(g.record(v).resident, m) for v in members  # the loss's gradient arrives
                        if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes))
-        work = max(working_memory(problem, {v for v in members if not g.record(v).backward}, device), grad_out + max(
-            (_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0))
+        loss = _per_microbatch(loss_bytes(g), m) if grad_out else 0  # the loss runs where the outputs are
+        backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
+        # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
+        # counted twice: an upper bound), beside the saved activations of this micro-batch
+        saved = sum(_per_microbatch(g.record(v).saved_bytes, m) for v in members if not g.record(v).backward)
+        forward = working_memory(problem, {v for v in members if not g.record(v).backward}, device, others=others,
+                                 saving=True)
+        work = max(forward - saved, grad_out + max(backward, loss))
     elif live:
         work = working_memory(problem, members, device)
     else:
         work = sum(g.record(v).temp_bytes for v in members)
     parts = dict.fromkeys(MEMORY_KINDS, 0)
-    parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": copies, "working": work})
+    parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": sum(t.nbytes for t in copies),
+                  "working": work})
     p = problem.pipeline
     if p is None or problem.mode != "training":
         return parts
@@ -326,6 +353,12 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)
     parts.update({"working": work if live else _per_microbatch(work, m), "activations": activations})
     return parts
+
+
+def loss_bytes(graph: OpGraph) -> int:
+    """Bytes the training loss holds beyond the model's outputs for the whole example batch
+    (``graph.meta["loss_bytes"]``, :mod:`torchplace.profiling.loss`; 0 where not profiled)."""
+    return int(graph.meta.get("loss_bytes") or 0)
 
 
 def device_memory_parts(problem: Problem, stages: Sequence[StageLike]) -> dict[str, dict[str, int]]:

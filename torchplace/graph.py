@@ -242,6 +242,7 @@ class SharedTensor:
     nbytes: int
     owner: str
     readers: frozenset[str]
+    trainable: bool = False
 
 
 class OpGraph:
@@ -323,7 +324,8 @@ class OpGraph:
         """The tensors of ``meta["state"]`` that two or more nodes read (none for workload files)."""
         state = self.meta.get("state") or {}
         return tuple(
-            SharedTensor(name, int(e["bytes"]), str(e["owner"]), frozenset(map(str, e["readers"])))
+            SharedTensor(name, int(e["bytes"]), str(e["owner"]), frozenset(map(str, e["readers"])),
+                         bool(e.get("trainable")))
             for name, e in state.items()
             if len(set(e.get("readers", ()))) > 1
         )

@@ -80,12 +80,14 @@ class PlacedModule(nn.Module):
     """
 
     def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1,
-                 example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None) -> None:
+                 example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         super().__init__()
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
         self._traced, self._example, self._eval = traced, example, None
+        self.loss_fn = loss_fn  # step()'s default loss (place(..., loss_fn=))
         self.last_measurement: Any = None  # set by measure(), shown by report()
         self.refinement: Any = None  # set by place(..., refine=True) (torchplace.refine.Refinement)
         self._last_spans: Sequence[Any] = ()
@@ -158,8 +160,8 @@ class PlacedModule(nn.Module):
             raise _shape_error(e) or e
 
 
-    def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], schedule: str | None = None,
-             **kwargs: Any) -> list[torch.Tensor]:
+    def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             schedule: str | None = None, **kwargs: Any) -> list[torch.Tensor]:
         """One training step of the batch ``(args, kwargs)`` through the plan's pipeline schedule
         (or ``schedule``: ``"1f1b"`` or ``"gpipe"``, which the plan's memory need not allow for).
 
@@ -167,6 +169,7 @@ class PlacedModule(nn.Module):
         micro-batch's ``loss_fn(output, target)`` is back-propagated scaled by ``1/m``, so the
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss: for a loss that
         is a mean over samples and equal micro-batches, the gradient of the full batch's loss.
+        ``loss_fn`` defaults to the one given to ``place(..., loss_fn=)``.
         Tensors of ``target`` are moved to the device of the model's outputs (the last stage's)
         when they are elsewhere. Call ``optimizer.step()`` and ``optimizer.zero_grad()`` around it as usual.
 
@@ -183,6 +186,10 @@ class PlacedModule(nn.Module):
             raise UnsupportedError("step() trains: call placed.train() first (it is in eval mode)")
         if schedule not in (None, "1f1b", "gpipe"):
             raise UsageError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+        loss_fn = self.loss_fn if loss_fn is None else loss_fn
+        if loss_fn is None:
+            raise UsageError("step() needs a loss: pass loss_fn=f (f(output, target) -> scalar tensor), or give it "
+                             "to place(..., loss_fn=f)")
         return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                   schedule or self.problem.pipeline.schedule)
 

@@ -14,7 +14,8 @@ actions in that order (:func:`~torchplace.runtime.schedule.per_worker`):
   ``torch.autograd.backward`` on those outputs, which accumulates the parameters' ``.grad``
   (the model's own parameters, wherever they are, :mod:`~torchplace.runtime.params`), and sends
   the gradient of each input leaf back to the device that produced the value, where the
-  contributions are summed.
+  contributions are summed. The stage's outputs of that micro-batch are then forgotten: every
+  reader has run its backward, so a worker holds the values of the micro-batches in flight only.
 
 Gradients therefore equal those of the unsplit model run on the same micro-batches with the loss
 averaged over them: for a loss that is a mean over its samples and equal micro-batches, the
@@ -299,6 +300,8 @@ class TrainingExecutor:
             for n, leaf in leaves.items():
                 if n in self._producer:
                     self._contribute(state, a.microbatch, n, leaf)
+            for n in stage.outputs:  # every reader (and the loss) has run its backward: nothing reads them again
+                state.values[a.microbatch].drop(n)
             state.cond.notify_all()
 
     def _recompute(self, index: int, leaves: Mapping[str, Any]) -> tuple[tuple[Any, ...], Callable[[], None]]:

@@ -12,9 +12,10 @@ solved through two problems whose node memory is a sum:
    case: memory is not what binds);
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
    m)`` (in training ``m`` times that, since a training problem divides the sum by ``m``; a backward
-   node its ``temp``, rounded up to whole micro-batches) (plus ``(m - 1) ceil(out_v / m)`` when it makes a model output, held for the other
-   micro-batches, or ``queued(m) ceil(out_v / m)`` when it has readers, which may be on another
-   device), never less than its share of the liveness memory (costmodel docstring), so its plans always
+   node its ``temp``, rounded up to whole micro-batches) (plus ``(m - 1) ceil(out_v / m)`` when it
+   makes a model output, held for the other micro-batches, and in training the loss's
+   ``ceil(loss_bytes / m)``, or ``queued(m) ceil(out_v / m)`` (in training ``m - 1``) when it has
+   readers, which may be on another device), never less than its share of the liveness memory (costmodel docstring), so its plans always
    fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
 3. the restriction charges every activation a device runs as if all were alive at once, far above
    the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
@@ -66,15 +67,17 @@ def conservative(problem: Problem) -> Problem:
     outputs = set(g.meta.get("outputs", ()))
 
     training = problem.mode == "training"
+    loss = -(-costmodel.loss_bytes(g) // m)  # training: where the outputs are, the loss runs
 
     def share(v: str, r: NodeRecord) -> int:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest)
             return m * -(-r.temp_bytes // m)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
         if outputs.intersection(r.fx_nodes):
-            held = (m - 1) * -(-r.output_bytes // m)
-        else:  # its readers may be on another device: it holds what it sent on
-            held = costmodel.queued(m) * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
+            held = (m - 1) * -(-r.output_bytes // m) + (loss if training else 0)
+        else:  # its readers may be on another device: it holds what it sent on (in training until their backward)
+            sent = m - 1 if training else costmodel.queued(m)
+            held = sent * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
         # a training problem's working memory is the sum over m (costmodel.memory_parts)
         return (m if training else 1) * (-(-r.temp_bytes // m) + received + held)
 

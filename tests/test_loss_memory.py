@@ -1,0 +1,77 @@
+"""The training loss's memory (issue 17, item 4): measured from the loss given to place(),
+assumed without one, charged on the device of the model's outputs, and the loss reused by step()."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace import costmodel
+from torchplace.errors import UsageError
+from torchplace.profiling.loss import ASSUMED_LOSS_FACTOR, assumed_loss_bytes, loss_bytes
+
+OUT = 16 * 512 * 4  # bytes of the model's output below
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 512))
+
+
+def _mean_square(out, target):
+    return out.pow(2).mean()
+
+
+def _place(**options):
+    return torchplace.place(_model(), ["cpu:0", "cpu:1"], (torch.randn(16, 8),), mode="training", optimizer="sgd",
+                            microbatches=2, progress=False, warmup=0, repeats=1, allow_single_device=False, **options)
+
+
+def test_a_losses_bytes_are_what_it_and_its_backward_hold_beyond_the_outputs():
+    out = torch.randn(16, 512)
+    # pow(2).mean(): the mean's gradient, pow's two temporaries and the outputs' gradient
+    def about(n: int, outputs: int) -> bool:  # and a few scalars
+        return outputs * OUT <= n < outputs * OUT + 256
+
+    assert about(loss_bytes(out, _mean_square, None), 4)
+    assert about(loss_bytes(out, lambda o, t: o.sum(), None), 1)  # only the outputs' gradient
+    target = torch.randint(0, 512, (16,))
+    assert about(loss_bytes(out, nn.functional.cross_entropy, target), 3)  # log-softmax, its gradient, the outputs'
+    assert out.grad is None  # measured on copies
+
+
+def test_place_measures_the_given_loss_and_assumes_one_without_it():
+    placed = _place(loss_fn=_mean_square, example_target=torch.zeros(16))
+    assert placed.problem.graph.meta["loss_bytes"] == loss_bytes(torch.randn(16, 512), _mean_square, None)
+    assumed = _place()
+    assert assumed.problem.graph.meta["loss_bytes"] == assumed_loss_bytes(assumed.problem.graph) \
+        == ASSUMED_LOSS_FACTOR * OUT
+
+
+def test_the_loss_is_charged_on_the_device_of_the_outputs_and_step_reuses_it():
+    placed = _place(loss_fn=_mean_square)
+    parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
+    g = placed.problem.graph
+    makers = {v for v, r in g.records() if not r.backward and set(g.meta["outputs"]) & set(r.fx_nodes)}
+    last = next(s.device for s in placed.plan.stages if makers & set(s.nodes))
+    per_microbatch = -(-OUT // 2)
+    assert parts[last]["working"] >= per_microbatch + 4 * per_microbatch  # the outputs' and the loss's
+    placed.train()
+    losses = placed.step(torch.randn(16, 8), target=None)  # place()'s loss_fn
+    assert len(losses) == 2 and all(loss.dim() == 0 for loss in losses)
+
+
+def test_loss_errors_say_what_to_do():
+    with pytest.raises(UsageError, match="loss_fn is the training loss"):
+        torchplace.place(_model(), ["cpu:0"], (torch.randn(16, 8),), loss_fn=_mean_square, progress=False)
+    with pytest.raises(UsageError, match="give loss_fn too"):
+        _place(example_target=torch.zeros(16))
+    with pytest.raises(UsageError, match="loss_fn fails on the model's outputs.*ValueError: no"):
+        _place(loss_fn=lambda out, target: (_ for _ in ()).throw(ValueError("no")))
+    with pytest.raises(UsageError, match="scalar tensor"):
+        _place(loss_fn=lambda out, target: out)
+    placed = _place()
+    placed.train()
+    with pytest.raises(UsageError, match="step\\(\\) needs a loss"):
+        placed.step(torch.randn(16, 8), target=None)

@@ -1,0 +1,75 @@
+"""The memory of a training step's loss: what the device holding the model's outputs needs for it.
+
+In a training pipeline the last stage's worker computes ``loss_fn(output, target)`` on each
+micro-batch's outputs and back-propagates it to them (:mod:`torchplace.runtime.training`). Its
+forward keeps what the loss saves (a log-softmax, a difference), and its backward makes the
+gradients of those temporaries and, last, the gradient of the outputs; all of it is on the
+outputs' device, on top of the activations that device keeps for the stage's own backward.
+
+:func:`loss_bytes` measures it: the peak of new tensor memory
+(:class:`~torchplace.profiling.livebytes.LiveBytes`) while the loss of the model's example outputs
+runs forward and backward, over the outputs themselves. Without a loss function it is
+:data:`ASSUMED_LOSS_FACTOR` times the floating outputs' bytes (:func:`assumed_loss_bytes`):
+measured here, a cross-entropy over logits needs 3.0x the logits, ``F.mse_loss`` 3.0x,
+``out.pow(2).mean()`` 4.0x and ``out.sum()`` 1.0x, so a loss like the last one is charged
+too little unless it is given.
+
+The bytes are those of the whole example batch; the cost model charges ``ceil(bytes / m)`` per
+micro-batch (:func:`torchplace.costmodel.memory_parts`), since a loss's tensors grow with the
+samples it sees.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchplace.errors import UsageError
+from torchplace.graph import OpGraph
+from torchplace.profiling.livebytes import LiveBytes
+
+__all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "loss_bytes"]
+
+ASSUMED_LOSS_FACTOR = 3
+"""Bytes of an unknown loss, in units of the model's floating outputs (module docstring)."""
+
+
+def loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
+    """The most bytes ``loss_fn(output, target)`` and its backward hold at once beyond ``output``
+    (the gradient of ``output`` included), measured on copies of ``output``'s floating tensors as
+    autograd leaves; ``output`` itself is left as it was.
+
+    Raises:
+        UsageError: ``loss_fn`` fails on the example outputs or does not return a scalar tensor.
+    """
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        copy = t.detach().clone()
+        return copy.requires_grad_(True) if copy.is_floating_point() or copy.is_complex() else copy
+
+    leaves = pytree.tree_map_only(torch.Tensor, leaf, output)
+    try:
+        with torch.enable_grad(), LiveBytes() as live:
+            base = live.mark()
+            loss = loss_fn(leaves, target)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                kind = type(loss).__name__ + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                raise TypeError(f"loss_fn must return a scalar tensor, got {kind}")
+            if loss.requires_grad:
+                loss.backward()
+            peak = live.peak
+    except Exception as e:  # the user's function: any failure is theirs to fix
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"loss_fn fails on the model's outputs for the example inputs and example_target "
+                         f"({type(e).__name__}: {first}); pass the loss and a target of the example batch that "
+                         "placed.step() will get") from e
+    return max(peak - base, 0)
+
+
+def assumed_loss_bytes(graph: OpGraph) -> int:
+    """:data:`ASSUMED_LOSS_FACTOR` times the bytes of the model's outputs (the resident bytes of
+    the forward nodes making ``graph.meta["outputs"]``)."""
+    outputs = set(graph.meta.get("outputs", ()))
+    total = sum(r.resident for _, r in graph.records() if not r.backward and outputs.intersection(r.fx_nodes))
+    return ASSUMED_LOSS_FACTOR * total
