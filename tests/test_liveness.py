@@ -242,15 +242,21 @@ def test_training_relaxation_and_restriction_bracket_the_liveness_memory(case):
     assert costmodel.memory(relaxed(p), members) <= truth <= costmodel.memory(conservative(p), members)
 
 
-def test_training_working_memory_is_the_larger_of_the_forward_and_backward_peaks():
-    # a(4) -> b(4) -> c(4) forward, c the model's output; each forward -> backward edge keeps
-    # nothing as working memory (it is the saved activations' term); backward nodes need 6, 2, 3
+def _training_chain() -> OpGraph:
+    """a(4) -> b(4) -> c(4) forward, c the model's output, and backward nodes a'(6), b'(2), c'(3)."""
     g = _graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c")], ["c"])
     for v, grad in (("a", 6), ("b", 2), ("c", 3)):
         g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0}))
         g.add_edge(v, f"{v}'")
     g.add_edge("c'", "b'")
     g.add_edge("b'", "a'")
+    return g
+
+
+def test_training_working_memory_is_the_larger_of_the_forward_and_backward_peaks():
+    # a(4) -> b(4) -> c(4) forward, c the model's output; each forward -> backward edge keeps
+    # nothing as working memory (it is the saved activations' term); backward nodes need 6, 2, 3
+    g = _training_chain()
     p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"),)), mode="training", pipeline=Pipeline(1))
     parts = costmodel.memory_parts(p, [v for v, _ in g.records()])
     # forward: the chain's peak (8, as in inference); backward: the output's gradient (4, the size
@@ -262,12 +268,7 @@ def test_training_working_memory_is_the_larger_of_the_forward_and_backward_peaks
 def test_the_loss_is_charged_where_the_model_outputs_are():
     # a(4) -> b(4) -> c(4), c the model's output; backward nodes need 6, 2, 3; the loss holds 12
     # bytes beyond c (its temporaries and c's gradient) for the whole batch of 2 micro-batches
-    g = _graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c")], ["c"])
-    for v, grad in (("a", 6), ("b", 2), ("c", 3)):
-        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0}))
-        g.add_edge(v, f"{v}'")
-    g.add_edge("c'", "b'")
-    g.add_edge("b'", "a'")
+    g = _training_chain()
     p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))), mode="training",
                 pipeline=Pipeline(2))
     without = {d: costmodel.memory_parts(p, d)["working"] for d in (("c", "c'"), ("a", "b", "a'", "b'"))}

@@ -9,7 +9,7 @@ outputs' device, on top of the activations that device keeps for the stage's own
 :func:`loss_bytes` measures it: the peak of new tensor memory
 (:class:`~torchplace.profiling.livebytes.LiveBytes`) while the loss of the model's example outputs
 runs forward and backward, over the outputs themselves. Without a loss function it is
-:data:`ASSUMED_LOSS_FACTOR` times the floating outputs' bytes (:func:`assumed_loss_bytes`):
+:data:`ASSUMED_LOSS_FACTOR` times the outputs' bytes (:func:`assumed_loss_bytes`):
 measured here, a cross-entropy over logits needs 3.0x the logits, ``F.mse_loss`` 3.0x,
 ``out.pow(2).mean()`` 4.0x and ``out.sum()`` 1.0x, so a loss like the last one is charged
 too little unless it is given.
@@ -33,7 +33,7 @@ from torchplace.profiling.livebytes import LiveBytes
 __all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "loss_bytes"]
 
 ASSUMED_LOSS_FACTOR = 3
-"""Bytes of an unknown loss, in units of the model's floating outputs (module docstring)."""
+"""Bytes of an unknown loss, in units of the model's outputs (module docstring)."""
 
 
 def loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
