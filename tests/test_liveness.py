@@ -217,8 +217,9 @@ def _live_training_problems(draw):
     g = OpGraph(meta={"liveness": True, "outputs": [f"f{n - 1}"], "loss_bytes": draw(st.integers(0, 20))})
     for i in range(n):
         out = draw(st.integers(0, 9))
-        g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=out,
-                                       temp_bytes=out + draw(st.integers(0, 4)), peak_bytes=out,
+        temp = out + draw(st.integers(0, 4))
+        g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=out, temp_bytes=temp,
+                                       peak_bytes=draw(st.integers(0, temp)), resident_bytes=draw(st.integers(0, temp)),
                                        saved_bytes=draw(st.integers(0, 9)), times={"cpu": 1.0}))
         grad = draw(st.integers(0, 9))
         g.add_node(f"b{i}", NodeRecord(f"b{i}", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0}))
@@ -234,7 +235,7 @@ def _live_training_problems(draw):
     return p, members
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(_live_training_problems())
 def test_training_relaxation_and_restriction_bracket_the_liveness_memory(case):
     p, members = case
@@ -273,8 +274,10 @@ def test_the_loss_is_charged_where_the_model_outputs_are():
                 pipeline=Pipeline(2))
     without = {d: costmodel.memory_parts(p, d)["working"] for d in (("c", "c'"), ("a", "b", "a'", "b'"))}
     g.meta["loss_bytes"] = 24
-    # the device making c: c's gradient (2 bytes a micro-batch) and the loss's 12 beyond it
-    assert costmodel.memory_parts(p, ("c", "c'"))["working"] == 2 + 12 > without["c", "c'"]
+    # the device making c runs the loss (12 bytes a micro-batch) right after its forward, whose
+    # peak (c's output, the other micro-batch's held too: 6) is the larger of its two passes
+    assert without["c", "c'"] == 6
+    assert costmodel.memory_parts(p, ("c", "c'"))["working"] == 6 + 12
     # a device without a model output runs no loss
     assert costmodel.memory_parts(p, ("a", "b", "a'", "b'"))["working"] == without["a", "b", "a'", "b'"]
     members = [v for v, _ in g.records()]

@@ -40,7 +40,9 @@ Solvers whose memory is a sum over nodes stay exact, and their bounds proofs, th
 memory, so its lower bound holds), then the relaxation again with room reserved for the working
 memory its plans needed, and last a *restriction* whose per-node bytes ``ceil(temp_v/m) +
 sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m)
-ceil(out_v/m)`` for a node with readers, which may be elsewhere) are never below it
+ceil(out_v/m)`` for a node with readers, which may be elsewhere; ``out_v`` at least what it holds,
+``resident``; in training ``m - 1`` sends, and the loss and the outputs' gradient on a model
+output) are never below it
 (every tensor alive at a moment is an output of a node of ``S``, at most its ``temp``, or a
 received one, counted at one of its readers), so its plans always fit. Solvers called directly
 (not through :func:`torchplace.solvers.solve`) see ``temp_bytes`` sums: their plans are checked
@@ -325,16 +327,17 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         m = microbatches(problem)
         others = (m if in_flight is None else in_flight) - 1  # held until their backward
         outputs = set(g.meta.get("outputs", ()))
-        grad_out = sum(_per_microbatch(g.record(v).resident, m) for v in members  # the loss's gradient arrives
-                       if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes))
-        loss = _per_microbatch(loss_bytes(g), m) if grad_out else 0  # the loss runs where the outputs are
+        makes = [v for v in members if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes)]
+        grad_out = sum(_per_microbatch(g.record(v).output_bytes, m) for v in makes)  # the loss's gradient arrives
+        loss = _per_microbatch(loss_bytes(g), m) if makes else 0  # the loss runs where the outputs are
         backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
         # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
         # counted twice: an upper bound), beside the saved activations of this micro-batch
         saved = sum(_per_microbatch(g.record(v).saved_bytes, m) for v in members if not g.record(v).backward)
         forward = working_memory(problem, {v for v in members if not g.record(v).backward}, device, others=others,
                                  saving=True)
-        work = max(forward - saved, grad_out + max(backward, loss))
+        # the loss runs right after the forward (other micro-batches' values still held under GPipe)
+        work = max(forward - saved + loss, grad_out + max(backward, loss))
     elif live:
         work = working_memory(problem, members, device)
     else:

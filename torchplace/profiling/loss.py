@@ -68,8 +68,8 @@ def loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target:
 
 
 def assumed_loss_bytes(graph: OpGraph) -> int:
-    """:data:`ASSUMED_LOSS_FACTOR` times the bytes of the model's outputs (the resident bytes of
-    the forward nodes making ``graph.meta["outputs"]``)."""
+    """:data:`ASSUMED_LOSS_FACTOR` times the bytes of the model's outputs (the output bytes of the
+    forward nodes making ``graph.meta["outputs"]``; a view's too, though it holds no memory of its own)."""
     outputs = set(graph.meta.get("outputs", ()))
-    total = sum(r.resident for _, r in graph.records() if not r.backward and outputs.intersection(r.fx_nodes))
+    total = sum(r.output_bytes for _, r in graph.records() if not r.backward and outputs.intersection(r.fx_nodes))
     return ASSUMED_LOSS_FACTOR * total

@@ -73,11 +73,12 @@ def conservative(problem: Problem) -> Problem:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest)
             return m * -(-r.temp_bytes // m)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
-        if outputs.intersection(r.fx_nodes):
-            held = (m - 1) * -(-r.output_bytes // m) + (loss if training else 0)
+        out = -(-max(r.output_bytes, r.resident) // m)  # the liveness holds what it was made in
+        if outputs.intersection(r.fx_nodes):  # training: the loss and the outputs' gradient here
+            held = (m - 1) * out + (loss + -(-r.output_bytes // m) if training else 0)
         else:  # its readers may be on another device: it holds what it sent on (in training until their backward)
             sent = m - 1 if training else costmodel.queued(m)
-            held = sent * -(-r.output_bytes // m) if g.nx.out_degree(v) else 0
+            held = sent * out if g.nx.out_degree(v) else 0
         # a training problem's working memory is the sum over m (costmodel.memory_parts)
         return (m if training else 1) * (-(-r.temp_bytes // m) + received + held)
 
