@@ -111,7 +111,8 @@ def place(
             outputs is measured on the example call's outputs and ``example_target``
             (:mod:`torchplace.profiling.loss`); without it the plan assumes
             :data:`~torchplace.profiling.loss.ASSUMED_LOSS_FACTOR` times the outputs' bytes, which
-            a cross-entropy or mean-square loss needs.
+            a cross-entropy or mean-square loss needs (so does a model on the meta device, which
+            has no outputs to measure on; Piper's plans do not charge the loss).
         example_target: training: the target of the example batch, for ``loss_fn``.
         schedule: training: ``"1f1b"`` (PipeDream-flush) or ``"gpipe"`` (fill-drain).
         recompute: training: whether the solver may let a device recompute its activations in
