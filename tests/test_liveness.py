@@ -136,12 +136,16 @@ def _live_problems(draw):
     return _problem(g, m=draw(st.integers(1, 4))), members
 
 
+def _assert_bracketed(p: Problem, members: set[str]) -> None:
+    """relaxation <= liveness truth <= restriction: the bound stays a proof, the restriction's plans fit."""
+    truth = costmodel.memory(p, members)
+    assert costmodel.memory(relaxed(p), members) <= truth <= costmodel.memory(conservative(p), members)
+
+
 @settings(max_examples=150, deadline=None)
 @given(_live_problems())
 def test_the_relaxation_and_restriction_bracket_the_liveness_memory(case):
-    p, members = case
-    truth = costmodel.memory(p, members)
-    assert costmodel.memory(relaxed(p), members) <= truth <= costmodel.memory(conservative(p), members)
+    _assert_bracketed(*case)
 
 
 def _layers(k: int = 4) -> OpGraph:
@@ -238,9 +242,7 @@ def _live_training_problems(draw):
 @settings(max_examples=600, deadline=None)
 @given(_live_training_problems())
 def test_training_relaxation_and_restriction_bracket_the_liveness_memory(case):
-    p, members = case
-    truth = costmodel.memory(p, members)
-    assert costmodel.memory(relaxed(p), members) <= truth <= costmodel.memory(conservative(p), members)
+    _assert_bracketed(*case)
 
 
 def _training_chain() -> OpGraph:

@@ -9,7 +9,7 @@ from torch import nn
 import torchplace
 from torchplace import costmodel
 from torchplace.errors import UsageError
-from torchplace.profiling.loss import ASSUMED_LOSS_FACTOR, assumed_loss_bytes, loss_bytes
+from torchplace.profiling.loss import ASSUMED_LOSS_FACTOR, assumed_loss_bytes, measure_loss_bytes
 
 OUT = 16 * 512 * 4  # bytes of the model's output below
 
@@ -34,16 +34,16 @@ def test_a_losses_bytes_are_what_it_and_its_backward_hold_beyond_the_outputs():
     def about(n: int, outputs: int) -> bool:  # and a few scalars
         return outputs * OUT <= n < outputs * OUT + 256
 
-    assert about(loss_bytes(out, _mean_square, None), 4)
-    assert about(loss_bytes(out, lambda o, t: o.sum(), None), 1)  # only the outputs' gradient
+    assert about(measure_loss_bytes(out, _mean_square, None), 4)
+    assert about(measure_loss_bytes(out, lambda o, t: o.sum(), None), 1)  # only the outputs' gradient
     target = torch.randint(0, 512, (16,))
-    assert about(loss_bytes(out, nn.functional.cross_entropy, target), 3)  # log-softmax, its gradient, the outputs'
+    assert about(measure_loss_bytes(out, nn.functional.cross_entropy, target), 3)  # log-softmax, its gradient, the outputs'
     assert out.grad is None  # measured on copies
 
 
 def test_place_measures_the_given_loss_and_assumes_one_without_it():
     placed = _place(loss_fn=_mean_square, example_target=torch.zeros(16))
-    assert placed.problem.graph.meta["loss_bytes"] == loss_bytes(torch.randn(16, 512), _mean_square, None)
+    assert placed.problem.graph.meta["loss_bytes"] == measure_loss_bytes(torch.randn(16, 512), _mean_square, None)
     assumed = _place()
     assert assumed.problem.graph.meta["loss_bytes"] == assumed_loss_bytes(assumed.problem.graph) \
         == ASSUMED_LOSS_FACTOR * OUT

@@ -29,7 +29,7 @@ from torchplace.profiling import present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
-from torchplace.profiling.loss import assumed_loss_bytes, loss_bytes
+from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
@@ -405,7 +405,7 @@ def prepare(
         if not shapes_only:  # a meta model's Python may branch on values it does not have; export does not
             output = try_example_call(model, args, kwargs)
             if training and loss_fn is not None:
-                measured_loss = loss_bytes(output, loss_fn, example_target)
+                measured_loss = measure_loss_bytes(output, loss_fn, example_target)
             del output
     except BaseException:
         for m, was in modes.items():  # a refused call leaves the model as it was

@@ -333,11 +333,11 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
         # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
         # counted twice: an upper bound), beside the saved activations of this micro-batch
-        saved = sum(_per_microbatch(g.record(v).saved_bytes, m) for v in members if not g.record(v).backward)
+        saved_now = sum(_per_microbatch(g.record(v).saved_bytes, m) for v in members if not g.record(v).backward)
         forward = working_memory(problem, {v for v in members if not g.record(v).backward}, device, others=others,
                                  saving=True)
         # the loss runs right after the forward (other micro-batches' values still held under GPipe)
-        work = max(forward - saved + loss, grad_out + max(backward, loss))
+        work = max(forward - saved_now + loss, grad_out + max(backward, loss))
     elif live:
         work = working_memory(problem, members, device)
     else:

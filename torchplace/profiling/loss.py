@@ -6,7 +6,7 @@ forward keeps what the loss saves (a log-softmax, a difference), and its backwar
 gradients of those temporaries and, last, the gradient of the outputs; all of it is on the
 outputs' device, on top of the activations that device keeps for the stage's own backward.
 
-:func:`loss_bytes` measures it: the peak of new tensor memory
+:func:`measure_loss_bytes` measures it: the peak of new tensor memory
 (:class:`~torchplace.profiling.livebytes.LiveBytes`) while the loss of the model's example outputs
 runs forward and backward, over the outputs themselves. Without a loss function it is
 :data:`ASSUMED_LOSS_FACTOR` times the outputs' bytes (:func:`assumed_loss_bytes`):
@@ -30,13 +30,13 @@ from torchplace.errors import UsageError
 from torchplace.graph import OpGraph
 from torchplace.profiling.livebytes import LiveBytes
 
-__all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "loss_bytes"]
+__all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "measure_loss_bytes"]
 
 ASSUMED_LOSS_FACTOR = 3
 """Bytes of an unknown loss, in units of the model's outputs (module docstring)."""
 
 
-def loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
+def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
     """The most bytes ``loss_fn(output, target)`` and its backward hold at once beyond ``output``
     (the gradient of ``output`` included), measured on copies of ``output``'s floating tensors as
     autograd leaves; ``output`` itself is left as it was.
