@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 
 import networkx as nx
 import numpy as np
@@ -202,8 +203,23 @@ def test_time_limit_is_honoured(method):
     problem = _layered(600, 1, k=8)  # one order takes well under the limit, even on a busy machine
     opts = {"random_orders": 10**6} if method == "slicegraph" else {"population": 50, "generations": 10**4}
     plan = {"slicegraph": slicegraph.solve, "brkga": brkga.solve}[method](problem, time_limit=1.0, **opts)
-    assert plan.meta["timed_out"] and plan.status == "time_limit" and plan.seconds <= 1.0 * 1.1 + 0.5
+    assert plan.meta["timed_out"], plan.meta
+    assert plan.status == "time_limit"
+    assert plan.seconds <= 1.0 * 1.1 + 0.5
     assert plan.objective == costmodel.evaluate(problem, plan)
+
+
+def test_a_deadline_passed_between_two_orders_still_says_time_limit():
+    """The clock can cross the deadline after an order is sliced and before the loop asks to stop
+    (a busy machine preempts right there): the plan must still say the limit cut the search short."""
+    problem = _layered(60, 1, k=3)
+    search = slicegraph.Search(problem, time_limit=60.0)
+    search.evaluate(search.order([0.5] * search.n))
+    assert not search.timed_out
+    search.deadline = time.monotonic() - 1.0  # as if the deadline passed just after that order
+    assert search.done()
+    plan = search.plan("slicegraph", False, {})
+    assert plan.status == "time_limit" and plan.meta["timed_out"]
 
 
 def test_interrupt_returns_the_best_plan_so_far(monkeypatch):

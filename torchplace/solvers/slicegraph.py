@@ -180,8 +180,14 @@ class Search:
         return plan
 
     def done(self) -> bool:
-        """Whether the search should stop: the deadline has passed (or an order was cut off by it)."""
-        return self.timed_out or (self.deadline is not None and time.monotonic() > self.deadline)
+        """Whether the search should stop: the deadline has passed (or an order was cut off by it).
+
+        Stopping for the deadline marks the search ``timed_out`` here too: the clock can cross the
+        deadline after :meth:`evaluate`'s own check, and the plan must still say the limit cut it short.
+        """
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.timed_out = True
+        return self.timed_out
 
 
 def _infeasible(problem: Problem, inst: _Instance, order: np.ndarray | None, searched: int) -> InfeasibleError:
