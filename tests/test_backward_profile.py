@@ -9,6 +9,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from torchplace.graph import saved_key
 from torchplace.models import build, leaf_modules_for
 from torchplace.profiling import training as training_profile
 from torchplace.profiling.trace import trace
@@ -87,3 +88,35 @@ def test_forward_timing_on_a_device_copies_parts_only(monkeypatch, sharing):
     timed = interp.times if sharing else interp.timer.elapsed()
     assert set(timed) == {n.name for n in traced.gm.graph.nodes if is_compute(n)}
     assert copied and all(t is nn.Linear for t in copied)
+
+
+def test_a_batch_norm_in_training_is_timed_and_what_it_saves_counted():
+    """Training batch norm writes its running statistics: the probe copies its inputs, and once made
+    those copies without grad, so its backward was never timed and nothing counted as saved. Its
+    input is saved under the producing convolution's key; the running statistics are not saved
+    activations (nor take a gradient: autograd refuses one for them)."""
+    model, traced, inputs = _traced("resnet")
+    costs = training_profile.measure_backward(traced, inputs, kind="cpu", warmup=0, repeats=1, progress=False)
+    norms = [n for n in traced.gm.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)]
+    assert norms
+    for n in norms:
+        producer = n.args[0]
+        value = producer.meta["val"]
+        assert costs[n.name].seconds > 0
+        assert costs[n.name].saved_parts[saved_key(producer.name, 0)] == value.numel() * value.element_size()
+        # beside the input only the batch statistics it computes (two per channel), no running ones
+        assert costs[n.name].saved_bytes - value.numel() * value.element_size() <= 2 * value.shape[1] * 4
+
+
+def test_a_tensor_saved_by_two_nodes_has_one_key():
+    """A ReLU saves its output and the linear reading it saves its input: the same storage, one key."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).train()
+    x = torch.randn(4, 8)
+    traced = trace(model, (x,), {}, training=True)
+    costs = training_profile.measure_backward(traced, (x,), kind="cpu", warmup=0, repeats=1, progress=False)
+    relu = next(n for n in traced.gm.graph.nodes if "relu" in n.name)
+    after = next(iter(relu.users))
+    assert costs[relu.name].saved_parts == {saved_key(relu.name, 0): 4 * 8 * 4}
+    assert costs[after.name].saved_parts == {saved_key(relu.name, 0): 4 * 8 * 4}
+    graph_parts = training_profile.union_of_saved([costs[relu.name].saved_parts, costs[after.name].saved_parts])
+    assert sum(graph_parts.values()) == 4 * 8 * 4

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torchplace import costmodel
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import NodeRecord, OpGraph, saved_key
 from torchplace.plan import Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.solvers import solve
@@ -219,19 +219,28 @@ def _live_training_problems(draw):
     node (its saved activations on the forward -> backward edge), a micro-batched pipeline."""
     n = draw(st.integers(1, 5))
     g = OpGraph(meta={"liveness": True, "outputs": [f"f{n - 1}"], "loss_bytes": draw(st.integers(0, 20))})
+    edges = [(u, v) for u, v in itertools.combinations(range(n), 2) if draw(st.booleans())]
+    outs = [draw(st.integers(0, 9)) for _ in range(n)]
     for i in range(n):
-        out = draw(st.integers(0, 9))
-        temp = out + draw(st.integers(0, 4))
-        g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=out, temp_bytes=temp,
+        temp = outs[i] + draw(st.integers(0, 4))
+        # what it saves: nothing said (its own bytes), or by storage: its output, its temporaries,
+        # the outputs of its inputs (which other nodes may save too)
+        if draw(st.booleans()):
+            saved, parts = draw(st.integers(0, 9)), {}
+        else:
+            keys = {saved_key(f"f{i}", 0): outs[i], saved_key(f"f{i}", None): draw(st.integers(0, 6)),
+                    **{saved_key(f"f{u}", 0): outs[u] for u, v in edges if v == i}}
+            parts = {k: b for k, b in keys.items() if draw(st.booleans())}
+            saved = sum(parts.values())
+        g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=outs[i], temp_bytes=temp,
                                        peak_bytes=draw(st.integers(0, temp)), resident_bytes=draw(st.integers(0, temp)),
-                                       saved_bytes=draw(st.integers(0, 9)), times={"cpu": 1.0}))
+                                       saved_bytes=saved, saved_parts=parts, times={"cpu": 1.0}))
         grad = draw(st.integers(0, 9))
         g.add_node(f"b{i}", NodeRecord(f"b{i}", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0}))
         g.add_edge(f"f{i}", f"b{i}")
-    for u, v in itertools.combinations(range(n), 2):
-        if draw(st.booleans()):
-            g.add_edge(f"f{u}", f"f{v}")
-            g.add_edge(f"b{v}", f"b{u}")
+    for u, v in edges:
+        g.add_edge(f"f{u}", f"f{v}")
+        g.add_edge(f"b{v}", f"b{u}")
     m = draw(st.integers(1, 4))
     p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))), mode="training",
                 pipeline=Pipeline(m))
@@ -313,3 +322,56 @@ def test_what_the_forward_saved_so_far_counts_in_its_peak_once():
     p = _saving_chain(a_peak=30)
     parts = costmodel.memory_parts(p, [v for v, _ in p.graph.records()])
     assert parts["working"] + parts["activations"] == 30
+
+
+def _sharing_fork(m: int = 1) -> Problem:
+    """a(4) feeds b and c (4 each, c the model's output); a saves its input x (8 bytes) and
+    temporaries (2), b and c both save a's output, c also its own."""
+    g = OpGraph(meta={"liveness": True, "outputs": ["c"]})
+    saves = {"a": {saved_key("x", 0): 8, saved_key("a", None): 2}, "b": {saved_key("a", 0): 4},
+             "c": {saved_key("a", 0): 4, saved_key("c", 0): 4}}
+    for v, parts in saves.items():
+        g.add_node(v, NodeRecord(v, fx_nodes=(v,), output_bytes=4, temp_bytes=4, saved_bytes=sum(parts.values()),
+                                 saved_parts=parts, times={"cpu": 1.0}))
+        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=1, temp_bytes=1, backward=True, times={"cpu": 1.0}))
+        g.add_edge(v, f"{v}'")
+    for u, v in (("a", "b"), ("a", "c"), ("c'", "a'"), ("b'", "a'")):
+        g.add_edge(u, v)
+    return Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))), mode="training",
+                   pipeline=Pipeline(m))
+
+
+def test_a_tensor_several_nodes_save_is_kept_once_per_device():
+    p = _sharing_fork()
+    everything = [v for v, _ in p.graph.records()]
+    # x 8 + a's temporaries 2 + a's output 4 (saved by b and c: once) + c's output 4
+    assert costmodel.saved_union(p.graph, everything) == 18
+    assert costmodel.memory_parts(p, everything)["activations"] == 18  # the plain sum said 22
+    # split: b's device keeps its own copy of a's output (received), c's device one too
+    assert costmodel.memory_parts(p, ["b", "b'"])["activations"] == 4
+    assert costmodel.memory_parts(p, ["a", "c", "a'", "c'"])["activations"] == 18
+    # in the forward walk too: b's saving of a's output adds nothing after a... c's does not either
+    assert costmodel.saved_increments(p.graph, ["a", "b", "c"]) == {"a": 10, "b": 4, "c": 4}
+
+
+def test_the_relaxation_keeps_only_what_a_node_saved_of_its_own():
+    # a: its temporaries (2; x is the model input's); b: nothing of its own; c: its output (4)
+    p = _sharing_fork()
+    g = relaxed(p).graph
+    assert {v: g.record(v).saved_bytes for v in "abc"} == {"a": 2, "b": 0, "c": 4}
+    assert all(not r.saved_parts for _, r in g.records())
+    for members in (["a", "b", "c"], ["b"], ["a", "c", "a'", "c'"]):
+        _assert_bracketed(p, set(members))
+
+
+def test_merged_records_keep_what_their_members_saved_once():
+    from torchplace.fusion import merge_records
+
+    g = _sharing_fork().graph
+    merged = merge_records(g, ["a", "b", "c"])
+    assert merged.saved_bytes == 18 and merged.saved_parts[saved_key("a", 0)] == 4
+    plain = OpGraph()
+    for v in "pq":
+        plain.add_node(v, NodeRecord(v, saved_bytes=5, times={"cpu": 1.0}))
+    plain.add_edge("p", "q")
+    assert merge_records(plain, ["p", "q"]).saved_bytes == 10  # was dropped (0) before

@@ -156,7 +156,8 @@ def test_moirai_unreadable_files(tmp_path, content, fragment):
 # -- OpGraph JSON ----------------------------------------------------------------------------------------
 def _graph_json() -> dict:
     g = OpGraph()
-    g.add_node("a", NodeRecord("a", times={"cpu": 1.0}, output_bytes=8))
+    g.add_node("a", NodeRecord("a", times={"cpu": 1.0}, output_bytes=8, saved_bytes=12,
+                               saved_parts={"x#0": 8, "a~": 4}))
     g.add_node("b", NodeRecord("b", times={"cpu": 2.0}, transfer_time=0.5))
     g.add_edge("a", "b")
     return g.to_json()
@@ -168,6 +169,8 @@ def _graph_json() -> dict:
     (lambda d: d["nodes"][0].update(output_bytes=1.5), r"nodes\[0\]\.output_bytes: expected a non-negative whole"),
     (lambda d: d["nodes"][1].update(transfer_time=float("inf")), r"nodes\[1\]\.transfer_time"),
     (lambda d: d["nodes"][0].update(backward="no"), r"nodes\[0\]\.backward: expected true or false"),
+    (lambda d: d["nodes"][0]["saved_parts"].update({"x#0": -8}), r"nodes\[0\]\.saved_parts\['x#0'\]: expected a non-negative whole"),
+    (lambda d: d["nodes"][0].update(saved_parts=[8]), r"nodes\[0\]\.saved_parts: expected an object of byte counts"),
     (lambda d: d["nodes"][0].update(colour="red"), r"nodes\[0\]: unknown field 'colour'"),
     (lambda d: d["nodes"][0].pop("name"), r"nodes\[0\]: missing field 'name'"),
     (lambda d: d["nodes"][0].pop("id"), r"nodes\[0\]: expected an object with an 'id'"),
@@ -191,6 +194,7 @@ def test_opgraph_round_trip_is_unchanged(tmp_path):
     g = OpGraph.from_json(_graph_json())
     g.save(tmp_path / "g.json")
     assert OpGraph.load(tmp_path / "g.json") == g
+    assert g.record("a").saved_parts == {"x#0": 8, "a~": 4} and "saved_parts" not in g.record("b").to_dict()
 
 
 # -- plan files -------------------------------------------------------------------------------------------

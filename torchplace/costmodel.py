@@ -56,7 +56,10 @@ because a worker runs one micro-batch's forward or one's backward at a time, nev
   ``saved_bytes`` is, from the node on), less the micro-batch's saved activations, which the
   activations below count. A saved tensor that later nodes still read is counted twice, so this
   stays an upper bound; adding the whole pass's saved bytes to the forward peak over-counted
-  more (1.2-1.4x on first stages, ``benchmarks/memory_fidelity.py --training``);
+  more (1.2-1.4x on first stages, ``benchmarks/memory_fidelity.py --training``). A tensor several
+  nodes save (``saved_parts``: the layer norm's output the three attention projections save, a
+  ReLU's output saved by the ReLU and the next linear) is kept once on a device
+  (:func:`saved_union`), from the first node that saves it;
 - the backward pass's: the gradient of the model outputs it makes, plus the larger of the largest
   backward node's own peak and, on a device making model outputs, the loss's bytes
   (``graph.meta["loss_bytes"]``, :mod:`torchplace.profiling.loss`: what the loss and its backward
@@ -113,7 +116,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC, OpGraph
+from torchplace.graph import TMPC, NodeRecord, OpGraph
 from torchplace.problem import Problem
 
 __all__ = [
@@ -135,6 +138,9 @@ __all__ = [
     "piper_resync_bytes",
     "piper_stage",
     "plan_order",
+    "saved_increments",
+    "saved_parts",
+    "saved_union",
     "simulate",
     "stage_costs",
     "stage_input_bytes",
@@ -223,6 +229,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         if any(_reads(g, v, w) and w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
             last[root[v]] = end
     receives = device is None or device.pays_transfer
+    saves = saved_increments(g, order, m) if saving else {}
     frees: dict[int, int] = defaultdict(int)
     live = 0
     for u, i in last.items():
@@ -236,8 +243,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         if root[v] == v and last.get(v, -1) > i:
             live += _per_microbatch(r.resident, m)
             frees[last[v]] += _per_microbatch(r.resident, m)
-        if saving:
-            live += _per_microbatch(r.saved_bytes, m)
+        live += saves.get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
     held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
@@ -245,6 +251,40 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
                if any(_reads(g, v, w) and w not in members for w in g.successors(v))
                and not outputs.intersection(g.record(v).fx_nodes))
     return peak + (m - 1 if others is None else others) * held + (queued(m) if others is None else others) * sent
+
+
+def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:
+    """``record.saved_parts``, or for a record without them ``saved_bytes`` as a key of the node's own."""
+    if record.saved_parts:
+        return record.saved_parts
+    return {f"\0{node}": record.saved_bytes} if record.saved_bytes else {}
+
+
+def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1) -> dict[str, int]:
+    """Per micro-batch of ``m``, the bytes each forward node of ``order`` saves for backward that
+    no node before it in ``order`` saved already (:func:`saved_parts`; each storage kept once)."""
+    seen: set[str] = set()
+    out: dict[str, int] = {}
+    for v in order:
+        r = graph.record(v)
+        if r.backward:
+            continue
+        parts = saved_parts(r, v)
+        out[v] = _per_microbatch(sum(b for k, b in parts.items() if k not in seen), m)
+        seen.update(parts)
+    return out
+
+
+def saved_union(graph: OpGraph, nodes: Iterable[str]) -> int:
+    """Bytes the forward nodes in ``nodes`` keep for backward together, each saved storage once
+    (``saved_parts``; the sum of ``saved_bytes`` where no node has them)."""
+    union: dict[str, int] = {}
+    for v in nodes:
+        r = graph.record(v)
+        if not r.backward:
+            for k, b in saved_parts(r, v).items():
+                union[k] = max(union.get(k, 0), b)
+    return sum(union.values())
 
 
 def _reads(g: OpGraph, v: str, w: str) -> bool:
@@ -333,9 +373,9 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
         # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
         # counted twice: an upper bound), beside the saved activations of this micro-batch
-        saved_now = sum(_per_microbatch(g.record(v).saved_bytes, m) for v in members if not g.record(v).backward)
-        forward = working_memory(problem, {v for v in members if not g.record(v).backward}, device, others=others,
-                                 saving=True)
+        forwards = {v for v in members if not g.record(v).backward}
+        saved_now = sum(saved_increments(g, [v for v in g.topological_order() if v in forwards], m).values())
+        forward = working_memory(problem, forwards, device, others=others, saving=True)
         # the loss runs right after the forward (other micro-batches' values still held under GPipe)
         work = max(forward - saved_now + loss, grad_out + max(backward, loss))
     elif live:
@@ -350,7 +390,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         return parts
     m = p.microbatches
     k = m if in_flight is None else in_flight
-    saved = sum(g.record(v).saved_bytes for v in members)
+    saved = saved_union(g, members) if live else sum(g.record(v).saved_bytes for v in members)
     activations = k * _per_microbatch(saved, m)
     if recompute:
         activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)

@@ -20,7 +20,7 @@ from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json, write_json
 
-__all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor"]
+__all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor", "saved_key", "saved_producer"]
 
 _FORMAT = "torchplace.opgraph/1"
 
@@ -52,6 +52,17 @@ class TMPC:
     sync_in: Mapping[str, float] = field(default_factory=dict)
     sync_out: Mapping[str, float] = field(default_factory=dict)
     recompute: bool = False
+
+
+def saved_key(node: str, index: int | None) -> str:
+    """The key of saved storage: ``index``-th distinct output storage of fx node ``node``
+    (``"node#index"``), or with ``index=None`` the temporaries ``node`` saves (``"node~"``)."""
+    return f"{node}~" if index is None else f"{node}#{index}"
+
+
+def saved_producer(key: str) -> str:
+    """The fx node whose output (or temporaries) saved storage ``key`` is (:func:`saved_key`)."""
+    return key[:-1] if key.endswith("~") else key.rpartition("#")[0]
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,11 @@ class NodeRecord:
         resident_bytes: in a profiled graph, the new memory its outputs keep alive after it runs
             (distinct storages: a view or an ``expand`` of a tensor adds nothing); ``None`` means
             ``output_bytes``, which is what a transfer moves.
+        saved_parts: in a profiled training graph, ``saved_bytes`` by the storage each saved
+            tensor lives in (:func:`saved_key`: which fx node's
+            output, or this node's temporaries); nodes that save the same tensor name the same
+            key, and a device holding several keeps it once
+            (:func:`torchplace.costmodel.saved_union`). Empty: ``saved_bytes`` is this node's own.
     """
 
     name: str
@@ -108,6 +124,7 @@ class NodeRecord:
     tmpcs: Mapping[int, tuple[TMPC, ...]] = field(default_factory=dict)
     peak_bytes: int | None = None
     resident_bytes: int | None = None
+    saved_parts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def own_peak(self) -> int:
@@ -131,6 +148,9 @@ class NodeRecord:
         d["tmpcs"] = {str(t): [asdict(x) for x in xs] for t, xs in self.tmpcs.items()}
         if not self.tmpcs:
             del d["tmpcs"]
+        d["saved_parts"] = dict(self.saved_parts)
+        if not self.saved_parts:
+            del d["saved_parts"]
         for optional in ("peak_bytes", "resident_bytes"):
             if d[optional] is None:
                 del d[optional]
@@ -198,6 +218,12 @@ def _seconds_by_key(value: Any, where: str) -> dict[str, float]:
     return {_text(k, f"{where} key"): _seconds(v, f"{where}[{k!r}]") for k, v in value.items()}
 
 
+def _nbytes_by_key(value: Any, where: str) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise WorkloadFormatError(f"{where}: expected an object of byte counts, got {brief(value)}")
+    return {_text(k, f"{where} key"): _nbytes(v, f"{where}[{k!r}]") for k, v in value.items()}
+
+
 def _flag(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise WorkloadFormatError(f"{where}: expected true or false, got {brief(value)}")
@@ -226,7 +252,7 @@ _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
     "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs, "peak_bytes": _optional_nbytes,
-    "resident_bytes": _optional_nbytes,
+    "resident_bytes": _optional_nbytes, "saved_parts": _nbytes_by_key,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 

@@ -225,8 +225,9 @@ def _group_name(records: Sequence[NodeRecord]) -> str:
 def merge_records(graph: OpGraph, members: Sequence[str]) -> NodeRecord:
     """The record of a group of ``graph``'s nodes (``members`` in topological order).
 
-    Times are summed per device kind, over the kinds every member has; parameter and temporary
-    bytes are summed; ``output_bytes`` counts, once each, the members whose outputs leave the group
+    Times are summed per device kind, over the kinds every member has; parameter, temporary and
+    saved bytes are summed (saved storages that several members save once, ``saved_parts``);
+    ``output_bytes`` counts, once each, the members whose outputs leave the group
     (read by a node outside it, or a model output); an explicit ``transfer_time`` is the sum over
     the members read outside the group. ``fx_nodes`` are concatenated in topological order.
 
@@ -248,6 +249,11 @@ def merge_records(graph: OpGraph, members: Sequence[str]) -> NodeRecord:
         if v in read_outside or outputs.intersection(r.fx_nodes) or (not outputs and graph.nx.out_degree(v) == 0)
     ]
     kinds = [k for k in records[0].times if all(k in r.times for r in records)]
+    saved_parts: dict[str, int] = {}
+    if all(r.saved_parts or not r.saved_bytes for r in records):  # else the plain sum, an upper bound
+        for r in records:
+            for key, nbytes in r.saved_parts.items():
+                saved_parts[key] = max(saved_parts.get(key, 0), nbytes)
     transfer = None
     if any(r.transfer_time is not None for r in records):
         transfer = math.fsum(graph.record(v).transfer_time or 0.0 for v in (read_outside or leaving))
@@ -263,6 +269,8 @@ def merge_records(graph: OpGraph, members: Sequence[str]) -> NodeRecord:
         transfer_time=transfer,
         colocation=labels[0] if labels else None,
         backward=records[0].backward,
+        saved_bytes=sum(saved_parts.values()) if saved_parts else sum(r.saved_bytes for r in records),
+        saved_parts=saved_parts,
     )
 
 

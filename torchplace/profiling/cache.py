@@ -43,7 +43,7 @@ from torchplace.profiling.trace import Traced
 
 __all__ = ["KEY", "cached_graph", "disk_key", "fingerprint", "load_profile", "profile_meta", "store_profile"]
 
-FORMAT = "torchplace.profile/1"
+FORMAT = "torchplace.profile/2"
 """The ``format`` of a profile file in a ``profile_cache`` directory."""
 
 KEY = "profile"

@@ -25,7 +25,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,11 +35,12 @@ from tqdm.auto import tqdm
 
 from torchplace.errors import UsageError
 from torchplace.fxutil import is_compute, pin_arguments
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import NodeRecord, OpGraph, saved_key
 from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
 from torchplace.profiling.trace import Traced
 
-__all__ = ["OPTIMIZER_STATE", "BackwardCost", "measure_backward", "optimizer_state_factor", "training_graph"]
+__all__ = ["OPTIMIZER_STATE", "BackwardCost", "measure_backward", "optimizer_state_factor", "training_graph",
+           "union_of_saved"]
 
 OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "sgd+momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 """State tensors an optimizer keeps per parameter (momentum: one buffer; Adam: two moments)."""
@@ -64,11 +65,28 @@ def optimizer_state_factor(optimizer: str | float | int) -> float:
 
 @dataclass(frozen=True)
 class BackwardCost:
-    """What one fx node's backward costs: seconds, activations it saves, gradient bytes it sends."""
+    """What one fx node's backward costs: seconds, activations it saves, gradient bytes it sends.
+
+    ``saved_parts`` splits ``saved_bytes`` by the storage each saved tensor lives in, keyed by
+    :func:`torchplace.graph.saved_key`: the output of the fx node that made it, or the node's own temporaries.
+    Two nodes that save the same tensor (the three projections of attention saving the layer
+    norm's output; a ReLU's output saved by the ReLU and by the next linear) name the same key, so
+    a device holding both keeps it once (:func:`torchplace.costmodel.saved_union`).
+    """
 
     seconds: float
     saved_bytes: int
     grad_bytes: int
+    saved_parts: Mapping[str, int] = field(default_factory=dict)
+
+
+def union_of_saved(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """The saved storages of several nodes together: each key once (the most bytes any names)."""
+    out: dict[str, int] = {}
+    for p in parts:
+        for key, nbytes in p.items():
+            out[key] = max(out.get(key, 0), nbytes)
+    return out
 
 
 def _floating(t: Any) -> bool:
@@ -89,31 +107,66 @@ class _Probe(fx.Interpreter):
                  parts: bool) -> None:
         super().__init__(gm)
         self.params, self.writers, self.device, self.parts = params, writers, device, parts
+        # model tensors that take no gradient (buffers such as batch norm's running statistics,
+        # frozen parameters): the probe passes them as they are (autograd refuses a running mean
+        # that requires grad), and neither times nor counts a gradient for them
+        self.frozen = {storage_address(t) for t in named_state(gm).values() if not t.requires_grad} - {None}
         self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = {}
-        self.saved: dict[str, int] = {}
+        self.saved: dict[str, dict[str, int]] = {}
         self.grad_bytes: dict[str, int] = {}
+        # the storages of each fx node's value, by address, with their saved_key: an address is
+        # looked up only while the value is in the environment (read by the node running), so a
+        # freed address that a later tensor reuses is never mistaken for it
+        self.keys: dict[str, dict[int, str]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         if self.parts and n.op == "get_attr":
             value = super().run_node(n)
-            return self._weight(value.to(self.device)) if isinstance(value, torch.Tensor) else value
-        if not is_compute(n):
-            return super().run_node(n)
-        with self._set_current_node(n):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            if self.parts:
-                args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
-            part = self._part(n)
-            out = self._call(n, part, args, kwargs)
-            self._probe(n, part, args, kwargs)
-        return out
+            value = self._weight(value.to(self.device), value.requires_grad) if isinstance(value, torch.Tensor) else value
+        elif not is_compute(n):
+            value = super().run_node(n)
+        else:
+            with self._set_current_node(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                if self.parts:
+                    args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
+                part = self._part(n)
+                value = self._call(n, part, args, kwargs)
+                self._name_storages(n, value)
+                self._probe(n, part, args, kwargs, value)
+                return value
+        self._name_storages(n, value)
+        return value
 
-    def _weight(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of a model tensor on the device: a parameter, not an activation, for the probe."""
+    def _inherited(self, n: fx.Node) -> dict[int, str]:
+        """The keys of the storages ``n``'s inputs live in (what a view of an input shares)."""
+        keys: dict[int, str] = {}
+        for a in n.all_input_nodes:
+            keys.update(self.keys.get(a.name, {}))
+        return keys
+
+    def _name_storages(self, n: fx.Node, value: Any) -> None:
+        """Key each storage of ``n``'s value: an input's key where it is an input's storage (a view
+        or a getitem), else ``saved_key(n, i)`` for its ``i``-th new storage; parameters get none."""
+        inherited, keys = self._inherited(n), {}
+        for t in pytree.tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            addr = storage_address(t)
+            if addr is None or addr in self.params or addr in keys:
+                continue
+            keys[addr] = inherited.get(addr) or saved_key(n.name, sum(k.startswith(f"{n.name}#") for k in keys.values()))
+        self.keys[n.name] = keys
+
+    def _weight(self, t: torch.Tensor, trainable: bool) -> torch.Tensor:
+        """A copy of a model tensor on the device: a parameter, not an activation, for the probe
+        (``trainable``: whether the model's own tensor takes a gradient)."""
         key = storage_address(t)
         if key is not None:
             self.params.add(key)
+            if not trainable:
+                self.frozen.add(key)
         return t
 
     def _part(self, n: fx.Node) -> torch.nn.Module | None:
@@ -125,32 +178,42 @@ class _Probe(fx.Interpreter):
             return module
         copied = copy.deepcopy(module).to(self.device)
         for t in (*copied.parameters(), *copied.buffers()):
-            self._weight(t)
+            self._weight(t, t.requires_grad)
         return copied
 
     def _call(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any) -> Any:
         return part(*args, **kwargs) if part is not None else getattr(self, n.op)(n.target, args, kwargs)
 
-    def _probe(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any) -> None:
-        """Time node ``n``'s backward on its (pinned) arguments, and count what it saves."""
+    def _probe(self, n: fx.Node, part: torch.nn.Module | None, args: Any, kwargs: Any, value: Any) -> None:
+        """Time node ``n``'s backward on its (pinned) arguments, and count what it saves by
+        storage (:func:`saved_key`; ``value`` is the node's output from the run without grad)."""
         leaves: list[torch.Tensor] = []
         activations = 0
 
+        writes = n.name in self.writers
+        clones: dict[int | None, int | None] = {}  # a writer's copy of an input -> the input's storage
+
+        def copied(t: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+            clones[storage_address(t)] = storage_address(original)
+            return t
+
         def leaf(t: Any) -> Any:
             nonlocal activations
-            if not _floating(t):
-                return t
+            if not _floating(t) or storage_address(t) in self.frozen:  # the model's own stays as it is
+                return copied(t.clone(), t) if writes and isinstance(t, torch.Tensor) else t
             x = t.detach().requires_grad_(True)
             leaves.append(x)
             if storage_address(t) not in self.params:
                 activations += t.numel() * t.element_size()
-            return x.clone() if n.name in self.writers else x  # an in-place op may not write a leaf
+            return copied(x.clone(), t) if writes else x  # an in-place op may not write a leaf
 
-        args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
+        with torch.enable_grad():  # a clone made without grad would cut the leaf off (nothing timed or saved)
+            args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_address(t)
+            key = clones.get(key, key)  # what a writer saves of its copy of an input is that input
             if key is not None and key not in self.params:
                 saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
             return t
@@ -158,6 +221,7 @@ class _Probe(fx.Interpreter):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self._call(n, part, args, kwargs)
         outs = [t for t in pytree.tree_leaves(out) if _floating(t) and t.requires_grad]
+        parts = self._saved_parts(n, saved, out, value)
         targets = leaves + ([p for p in part.parameters() if p.requires_grad] if part is not None else [])
         seconds = 0.0
         if outs and targets:
@@ -168,8 +232,24 @@ class _Probe(fx.Interpreter):
             self._sync()
             seconds = time.perf_counter() - start
         self.seconds[n.name] = seconds
-        self.saved[n.name] = sum(saved.values()) if outs else 0
+        self.saved[n.name] = parts if outs else {}
         self.grad_bytes[n.name] = activations if outs else 0
+
+    def _saved_parts(self, n: fx.Node, saved: Mapping[int, int], out: Any, value: Any) -> dict[str, int]:
+        """``saved`` (storage address in the probe -> bytes) by :func:`saved_key`: a leaf input's
+        storage is its producer's (the leaves share the inputs' storages); the probe's ``i``-th
+        output storage is the key of ``value``'s ``i``-th (the same node run without grad); what
+        is left are ``n``'s temporaries."""
+        inherited = self._inherited(n)
+        mine = self.keys.get(n.name, {})
+        fresh = [storage_address(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        probe = [storage_address(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        as_output = {a: mine[b] for a, b in zip(probe, fresh) if a is not None and b in mine}
+        parts: dict[str, int] = {}
+        for addr, nbytes in saved.items():
+            key = inherited.get(addr) or as_output.get(addr) or saved_key(n.name, None)
+            parts[key] = max(parts.get(key, 0), nbytes) if key != saved_key(n.name, None) else parts.get(key, 0) + nbytes
+        return parts
 
     def _sync(self) -> None:
         if self.cuda:
@@ -206,7 +286,8 @@ def measure_backward(traced: Traced, example_inputs: Sequence[Any], example_kwar
     finally:
         snapshot.restore()
     return {
-        name: BackwardCost(statistics.median(ts), probe.saved[name], probe.grad_bytes[name])
+        name: BackwardCost(statistics.median(ts), sum(probe.saved[name].values()), probe.grad_bytes[name],
+                           probe.saved[name])
         for name, ts in samples.items()
     }
 
@@ -241,11 +322,11 @@ def training_graph(graph: OpGraph, backward: Mapping[str, Mapping[str, BackwardC
     out = OpGraph(meta={**graph.meta, "training": {"optimizer": optimizer, "state_factor": factor}})
     for v, r in graph.records():
         label = r.colocation if r.colocation is not None else f"layer:{v}"
-        saved = sum(measured[f].saved_bytes for f in r.fx_nodes if f in measured)
+        parts = union_of_saved(measured[f].saved_parts for f in r.fx_nodes if f in measured)
         grads = sum(measured[f].grad_bytes for f in r.fx_nodes if f in measured)
         times = {kind: math.fsum(costs[f].seconds for f in r.fx_nodes if f in costs) for kind, costs in backward.items()}
         times.update({kind: 2.0 * r.times[kind] for kind in estimated if kind in r.times})
-        out.add_node(v, replace(r, colocation=label, saved_bytes=saved))
+        out.add_node(v, replace(r, colocation=label, saved_bytes=sum(parts.values()), saved_parts=parts))
         out.add_node(backward_id(v), NodeRecord(
             name=f"{r.name} (backward)", op=f"backward:{r.op}", module=r.module,
             param_bytes=int(round(trainable.get(v, 0) * (1.0 + factor))), output_bytes=grads, temp_bytes=grads,

@@ -35,7 +35,7 @@ from typing import Any
 
 from torchplace import costmodel
 from torchplace.errors import InfeasibleError, InvalidPlanError
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import NodeRecord, OpGraph, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
@@ -44,20 +44,34 @@ __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 Solve = Callable[..., Plan]
 
 
-def _summed(problem: Problem, bytes_of: Callable[[str, NodeRecord], int]) -> Problem:
-    """``problem`` with working memory a sum over nodes: ``temp_bytes = bytes_of(v, record)``."""
+def _summed(problem: Problem, bytes_of: Callable[[str, NodeRecord], int],
+            saved_of: Callable[[str, NodeRecord], int] = lambda v, r: r.saved_bytes) -> Problem:
+    """``problem`` with memory a sum over nodes: ``temp_bytes = bytes_of(v, record)`` and
+    ``saved_bytes = saved_of(v, record)`` (no ``saved_parts``: each node's saved bytes its own)."""
     g = problem.graph
     out = OpGraph(meta={k: v for k, v in g.meta.items() if k != "liveness"})
     for v, r in g.records():
-        out.add_node(v, dataclasses.replace(r, temp_bytes=bytes_of(v, r), peak_bytes=None))
+        out.add_node(v, dataclasses.replace(r, temp_bytes=bytes_of(v, r), peak_bytes=None, saved_bytes=saved_of(v, r),
+                                            saved_parts={}))
     for u, v in g.edges:
         out.add_edge(u, v)
     return dataclasses.replace(problem, graph=out)
 
 
 def relaxed(problem: Problem) -> Problem:
-    """Working memory 0: node memory never above the truth (module docstring, 1)."""
-    return _summed(problem, lambda v, r: 0)
+    """Working memory 0, and saved only the tensors a node makes itself: node memory never above
+    the truth (module docstring, 1)."""
+    return _summed(problem, lambda v, r: 0, _own_saved)
+
+
+def _own_saved(v: str, r: NodeRecord) -> int:
+    """Bytes of the tensors ``v`` saves that ``v`` made (its outputs and temporaries): no other node
+    makes them, so a device keeps them for ``v`` alone, however many nodes save them
+    (:func:`torchplace.costmodel.saved_union` counts them once, with the others)."""
+    if not r.saved_parts:
+        return r.saved_bytes
+    mine = set(r.fx_nodes)
+    return sum(b for k, b in r.saved_parts.items() if saved_producer(k) in mine)
 
 
 def conservative(problem: Problem) -> Problem:

@@ -58,14 +58,14 @@ def relaxed(problem: Problem) -> Problem:
     """Per-node memory never above the truth (module docstring, 1)."""
     m = problem.pipeline.microbatches  # type: ignore[union-attr]
     return _with_records(problem, lambda r: dataclasses.replace(
-        r, temp_bytes=(r.temp_bytes + r.saved_bytes) // m, saved_bytes=0))
+        r, temp_bytes=(r.temp_bytes + r.saved_bytes) // m, saved_bytes=0, saved_parts={}))
 
 
 def conservative(problem: Problem) -> Problem:
     """Per-node memory never below the truth without recomputation (module docstring, 2)."""
     m = problem.pipeline.microbatches  # type: ignore[union-attr]
     return _with_records(problem, lambda r: dataclasses.replace(
-        r, temp_bytes=-(-r.temp_bytes // m) + m * -(-r.saved_bytes // m), saved_bytes=0))
+        r, temp_bytes=-(-r.temp_bytes // m) + m * -(-r.saved_bytes // m), saved_bytes=0, saved_parts={}))
 
 
 def fit(problem: Problem, stages: Sequence[Stage]) -> list[Stage] | None:
