@@ -17,6 +17,7 @@ from torchplace import api
 from torchplace.errors import InvalidPlanError, PlacementWarning, UnsupportedError, UsageError
 from torchplace.models import MLP, build
 from torchplace.plan import Plan
+from torchplace.profiling.cache import FORMAT as PROFILE_FORMAT
 
 DEVICES = ["cpu:0", "cpu:1"]
 QUICK = {"progress": False, "repeats": 1, "warmup": 0}
@@ -463,7 +464,7 @@ def test_an_unreadable_profile_is_profiled_again_and_said(tmp_path):
         placed = _place(copy.deepcopy(model), inputs, microbatches=1, profile_cache=tmp_path)
     with torch.no_grad():
         assert torch.equal(placed(*inputs), model(*inputs))
-    assert all(json.loads(f.read_text())["format"] == "torchplace.profile/1" for f in tmp_path.glob("*.json"))
+    assert all(json.loads(f.read_text())["format"] == PROFILE_FORMAT for f in tmp_path.glob("*.json"))
 
 
 def test_a_profile_cache_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch):

@@ -123,7 +123,8 @@ class _Probe(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if self.parts and n.op == "get_attr":
             value = super().run_node(n)
-            value = self._weight(value.to(self.device), value.requires_grad) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                value = self._weight(value.to(self.device), value.requires_grad)
         elif not is_compute(n):
             value = super().run_node(n)
         else:
@@ -133,7 +134,7 @@ class _Probe(fx.Interpreter):
                     args, kwargs = pin_arguments(args, self.device), pin_arguments(kwargs, self.device)
                 part = self._part(n)
                 value = self._call(n, part, args, kwargs)
-                self._name_storages(n, value)
+                self._name_storages(n, value)  # first: the probe looks the node's own storages up
                 self._probe(n, part, args, kwargs, value)
                 return value
         self._name_storages(n, value)
@@ -156,7 +157,8 @@ class _Probe(fx.Interpreter):
             addr = storage_address(t)
             if addr is None or addr in self.params or addr in keys:
                 continue
-            keys[addr] = inherited.get(addr) or saved_key(n.name, sum(k.startswith(f"{n.name}#") for k in keys.values()))
+            made = sum(k.startswith(f"{n.name}#") for k in keys.values())
+            keys[addr] = inherited.get(addr) or saved_key(n.name, made)
         self.keys[n.name] = keys
 
     def _weight(self, t: torch.Tensor, trainable: bool) -> torch.Tensor:
@@ -246,9 +248,10 @@ class _Probe(fx.Interpreter):
         probe = [storage_address(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         as_output = {a: mine[b] for a, b in zip(probe, fresh) if a is not None and b in mine}
         parts: dict[str, int] = {}
+        temporaries = saved_key(n.name, None)
         for addr, nbytes in saved.items():
-            key = inherited.get(addr) or as_output.get(addr) or saved_key(n.name, None)
-            parts[key] = max(parts.get(key, 0), nbytes) if key != saved_key(n.name, None) else parts.get(key, 0) + nbytes
+            key = inherited.get(addr) or as_output.get(addr) or temporaries
+            parts[key] = parts.get(key, 0) + nbytes if key == temporaries else max(parts.get(key, 0), nbytes)
         return parts
 
     def _sync(self) -> None:
