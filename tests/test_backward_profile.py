@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from torchplace.graph import saved_key
+from torchplace.graph import saved_key, union_of_saved
 from torchplace.models import build, leaf_modules_for
 from torchplace.profiling import training as training_profile
 from torchplace.profiling.trace import trace
@@ -118,5 +118,5 @@ def test_a_tensor_saved_by_two_nodes_has_one_key():
     after = next(iter(relu.users))
     assert costs[relu.name].saved_parts == {saved_key(relu.name, 0): 4 * 8 * 4}
     assert costs[after.name].saved_parts == {saved_key(relu.name, 0): 4 * 8 * 4}
-    graph_parts = training_profile.union_of_saved([costs[relu.name].saved_parts, costs[after.name].saved_parts])
+    graph_parts = union_of_saved([costs[relu.name].saved_parts, costs[after.name].saved_parts])
     assert sum(graph_parts.values()) == 4 * 8 * 4

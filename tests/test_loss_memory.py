@@ -75,3 +75,15 @@ def test_loss_errors_say_what_to_do():
     placed.train()
     with pytest.raises(UsageError, match="step\\(\\) needs a loss"):
         placed.step(torch.randn(16, 8), target=None)
+
+
+def test_measure_with_a_target_times_steps_with_place_s_loss():
+    placed = _place(loss_fn=_mean_square)
+    placed.train()
+    placed.zero_grad(set_to_none=True)
+    placed.measure(torch.randn(16, 8), target=torch.zeros(16), runs=1, warmup=0)
+    assert all(p.grad is not None for p in placed.parameters())  # a training step ran, with place()'s loss
+    without = _place()
+    without.train()
+    with pytest.raises(UsageError, match="a target measures a training step, which needs a loss"):
+        without.measure(torch.randn(16, 8), target=torch.zeros(16), runs=1, warmup=0)

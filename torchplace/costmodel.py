@@ -116,7 +116,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC, NodeRecord, OpGraph
+from torchplace.graph import TMPC, NodeRecord, OpGraph, union_of_saved
 from torchplace.problem import Problem
 
 __all__ = [
@@ -201,15 +201,15 @@ def microbatches(problem: Problem) -> int:
 
 
 def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None = None, *,
-                   others: int | None = None, saving: bool = False) -> int:
+                   others: int | None = None, saves: Mapping[str, int] | None = None) -> int:
     """The liveness peak of ``nodes`` on ``device`` for one micro-batch (module docstring).
 
     The nodes run in the graph's topological order. ``device=None`` counts received tensors (as an
     accelerator does); a device that pays no transfer (a CPU) reads them where they are.
     ``others``: the other micro-batches whose model outputs and sent tensors the device holds
     meanwhile; ``None`` is inference's ``m - 1`` outputs (the call returns them all) and
-    :func:`queued` sent tensors. ``saving`` (a training forward pass): what each node keeps for its
-    backward (``saved_bytes``) is alive from the node to the end of the pass, in the peak too.
+    :func:`queued` sent tensors. ``saves`` (a training forward pass): bytes each node keeps for its
+    backward (:func:`saved_increments`), alive from the node to the end of the pass, in the peak too.
 
     Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
     output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
@@ -229,7 +229,6 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         if any(_reads(g, v, w) and w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
             last[root[v]] = end
     receives = device is None or device.pays_transfer
-    saves = saved_increments(g, order, m) if saving else {}
     frees: dict[int, int] = defaultdict(int)
     live = 0
     for u, i in last.items():
@@ -243,7 +242,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         if root[v] == v and last.get(v, -1) > i:
             live += _per_microbatch(r.resident, m)
             frees[last[v]] += _per_microbatch(r.resident, m)
-        live += saves.get(v, 0)
+        live += (saves or {}).get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
     held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
@@ -278,13 +277,8 @@ def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1) -> dict[s
 def saved_union(graph: OpGraph, nodes: Iterable[str]) -> int:
     """Bytes the forward nodes in ``nodes`` keep for backward together, each saved storage once
     (``saved_parts``; the sum of ``saved_bytes`` where no node has them)."""
-    union: dict[str, int] = {}
-    for v in nodes:
-        r = graph.record(v)
-        if not r.backward:
-            for k, b in saved_parts(r, v).items():
-                union[k] = max(union.get(k, 0), b)
-    return sum(union.values())
+    forwards = (v for v in nodes if not graph.record(v).backward)
+    return sum(union_of_saved(saved_parts(graph.record(v), v) for v in forwards).values())
 
 
 def _reads(g: OpGraph, v: str, w: str) -> bool:
@@ -374,8 +368,9 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
         # counted twice: an upper bound), beside the saved activations of this micro-batch
         forwards = {v for v in members if not g.record(v).backward}
-        saved_now = sum(saved_increments(g, [v for v in g.topological_order() if v in forwards], m).values())
-        forward = working_memory(problem, forwards, device, others=others, saving=True)
+        saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m)
+        saved_now = sum(saves.values())
+        forward = working_memory(problem, forwards, device, others=others, saves=saves)
         # the loss runs right after the forward (other micro-batches' values still held under GPipe)
         work = max(forward - saved_now + loss, grad_out + max(backward, loss))
     elif live:

@@ -20,7 +20,7 @@ from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json, write_json
 
-__all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor", "saved_key", "saved_producer"]
+__all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor", "saved_key", "saved_producer", "union_of_saved"]
 
 _FORMAT = "torchplace.opgraph/1"
 
@@ -63,6 +63,15 @@ def saved_key(node: str, index: int | None) -> str:
 def saved_producer(key: str) -> str:
     """The fx node whose output (or temporaries) saved storage ``key`` is (:func:`saved_key`)."""
     return key[:-1] if key.endswith("~") else key.rpartition("#")[0]
+
+
+def union_of_saved(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Saved storages of several nodes together (``NodeRecord.saved_parts``): each key once."""
+    out: dict[str, int] = {}
+    for p in parts:
+        for key, nbytes in p.items():
+            out[key] = max(out.get(key, 0), nbytes)
+    return out
 
 
 @dataclass(frozen=True)

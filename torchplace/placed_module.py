@@ -217,9 +217,15 @@ class PlacedModule(nn.Module):
     # -- seeing the plan and the runs (torchplace.report) ---------------------------------------------
     def _run_recorded(self, inputs: Any, kwargs: Mapping[str, Any] | None, target: Any,
                       loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[list[Any], float]:
-        """One call (or, with ``loss_fn``, one training step) and the spans its executor recorded."""
+        """One call (or, with a ``target``, one training step with ``loss_fn``, by default
+        place()'s) and the spans its executor recorded."""
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         kwargs = dict(kwargs or {})
+        if loss_fn is None and target is not None:
+            loss_fn = self.loss_fn
+            if loss_fn is None:
+                raise UsageError("a target measures a training step, which needs a loss: pass loss_fn=f "
+                                 "(f(output, target) -> scalar tensor), or give it to place(..., loss_fn=f)")
         if loss_fn is not None:
             if self._trainer is None:
                 raise UsageError("loss_fn measures a training step, but this model was placed for inference; "
@@ -237,7 +243,7 @@ class PlacedModule(nn.Module):
 
     def trace(self, inputs: Any, path: str | Path | None = None, *, kwargs: Mapping[str, Any] | None = None,
               target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[Any]:
-        """Run ``inputs`` once (a training step with ``target`` and ``loss_fn``) and return its
+        """Run ``inputs`` once (a training step with ``target``, and ``loss_fn`` or place()'s) and return its
         :class:`~torchplace.runtime.spans.StageSpan` s; with ``path``, also write them as a Chrome /
         Perfetto trace, one track per device (:func:`torchplace.report.trace.write_trace`).
 
@@ -255,7 +261,8 @@ class PlacedModule(nn.Module):
         time and the run's bottleneck (or latency) with the cost model's predictions
         (:func:`torchplace.report.fidelity.compare`). Predictions are for the example inputs the
         model was profiled with: measure with inputs of that size. The result is kept for
-        :meth:`report` (``last_measurement``).
+        :meth:`report` (``last_measurement``). With ``target`` it times training steps, with
+        ``loss_fn`` or else the one given to ``place(..., loss_fn=)``.
 
         Returns:
             A :class:`~torchplace.report.fidelity.Measurement` (prints as a table).

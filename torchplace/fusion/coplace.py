@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from torchplace.fusion.rules import op_kind
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import NodeRecord, OpGraph, union_of_saved
 
 __all__ = [
     "ASSUMED_DEVICES",
@@ -249,11 +249,9 @@ def merge_records(graph: OpGraph, members: Sequence[str]) -> NodeRecord:
         if v in read_outside or outputs.intersection(r.fx_nodes) or (not outputs and graph.nx.out_degree(v) == 0)
     ]
     kinds = [k for k in records[0].times if all(k in r.times for r in records)]
-    saved_parts: dict[str, int] = {}
-    if all(r.saved_parts or not r.saved_bytes for r in records):  # else the plain sum, an upper bound
-        for r in records:
-            for key, nbytes in r.saved_parts.items():
-                saved_parts[key] = max(saved_parts.get(key, 0), nbytes)
+    # by storage where every member says (else the plain sum, an upper bound)
+    keyed = all(r.saved_parts or not r.saved_bytes for r in records)
+    saved_parts = union_of_saved(r.saved_parts for r in records) if keyed else {}
     transfer = None
     if any(r.transfer_time is not None for r in records):
         transfer = math.fsum(graph.record(v).transfer_time or 0.0 for v in (read_outside or leaving))

@@ -35,12 +35,11 @@ from tqdm.auto import tqdm
 
 from torchplace.errors import UsageError
 from torchplace.fxutil import is_compute, pin_arguments
-from torchplace.graph import NodeRecord, OpGraph, saved_key
+from torchplace.graph import NodeRecord, OpGraph, saved_key, union_of_saved
 from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
 from torchplace.profiling.trace import Traced
 
-__all__ = ["OPTIMIZER_STATE", "BackwardCost", "measure_backward", "optimizer_state_factor", "training_graph",
-           "union_of_saved"]
+__all__ = ["OPTIMIZER_STATE", "BackwardCost", "measure_backward", "optimizer_state_factor", "training_graph"]
 
 OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "sgd+momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 """State tensors an optimizer keeps per parameter (momentum: one buffer; Adam: two moments)."""
@@ -78,15 +77,6 @@ class BackwardCost:
     saved_bytes: int
     grad_bytes: int
     saved_parts: Mapping[str, int] = field(default_factory=dict)
-
-
-def union_of_saved(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """The saved storages of several nodes together: each key once (the most bytes any names)."""
-    out: dict[str, int] = {}
-    for p in parts:
-        for key, nbytes in p.items():
-            out[key] = max(out.get(key, 0), nbytes)
-    return out
 
 
 def _floating(t: Any) -> bool:
