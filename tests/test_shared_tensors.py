@@ -2,6 +2,7 @@
 keeping the readers together and copying, and a device_map with every module (issue 9, item 3)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 import torchplace
 from torchplace import costmodel, solvers
+from torchplace.solvers import shared
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
@@ -18,19 +20,20 @@ from torchplace.models import build
 from torchplace.plan import Stage
 from torchplace.problem import Problem
 
-from .graphs import brute_force_contiguous, problems
+from .graphs import brute_force_contiguous, pipelined_problems, problems
 
 QUICK = {"progress": False, "repeats": 1, "warmup": 0}
 
 
-def _tie(problem: Problem, owner: str, reader: str, nbytes: int) -> Problem:
+def _tie(problem: Problem, owner: str, reader: str, nbytes: int, trainable: bool = False) -> Problem:
     """``problem`` with one tensor of ``nbytes`` read by ``owner`` (charged) and ``reader``."""
-    g = OpGraph(meta={"state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner, "readers": [owner, reader]}}})
+    g = OpGraph(meta={**problem.graph.meta, "state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner,
+                                                            "readers": [owner, reader], "trainable": trainable}}})
     for v, r in problem.graph.records():
         g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
     for u, v in problem.graph.edges:
         g.add_edge(u, v)
-    return Problem(g, problem.cluster)
+    return dataclasses.replace(problem, graph=g)
 
 
 @st.composite
@@ -59,6 +62,39 @@ def test_a_tied_pair_is_placed_optimally_with_its_copy_counted(problem):
     plan.validate(problem)
     assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+
+
+@st.composite
+def tied_training_problems(draw):
+    """A training pipeline (:func:`pipelined_problems`) whose two forward nodes read one trainable tensor."""
+    problem = draw(pipelined_problems())
+    forward = [v for v, r in problem.graph.records() if not r.backward]
+    owner, reader = draw(st.sampled_from(forward)), draw(st.sampled_from(forward))
+    return _tie(problem, owner, reader, draw(st.integers(1, 8)), trainable=True), draw(st.sets(st.sampled_from(list(problem.graph))))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_training_problems())
+def test_training_copies_and_their_gradients_are_bracketed_by_the_variants(case):
+    """relaxation <= truth <= replication on every set of nodes a device may hold: a copy of a
+    trainable tensor holds its gradient too, so the replication charges each reader for both (it
+    charged the copy alone, and a tied GPT-2 on a capped GPU got a plan that did not fit)."""
+    problem, members = case
+    truth = costmodel.memory(problem, members)
+    assert costmodel.memory(shared.relaxed(problem), members) <= truth <= costmodel.memory(shared.replicated(problem), members)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_training_problems(), st.integers(1, 40))
+def test_a_tied_training_problem_gets_a_plan_that_fits_or_a_clear_refusal(case, cap):
+    problem, _ = case
+    devices = tuple(dataclasses.replace(d, memory_bytes=cap) for d in problem.cluster.devices)
+    problem = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, devices=devices))
+    try:
+        plan = solvers.solve(problem, method="dp")
+    except InfeasibleError:
+        return
+    plan.validate(problem)
 
 
 def _chain(caps: int | None) -> Problem:

@@ -55,12 +55,15 @@ def relaxed(problem: Problem) -> Problem:
 
 
 def replicated(problem: Problem) -> Problem:
-    """Every reader of a shared tensor pays for it (memory never below the truth)."""
+    """Every reader of a shared tensor pays for it (memory never below the truth): for its copy, and
+    in training for the copy's gradient when the tensor is trainable (:func:`torchplace.costmodel.memory_parts`)."""
     g = problem.graph
+    training = problem.mode == "training"
     extra: dict[str, int] = {}
     for t in g.shared_tensors():
+        copy = t.nbytes * (2 if training and t.trainable else 1)
         for v in t.readers - {t.owner}:
-            extra[v] = extra.get(v, 0) + t.nbytes
+            extra[v] = extra.get(v, 0) + copy
     records = {v: dataclasses.replace(g.record(v), param_bytes=g.record(v).param_bytes + b) for v, b in extra.items()}
     return dataclasses.replace(problem, graph=_copy(g, records))
 
