@@ -290,3 +290,23 @@ def test_every_map_returned_fits_once_offloaded_blocks_are_charged_to_their_gpu(
     if share in (0.4, 0.5):
         assert plan.plan.meta["offload"].startswith("room kept")
         assert "cpu" in plan.device_map.values()
+
+
+def test_the_offload_link_is_measured_for_a_model_with_weights_on_an_attached_gpu(monkeypatch):
+    """accelerate copies a CPU-mapped block's weights to the GPU on every call, from pageable
+    memory: that link is measured (pretended here: 2 GB/s), not taken from PCIe's nominal rate."""
+    import torchplace.hf.infer as infer
+    from torchplace.profiling.links import LinkFit
+
+    calls = []
+    monkeypatch.setattr(infer, "fit_copies", lambda src, dst, repeats=5: calls.append((src, dst)) or LinkFit(0.0, 2e9, 1.0, 6))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    budget = {0: "64MiB", "cpu": "1GiB"}
+    for device, measured in (("meta", False), ("cpu", True)):
+        calls.clear()
+        g = build_problem(build(gpt2_config(2), device), budget, batch_size=2, sequence_length=16).graph
+        assert calls == ([("cpu", "cuda:0")] if measured else [])
+        bandwidth = 2e9 if measured else torchplace.devices.DEFAULT_LINK_BANDWIDTH
+        heavy = max((r for _, r in g.records()), key=lambda r: r.param_bytes)
+        assert heavy.times["cpu-offload"] == pytest.approx(heavy.times["cuda"] + heavy.param_bytes / bandwidth)

@@ -7,16 +7,19 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torchplace
 from torchplace import costmodel
 from torchplace.clusterfile import load_cluster
-from torchplace.devices import Cluster, Device, Link
+from torchplace.devices import DEFAULT_LINK_BANDWIDTH, Cluster, Device, Link
 from torchplace.errors import WorkloadFormatError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Stage
 from torchplace.problem import Problem
+from torchplace.profiling import links
 from torchplace.profiling.links import (
     LinkFit,
     cluster_with_measured_links,
@@ -350,3 +353,49 @@ def test_measure_links_fits_the_chosen_statistic_per_size(monkeypatch) -> None:
         measure_links(["cpu:0", "cpu:1"], sizes=(2**10, 2**14, 2**20), repeats=3, statistic="median", progress=False)
     with pytest.raises(ValueError, match="statistic"):
         measure_links(["cpu:0", "cpu:1"], statistic="mean", progress=False)
+
+
+def _fake_copies(monkeypatch, there: LinkFit, back: LinkFit) -> list[tuple[str, str]]:
+    """Pretend a CUDA device is attached whose copies to and from the host fit ``there`` / ``back``."""
+    calls: list[tuple[str, str]] = []
+
+    def fit(src: str, dst: str, repeats: int = 5) -> LinkFit:
+        calls.append((src, dst))
+        return there if src == "cpu" else back
+
+    monkeypatch.setattr(links, "fit_copies", fit)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return calls
+
+
+def test_host_links_are_measured_both_ways_and_priced_per_side(monkeypatch) -> None:
+    # to the GPU 4 GB/s + 20 us, back 1 GB/s + 40 us (a fresh host buffer pays its page faults)
+    calls = _fake_copies(monkeypatch, LinkFit(20e-6, 4e9, 1.0, 6), LinkFit(40e-6, 1e9, 1.0, 6))
+    cluster = Cluster((Device("cuda:0", "cuda:0", "cuda"), Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")))
+    out = links.with_measured_host_links(cluster)
+    assert calls == [("cpu", "cuda:0"), ("cuda:0", "cpu")]  # one host, however many logical CPUs
+    for host in ("cpu:0", "cpu:1"):
+        assert out.link(host, "cuda:0") == Link(4e9, 20e-6)
+        assert out.link("cuda:0", host) == Link(1e9, 40e-6)
+    # the per-side price of the throughput model: the mean of the two directions' times
+    assert out.transfer_time(10**6) == pytest.approx((20e-6 + 10**6 / 4e9 + 40e-6 + 10**6 / 1e9) / 2)
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", output_bytes=10**6, times={"cpu": 1.0, "cuda": 1.0}))
+    p = Problem(g, out, objective="latency")
+    assert p.link_time("a", out.device("cuda:0"), out.device("cpu:1")) == pytest.approx(40e-6 + 1e-3)
+
+
+def test_a_cluster_without_a_cuda_device_is_not_measured(monkeypatch) -> None:
+    calls = _fake_copies(monkeypatch, LinkFit(0.0, 1e9, 1.0, 6), LinkFit(0.0, 1e9, 1.0, 6))
+    cluster = Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")))
+    assert links.with_measured_host_links(cluster) is cluster
+    assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_place_on_a_gpu_measures_its_host_link() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    placed = torchplace.place(model, ["cuda:0", "cpu"], torch.randn(16, 64), progress=False, repeats=1, warmup=0)
+    up, down = placed.problem.cluster.link("cpu", "cuda:0"), placed.problem.cluster.link("cuda:0", "cpu")
+    assert up.bandwidth != DEFAULT_LINK_BANDWIDTH and math.isfinite(up.bandwidth) and up.bandwidth > 1e8
+    assert down.bandwidth != DEFAULT_LINK_BANDWIDTH and down.bandwidth > 1e7

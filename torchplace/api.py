@@ -30,6 +30,7 @@ from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
+from torchplace.profiling.links import with_measured_host_links
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
@@ -91,7 +92,9 @@ def place(
     Args:
         model: the model to place.
         devices: device strings (``"cuda:0"``, ``"cpu"``, logical CPUs ``"cpu:0"``, ``"cpu:1"``),
-            :class:`Device` objects, or a ready :class:`Cluster`.
+            :class:`Device` objects, or a ready :class:`Cluster`. Unless a Cluster is given, the
+            links between host memory and each CUDA device are measured as the runtime copies
+            (:func:`torchplace.profiling.links.with_measured_host_links`; about a second).
         example_inputs: positional inputs of one representative call (batch on dim 0); one
             tensor is one positional input.
         example_kwargs: keyword inputs of that call (``{"input_ids": ids, "attention_mask": m}``).
@@ -394,6 +397,8 @@ def prepare(
         cluster = Cluster(tuple(devices))  # type: ignore[arg-type]
     else:
         cluster = make_cluster(devices, max_memory, share_cores=share_cores)
+        if not shapes_only:  # the host <-> GPU links as the runtime pays them (a given Cluster keeps its own)
+            cluster = with_measured_host_links(cluster)
     given = _load_plan(plan) if plan is not None else None
     training = mode == "training"
     if training:

@@ -325,6 +325,17 @@ class OpGraph:
             self.nx.add_edge(u, v, nbytes=float(nbytes))
         self._order = None
 
+    def with_records(self, record: Callable[[str, NodeRecord], NodeRecord],
+                     meta: Mapping[str, Any] | None = None) -> OpGraph:
+        """A copy with each node's record replaced by ``record(node_id, record)``, the same edges
+        (per-edge bytes kept) and ``meta`` (default: this graph's)."""
+        out = OpGraph(meta=self.meta if meta is None else meta)
+        for v, r in self.records():
+            out.add_node(v, record(v, r))
+        for u, v, nbytes in self.nx.edges(data="nbytes"):
+            out.add_edge(u, v, nbytes)
+        return out
+
     def edge_bytes(self, u: str, v: str) -> float:
         """Bytes the edge ``u -> v`` carries when given per edge (0 otherwise)."""
         return float(self.nx.edges[u, v].get("nbytes", 0.0))

@@ -20,7 +20,7 @@ from torchplace import machine
 from torchplace.checks import brief
 from torchplace.devices import DEFAULT_LINK_BANDWIDTH, Cluster, Device
 from torchplace.errors import UsageError
-from torchplace.graph import OpGraph
+from torchplace.graph import NodeRecord, OpGraph
 from torchplace.units import parse_memory
 
 __all__ = ["DISK_BANDWIDTH", "OFFLOAD_KINDS", "accelerate_name", "hf_cluster", "kv_cache_bytes", "offload_times"]
@@ -128,25 +128,25 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
                    pair_bandwidth=pairs)
 
 
-def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH) -> OpGraph:
+def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH,
+                  host_bandwidth: float | None = None) -> OpGraph:
     """``graph`` with times for the offload kinds of ``cluster``: the main device's time plus the
-    block's weights over the host link (``"cpu-offload"``) or from disk (``"disk-offload"``)."""
+    block's weights over the host link (``"cpu-offload"``: ``host_bandwidth``, else the cluster's
+    default link) or from disk (``"disk-offload"``)."""
     kinds = {d.kind for d in cluster.devices}
     main = cluster.devices[0].kind
     if main in ("cpu-offload", "disk-offload"):
         main = "cpu"
-    host = cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
-    out = OpGraph(meta=graph.meta)
-    for v, r in graph.records():
+    host = host_bandwidth or cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
+    def offloaded(v: str, r: NodeRecord) -> NodeRecord:
         times = dict(r.times)
         if "cpu-offload" in kinds:
             times["cpu-offload"] = r.times[main] + r.param_bytes / host
         if "disk-offload" in kinds:
             times["disk-offload"] = r.times[main] + r.param_bytes / disk_bandwidth
-        out.add_node(v, replace(r, times=times))
-    for u, v in graph.edges:
-        out.add_edge(u, v)
-    return out
+        return replace(r, times=times)
+
+    return graph.with_records(offloaded)
 
 
 def _heads(config: Any) -> tuple[int, int]:

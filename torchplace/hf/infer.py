@@ -56,6 +56,7 @@ from torchplace.hf.maps import (
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
+from torchplace.profiling.links import fit_copies
 
 __all__ = ["PHASES", "DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
 
@@ -222,8 +223,20 @@ def build_problem(
     if phase == "decode":
         graph = _kv_reads(graph, specs)
     hw = _reserve(hw, graph)
-    graph = offload_times(graph, hw, disk_bandwidth)
+    graph = offload_times(graph, hw, disk_bandwidth, None if cluster is not None else _host_bandwidth(model, hw))
     return Problem(graph, hw, objective="latency", contiguous=False)
+
+
+def _host_bandwidth(model: nn.Module, hw: Cluster) -> float | None:
+    """Bytes/s of accelerate's offload (each forward copies a CPU-mapped block's weights from
+    pageable memory to the main GPU), measured when that GPU is attached and the model has real
+    weights; else None (the cluster's default link)."""
+    main = hw.devices[0]
+    offload = any(d.kind == "cpu-offload" for d in hw.devices)
+    if not offload or _device_of(model).type == "meta" or not main.torch_device.startswith("cuda") \
+            or not torch.cuda.is_available() or torch.device(main.torch_device).index >= torch.cuda.device_count():
+        return None
+    return fit_copies("cpu", main.torch_device).bandwidth
 
 
 def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
@@ -473,7 +486,9 @@ def infer_device_map(
         dtype: dtype of the dispatched weights (``torch.float16``, ``"bfloat16"``); default: the
             model's.
         cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"cuda-t4"``,
-            ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link.
+            ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link. Without one, a
+            model with real weights whose main GPU is attached has the host link of its offload
+            measured (:func:`torchplace.profiling.links.fit_copies`).
         options: ``phase`` (``"prefill"``: the time of one forward pass of the batch, the default;
             ``"decode"``: the time per generated token, every attention block reading its KV cache
             of ``sequence_length`` tokens, with room kept for the prompt's activations too),

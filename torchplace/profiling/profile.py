@@ -265,13 +265,7 @@ def _node_times(graph: OpGraph, fx_times: Mapping[str, float]) -> dict[str, floa
 
 def _with_times(graph: OpGraph, times: Mapping[str, Mapping[str, float]]) -> OpGraph:
     """A new OpGraph like ``graph`` whose records carry ``times[kind][node_id]`` for every kind."""
-    out = OpGraph(meta=graph.meta)
-    for node_id, record in graph.records():
-        filled = {**record.times, **{kind: t[node_id] for kind, t in times.items()}}
-        out.add_node(node_id, replace(record, times=filled))
-    for u, v in graph.edges:
-        out.add_edge(u, v)
-    return out
+    return graph.with_records(lambda v, r: replace(r, times={**r.times, **{kind: t[v] for kind, t in times.items()}}))
 
 
 def profile(

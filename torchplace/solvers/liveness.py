@@ -35,7 +35,7 @@ from typing import Any
 
 from torchplace import costmodel
 from torchplace.errors import InfeasibleError, InvalidPlanError
-from torchplace.graph import NodeRecord, OpGraph, saved_producer
+from torchplace.graph import NodeRecord, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
@@ -49,12 +49,9 @@ def _summed(problem: Problem, bytes_of: Callable[[str, NodeRecord], int],
     """``problem`` with memory a sum over nodes: ``temp_bytes = bytes_of(v, record)`` and
     ``saved_bytes = saved_of(v, record)`` (no ``saved_parts``: each node's saved bytes its own)."""
     g = problem.graph
-    out = OpGraph(meta={k: v for k, v in g.meta.items() if k != "liveness"})
-    for v, r in g.records():
-        out.add_node(v, dataclasses.replace(r, temp_bytes=bytes_of(v, r), peak_bytes=None, saved_bytes=saved_of(v, r),
-                                            saved_parts={}))
-    for u, v in g.edges:
-        out.add_edge(u, v)
+    out = g.with_records(lambda v, r: dataclasses.replace(r, temp_bytes=bytes_of(v, r), peak_bytes=None,
+                                                          saved_bytes=saved_of(v, r), saved_parts={}),
+                         meta={k: v for k, v in g.meta.items() if k != "liveness"})
     return dataclasses.replace(problem, graph=out)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from torchplace import costmodel
 from torchplace.errors import InfeasibleError, SolverLimitError
-from torchplace.graph import NodeRecord, OpGraph
+from torchplace.graph import NodeRecord
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.paircosts import training_pipeline
@@ -45,13 +45,7 @@ Solve = Callable[..., Plan]
 def _with_records(problem: Problem, record: Callable[[NodeRecord], NodeRecord]) -> Problem:
     """``problem`` without its pipeline, each record replaced (graph metadata kept: shared tensors
     still count their copies)."""
-    g = problem.graph
-    out = OpGraph(meta=g.meta)
-    for v, r in g.records():
-        out.add_node(v, record(r))
-    for u, v in g.edges:
-        out.add_edge(u, v)
-    return dataclasses.replace(problem, graph=out, pipeline=None)
+    return dataclasses.replace(problem, graph=problem.graph.with_records(lambda v, r: record(r)), pipeline=None)
 
 
 def relaxed(problem: Problem) -> Problem:

@@ -40,13 +40,8 @@ Solve = Callable[..., Plan]
 
 
 def _copy(graph: OpGraph, records: dict[str, Any]) -> OpGraph:
-    meta = {k: v for k, v in graph.meta.items() if k != "state"}
-    out = OpGraph(meta=meta)
-    for v, r in graph.records():
-        out.add_node(v, records.get(v, r))
-    for u, v in graph.edges:
-        out.add_edge(u, v)
-    return out
+    """``graph`` without its shared tensors (each in its owner's bytes only), ``records`` replaced."""
+    return graph.with_records(lambda v, r: records.get(v, r), meta={k: v for k, v in graph.meta.items() if k != "state"})
 
 
 def relaxed(problem: Problem) -> Problem:
