@@ -36,19 +36,22 @@ def test_the_measured_graph_makes_the_cost_model_reproduce_each_measured_stage()
 
 
 def test_refine_runs_both_plans_and_keeps_the_faster(monkeypatch, tmp_path):
-    """The measurement is made to say stage 0 took 1000x its prediction and stage 1 exactly its
-    prediction (whatever a loaded machine measured), so the second solve moves work off stage 0:
-    two plans run, the one that measured faster is kept, and it computes the model."""
+    """The measurement is made to say the stage with the most nodes took 1000x its prediction and
+    the other exactly its prediction (whatever a loaded machine measured), so the second solve
+    spreads that stage's nodes over both devices (a slowed stage of one node could not shrink: both
+    devices are CPUs, so its node is as slow on either): two plans run, the one that measured
+    faster is kept, and it computes the model."""
     real = refine.measured_graph
 
-    def slower_first_stage(problem, plan, measurement):
-        stages = [dataclasses.replace(s, measured=s.predicted * (1000 if s.stage == 0 else 1)) for s in measurement.stages]
+    def slower_stage(problem, plan, measurement):
+        slow = max(range(len(plan.stages)), key=lambda i: len(plan.stages[i].nodes))
+        stages = [dataclasses.replace(s, measured=s.predicted * (1000 if s.stage == slow else 1)) for s in measurement.stages]
         return real(problem, plan, dataclasses.replace(measurement, stages=stages))
 
-    monkeypatch.setattr(refine, "measured_graph", slower_first_stage)
+    monkeypatch.setattr(refine, "measured_graph", slower_stage)
     model, (x,) = build("mlp", batch=4)
     # a split, always: on a busy machine place() may find one device faster, and then the slower
-    # "stage 0" is the whole model on either device, and the second solve rightly changes nothing
+    # stage is the whole model on either device, and the second solve rightly changes nothing
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), refine=True, allow_single_device=False, **QUICK)
     r = placed.refinement
     assert [run.costs for run in r.runs] == ["profiled", "measured"]

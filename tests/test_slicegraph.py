@@ -74,7 +74,8 @@ def _check_all_orders_reach_the_dp_optimum(problem: Problem) -> None:
     plan = slicegraph.solve(problem, orders=_all_orders(problem), random_orders=0)
     assert plan.objective == pytest.approx(exact, rel=1e-9, abs=1e-12)
     assert plan.objective == costmodel.evaluate(problem, plan)
-    assert plan.status == "feasible" and plan.lower_bound <= plan.objective + 1e-9
+    assert plan.lower_bound <= plan.objective + 1e-9
+    assert plan.status == ("optimal" if plan.objective <= plan.lower_bound * (1 + 1e-9) else "feasible")
 
 
 @settings(max_examples=100, deadline=None)
@@ -189,6 +190,45 @@ def test_brkga_never_worse_than_the_first_random_order(seed):
     assert plan.meta["history"][0][2] == pytest.approx(first.objective)
     values = [h[2] for h in plan.meta["history"]]
     assert values == sorted(values, reverse=True) and plan.meta["generations"] == 3
+
+
+def _one_heavy_node(n: int = 80) -> Problem:
+    """A layered DAG on two devices, transfers free, whose last node (a sink) is heavier than all
+    the others together: its time is the lower bound, met by the split that gives it a device of
+    its own (the orders that put it last)."""
+    problem = _layered(n, 3, k=2)
+    g = problem.graph
+    for v, r in list(g.records()):
+        times = {"accel": 10_000.0, "cpu": 40_000.0} if v == str(n - 1) else r.times
+        g.replace_record(v, NodeRecord(r.name, param_bytes=r.param_bytes, times=times, transfer_time=0.0))
+    return problem
+
+
+@pytest.mark.parametrize("method", ["slicegraph", "brkga"])
+def test_the_search_stops_at_a_split_that_meets_the_lower_bound(method):
+    problem = _one_heavy_node()
+    opts = {"random_orders": 500} if method == "slicegraph" else {"population": 20, "generations": 500}
+    plan = {"slicegraph": slicegraph.solve, "brkga": brkga.solve}[method](problem, **opts)
+    assert plan.status == "optimal" and plan.objective == pytest.approx(plan.lower_bound) == 10_000.0
+    assert plan.meta["orders"] < 100  # stopped once it met the bound, not after thousands of orders
+
+
+def test_brkga_stops_after_generations_without_improvement():
+    problem = _layered(200, 0, k=3, cpu=True)
+    full = brkga.solve(problem, population=8, generations=60)
+    short = brkga.solve(problem, population=8, generations=60, patience=2)
+    last = max(h[0] for h in short.meta["history"])  # orders sliced at the last improvement
+    assert short.meta["generations"] < 60 and short.meta["orders"] <= last + 3 * 8
+    assert short.objective >= full.objective  # the same search, cut short
+    with pytest.raises(ValueError, match="patience"):
+        brkga.solve(problem, patience=0)
+
+
+def test_auto_skips_brkga_when_slicegraph_meets_the_bound():
+    problem = _one_heavy_node(200)
+    plan = solvers.solve(problem, method="auto", ideal_limit=10)  # too many ideals for the DP here
+    assert plan.status == "optimal"
+    assert "skipped" in plan.meta["auto"]["brkga"], plan.meta["auto"]
 
 
 def test_search_is_deterministic():

@@ -23,8 +23,8 @@ __all__ = ["solve"]
 
 
 def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations: int = 20,
-          elite: float = 0.2, mutants: float = 0.15, rho: float = 0.7, time_limit: float | None = None,
-          progress: bool | None = None) -> Plan:
+          elite: float = 0.2, mutants: float = 0.15, rho: float = 0.7, patience: int | None = None,
+          time_limit: float | None = None, progress: bool | None = None) -> Plan:
     """BRKGA over node priorities decoded by Kahn + SliceGraph (Archer Sec. 4.2, Algorithm 2, App. C.1).
 
     Each generation keeps the elite chromosomes, adds random mutants, and fills the rest with
@@ -39,6 +39,10 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
         population, generations: chromosomes per generation, generations after the first.
         elite, mutants: fractions of the population (at least one chromosome each).
         rho: probability of inheriting a key from the elite parent.
+        patience: stop after this many generations in a row that did not improve the best split
+            (the "generations without improvement" stopping rule of BRKGA, Goncalves & Resende
+            2011, ref. [15] of Archer et al.); ``None``: run every generation. The search also
+            stops when the best split meets the lower bound (it is then optimal).
         time_limit: seconds for everything (preparation included); the search stops when it passes.
         progress: show a tqdm bar (default: when stderr is a terminal).
 
@@ -62,15 +66,21 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
     if n_elite + n_mut >= population or not 0 <= rho <= 1:
         raise ValueError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "
                          f"{population}, rho={rho}")
+    if patience is not None and patience < 1:
+        raise ValueError(f"patience must be a positive number of generations or None, got {patience!r}")
     search = Search(problem, time_limit, name="BRKGA")
     rng = np.random.default_rng(seed)
     keys = rng.random((population, search.n))
     fitness = np.full(population, math.inf)
-    done, interrupted = 0, False
+    done, interrupted, stale, best = 0, False, 0, math.inf
     with progress_bar(progress, population * (generations + 1), "brkga") as bar:
         try:
             for gen in range(generations + 1):
                 if gen:
+                    stale = 0 if search.best_value < best else stale + 1
+                    best = search.best_value
+                    if patience is not None and stale >= patience:
+                        break
                     keys, fitness = _next_generation(rng, keys, fitness, n_elite, n_mut, rho)
                 for r in range(n_elite if gen else 0, population):  # elites keep their fitness
                     threshold = np.partition(fitness, n_elite - 1)[n_elite - 1]  # an elite's worst

@@ -151,8 +151,8 @@ class Search:
         return _slice(self.inst, order, bound=bound, guess=self.guess, deadline=self.deadline)
 
     def plan(self, solver: str, interrupted: bool, meta: dict[str, Any]) -> Plan:
-        """The best split found as a Plan (the simple lower bound; status ``"time_limit"`` when
-        the deadline cut the search short, else ``"feasible"``).
+        """The best split found as a Plan (the simple lower bound; status ``"optimal"`` when the
+        split meets it, ``"time_limit"`` when the deadline cut the search short, else ``"feasible"``).
 
         ``meta`` adds to the search's own (``orders``, ``history``, ``interrupted``, ``timed_out``).
 
@@ -168,7 +168,7 @@ class Search:
         seconds = time.monotonic() - self.t0
         plan = Plan.build(
             self.problem, stages, solver=solver, seconds=seconds, lower_bound=self.guess,
-            status="time_limit" if self.timed_out else "feasible",
+            status="optimal" if self.proven else "time_limit" if self.timed_out else "feasible",
             meta={"orders": self.evaluated, "history": self.history, "interrupted": interrupted,
                   "timed_out": self.timed_out, "contiguous": True, **meta},
         )
@@ -179,15 +179,21 @@ class Search:
         plan.seconds = time.monotonic() - self.t0
         return plan
 
+    @property
+    def proven(self) -> bool:
+        """Whether the best split meets the lower bound: no order can give a better one."""
+        return self.best_pieces is not None and self.best_value <= self.guess * (1 + 1e-9)
+
     def done(self) -> bool:
-        """Whether the search should stop: the deadline has passed (or an order was cut off by it).
+        """Whether the search should stop: the best split meets the lower bound (:attr:`proven`),
+        or the deadline has passed (or an order was cut off by it).
 
         Stopping for the deadline marks the search ``timed_out`` here too: the clock can cross the
         deadline after :meth:`evaluate`'s own check, and the plan must still say the limit cut it short.
         """
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.timed_out = True
-        return self.timed_out
+        return self.timed_out or self.proven
 
 
 def _infeasible(problem: Problem, inst: _Instance, order: np.ndarray | None, searched: int) -> InfeasibleError:

@@ -477,13 +477,14 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         meta = {"ip_latency": None, "ip_bound": e.bound, "ip_status": "time_limit", "q": q,
                 "milp_objective": None, "milp_bound": e.bound, "stopped": str(e)}
     else:
-        stages = extract(model, problem)
-        if start_stages is not None:  # keep the start where HiGHS's incumbent simulates worse
-            stages = min((stages, start_stages), key=lambda s: costmodel.evaluate_stages(problem, s)[0])
+        stages, kept = extract(model, problem), "ip"
+        if start_stages is not None and (  # keep the start where HiGHS's incumbent simulates worse
+                costmodel.evaluate_stages(problem, start_stages)[0] < costmodel.evaluate_stages(problem, stages)[0]):
+            stages, kept = start_stages, "start"
         status = "time_limit" if res.status == "time_limit" else "feasible"
         rows, cols = _size(model)
         meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
-                "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols}
+                "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols, "kept": kept}
     plan = Plan.build(problem, stages, solver="milp-latency", seconds=budget.elapsed(),
                       lower_bound=latency_lower_bound(problem), status=status, meta=meta)
     if plan.objective <= plan.lower_bound * (1 + 1e-9):
