@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from torchplace import costmodel
-from torchplace.graph import OpGraph
+from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 
 __all__ = [
@@ -357,7 +357,7 @@ def _with_graph(problem: Problem, graph: OpGraph) -> Problem:
 
     full = problem.graph
 
-    def bounded(v: str, r: Any) -> Any:
+    def bounded(v: str, r: NodeRecord) -> NodeRecord:
         whole = full.record(v).times if v in full else {}
         return replace(r, times={k: min(t, whole.get(k, t)) for k, t in r.times.items()})
 

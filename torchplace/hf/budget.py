@@ -138,6 +138,7 @@ def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK
     if main in ("cpu-offload", "disk-offload"):
         main = "cpu"
     host = host_bandwidth or cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
+
     def offloaded(v: str, r: NodeRecord) -> NodeRecord:
         times = dict(r.times)
         if "cpu-offload" in kinds:
