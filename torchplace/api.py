@@ -406,19 +406,30 @@ def prepare(
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     measured_loss = None  # bytes of the training loss on the example outputs (loss_fn given)
+    # The model runs on the example eagerly first only where its output is needed (the loss's
+    # bytes); otherwise only when tracing fails, to say whether the inputs were the cause (a full
+    # forward: 2.7 s of GPT-2 small's place() at one thread). A meta model's Python may branch on
+    # values it does not have, so it is never run (export does not need it to).
+    called = False
     try:
-        if not shapes_only:  # a meta model's Python may branch on values it does not have; export does not
-            output = try_example_call(model, args, kwargs)
-            if training and loss_fn is not None:
-                measured_loss = measure_loss_bytes(output, loss_fn, example_target)
+        if not shapes_only and training and loss_fn is not None:
+            output, called = try_example_call(model, args, kwargs), True
+            measured_loss = measure_loss_bytes(output, loss_fn, example_target)
             del output
-    except BaseException:
+        with torch.no_grad():
+            traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
+                           training=training, dynamic_dims=dynamic_dims)
+    except BaseException as error:
         for m, was in modes.items():  # a refused call leaves the model as it was
             m.training = was
+        if isinstance(error, Exception) and not shapes_only and not called:
+            model.train(training)
+            try:
+                try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
+            finally:
+                for m, was in modes.items():
+                    m.training = was
         raise
-    with torch.no_grad():
-        traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
-                       training=training, dynamic_dims=dynamic_dims)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}
