@@ -299,7 +299,8 @@ def test_the_offload_link_is_measured_for_a_model_with_weights_on_an_attached_gp
     from torchplace.profiling.links import LinkFit
 
     calls = []
-    monkeypatch.setattr(infer, "fit_copies", lambda src, dst, repeats=5: calls.append((src, dst)) or LinkFit(0.0, 2e9, 1.0, 6))
+    monkeypatch.setattr(infer, "measure_host_links", lambda device, repeats=5: calls.append(("cpu", device)) or {
+        ("cpu", device): LinkFit(0.0, 2e9, 1.0, 6), (device, "cpu"): LinkFit(0.0, 1e9, 1.0, 6)})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     budget = {0: "64MiB", "cpu": "1GiB"}

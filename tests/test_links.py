@@ -355,17 +355,23 @@ def test_measure_links_fits_the_chosen_statistic_per_size(monkeypatch) -> None:
         measure_links(["cpu:0", "cpu:1"], statistic="mean", progress=False)
 
 
-def _fake_copies(monkeypatch, there: LinkFit, back: LinkFit) -> list[tuple[str, str]]:
+def _fake_copies(monkeypatch, there: LinkFit, back: LinkFit) -> list[str]:
     """Pretend a CUDA device is attached whose copies to and from the host fit ``there`` / ``back``."""
-    calls: list[tuple[str, str]] = []
+    calls: list[str] = []
 
-    def fit(src: str, dst: str, repeats: int = 5) -> LinkFit:
-        calls.append((src, dst))
-        return there if src == "cpu" else back
+    def measure(device: str, repeats: int = 5) -> dict[tuple[str, str], LinkFit]:
+        calls.append(device)
+        return {("cpu", device): there, (device, "cpu"): back}
 
-    monkeypatch.setattr(links, "fit_copies", fit)
+    monkeypatch.setattr(links, "measure_host_links", measure)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return calls
+
+
+def test_host_links_are_fitted_both_ways() -> None:
+    fits = links.measure_host_links("cpu:1", repeats=2)  # host memory to host memory: a memcpy
+    assert set(fits) == {("cpu", "cpu:1"), ("cpu:1", "cpu")}
+    assert all(f.bandwidth > 0 and f.samples == len(links.HOST_LINK_SIZES) for f in fits.values())
 
 
 def test_host_links_are_measured_both_ways_and_priced_per_side(monkeypatch) -> None:
@@ -373,7 +379,7 @@ def test_host_links_are_measured_both_ways_and_priced_per_side(monkeypatch) -> N
     calls = _fake_copies(monkeypatch, LinkFit(20e-6, 4e9, 1.0, 6), LinkFit(40e-6, 1e9, 1.0, 6))
     cluster = Cluster((Device("cuda:0", "cuda:0", "cuda"), Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")))
     out = links.with_measured_host_links(cluster)
-    assert calls == [("cpu", "cuda:0"), ("cuda:0", "cpu")]  # one host, however many logical CPUs
+    assert calls == ["cuda:0"]  # one host, however many logical CPUs
     for host in ("cpu:0", "cpu:1"):
         assert out.link(host, "cuda:0") == Link(4e9, 20e-6)
         assert out.link("cuda:0", host) == Link(1e9, 40e-6)

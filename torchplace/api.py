@@ -420,15 +420,12 @@ def prepare(
             traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
                            training=training, dynamic_dims=dynamic_dims)
     except BaseException as error:
-        for m, was in modes.items():  # a refused call leaves the model as it was
-            m.training = was
-        if isinstance(error, Exception) and not shapes_only and not called:
-            model.train(training)
-            try:
+        try:
+            if isinstance(error, Exception) and not shapes_only and not called:
                 try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
-            finally:
-                for m, was in modes.items():
-                    m.training = was
+        finally:
+            for m, was in modes.items():  # a refused call leaves the model as it was
+                m.training = was
         raise
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)

@@ -56,7 +56,7 @@ from torchplace.hf.maps import (
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
-from torchplace.profiling.links import fit_copies
+from torchplace.profiling.links import measure_host_links
 
 __all__ = ["PHASES", "DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
 
@@ -236,7 +236,7 @@ def _host_bandwidth(model: nn.Module, hw: Cluster) -> float | None:
     if not offload or _device_of(model).type == "meta" or not main.torch_device.startswith("cuda") \
             or not torch.cuda.is_available() or torch.device(main.torch_device).index >= torch.cuda.device_count():
         return None
-    return fit_copies("cpu", main.torch_device).bandwidth
+    return measure_host_links(main.torch_device)[("cpu", main.torch_device)].bandwidth
 
 
 def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
@@ -488,7 +488,7 @@ def infer_device_map(
         cluster: a :class:`Cluster` or cluster file giving each GPU's kind (``"cuda"``, ``"cuda-t4"``,
             ... :data:`torchplace.hf.blocks.HF_DEVICE_SPECS`) and the host link. Without one, a
             model with real weights whose main GPU is attached has the host link of its offload
-            measured (:func:`torchplace.profiling.links.fit_copies`).
+            measured (:func:`torchplace.profiling.links.measure_host_links`).
         options: ``phase`` (``"prefill"``: the time of one forward pass of the batch, the default;
             ``"decode"``: the time per generated token, every attention block reading its KV cache
             of ``sequence_length`` tokens, with room kept for the prompt's activations too),

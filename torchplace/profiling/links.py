@@ -42,8 +42,8 @@ from tqdm.auto import tqdm
 
 from torchplace.devices import Cluster, Link
 
-__all__ = ["HOST_LINK_SIZES", "LinkFit", "cluster_with_measured_links", "default_sizes", "fit_copies", "fit_link",
-           "measure_links", "time_copies", "with_measured_host_links"]
+__all__ = ["HOST_LINK_SIZES", "LinkFit", "cluster_with_measured_links", "default_sizes", "fit_link",
+           "measure_host_links", "measure_links", "time_copies", "with_measured_host_links"]
 
 Pair = tuple[str, str]
 _POOR_FIT = 0.9  # r2 below which measure_links warns
@@ -251,24 +251,31 @@ def cluster_with_measured_links(cluster: Cluster, fits: Mapping[Pair, LinkFit]) 
 
 
 HOST_LINK_SIZES = tuple(2**k for k in range(16, 27, 2))
-"""64 KiB to 64 MiB: the sizes :func:`with_measured_host_links` times (activations and weights)."""
+"""64 KiB to 64 MiB: the sizes :func:`measure_host_links` times (activations and weights)."""
+
+
+def measure_host_links(device: str, repeats: int = 5) -> dict[Pair, LinkFit]:
+    """:func:`measure_links` between host memory (``"cpu"``) and ``device``, both ways, over
+    :data:`HOST_LINK_SIZES`: copies from pageable memory into a buffer kept on the other side."""
+    return measure_links(["cpu", device], sizes=HOST_LINK_SIZES, repeats=repeats, warmup=1, progress=False)
 
 
 def with_measured_host_links(cluster: Cluster, hosts: Sequence[str] | None = None, *, repeats: int = 5) -> Cluster:
-    """``cluster`` with the links between host memory and each attached CUDA device measured.
+    """``cluster`` with the links between host memory and each attached CUDA device measured
+    (:func:`measure_host_links`).
 
-    Each direction is timed as a copy from pageable host memory (or into it) into a buffer kept
-    on the other side (:func:`fit_copies`). Measured on an H100: 5.5 GB/s to the GPU and 13 GB/s
-    back, where the old default took PCIe's nominal 12 GB/s both ways. Timing ``x.to(dst)`` with
-    a fresh destination instead gave 1.2 GB/s back (a new host buffer pays its page faults), which
-    made the cost model charge a GPU -> CPU pipeline 6x the time it ran in (the runtime's host
-    buffers are reused by the allocator in a steady state).
+    Measured on an H100: 5.5 GB/s to the GPU and 13 GB/s back, where the old default took PCIe's
+    nominal 12 GB/s both ways. Timing ``x.to(dst)`` with a fresh destination instead gave 1.2 GB/s
+    back (a new host buffer pays its page faults), which made the cost model charge a GPU -> CPU
+    pipeline 6x the time it ran in (the runtime's host buffers are reused by the allocator in a
+    steady state).
 
     The fits become the links between every host device (``hosts``; default the devices of kind
-    ``"cpu"``) and each CUDA device, for the latency objective's per-pair transfers; the cluster's
-    default link becomes the mean of the two directions, the per-side price the throughput model
-    charges an accelerator for each tensor crossing its boundary (Tarnawski Sec. 3: one price per
-    side). With several CUDA devices the default takes the slowest device's mean.
+    ``"cpu"``) and each CUDA device, for the latency objective's per-pair transfers
+    (:func:`cluster_with_measured_links`); the cluster's default link becomes the mean of the two
+    directions, the per-side price the throughput model charges an accelerator for each tensor
+    crossing its boundary (Tarnawski Sec. 3: one price per side). With several CUDA devices the
+    default takes the slowest device's mean.
 
     A cluster without an attached CUDA device is returned unchanged.
     """
@@ -276,23 +283,14 @@ def with_measured_host_links(cluster: Cluster, hosts: Sequence[str] | None = Non
     host_names = [d.name for d in cluster.devices if d.kind == "cpu"] if hosts is None else list(hosts)
     if not accel or not host_names or not torch.cuda.is_available():
         return cluster
-    links = dict(cluster.links)
+    fits: dict[Pair, LinkFit] = {}
     default: list[tuple[float, float]] = []
     for d in accel:
-        there = fit_copies("cpu", d.torch_device, repeats)
-        back = fit_copies(d.torch_device, "cpu", repeats)
+        measured = measure_host_links(d.torch_device, repeats)
+        there, back = measured[("cpu", d.torch_device)], measured[(d.torch_device, "cpu")]
         for h in host_names:
-            links[(h, d.name)], links[(d.name, h)] = there.to_link(), back.to_link()
-        per_byte = (1 / there.bandwidth + 1 / back.bandwidth) / 2
-        default.append(((there.latency + back.latency) / 2, per_byte))
+            fits[(h, d.name)], fits[(d.name, h)] = there, back
+        default.append(((there.latency + back.latency) / 2, (1 / there.bandwidth + 1 / back.bandwidth) / 2))
     latency, per_byte = max(default, key=lambda lp: lp[0] + lp[1] * 2**20)
-    pairs = {p: bw for p, bw in cluster.pair_bandwidth.items() if p not in links}
-    return replace(cluster, links=links, pair_bandwidth=pairs, latency=latency,
+    return replace(cluster_with_measured_links(cluster, fits), latency=latency,
                    bandwidth=1 / per_byte if per_byte > 0 else cluster.bandwidth)
-
-
-def fit_copies(src: str, dst: str, repeats: int = 5) -> LinkFit:
-    """The link from ``src`` to ``dst``: copies of :data:`HOST_LINK_SIZES` from pageable memory
-    into a kept buffer, the fastest of ``repeats`` per size, fitted (:func:`fit_link`)."""
-    times = time_copies(src, dst, HOST_LINK_SIZES, repeats=repeats, warmup=1)
-    return fit_link(HOST_LINK_SIZES, [min(times[n]) for n in HOST_LINK_SIZES])

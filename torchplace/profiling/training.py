@@ -74,9 +74,13 @@ class BackwardCost:
     """
 
     seconds: float
-    saved_bytes: int
     grad_bytes: int
     saved_parts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of activations it saves for backward (its ``saved_parts`` together)."""
+        return sum(self.saved_parts.values())
 
 
 def _floating(t: Any) -> bool:
@@ -279,8 +283,7 @@ def measure_backward(traced: Traced, example_inputs: Sequence[Any], example_kwar
     finally:
         snapshot.restore()
     return {
-        name: BackwardCost(statistics.median(ts), sum(probe.saved[name].values()), probe.grad_bytes[name],
-                           probe.saved[name])
+        name: BackwardCost(statistics.median(ts), probe.grad_bytes[name], probe.saved[name])
         for name, ts in samples.items()
     }
 
