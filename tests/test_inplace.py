@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torchplace.errors import TraceError
 from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.profiling import profile, trace
-from torchplace.profiling.effects import Effects
+from torchplace.profiling.effects import Effects, StorageKeys
 from torchplace.profiling.opgraph import build_opgraph
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -465,3 +466,42 @@ def test_a_written_input_without_a_batch_dimension_needs_one_microbatch():
     k1, k2 = k.clone(), k.clone()
     with torch.no_grad():
         assert torch.equal(placed(x, k1), model(x, k2)) and torch.equal(k1, k2)
+
+
+def test_a_freed_storage_and_new_memory_at_its_address_get_different_keys():
+    memory = np.zeros(64, dtype=np.float32)  # stands for the allocator: it outlives the tensors on it
+    keys = StorageKeys()
+    a = torch.from_numpy(memory)
+    first = keys.key(a)
+    view = a[1:]
+    assert keys.key(view) == first  # another tensor on the same, live memory
+    del a
+    assert keys.key(view) == first  # the view keeps the storage alive
+    del view
+    b = torch.from_numpy(memory)  # every tensor on the old storage is gone: this is new memory
+    assert b.untyped_storage().data_ptr() == memory.ctypes.data
+    assert keys.key(b) != first
+    assert keys.key(b[3:]) == keys.key(b)
+
+
+class Reuses(nn.Module):
+    """Temporaries of one size, each freed after its one reader: the allocator hands their memory
+    out again, at last to ``b``, which is written in place. Only ``b``'s creator and writer are
+    tied to the write."""
+
+    def forward(self, x):
+        s = x.sum()
+        for _ in range(8):
+            a = x * 2
+            s = s + a.sum()
+        b = x * 3
+        b.add_(1)
+        return s, b
+
+
+@pytest.mark.parametrize("size", [16, 64, 256])
+def test_memory_reused_after_a_value_is_freed_is_not_the_old_value(size):
+    e = trace(Reuses().eval(), (torch.randn(size, size),), method="fx").effects
+    assert e.after == {"add_": frozenset({"mul_8"})}
+    assert e.colocated == (frozenset({"mul_8", "add_"}),)
+    assert e.written == {"add_": frozenset({"mul_8", "add_"})}

@@ -34,6 +34,7 @@ of one and keeps the union (:func:`union`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +45,11 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import UnsupportedError
 from torchplace.fxutil import is_compute
 
-__all__ = ["AccessLog", "Effects", "StateSnapshot", "analyse", "named_state", "storage_address", "union", "version_of"]
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "StorageKeys", "analyse", "named_state", "storage_address", "union", "version_of"]
 
 StorageKey = int
-"""A storage's address; valid while the run keeps every value alive (no address is reused)."""
+"""A storage's identity within one run (:class:`StorageKeys`): unique even where a freed
+storage's address is reused."""
 
 _Watch = tuple[torch.Tensor, "int | None", "torch.Tensor | None"]
 """A tensor a node could write: its version before the node, and a copy of its value for state."""
@@ -75,6 +77,39 @@ def version_of(t: torch.Tensor) -> int | None:
         return None
 
 
+class StorageKeys:
+    """Unique keys for the storages a run meets, in a run that frees values after their last use.
+
+    A storage is known by its address, but an address is reused once the memory is freed, and a
+    new tensor there is other memory. So each address holds a key and weak references to the
+    tensors seen on it; a tensor met on an address none of whose tensors is alive any more gets a
+    new key. The interpreter frees only its own values, and the model's parameters, buffers and
+    the run's inputs outlive the run, so a storage that is still alive is always found alive
+    (keeping every value alive instead cost GPT-2 small's trace 2 s: fresh memory for every
+    intermediate). Memory that only a module's own, unregistered attributes keep alive (neither
+    parameter nor buffer) is not tracked, as it is not by the rest of the analysis either.
+    """
+
+    def __init__(self) -> None:
+        self._by_address: dict[int, tuple[StorageKey, list[weakref.ref[torch.Tensor]]]] = {}
+        self._count = 0
+
+    def key(self, t: torch.Tensor) -> StorageKey | None:
+        """The key of ``t``'s storage (None for tensors without memory of their own)."""
+        address = storage_address(t)
+        if address is None:
+            return None
+        entry = self._by_address.get(address)
+        if entry is not None:
+            entry[1][:] = [r for r in entry[1] if r() is not None]
+        if entry is None or not entry[1]:  # memory never seen, or freed since and reused
+            entry = self._by_address[address] = (self._count, [])
+            self._count += 1
+        if not any(r() is t for r in entry[1]):
+            entry[1].append(weakref.ref(t))
+        return entry[0]
+
+
 @dataclass
 class _Access:
     reads: set[StorageKey] = field(default_factory=set)
@@ -85,8 +120,8 @@ class _Access:
 class AccessLog:
     """What each fx node of one run read, wrote and returned, by storage.
 
-    Use it from an :class:`torch.fx.Interpreter` that keeps every value alive
-    (``garbage_collect_values=False``), so storage addresses are never reused within the run::
+    Use it from an :class:`torch.fx.Interpreter` (storages are told apart by
+    :class:`StorageKeys`, so the interpreter may free values after their last use)::
 
         token = log.before(node, args, kwargs, module)
         out = ...run the node...
@@ -100,12 +135,13 @@ class AccessLog:
     def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
         self._state = [(name, t) for name, t in state.items()]
         self._state_ids = {id(t) for t in state.values()}
+        self._keys = StorageKeys()
         self.access: dict[str, _Access] = {}
         self.inputs: dict[str, set[StorageKey]] = {}  # placeholder -> its storages
         self.creator: dict[StorageKey, tuple[str, str]] = {}  # storage -> (kind, fx node name)
         self.state_names: dict[StorageKey, str] = {}
         for name, t in self._state:
-            key = storage_address(t)
+            key = self._keys.key(t)
             if key is not None:
                 self.creator.setdefault(key, ("state", name))
                 self.state_names.setdefault(key, name)
@@ -114,7 +150,7 @@ class AccessLog:
         """A model input: its storages are created by the caller."""
         keys = self.inputs.setdefault(node.name, set())
         for t in _tensors(value):
-            key = storage_address(t)
+            key = self._keys.key(t)
             if key is not None:
                 keys.add(key)
                 self.creator.setdefault(key, ("input", node.name))
@@ -122,7 +158,7 @@ class AccessLog:
     def constant(self, node: fx.Node, value: Any) -> None:
         """A get_attr value: parameters, buffers and constants outlive the call."""
         for t in _tensors(value):
-            key = storage_address(t)
+            key = self._keys.key(t)
             if key is not None:
                 self.creator.setdefault(key, ("state", str(node.target)))
 
@@ -136,7 +172,7 @@ class AccessLog:
         declared = _declares_no_writes(node)
         watched: list[_Watch] = []
         for t in read:
-            key = storage_address(t)
+            key = self._keys.key(t)
             if key is not None:
                 access.reads.add(key)
                 copy = t.detach().clone() if id(t) in self._state_ids and not (declared and _is_param(t)) else None
@@ -155,11 +191,11 @@ class AccessLog:
         for t, version, copy in token:
             moved = version is not None and version_of(t) != version
             if moved or (copy is not None and not _same(t, copy)):
-                key = storage_address(t)
+                key = self._keys.key(t)
                 if key is not None:
                     access.writes.add(key)
         for t in _tensors(out):
-            key = storage_address(t)
+            key = self._keys.key(t)
             if key is not None:
                 access.makes.add(key)
                 self.creator.setdefault(key, ("temp", node.name))

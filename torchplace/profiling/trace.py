@@ -226,10 +226,10 @@ def _capture(
 # -- shapes and in-place writes ------------------------------------------------------------------
 class _Recorder(fx.Interpreter):
     """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]``, and what
-    each node reads and writes in an :class:`AccessLog` (every value is kept alive for the log)."""
+    each node reads and writes in an :class:`AccessLog`."""
 
     def __init__(self, gm: fx.GraphModule, log: AccessLog, shapes: bool = True) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+        super().__init__(gm)
         self.log, self.shapes = log, shapes
 
     def run_node(self, n: fx.Node) -> Any:
