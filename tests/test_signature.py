@@ -78,27 +78,57 @@ def test_sharing_gives_the_records_of_per_node_profiling_but_times(traced_blocks
         assert record.times["cpu"] > 0
 
 
-def test_nodes_with_one_signature_share_one_measurement(traced_blocks, monkeypatch):
+def test_nodes_with_one_signature_share_one_measurement(traced_blocks):
     _, x, traced = traced_blocks
     sigs = _signatures(traced, (x,))
-    loops: list[str] = []
-    run_node = profile_module._SharingInterpreter.run_node
-
-    def counting(self, n):
-        before = len(self.measured)
-        out = run_node(self, n)
-        if len(self.measured) > before:
-            loops.append(n.name)
-        return out
-
-    monkeypatch.setattr(profile_module._SharingInterpreter, "run_node", counting)
     fx_times = profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
     assert set(fx_times) == set(sigs)  # every compute node has a time
-    assert len(loops) == len(set(sigs.values())) < len(sigs)  # one timing loop per distinct signature
     by_sig: dict[object, set[float]] = {}
     for name, sig in sigs.items():
         by_sig.setdefault(sig, set()).add(fx_times[name])
     assert all(len(times) == 1 for times in by_sig.values())  # identical nodes get the shared median
+    assert len(set(sigs.values())) < len(sigs)
+
+
+def test_repeated_signatures_are_timed_in_their_places_and_rare_ones_in_a_loop(traced_blocks, monkeypatch):
+    """The four blocks' linear, GELU and add are each timed once per block, in the graph run (one
+    warm-up, then three samples: the most asked for); the head's linear, alone of its kind, is
+    timed in a loop of its own after its run in place, whose output the graph keeps."""
+    model, x, traced = traced_blocks
+    calls: list[str] = []
+    real = profile_module._SharingInterpreter._call
+
+    def counting(self, n, args, kwargs):
+        call = real(self, n, args, kwargs)
+        return lambda: calls.append(n.name) or call()
+
+    monkeypatch.setattr(profile_module._SharingInterpreter, "_call", counting)
+    interpreter = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, None, 1, 3)
+    with torch.no_grad():
+        out = interpreter.run(*traced.flat_inputs((x,)))
+        assert torch.equal(out, model(x))
+    linears = [n.name for n in traced.gm.graph.nodes if n.op == "call_function" and "linear" in n.name]
+    head = linears[-1]
+    assert interpreter.looped == [head]
+    runs = {name: calls.count(name) for name in interpreter.times}
+    assert runs[head] == 1 + 3  # in its place (the warm-up), then three samples in the loop
+    assert all(count == 1 for name, count in runs.items() if name != head)
+    block = interpreter.samplers[interpreter.key_of[linears[0]]]
+    assert len(block.samples) == 3 and interpreter.times[linears[0]] == block.median
+
+
+def test_a_signature_too_rare_to_settle_in_its_places_is_looped_where_it_can_no_longer():
+    torch.manual_seed(0)
+    model, x = Blocks(depth=2).eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        traced = trace(model, (x,))
+    interpreter = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, None, 1, 3)
+    with torch.no_grad():
+        interpreter.run(*traced.flat_inputs((x,)))
+    first = [n.name for n in traced.gm.graph.nodes if is_compute(n)]
+    # two blocks cannot give one warm-up and three samples: each kind is looped on its first node
+    assert interpreter.looped == [name for name in first if name not in first[3:6]]
+    assert all(interpreter.samplers[interpreter.key_of[name]].done for name in first)
 
 
 def test_signature_tells_shapes_and_operations_apart(traced_blocks):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["MIN_REPEATS", "RTOL", "Sampler", "signature"]
+__all__ = ["MIN_REPEATS", "RTOL", "Sampler", "shape_key", "signature"]
 
 MIN_REPEATS = 3
 """Timed runs a signature gets at least (a median of three outlasts one disturbed run)."""
@@ -70,6 +70,21 @@ def signature(node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any) -> Hash
     return (node.op, target, _value_key(args), _value_key(kwargs))
 
 
+def shape_key(node: fx.Node, gm: fx.GraphModule) -> Hashable:
+    """What the trace knows of ``node``'s :func:`signature` before a run: its operation (for a
+    called module, its class, ``repr`` and parameter shapes) and arguments, each input node by the
+    shapes and dtypes of its value (``meta["torchplace"]``; without it, by name, a key of its
+    own). Nodes with one signature share this key; one key may hold several signatures (strides
+    and devices are known only in the run)."""
+
+    def value(a: fx.Node) -> Hashable:
+        info = a.meta.get("torchplace")
+        return ("value", info.shapes, info.dtypes) if info is not None else ("node", a.name)
+
+    target = _module_key(gm.get_submodule(str(node.target))) if node.op == "call_module" else str(node.target)
+    return (node.op, target, repr(fx.node.map_arg((node.args, node.kwargs), value)))
+
+
 @dataclass
 class Sampler:
     """The timed runs of one signature (see the module docstring).
@@ -109,6 +124,13 @@ class Sampler:
         if n >= self.max_repeats or (n > 0 and sum(self.samples) >= self.budget):
             return True
         return n >= self.min_repeats and self._settled
+
+    @property
+    def runs_needed(self) -> int:
+        """Runs still needed at the least before :attr:`done` (0 once it is)."""
+        if self.done:
+            return 0
+        return self.warmup - self.warm + max(1, self.min_repeats - len(self.samples))
 
     @property
     def median(self) -> float:
