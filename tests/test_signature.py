@@ -1,6 +1,6 @@
 """Profiling by operator signature (torchplace/profiling/signature.py, issue 16 item 4): the same
-records as timing every node, each distinct signature run in one loop, repeats that stop when the
-median settles. Nothing here asserts a measured time."""
+records as timing every node, nodes of one signature timed in their places and pooled, rare
+signatures looped, repeats that stop when the median settles. Nothing here asserts a measured time."""
 from __future__ import annotations
 
 import sys

@@ -161,13 +161,13 @@ def place(
         warmup, repeats: profiling runs (median of ``repeats`` after ``warmup``).
         profiling: ``"exhaustive"`` (default): every node is timed in each of ``warmup +
             repeats`` runs of the whole graph (:mod:`torchplace.profiling.profile`). ``"fast"``:
-            each distinct operator signature (operation, argument shapes, dtypes, strides) is
-            timed once, on its first node, in a loop of its own, and its median given to the nodes
-            that share it; its repeats stop once the median settles (at most ``repeats``); a node
-            that writes a tensor in place runs, and is timed, once. Fast planning costs fidelity:
-            an operator timed in a loop of its own runs on warm caches, so on 2 logical CPUs the
-            predicted call time was off by 17% (median; Pearson 0.951) against 7.6% (0.989)
-            exhaustive (``benchmarks/pipeline_fidelity.py --profiling``, RESULTS.md).
+            the graph runs once, every node timed in its place, and the nodes of one operator
+            signature (operation, argument shapes, dtypes, strides) share the median of their
+            timings; a signature too rare to settle so (at most ``repeats`` after ``warmup``) is
+            timed in a loop of its own; a node that writes a tensor in place runs, and is timed,
+            once. Fast planning costs fidelity: on 2 logical CPUs the predicted call time was off
+            by 15.4% (median; Pearson 0.989) against 10.0% (0.989) exhaustive, in one run of both
+            (``benchmarks/pipeline_fidelity.py --profiling``, RESULTS.md).
         profile_cache: a directory (made if missing) that keeps every profile this call makes, and
             gives it back to later calls for the same model, example shapes, device kinds,
             profiling settings and machine (:mod:`torchplace.profiling.cache`): a job that places
