@@ -131,6 +131,27 @@ def test_a_signature_too_rare_to_settle_in_its_places_is_looped_where_it_can_no_
     assert all(interpreter.samplers[interpreter.key_of[name]].done for name in first)
 
 
+def test_a_short_graph_runs_again_until_the_budget_and_a_long_one_once(traced_blocks, monkeypatch):
+    """Every run adds in-place timings to the same pools: a graph of a millisecond runs ``warmup +
+    repeats`` times (a stall of the machine then moves one run's samples, not all); one that
+    takes the budget runs once."""
+    _, x, traced = traced_blocks
+    runs: list[int] = []
+    real = profile_module._SharingInterpreter.run
+
+    def counting(self, *args):
+        runs.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(profile_module._SharingInterpreter, "run", counting)
+    times = profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
+    assert len(runs) == 1 + 3 and all(t > 0 for t in times.values())
+    runs.clear()
+    monkeypatch.setattr(profile_module, "BUDGET", 0.0)
+    profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
+    assert len(runs) == 1
+
+
 def test_signature_tells_shapes_and_operations_apart(traced_blocks):
     _, x, traced = traced_blocks
     sigs = _signatures(traced, (x,))

@@ -33,8 +33,8 @@ of one and keeps the union (:func:`union`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
 import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,8 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import UnsupportedError
 from torchplace.fxutil import is_compute
 
-__all__ = ["AccessLog", "Effects", "StateSnapshot", "StorageKeys", "analyse", "named_state", "storage_address", "union", "version_of"]
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "StorageKeys", "analyse", "named_state", "storage_address", "union",
+           "version_of"]
 
 StorageKey = int
 """A storage's identity within one run (:class:`StorageKeys`): unique even where a freed

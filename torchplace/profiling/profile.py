@@ -1,15 +1,16 @@
 """Measure the time of every OpGraph node on each device kind of this machine.
 
 The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times compute
-nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default the graph runs once,
-every node timed in its place, and the nodes of one operator signature (:mod:`.signature`:
+nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default the graph runs once
+(a small one again, while the runs take less than half a second), every node timed in its place,
+and the nodes of one operator signature (:mod:`.signature`:
 operation, argument shapes, dtypes and strides) pool their timings: the first ``warmup`` warm
 up, the median of the rest is the time of each (a transformer's repeated blocks are timed by
 their twelve layers in one run). A signature too rare to settle in one run (the model's head) is
-timed in a loop of its own on its last node: ``warmup`` untimed runs, then timed runs until the
-median settles or ``repeats`` were taken. A node that writes a tensor in place
-(:mod:`.effects`) cannot run twice on the same inputs: it runs once, timed once, shares with no
-other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
+timed in a loop of its own on the first of its nodes after which too few are left: ``warmup``
+untimed runs, then timed runs until the median settles or ``repeats`` were taken. A node that writes a tensor in place
+(:mod:`.effects`) cannot run twice on the same inputs: it runs once per run of the graph, and
+shares with no other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
 ``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its fx nodes'
 medians. Times are seconds for one call on the example inputs, the unit of work of a profiled
 graph (see :class:`~torchplace.graph.NodeRecord`).
@@ -37,7 +38,7 @@ from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.estimate import estimate_times
-from torchplace.profiling.signature import Sampler, shape_key, signature
+from torchplace.profiling.signature import BUDGET, Sampler, shape_key, signature
 from torchplace.profiling.trace import Traced
 
 __all__ = ["present_kinds", "profile"]
@@ -141,15 +142,14 @@ class _SharingInterpreter(_TimingInterpreter):
     nodes that share a signature in one :class:`~torchplace.profiling.signature.Sampler` (the
     first of them warm it up); each node gets its signature's median.
 
-    In its place a node runs as a whole run meets it: caches as the operators before it left them
-    (timed in a loop of its own, an operator runs on warm caches and is timed low: fast profiling
-    that did so predicted calls with 17% median error where per-node timing gave 7.6%). A
+    In its place a node runs as a whole run meets it, on caches as the operators before it left
+    them; looped on its own, an operator runs on warm caches and is timed low. A
     signature whose later nodes in the graph cannot settle its median (a model's head, a CNN
     stage's first block; counted before the run by
     :func:`~torchplace.profiling.signature.shape_key`) is timed in a loop of its own on the first
     of its nodes after which too few are left. A node in ``once`` (one that writes in place:
-    run again on the inputs it wrote, it would compute something else) runs once, timed once,
-    shares with none. ``times`` holds seconds per compute fx node after :meth:`run`;
+    run again on the inputs it wrote, it would compute something else) runs once per run, timed
+    there, and shares with none. ``times`` holds seconds per compute fx node after :meth:`run`;
     ``looped`` the nodes timed in a loop."""
 
     def __init__(self, gm: fx.GraphModule, timer: type[_CpuTimer] | type[_CudaTimer], device: torch.device | None,
@@ -163,10 +163,12 @@ class _SharingInterpreter(_TimingInterpreter):
         self.key_of: dict[str, Hashable] = {}
         self.looped: list[str] = []
         self.times: dict[str, float] = {}
-        compute = [n for n in gm.graph.nodes if is_compute(n)]
-        self._left = Counter(shape_key(n, gm) for n in compute)
+        self._count = Counter(shape_key(n, gm) for n in gm.graph.nodes if is_compute(n))
+        self._left = Counter(self._count)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
+        """One run of the graph; every run adds to the same pools, and ``times`` holds what they say."""
+        self._left = Counter(self._count)
         out = super().run(*args, **kwargs)
         self.times = {name: self._seconds(key) for name, key in self.key_of.items()}
         return out
@@ -190,11 +192,9 @@ class _SharingInterpreter(_TimingInterpreter):
             self.key_of[n.name] = key
             out, seconds = self._timed(call)
             self.last[key] = seconds
-            if n.name in self.once:
-                return out
             sampler = self.samplers.setdefault(key, Sampler(self.warmup, self.repeats))
             sampler.add(seconds)
-            if not sampler.done and self._left[shape] < sampler.runs_needed:
+            if n.name not in self.once and not sampler.done and self._left[shape] < sampler.runs_needed:
                 self.looped.append(n.name)  # too few nodes like it are left to settle it
                 while not sampler.done:
                     extra, seconds = self._timed(call)
@@ -270,18 +270,27 @@ def _measure_shared(
     traced: Traced, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any], kind: str,
     warmup: int, repeats: int, progress: bool, grad: bool = False,
 ) -> dict[str, float]:
-    """Seconds per compute fx node, each distinct signature timed once (:class:`_SharingInterpreter`);
-    the model's parameters and buffers are restored afterwards, the inputs are copies."""
+    """Seconds per compute fx node, the nodes of each signature pooled (:class:`_SharingInterpreter`).
+
+    The graph runs once, and again while the runs so far took less than
+    :data:`~torchplace.profiling.signature.BUDGET` seconds (at most ``warmup + repeats`` runs, as
+    exhaustive profiling takes), every run adding to the same pools: the samples of one run lie
+    within its few milliseconds for a small model, where one stall of the machine moves them all
+    together. Each run gets fresh copies of the inputs; the model's parameters and buffers are
+    restored afterwards."""
     gm = traced.gm
     device = None if kind == "cpu" else _device_of(kind)
     compute = sum(1 for n in gm.graph.nodes if is_compute(n))
     bar = tqdm(total=compute, desc=f"profiling on {kind}", disable=not progress, leave=False)
     timer = _CudaTimer if kind == "cuda" else _CpuTimer
+    interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update, once=traced.effects.written)
+    start = time.perf_counter()
     with torch.set_grad_enabled(grad), _restoring(StateSnapshot(gm)), bar:
-        inputs = _inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind)
-        interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update,
-                                          once=traced.effects.written)
-        interpreter.run(*inputs)
+        for _ in range(max(1, warmup + repeats)):
+            interpreter.run(*_inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind))
+            interpreter.tick = lambda: None  # the bar counts the first run
+            if time.perf_counter() - start >= BUDGET:
+                break
     return interpreter.times
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["MIN_REPEATS", "RTOL", "Sampler", "shape_key", "signature"]
+__all__ = ["BUDGET", "MIN_REPEATS", "RTOL", "Sampler", "shape_key", "signature"]
 
 MIN_REPEATS = 3
 """Timed runs a signature gets at least (a median of three outlasts one disturbed run)."""
