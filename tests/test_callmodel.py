@@ -20,6 +20,7 @@ from torchplace.callmodel import (
     predict_call,
     simulate_inference,
     simulate_training,
+    stage_seconds,
     training_microbatch_times,
 )
 from torchplace.devices import Cluster, Device
@@ -27,7 +28,7 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Stage
 from torchplace.problem import Problem
 from torchplace.runtime import GraphIO, PipelineExecutor, split_stages
-from torchplace.runtime.overhead import executor_overheads
+from torchplace.runtime.overhead import executor_overheads, measure_overheads
 from torchplace.runtime.schedule import worker_orders
 from torchplace.runtime.training import TrainingExecutor
 
@@ -48,6 +49,20 @@ def test_overheads_add_per_task_and_per_call() -> None:
     call = simulate_inference([("a", 1.0), ("b", 1.0)], 4, Overheads(per_task=0.5, per_call=3.0))
     assert call.seconds == pytest.approx(5 * 1.5 + 3.0)
     assert call.overhead == pytest.approx(8 * 0.5 + 3.0)
+
+
+def test_a_stage_is_predicted_as_its_spans_see_it() -> None:
+    """A measured span holds the stage call and its carry, not the dispatch and hand-off around it:
+    each task's predicted span is its time plus only the in-span part of the per-task cost."""
+    overheads = Overheads(per_task=0.5, per_call=3.0, in_span=0.125)
+    call = simulate_inference([("a", 1.0), ("b", 2.0)], 4, overheads)
+    assert stage_seconds(call, overheads) == [[0, "F", 4 * 1.125], [1, "F", 4 * 2.125]]
+    assert stage_seconds(call) == [[0, "F", 4 * 1.5], [1, "F", 4 * 2.5]]  # the clock's tasks, whole
+
+
+def test_the_executors_in_span_cost_is_measured_as_part_of_its_per_task_cost() -> None:
+    measured = measure_overheads(repeats=3, microbatches=4)
+    assert 0.0 < measured.in_span <= measured.per_task or measured.per_task == 0.0
 
 
 def test_each_worker_runs_the_executors_order() -> None:

@@ -73,10 +73,14 @@ class Overheads:
             writing its carry, the queue hand-off to the next worker.
         per_call: seconds each call pays once: scattering the batch, handing the workers their
             orders, gathering the outputs.
+        in_span: the part of ``per_task`` inside a task's measured span
+            (:class:`~torchplace.runtime.spans.StageSpan`: reading and writing the carry, calling
+            the stage); the rest (dispatch, hand-off) lies between spans.
     """
 
     per_task: float = 0.0
     per_call: float = 0.0
+    in_span: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -331,13 +335,15 @@ def predict_call(problem: Problem, stages: Sequence[costmodel.StageLike], microb
     return simulate_inference(times_, microbatches, overheads, queue_size, pools)
 
 
-def stage_seconds(call: CallPrediction) -> list[list[Any]]:
+def stage_seconds(call: CallPrediction, overheads: Overheads = Overheads()) -> list[list[Any]]:
     """``[stage, pass, seconds]`` per stage pass (``"F"``, ``"B"``): the time its tasks take in the
-    predicted call, summed over the micro-batches (what a measured run's spans of that stage add
-    up to; :func:`torchplace.report.fidelity.compare`)."""
+    predicted call, summed over the micro-batches, less the part of ``overheads.per_task`` that
+    lies outside a span: what a measured run's spans of that stage add up to
+    (:func:`torchplace.report.fidelity.compare`)."""
+    outside = overheads.per_task - overheads.in_span
     total: dict[tuple[int, str], float] = {}
     for t in call.tasks:
-        total[(t.stage, t.kind)] = total.get((t.stage, t.kind), 0.0) + t.finish - t.start
+        total[(t.stage, t.kind)] = total.get((t.stage, t.kind), 0.0) + t.finish - t.start - outside
     return [[i, kind, seconds] for (i, kind), seconds in sorted(total.items())]
 
 

@@ -85,7 +85,7 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
     best = min(predictions, key=lambda k: (predictions[k].seconds, k))
     call = predictions[best]
     m = best if microbatches == "auto" else int(microbatches)  # the executor clamps an m above the batch
-    plan.meta["call"] = _summary(problem, plan.stages, call, batch)
+    plan.meta["call"] = _summary(problem, plan.stages, call, batch, overheads)
     if len(predictions) > 1:
         plan.meta["call"]["tried"] = {str(k): p.seconds for k, p in predictions.items()}
     if notes:
@@ -103,7 +103,7 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
     if one_call.seconds >= call.seconds or not allow_single_device:
         plan.meta["single_device"] = {**record, "chosen": False}
         return Decision(plan, m, call)
-    one_plan.meta["call"] = _summary(problem, one_plan.stages, one_call, batch)
+    one_plan.meta["call"] = _summary(problem, one_plan.stages, one_call, batch, overheads)
     one_plan.meta["single_device"] = {**record, "chosen": True}
     warnings.warn(
         f"the whole model on {device} alone is predicted faster than the {len({s.device for s in plan.stages})}"
@@ -184,15 +184,16 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
 
 def _latency_summary(problem: Problem, plan: Plan, overheads: Overheads, seconds: float) -> dict[str, Any]:
     """``plan.meta["call"]`` of a latency call of ``seconds``: its makespan, the executor's overhead,
-    and each stage's predicted seconds (its cost-model time plus the per-task overhead)."""
-    stages = [[i, "F", c.load + overheads.per_task] for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))]
+    and each stage's predicted span (its cost-model time plus the per-task overhead a span sees)."""
+    stages = [[i, "F", c.load + overheads.in_span] for i, c in enumerate(costmodel.stage_costs(problem, plan.stages))]
     return {"microbatches": 1, "seconds": seconds, "makespan": plan.objective, "overhead": seconds - plan.objective,
             "stage_seconds": stages}
 
 
-def _summary(problem: Problem, stages: Sequence[Stage], call: CallPrediction, batch: int | None) -> dict[str, Any]:
+def _summary(problem: Problem, stages: Sequence[Stage], call: CallPrediction, batch: int | None,
+             overheads: Overheads) -> dict[str, Any]:
     out: dict[str, Any] = call.summary()
-    out["stage_seconds"] = callmodel.stage_seconds(call)
+    out["stage_seconds"] = callmodel.stage_seconds(call, overheads)
     if batch:
         out["batch"] = batch
         out["per_sample"] = callmodel.steady_per_sample(problem, stages, batch)

@@ -10,7 +10,8 @@ once per process, on the executor itself:
 two stages of one trivial operator each on two workers, run with ``1`` and with ``M`` micro-batches.
 By the inference clock a call costs ``c + 2 o`` with one micro-batch and ``c + (M + 1) o`` with
 ``M``, so ``o = (T(M) - T(1)) / (M - 1)`` and ``c = T(1) - 2 o`` (medians over repeated calls; the
-trivial operators' microseconds count as overhead).
+trivial operators' microseconds count as overhead). The part of ``o`` a measured span sees
+(``Overheads.in_span``) is the median span of those trivial stages.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def measure_overheads(repeats: int = 15, microbatches: int = _M) -> Overheads:
     executor = PipelineExecutor(stages, ["cpu"] * len(stages), workers, GraphIO(gm))
     x = torch.zeros(microbatches, 4)
 
+    spans: list[float] = []
+
     def timed(m: int) -> float:
         runs = []
         with torch.no_grad():
@@ -55,11 +58,13 @@ def measure_overheads(repeats: int = 15, microbatches: int = _M) -> Overheads:
                 executor.run((x,), {}, m)
                 if i >= 2:
                     runs.append(time.perf_counter() - start)
+                    spans.extend(s.seconds for s in executor.last_spans)
         return statistics.median(runs)
 
     one, many = timed(1), timed(microbatches)
     per_task = max(0.0, (many - one) / (microbatches - 1))
-    return Overheads(per_task=per_task, per_call=max(0.0, one - len(stages) * per_task))
+    return Overheads(per_task=per_task, per_call=max(0.0, one - len(stages) * per_task),
+                     in_span=min(per_task, statistics.median(spans)))
 
 
 @functools.cache
