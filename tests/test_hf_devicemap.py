@@ -311,3 +311,31 @@ def test_the_offload_link_is_measured_for_a_model_with_weights_on_an_attached_gp
         bandwidth = 2e9 if measured else torchplace.devices.DEFAULT_LINK_BANDWIDTH
         heavy = max((r for _, r in g.records()), key=lambda r: r.param_bytes)
         assert heavy.times["cpu-offload"] == pytest.approx(heavy.times["cuda"] + heavy.param_bytes / bandwidth)
+
+
+def test_a_mixture_of_experts_on_the_meta_device_is_costed_by_the_experts_it_routes_to():
+    """Grouped expert matmuls have a bfloat16-only fake kernel and no flop formula of torch's: a
+    float32 Mixtral on the meta device is probed on bfloat16 fake tensors, each token charged for
+    the experts it is routed to (not every expert, as the structural fallback would), with its
+    activations in float32 bytes."""
+    from torchplace.hf import blocks
+
+    def mixtral(k: int):
+        return transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=k, vocab_size=VOCAB, max_position_embeddings=128)
+
+    batch, seq = 2, 16
+    kwargs = {"input_ids": torch.randint(0, VOCAB, (batch, seq)), "use_cache": False}
+    flops = {}
+    for k in (1, 2):
+        model = build(mixtral(k), "meta")
+        assert next(model.parameters()).dtype == torch.float32
+        graph = blocks.block_graph(model, kwargs, kinds=["cuda"], no_split=["MixtralDecoderLayer"], repeats=0)
+        assert graph.meta["hf"]["costs"] == "estimated"
+        layer = next(r for _, r in graph.records() if r.name == "model.layers.0")
+        assert layer.output_bytes == batch * seq * 64 * 4
+        probe = blocks._probe(model, blocks.blocks_of(model, ["MixtralDecoderLayer"]), kwargs, 0,
+                              fake_dtype=torch.bfloat16)
+        flops[k] = probe.records["model.layers.0"].flops
+    assert flops[2] - flops[1] == batch * seq * 3 * 2 * 64 * 128  # one more expert: gate, up and down

@@ -19,15 +19,19 @@ device kinds not measured are the roofline estimate of :mod:`torchplace.profilin
 Blocks that share a parameter (tied weights: GPT-2's ``lm_head`` and ``wte``) get one colocation
 label, so a plan puts them on one device, as accelerate requires.
 
-A model on the meta device runs on fake tensors (no memory). If even that fails (a kernel with no
-fake implementation, e.g. grouped expert matmuls in float32),
-every block is costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size
-output per token (a dense upper bound on FLOPs for MoE blocks), and the result says so
+A model on the meta device runs on fake tensors (no memory). Mixture-of-experts blocks call
+grouped expert matmuls (``aten._grouped_mm``), which the flop counter does not know (counted here,
+:func:`_grouped_mm_flops`) and whose fake kernel takes bfloat16 only: a model in another dtype is
+then run on bfloat16 fake tensors (FLOPs and shapes are the dtype's own; bytes are scaled back to
+the model's dtype). If even that fails (a kernel with no fake implementation), every block is
+costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size output per token
+(a dense upper bound on FLOPs for MoE blocks), and the result says so
 (``graph.meta["hf"]["costs"] == "structural"``).
 """
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -199,23 +203,40 @@ def _quiet_fake_tensors() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any], repeats: int) -> _Probe:
+def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, out_shape: Sequence[int],
+                      **kwargs: Any) -> int:
+    """FLOPs of ``aten._grouped_mm(a, b, offs)``: each row of ``a`` times its group's matrix of ``b``.
+
+    ``a`` (T, K) with ``b`` (G, K, N) gives (T, N): ``2 T K N``; ``a`` (G, M, K) with ``b``
+    (G, K, N) gives (G, M, N): ``2 G M K N``; ``a`` (M, K) with ``b`` (K, N), groups splitting
+    ``K`` (a weight gradient), gives (G, M, N) and costs ``2 M K N`` in all."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any], repeats: int,
+           fake_dtype: torch.dtype | None = None) -> _Probe:
     """One counted pass (FLOPs per block, bytes, call order), then ``repeats`` timed passes on the CPU.
 
     A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
     :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
-    skips its data-dependent checks on them as it does while tracing."""
+    skips its data-dependent checks on them as it does while tracing; ``fake_dtype``: its floating
+    tensors are made in that dtype instead of their own."""
     live = LiveBytes()
     probe = _Probe(model, blocks, live)
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+    def dtype_of(t: torch.Tensor) -> torch.dtype:
+        return fake_dtype if fake_dtype is not None and t.is_floating_point() else t.dtype
     # attention as the math kernel runs it (its score matrices materialised): the most memory any
     # backend takes (an H100 ran GPT-2's fp32 attention so, 108 MiB per block where CPU's flash
     # kernel's outputs and the submodules' said 36)
     if on_meta:
         with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
                 sdpa_kernel(SDPBackend.MATH), probe, counter, live:
-            state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            state = {n: torch.empty_strided(t.shape, t.stride(), dtype=dtype_of(t), device="cpu")
                      for n, t in [*model.named_parameters(), *model.named_buffers()]}
             fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
                                    if isinstance(v, torch.Tensor) else v, dict(kwargs))
@@ -278,7 +299,14 @@ def block_graph(
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         if not any(p.is_meta for p in model.parameters()):
             raise
-        probe = None  # data-dependent control flow on meta tensors: cost from parameters alone
+        probe = None
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    if probe is None and own != torch.bfloat16:  # e.g. grouped expert matmuls: their fake kernel takes bfloat16
+        try:
+            probe = _probe(model, blocks, example_kwargs, repeats, fake_dtype=torch.bfloat16)
+            scale *= own.itemsize / torch.bfloat16.itemsize  # bfloat16 bytes back to the model's dtype
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            probe = None  # data-dependent control flow on meta tensors: cost from parameters alone
     records, costs = _block_records(model, blocks, probe, example_kwargs, scale)
     missing = [k for k in kinds if k not in specs and not (k == "cpu" and probe and _timed(probe))]
     if missing:
