@@ -165,8 +165,9 @@ def place(
             signature (operation, argument shapes, dtypes, strides) share the median of their
             timings; a signature too rare to settle so (at most ``repeats`` after ``warmup``) is
             timed in a loop of its own; a node that writes a tensor in place runs, and is timed,
-            once. Fast planning costs fidelity: on 2 logical CPUs the predicted call time was off
-            by 15.4% (median; Pearson 0.989) against 10.0% (0.989) exhaustive, in one run of both
+            once; a graph whose runs are short runs again (up to ``warmup + repeats`` times within
+            half a second). Fast planning costs a little fidelity: on 2 logical CPUs the predicted
+            call time was off by 11.5-12.0% (median) against 10.0-10.5% exhaustive, in paired runs
             (``benchmarks/pipeline_fidelity.py --profiling``, RESULTS.md).
         profile_cache: a directory (made if missing) that keeps every profile this call makes, and
             gives it back to later calls for the same model, example shapes, device kinds,

@@ -116,7 +116,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC, NodeRecord, OpGraph, union_of_saved
+from torchplace.graph import TMPC, NodeRecord, OpGraph, SharedTensor, union_of_saved
 from torchplace.problem import Problem
 
 __all__ = [
@@ -124,6 +124,7 @@ __all__ = [
     "StageCost",
     "StageLike",
     "Transfer",
+    "copy_bytes",
     "device_cost",
     "MEMORY_KINDS",
     "device_memory",
@@ -339,6 +340,13 @@ MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working
 """The parts :func:`memory_parts` splits a device's memory into, in drawing order."""
 
 
+def copy_bytes(problem: Problem, tensor: SharedTensor) -> tuple[int, int]:
+    """(copy, gradient) bytes a device holds for a shared tensor it reads but does not own: the
+    copy, and in training the copy's gradient when the tensor is trainable (its readers there make
+    one). :func:`memory_parts` and :func:`torchplace.solvers.shared.replicated` both charge this."""
+    return tensor.nbytes, tensor.nbytes if problem.mode == "training" and tensor.trainable else 0
+
+
 def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None,
                  recompute: bool = False, device: Device | None = None) -> dict[str, int]:
     """:func:`memory` split by kind (:data:`MEMORY_KINDS`); the parts sum to :func:`memory`.
@@ -353,9 +361,9 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
     grads = sum(g.record(v).param_bytes for v in members if g.record(v).backward)
-    copies = [t for t in g.shared_tensors() if t.owner not in members and not t.readers.isdisjoint(members)]
-    if problem.mode == "training":  # a trainable copy's readers make its gradient here too
-        grads += sum(t.nbytes for t in copies if t.trainable)
+    copies = [copy_bytes(problem, t) for t in g.shared_tensors()
+              if t.owner not in members and not t.readers.isdisjoint(members)]
+    grads += sum(grad for _, grad in copies)
     live = uses_liveness(problem)
     if live and problem.mode == "training":  # one micro-batch's forward, or its backward: never both at once
         m = microbatches(problem)
@@ -378,7 +386,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     else:
         work = sum(g.record(v).temp_bytes for v in members)
     parts = dict.fromkeys(MEMORY_KINDS, 0)
-    parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": sum(t.nbytes for t in copies),
+    parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": sum(c for c, _ in copies),
                   "working": work})
     p = problem.pipeline
     if p is None or problem.mode != "training":

@@ -28,6 +28,7 @@ from typing import Any
 
 import networkx as nx
 
+from torchplace import costmodel
 from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan
@@ -51,12 +52,11 @@ def relaxed(problem: Problem) -> Problem:
 
 def replicated(problem: Problem) -> Problem:
     """Every reader of a shared tensor pays for it (memory never below the truth): for its copy, and
-    in training for the copy's gradient when the tensor is trainable (:func:`torchplace.costmodel.memory_parts`)."""
+    in training for the copy's gradient when the tensor is trainable (:func:`torchplace.costmodel.copy_bytes`)."""
     g = problem.graph
-    training = problem.mode == "training"
     extra: dict[str, int] = {}
     for t in g.shared_tensors():
-        copy = t.nbytes * (2 if training and t.trainable else 1)
+        copy = sum(costmodel.copy_bytes(problem, t))
         for v in t.readers - {t.owner}:
             extra[v] = extra.get(v, 0) + copy
     records = {v: dataclasses.replace(g.record(v), param_bytes=g.record(v).param_bytes + b) for v, b in extra.items()}
