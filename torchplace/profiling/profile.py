@@ -2,18 +2,18 @@
 
 The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times compute
 nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default the graph runs once
-(a small one again, while the runs take less than half a second), every node timed in its place,
-and the nodes of one operator signature (:mod:`.signature`:
-operation, argument shapes, dtypes and strides) pool their timings: the first ``warmup`` warm
-up, the median of the rest is the time of each (a transformer's repeated blocks are timed by
-their twelve layers in one run). A signature too rare to settle in one run (the model's head) is
-timed in a loop of its own on the first of its nodes after which too few are left: ``warmup``
-untimed runs, then timed runs until the median settles or ``repeats`` were taken. A node that writes a tensor in place
+(a small one again, while its runs take less than half a second), every node timed in its place,
+and the nodes of one operator signature (:mod:`.signature`: operation, argument shapes, dtypes
+and strides) pool their timings: the first ``warmup`` warm up, the median of the rest is the time
+of each (a transformer's repeated blocks are timed by their twelve layers in one run). A
+signature too rare to settle in one run (the model's head) is timed in a loop of its own on the
+first of its nodes after which too few are left: ``warmup`` untimed runs, then timed runs until
+the median settles or ``repeats`` were taken. A node that writes a tensor in place
 (:mod:`.effects`) cannot run twice on the same inputs: it runs once per run of the graph, and
-shares with no other. With ``exhaustive=True`` every node is timed instead over ``warmup`` untimed and
-``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its fx nodes'
-medians. Times are seconds for one call on the example inputs, the unit of work of a profiled
-graph (see :class:`~torchplace.graph.NodeRecord`).
+shares with no other. With ``exhaustive=True`` every node is timed instead over ``warmup``
+untimed and ``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its
+fx nodes' medians. Times are seconds for one call on the example inputs, the unit of work of a
+profiled graph (see :class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
 """
