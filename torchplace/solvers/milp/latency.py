@@ -448,7 +448,8 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         A Plan whose objective is the cost model's simulated latency; its status is ``"feasible"``
         (the IP is optimal for Tarnawski's model, not for the simulation) or ``"time_limit"``, or
         ``"optimal"`` when the objective meets its lower bound, :func:`latency_lower_bound`. ``meta`` holds ``ip_latency`` (TotalLatency),
-        ``ip_bound`` (proven for Tarnawski's model only), ``ip_status``, ``q``, ``rows``, ``cols``.
+        ``ip_bound`` (proven for Tarnawski's model only), ``ip_status``, ``q``, ``rows``, ``cols``,
+        ``kept`` (``"ip"`` or ``"start"``) and ``ip_simulated`` (the IP's own plan, simulated).
 
     Raises:
         ValueError: see :func:`build`.
@@ -478,13 +479,15 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
                 "milp_objective": None, "milp_bound": e.bound, "stopped": str(e)}
     else:
         stages, kept = extract(model, problem), "ip"
+        simulated = costmodel.evaluate_stages(problem, stages)[0]
         if start_stages is not None and (  # keep the start where HiGHS's incumbent simulates worse
-                costmodel.evaluate_stages(problem, start_stages)[0] < costmodel.evaluate_stages(problem, stages)[0]):
+                costmodel.evaluate_stages(problem, start_stages)[0] < simulated):
             stages, kept = start_stages, "start"
         status = "time_limit" if res.status == "time_limit" else "feasible"
         rows, cols = _size(model)
         meta = {"ip_latency": res.objective, "ip_bound": res.bound, "ip_status": res.status, "q": q,
-                "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols, "kept": kept}
+                "milp_objective": res.objective, "milp_bound": res.bound, "rows": rows, "cols": cols, "kept": kept,
+                "ip_simulated": simulated}
     plan = Plan.build(problem, stages, solver="milp-latency", seconds=budget.elapsed(),
                       lower_bound=latency_lower_bound(problem), status=status, meta=meta)
     if plan.objective <= plan.lower_bound * (1 + 1e-9):
