@@ -203,6 +203,29 @@ def _quiet_fake_tensors() -> Iterator[None]:
         log.setLevel(level)
 
 
+_PROBE_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
+
+
+def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
+                   repeats: int) -> tuple[_Probe | None, float]:
+    """:func:`_probe`, and the factor its bytes take to the model's own dtype. A meta model that
+    fails is probed again on bfloat16 fake tensors (grouped expert matmuls' fake kernel takes
+    nothing else), and if that fails too there is no probe (data-dependent control flow on meta
+    tensors: :func:`_structural` costs it from its parameters). A real model's failure is raised."""
+    try:
+        return _probe(model, blocks, kwargs, repeats), 1.0
+    except _PROBE_ERRORS:
+        if not any(p.is_meta for p in model.parameters()):
+            raise
+    if _own_dtype(model) in (None, torch.bfloat16):  # nothing another dtype would change
+        return None, 1.0
+    try:
+        back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
+        return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
+    except _PROBE_ERRORS:
+        return None, 1.0
+
+
 def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, out_shape: Sequence[int],
                       **kwargs: Any) -> int:
     """FLOPs of ``aten._grouped_mm(a, b, offs)``: each row of ``a`` times its group's matrix of ``b``.
@@ -293,20 +316,8 @@ def block_graph(
     """
     specs = dict(HF_DEVICE_SPECS if specs is None else specs)
     blocks = blocks_of(model, no_split, dtype)
-    scale = 1.0 if dtype is None else _act_scale(model, dtype)
-    try:
-        probe: _Probe | None = _probe(model, blocks, example_kwargs, repeats)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        if not any(p.is_meta for p in model.parameters()):
-            raise
-        probe = None
-    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
-    if probe is None and own != torch.bfloat16:  # e.g. grouped expert matmuls: their fake kernel takes bfloat16
-        try:
-            probe = _probe(model, blocks, example_kwargs, repeats, fake_dtype=torch.bfloat16)
-            scale *= own.itemsize / torch.bfloat16.itemsize  # bfloat16 bytes back to the model's dtype
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
-            probe = None  # data-dependent control flow on meta tensors: cost from parameters alone
+    probe, probed_scale = _probe_or_none(model, blocks, example_kwargs, repeats)
+    scale = probed_scale * (1.0 if dtype is None else _act_scale(model, dtype))
     records, costs = _block_records(model, blocks, probe, example_kwargs, scale)
     missing = [k for k in kinds if k not in specs and not (k == "cpu" and probe and _timed(probe))]
     if missing:
@@ -336,10 +347,14 @@ def _timed(probe: _Probe) -> bool:
     return any(r.seconds for r in probe.records.values())
 
 
+def _own_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter (None without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _act_scale(model: nn.Module, dtype: torch.dtype) -> float:
     """Activation bytes scale when the model will run in ``dtype`` instead of its own dtype."""
-    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
-    return dtype.itemsize / own.itemsize
+    return dtype.itemsize / (_own_dtype(model) or dtype).itemsize
 
 
 def _block_records(model: nn.Module, blocks: Sequence[Block], probe: _Probe | None, kwargs: Mapping[str, Any],

@@ -163,12 +163,12 @@ class _SharingInterpreter(_TimingInterpreter):
         self.key_of: dict[str, Hashable] = {}
         self.looped: list[str] = []
         self.times: dict[str, float] = {}
-        self._count = Counter(shape_key(n, gm) for n in gm.graph.nodes if is_compute(n))
-        self._left = Counter(self._count)
+        self._shape = {n.name: shape_key(n, gm) for n in gm.graph.nodes if is_compute(n)}  # fixed: keyed once
+        self._left: Counter[Hashable] = Counter()
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """One run of the graph; every run adds to the same pools, and ``times`` holds what they say."""
-        self._left = Counter(self._count)
+        self._left = Counter(self._shape.values())
         out = super().run(*args, **kwargs)
         self.times = {name: self._seconds(key) for name, key in self.key_of.items()}
         return out
@@ -181,7 +181,7 @@ class _SharingInterpreter(_TimingInterpreter):
         if not is_compute(n):
             return super().run_node(n)
         self.tick()
-        shape = shape_key(n, self.module)
+        shape = self._shape[n.name]
         self._left[shape] -= 1
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
