@@ -11,6 +11,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelTooLargeError",
     "PlacementWarning",
+    "SolverError",
     "SolverLimitError",
     "StageError",
     "TooManyIdealsError",
@@ -74,6 +75,13 @@ class TooManyIdealsError(TorchplaceError):
 
 class StageError(TorchplaceError, RuntimeError):
     """A pipeline stage raised while running; the original exception is chained as ``__cause__``."""
+
+
+class SolverError(TorchplaceError, RuntimeError):
+    """An exact solver ended without a verdict it could vouch for (HiGHS reporting a solve error,
+    e.g. an "optimal" solution that fails its own feasibility check). The message names the solver
+    version and the way out: another method (``method="auto"`` goes on with the others) or another
+    version of the solver."""
 
 
 class SolverLimitError(TorchplaceError):

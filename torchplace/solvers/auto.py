@@ -34,7 +34,7 @@ import math
 import time
 from typing import Any
 
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, TooManyIdealsError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
@@ -181,6 +181,9 @@ def _run_milp(name: str, problem: Problem, deadline: float, tried: dict[str, Any
         plan = call_method(name, problem, time_limit=_remaining(deadline), **opts)
     except ModelTooLargeError as e:
         tried[name] = f"refused: {e}"
+        return
+    except SolverError as e:  # the other methods' plans stand; their bounds too
+        tried[name] = f"failed: {e}"
         return
     except SolverLimitError as e:
         tried[name] = "no incumbent within the time limit"

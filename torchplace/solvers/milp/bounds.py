@@ -53,7 +53,7 @@ import math
 
 import pyomo.environ as pyo
 
-from torchplace.errors import InfeasibleError, SolverLimitError
+from torchplace.errors import InfeasibleError, SolverError, SolverLimitError
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
@@ -179,6 +179,8 @@ def _class_bound(problem: Problem, units: Units, device: int, floor: float, gues
         return math.inf
     except SolverLimitError as e:  # no incumbent: keep what it proved, at least the floor
         return max(floor, e.bound if e.bound is not None else floor)
+    except SolverError:  # HiGHS vouched for nothing: the floor still holds
+        return floor
     return max(floor, res.bound * m.unit)
 
 

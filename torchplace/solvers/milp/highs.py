@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pyomo.environ as pyo
 from pyomo.contrib import appsi
 
-from torchplace.errors import InfeasibleError, SolverLimitError
+from torchplace.errors import InfeasibleError, MissingDependencyError, SolverError, SolverLimitError
 from torchplace.solvers.limits import Budget
 
 __all__ = ["MilpResult", "solve_model"]
@@ -89,6 +89,16 @@ class MilpResult:
     seconds: float
 
 
+def _failed(name: str, tc: _TC, solver: appsi.solvers.Highs, retried: bool) -> SolverError:
+    tried = "with presolve and without" if retried else "once"
+    version = ".".join(map(str, solver.version()))
+    return SolverError(
+        f"{name}: HiGHS {version} stopped with {tc.name} ({tried}) and no answer it could vouch for; "
+        "use method='auto' (it goes on with the other methods) or 'dp', or another highspy version "
+        "(torchplace is tested with 1.15 and 1.16)"
+    )
+
+
 def solve_model(
     model: pyo.ConcreteModel,
     *,
@@ -122,10 +132,13 @@ def solve_model(
         SolverLimitError: if the limit stopped HiGHS before it found any feasible solution, or
             passed while the model was handed over.
         ModelTooLargeError: if the hand-over outgrew the budget's memory.
+        SolverError: if HiGHS ended with no answer it could vouch for (a solve error, run once more
+            without presolve first).
+        MissingDependencyError: if highspy is not installed.
     """
     solver = _BudgetedHighs()
     if not solver.available():
-        raise RuntimeError("HiGHS is not available: pip install highspy")
+        raise MissingDependencyError("HiGHS is not available: pip install highspy")
     solver.config.load_solution = False
     solver.config.mip_gap = mip_gap
     solver.config.stream_solver = verbose
@@ -144,7 +157,16 @@ def solve_model(
                 solver.highs_options = {"presolve": "off"}  # it would run past the deadline
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
+    started, retried = time.perf_counter(), False
     res = solver.solve(model)
+    if res.termination_condition == _TC.error and solver.highs_options.get("presolve") != "off":
+        # HiGHS sets "solve error" when the answer fails its own check ("MIP solver claims
+        # optimality, but with primal infeasibilities": ERGO-Code/HiGHS #2782, #2808), usually
+        # after presolve: once more without it, in the time the first run left.
+        solver.highs_options = {**solver.highs_options, "presolve": "off"}
+        if time_limit is not None:
+            solver.config.time_limit = max(0.0, float(time_limit) - (time.perf_counter() - started))
+        res, retried = solver.solve(model), True
     seconds = time.perf_counter() - t0
     if budget is not None and budget.time_limit is not None:
         time_limit = budget.time_limit  # what the user asked for, in messages
@@ -162,9 +184,9 @@ def solve_model(
                 f"(proven lower bound {seconds_bound} s); raise the time limit or use a heuristic method",
                 time_limit, seconds_bound,
             )
-        raise RuntimeError(f"{name}: HiGHS stopped with {tc.name} and no solution")
+        raise _failed(name, tc, solver, retried)
     if tc not in (_TC.optimal, _TC.maxTimeLimit):
-        raise RuntimeError(f"{name}: HiGHS stopped with {tc.name}")
+        raise _failed(name, tc, solver, retried)
     res.solution_loader.load_vars()
     status = "optimal" if tc == _TC.optimal else "time_limit"
     if bound is None:
