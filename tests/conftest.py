@@ -5,8 +5,15 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Property tests draw the same examples on every run, so the suite's verdict on a commit does not
+# depend on luck; ``pytest --hypothesis-profile=explore`` draws new ones (run it when a solver changes).
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
 
 WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
 DNN = WORKLOADS / "dnn-partitioning" / "throughput"

@@ -177,9 +177,13 @@ def test_diamond_needs_two_subgraphs_per_accelerator_to_run_branches_in_parallel
     # d after the branch in its own slot: 14 + in 2 + 1 = 17.
     two = latency.solve(_diamond(), q=2)
     assert two.meta["ip_latency"] == pytest.approx(17.0)
-    assert sorted(s.nodes for s in two.stages) == [("a",), ("b",), ("c",), ("d",)]
-    # The simulation moves a's output at once (2 s acc -> acc), c runs on a's device meanwhile:
-    # b 3..13, c's output reaches b's device at 13 (c 1..11, move 11..13), d 13..14.
+    # Optimal plans differ only in which accelerator takes a and d (HiGHS returns either, by
+    # machine): the branches always run on two devices.
+    device = {v: s.device for s in two.stages for v in s.nodes}
+    assert device["b"] != device["c"]
+    # The simulation moves a's output at once (2 s acc -> acc) while the other branch runs on a's
+    # device: a 0..1, its branch 1..11, the far branch 3..13, the near branch's output reaches the
+    # far device (or d's) by 13, d 13..14.
     assert two.objective == pytest.approx(14.0)
     assert two.lower_bound == latency_lower_bound(_diamond()) == 12.0  # path a, b, d
 
