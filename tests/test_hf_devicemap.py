@@ -243,6 +243,30 @@ def test_offloaded_blocks_charge_the_main_device_with_their_kv_cache_and_streame
     assert dispatched_memory(problem, stages)["cuda:0"] == device_memory(problem, stages)["cuda:0"] + extra
 
 
+def test_activations_of_offloaded_blocks_move_as_the_main_device_sends_them(tmp_path):
+    """A block mapped to "cpu" or "disk" computes on GPU 0: its inputs and outputs cost nothing to
+    and from GPU 0 and each other, and take GPU 0's link to any other GPU (here an NVLink from
+    the cluster file, where the host link it would otherwise be charged is 100x slower)."""
+    from torchplace.clusterfile import load_cluster
+    from torchplace.hf.budget import hf_cluster
+
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"format": "torchplace.cluster/1", "bandwidth": 2e9, "devices": ['
+                       '{"name": "cuda:0", "kind": "cuda", "torch_device": "cuda:0"},'
+                       '{"name": "cuda:1", "kind": "cuda", "torch_device": "cuda:1"}],'
+                       '"links": [{"src": "cuda:0", "dst": "cuda:1", "bandwidth": 2e11, "bidirectional": true}]}')
+    hw = hf_cluster({0: "1GiB", 1: "1GiB", "cpu": "4GiB", "disk": "8GiB"}, load_cluster(cluster))
+    nbytes = 6 * 2**20
+    for a, b in [("cuda:0", "cpu"), ("cpu", "cuda:0"), ("cpu", "disk"), ("disk", "cuda:0")]:
+        assert hw.link_time(nbytes, a, b) == 0.0, (a, b)
+    nvlink = hw.link_time(nbytes, "cuda:0", "cuda:1")
+    assert nvlink < nbytes / 2e9 / 50  # the NVLink, not the host link
+    for a, b in [("cpu", "cuda:1"), ("cuda:1", "disk")]:
+        assert hw.link_time(nbytes, a, b) == pytest.approx(nvlink), (a, b)
+    # with no GPU, "disk" blocks compute on the CPU: nothing moves between them
+    assert hf_cluster({"cpu": "4GiB", "disk": "8GiB"}).link_time(nbytes, "cpu", "disk") == 0.0
+
+
 def test_a_map_that_offloads_every_block_names_the_gpu_that_computes_them():
     from torchplace.hf.maps import to_device_map
     from torchplace.plan import Plan, Stage

@@ -6,11 +6,13 @@ accelerate names devices ``0, 1, ...`` (GPU ids), ``"cpu"`` and ``"disk"``; torc
 ``"disk"`` does not compute there: its weights are streamed to the *main device* (the first GPU,
 else the CPU) before each call. Those devices therefore get kinds ``"cpu-offload"`` /
 ``"disk-offload"`` whose time per block is the main device's time plus the block's weight bytes over
-the host link (the cluster's ``bandwidth``) or the disk (``disk_bandwidth``): one cost model, with
-the times the runtime really pays put on the graph (:func:`offload_times`).
+the host link (the cluster's ``bandwidth``) or the disk (``disk_bandwidth``), and whose activations
+move as the main device's do (:func:`hf_cluster`'s links): one cost model, with the times the
+runtime really pays put on the graph (:func:`offload_times`).
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import replace
@@ -18,7 +20,7 @@ from typing import Any
 
 from torchplace import machine
 from torchplace.checks import brief
-from torchplace.devices import DEFAULT_LINK_BANDWIDTH, Cluster, Device
+from torchplace.devices import DEFAULT_LINK_BANDWIDTH, Cluster, Device, Link
 from torchplace.errors import UsageError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.units import parse_memory
@@ -106,7 +108,8 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
             visible GPU and the CPU with their memory (no disk).
         cluster: a cluster (e.g. from a cluster file) giving each GPU's kind (by name ``"cuda:i"``
             or ``"i"``, else the i-th non-CPU device), the default link and the links between
-            devices of those names.
+            devices of those names. Offload devices get the links their blocks' activations really
+            take (:func:`_offload_links`), whatever the cluster says of ``"cpu"`` and ``"disk"``.
 
     Raises:
         UsageError: a bad key or amount (named), or GPUs the cluster does not describe.
@@ -120,12 +123,40 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
     if "disk" in caps:
         devices.append(Device("disk", "cpu", "disk-offload", caps["disk"]))
     if cluster is None:
-        return Cluster(tuple(devices))
+        return _offload_links(Cluster(tuple(devices)))
     names = {d.name for d in devices}
     links = {pair: link for pair, link in cluster.links.items() if set(pair) <= names}
     pairs = {pair: bw for pair, bw in cluster.pair_bandwidth.items() if set(pair) <= names}
-    return Cluster(tuple(devices), bandwidth=cluster.bandwidth, latency=cluster.latency, links=links,
-                   pair_bandwidth=pairs)
+    return _offload_links(Cluster(tuple(devices), bandwidth=cluster.bandwidth, latency=cluster.latency,
+                                  links=links, pair_bandwidth=pairs))
+
+
+def _offload_links(cluster: Cluster) -> Cluster:
+    """``cluster`` with the links activations really take to and from offload devices.
+
+    An offloaded block computes on the main device (``cluster.devices[0]``, as in
+    :func:`offload_times`), so its inputs and outputs never leave it: between the main device and
+    an offload device, or two offload devices, nothing moves (an infinitely fast link); between
+    an offload device and another GPU, they take that GPU's link with the main device. (Its
+    weights' trip to the main device is in the block's time.)
+    """
+    main = cluster.devices[0].name
+    offload = [d.name for d in cluster.devices if d.kind in OFFLOAD_KINDS]
+    if not offload:
+        return cluster
+    free = Link(math.inf, 0.0)
+    links = {pair: link for pair, link in cluster.links.items() if not set(pair) & set(offload)}
+    pairs = {pair: bw for pair, bw in cluster.pair_bandwidth.items() if not set(pair) & set(offload)}
+    for x in offload:
+        for d in cluster.devices:
+            if d.name == x:
+                continue
+            if d.name == main or d.name in offload:
+                links[(x, d.name)] = links[(d.name, x)] = free
+            else:
+                links[(x, d.name)] = cluster.link(main, d.name)
+                links[(d.name, x)] = cluster.link(d.name, main)
+    return replace(cluster, links=links, pair_bandwidth=pairs)
 
 
 def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH,
