@@ -562,7 +562,12 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
     from torchplace.solvers.bounds import combinatorial_lower_bound
 
     return Plan.build(problem, plan.stages, solver=f"{plan.solver} (given)", seconds=0.0,
-                      lower_bound=combinatorial_lower_bound(problem), status="feasible")
+                      lower_bound=combinatorial_lower_bound(problem, time_limit=REPLAN_BOUND_SECONDS),
+                      status="feasible")
+
+
+REPLAN_BOUND_SECONDS = 1.0
+"""How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
 
 
 FUSE_ABOVE = 1000
@@ -572,7 +577,7 @@ FUSE_ABOVE = 1000
 def _solve(problem: Problem, solver: str, time_limit: float | None, fuse: bool | None) -> Plan:
     """Solve ``problem``, on its coarsened graph when ``fuse`` says so (see :func:`place`)."""
     from torchplace.fusion import coarsen
-    from torchplace.solvers.auto import MILP_NODES
+    from torchplace.solvers.auto import CUT_BOUND_SHARE, DEFAULT_TIME_LIMIT, MILP_NODES
     from torchplace.solvers.bounds import combinatorial_lower_bound
 
     if fuse is None:
@@ -581,7 +586,8 @@ def _solve(problem: Problem, solver: str, time_limit: float | None, fuse: bool |
         return solvers.solve(problem, method=solver, time_limit=time_limit)
     coarse = coarsen(problem.graph, devices=len(problem.cluster))
     plan = solvers.solve(coarse.coarse_problem(problem), method=solver, time_limit=time_limit)
-    return coarse.expand_plan(plan, problem, lower_bound=combinatorial_lower_bound(problem))
+    bound_seconds = CUT_BOUND_SHARE * (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    return coarse.expand_plan(plan, problem, lower_bound=combinatorial_lower_bound(problem, bound_seconds))
 
 
 class _LazyPlaced(nn.Module):

@@ -53,9 +53,15 @@ def latency_lower_bound(problem: Problem) -> float:
     return max(path, math.fsum(least.values()) / len(problem.cluster))
 
 
-def combinatorial_lower_bound(problem: Problem) -> float:
-    """The combinatorial bound for ``problem``'s objective (max-load or latency)."""
-    return latency_lower_bound(problem) if problem.objective == "latency" else simple_lower_bound(problem)
+def combinatorial_lower_bound(problem: Problem, time_limit: float | None = 5.0) -> float:
+    """The combinatorial bound for ``problem``'s objective: the latency bound, or for max-load the
+    better of the simple bound and the cut bound (:mod:`torchplace.solvers.cut_bound`, whose exact
+    cuts take at most ``time_limit`` seconds)."""
+    if problem.objective == "latency":
+        return latency_lower_bound(problem)
+    from torchplace.solvers.cut_bound import cut_lower_bound
+
+    return max(simple_lower_bound(problem), cut_lower_bound(problem, time_limit))
 
 
 def _integer(x: float) -> bool:
