@@ -15,7 +15,8 @@ and the geo-mean.
 Methods: the ideals DP, DPL, the max-load IP restricted to contiguous splits and unrestricted
 (Tarnawski App. C), SliceGraph over random orders and BRKGA (Archer Sec. 4, App. C.1), and the
 human expert split where the workload has one. Bounds: simple (Archer Lemma 3.3), cut
-(:mod:`torchplace.solvers.cut_bound`: transfers priced by minimum cuts), three-superblock
+(:mod:`torchplace.solvers.cut_bound`: transfers priced by minimum cuts, and the pigeonhole count
+of groups per device), three-superblock
 (3.2), guess-the-bottleneck (3.3) and the non-contiguous IP's proven bound ("exact" when it closed
 the gap). A MILP stopped by its limit is reported with its incumbent and a "*".
 """
