@@ -10,8 +10,8 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    (Tarnawski App. C), which runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
 3. the lower bound is the best proven one: combinatorial (Archer Lemma 3.3) and the cut bound
    (:mod:`~torchplace.solvers.cut_bound`, transfers priced, within :data:`CUT_BOUND_SHARE` of the
-   time left) always, the MILP's bound when it ran; a plan the cut bound proves optimal over any
-   split ends the search. With ``bounds="mip"`` also Archer's guess-the-bottleneck bound (Sec. 3.3;
+   time left) always, the MILP's bound when it ran; a plan a bound proves optimal over any split
+   ends the search. With ``bounds="mip"`` also Archer's guess-the-bottleneck bound (Sec. 3.3;
    it contains the three-superblock MIP of Sec. 3.2, so it is never weaker) within
    :data:`MIP_BOUND_SHARE` of the time left, and then the non-contiguous max-load MILP, started
    from the best plan, within the rest, on any graph its model fits: its proven bound holds for
@@ -123,7 +123,7 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
-    if cut >= first.objective * (1 - 1e-9):  # proven optimal over any split: nothing can do better
+    if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
     if bounds == "mip" and _remaining(deadline) > 0:
         from torchplace.solvers.milp import bounds as mip_bounds
@@ -131,12 +131,19 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         value = mip_bounds.guess_the_bottleneck_bound(problem, time_limit=_remaining(deadline) * MIP_BOUND_SHARE)
         tried["guess_the_bottleneck_bound"] = value
         proven.append(value)
+        if _closed(plans, proven):
+            return _best(problem, plans, proven, tried, t0)
     if not problem.contiguous and (len(problem.graph) <= milp_nodes or bounds == "mip") and _remaining(deadline) > 0:
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
     elif bounds == "mip" and _remaining(deadline) > 0:  # the bound over any split; the plan stays contiguous
         loose = dataclasses.replace(problem, contiguous=False)
         _run_milp("ip", loose, deadline, tried, [], proven, warm_start=_rebuild(loose, plans[0]))
     return _best(problem, plans, proven, tried, t0)
+
+
+def _closed(plans: list[Plan], proven: list[float]) -> bool:
+    """Whether a proven bound meets the best plan (optimal over any split: no MILP can improve it)."""
+    return max(proven, default=0.0) >= min(p.objective for p in plans) * (1 - 1e-9)
 
 
 def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dict[str, Any],

@@ -111,7 +111,8 @@ def cut_lower_bound(problem: Problem, time_limit: float | None = 5.0) -> float:
     paying = sorted({d.kind for d in problem.cluster.devices if d.pays_transfer})
     free = [d.kind for d in problem.cluster.devices if not d.pays_transfer]
     b = [min((groups.time(u, k) for k in free), default=math.inf) for u in range(groups.n)]
-    a = [min((groups.time(u, k) for k in paying), default=math.inf) for u in range(groups.n)]
+    p = [min((groups.time(u, k) for k in paying), default=math.inf) for u in range(groups.n)]
+    a = list(p)
     for u in range(groups.n):
         if u % 1024 == 0 and left() <= 0:
             break
@@ -128,7 +129,6 @@ def cut_lower_bound(problem: Problem, time_limit: float | None = 5.0) -> float:
             a[u] = exact
             if exact > bound:
                 bound = _least_load(a, b, len(free))
-    p = [min((groups.time(u, k) for k in paying), default=math.inf) for u in range(groups.n)]
     return _packed_load(a, p, b, sum(d.pays_transfer for d in problem.cluster.devices), len(free), bound)
 
 
@@ -159,7 +159,7 @@ def _packed_load(a: list[float], p: list[float], b: list[float], paying: int, fr
 
     if paying == 0 or math.isinf(lo) or fits(lo):
         return lo
-    hi = max(lo, 1e-300) * 2
+    hi = max(2 * lo, float(np.max(pv, where=np.isfinite(pv), initial=1e-300)))
     while not fits(hi):  # finite times fit under a large enough L
         lo, hi = hi, hi * 2
     while hi - lo > 1e-12 * hi:
