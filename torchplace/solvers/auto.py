@@ -6,15 +6,18 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    ends within three quarters of the time, else SliceGraph over random topological orders
    followed by BRKGA (until :data:`BRKGA_PATIENCE` generations bring nothing better), within the
    time left; neither runs on once a split meets the lower bound;
-2. when the problem allows non-contiguous splits, that plan is the incumbent of the max-load MILP
-   (Tarnawski App. C), which runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
+2. when the problem allows non-contiguous splits, that plan is improved by moving work off its
+   bottleneck device (:mod:`~torchplace.solvers.polish`, within :data:`POLISH_SHARE` of the time
+   left), and the contiguous plan is the incumbent of the max-load MILP (Tarnawski App. C), which
+   runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
 3. the lower bound is the best proven one: combinatorial (Archer Lemma 3.3) and the cut bound
    (:mod:`~torchplace.solvers.cut_bound`, transfers priced, within :data:`CUT_BOUND_SHARE` of the
    time left) always, the MILP's bound when it ran; a plan a bound proves optimal over any split
    ends the search. With ``bounds="mip"`` also Archer's guess-the-bottleneck bound (Sec. 3.3;
    it contains the three-superblock MIP of Sec. 3.2, so it is never weaker) within
    :data:`MIP_BOUND_SHARE` of the time left, and then the non-contiguous max-load MILP, started
-   from the best plan, within the rest, on any graph its model fits: its proven bound holds for
+   from the contiguous plan, within the rest, on any graph its model fits (the polished plan's
+   value is recorded beside it, also on a contiguous problem): its proven bound holds for
    every split, contiguous or not (on a contiguous problem only the bound is kept, as its plan
    need not be contiguous). Both are certificates over any split; the DP's ``"optimal"`` is the
    certificate within contiguous splits.
@@ -41,6 +44,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
 from torchplace.solvers.cut_bound import cut_lower_bound
+from torchplace.solvers.polish import polish
 
 __all__ = ["BRKGA_PATIENCE", "DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
 
@@ -61,6 +65,9 @@ brkga-100 within 1% of brkga-10000."""
 
 CUT_BOUND_SHARE = 0.1
 """The share of the time left that the cut bound's exact cuts may take (its one-hop values always run)."""
+
+POLISH_SHARE = 0.1
+"""The share of the time left that moving work off the bottleneck of a non-contiguous plan may take."""
 
 MIP_BOUND_SHARE = 1 / 3
 """With ``bounds="mip"``: the share of the time left that guess-the-bottleneck may take before the MILP."""
@@ -123,6 +130,8 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
+    if not problem.contiguous and not _closed(plans, proven):
+        plans.append(_polished(problem, plans[0], deadline, tried))
     if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
     if bounds == "mip" and _remaining(deadline) > 0:
@@ -134,11 +143,24 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         if _closed(plans, proven):
             return _best(problem, plans, proven, tried, t0)
     if not problem.contiguous and (len(problem.graph) <= milp_nodes or bounds == "mip") and _remaining(deadline) > 0:
+        # The MILP starts from the contiguous plan, not the polished one: HiGHS 1.16's presolve was
+        # seen to hang past its time limit from a polished start (BERT-6, 418 nodes, 2-3 s limits).
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
     elif bounds == "mip" and _remaining(deadline) > 0:  # the bound over any split; the plan stays contiguous
         loose = dataclasses.replace(problem, contiguous=False)
-        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=_rebuild(loose, plans[0]))
+        start = _rebuild(loose, plans[0])
+        _polished(loose, start, deadline, tried)  # a better split than any contiguous one, if found
+        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=start)
     return _best(problem, plans, proven, tried, t0)
+
+
+def _polished(problem: Problem, plan: Plan, deadline: float, tried: dict[str, Any]) -> Plan:
+    """``plan`` improved by :func:`~torchplace.solvers.polish.polish` within :data:`POLISH_SHARE`
+    of the time left (non-contiguous problems only)."""
+    better = polish(problem, plan, time_limit=_remaining(deadline) * POLISH_SHARE)
+    if better is not plan:
+        tried["polish"] = better.objective
+    return better
 
 
 def _closed(plans: list[Plan], proven: list[float]) -> bool:

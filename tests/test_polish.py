@@ -1,0 +1,94 @@
+"""Moving work off the bottleneck of a non-contiguous plan (:mod:`torchplace.solvers.polish`):
+never worse, always valid, and it finds the tied-weights plan that no contiguous split reaches."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.problem import Problem
+from torchplace.solvers import solve
+from torchplace.solvers.polish import polish
+
+from .conftest import DNN
+from .graphs import problems
+from .test_milp_maxload import brute_force
+
+
+def _tied(accelerators: int = 3) -> Problem:
+    """A chain embed -> l1 -> l2 -> head where head also reads embed's big output (a tied
+    weight): 10 s to move, 1 s per other tensor, 4 s per layer, 1 s for embed and head."""
+    g = OpGraph()
+    times = {"embed": 1.0, "l1": 4.0, "l2": 4.0, "head": 1.0}
+    for v, t in times.items():
+        g.add_node(v, NodeRecord(v, times={"accel": t}, transfer_time=10.0 if v == "embed" else 1.0))
+    for u, v in [("embed", "l1"), ("l1", "l2"), ("l2", "head"), ("embed", "head")]:
+        g.add_edge(u, v)
+    devices = tuple(Device(f"acc{i}", "meta", "accel") for i in range(accelerators))
+    return Problem(g, Cluster(devices), contiguous=False)
+
+
+def test_the_head_joins_the_embedding_that_a_contiguous_split_must_ship():
+    problem = _tied()
+    dp = solve(dataclasses.replace(problem, contiguous=True), "dp")  # the contiguous optimum
+    from torchplace.solvers.auto import _rebuild
+
+    plan = polish(problem, _rebuild(problem, dp), time_limit=None)
+    plan.validate(problem)
+    # contiguous: any cut before head ships embed's 10 s tensor, so all four stay on one device
+    # (10 s); polished: {embed, l1, head} (6 s + l1's output out + l2's in = 8 s) and {l2} (6 s)
+    assert dp.objective == pytest.approx(10.0)
+    assert dp.objective > brute_force(problem, contiguous=False)
+    assert plan.objective == pytest.approx(brute_force(problem, contiguous=False))
+    assert plan.meta["polish_moves"] >= 1 and plan.meta["contiguous"] is False
+
+
+def test_auto_polishes_a_non_contiguous_problem_and_only_those():
+    problem = _tied()
+    plan = solve(problem, "auto", time_limit=20)
+    assert "polish" in plan.meta["auto"] and plan.objective == pytest.approx(brute_force(problem, contiguous=False))
+    contiguous = solve(dataclasses.replace(problem, contiguous=True), "auto", time_limit=20)
+    assert "polish" not in contiguous.meta["auto"]
+
+
+def test_a_contiguous_problem_comes_back_unchanged():
+    problem = dataclasses.replace(_tied(), contiguous=True)
+    plan = solve(problem, "dp")
+    assert polish(problem, plan) is plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=6))
+def test_polish_never_worsens_and_never_beats_the_optimum(problem):
+    problem = dataclasses.replace(problem, contiguous=False)
+    try:
+        start = solve(dataclasses.replace(problem, contiguous=True), "dp")
+    except InfeasibleError:
+        return
+    from torchplace.solvers.auto import _rebuild
+
+    start = _rebuild(problem, start)
+    plan = polish(problem, start, time_limit=None)
+    plan.validate(problem)
+    assert plan.objective <= start.objective
+    best = brute_force(problem, contiguous=False)
+    assert not math.isinf(best) and plan.objective >= best - 1e-9
+
+
+def test_bert12s_tied_output_projection_moves_next_to_the_embedding():
+    # BERT-12 (operator graph) on 16 accelerators: the contiguous optimum (79.98) ships the
+    # embedding matrix (48 s) to the output projection's device; polished, that device is gone
+    from torchplace.solvers.auto import _rebuild
+    from torchplace.workloads.dnn_partitioning import read_dnn_partitioning
+
+    problem = dataclasses.replace(
+        read_dnn_partitioning(DNN / "OperatorGraphs" / "bert_l-12_inference.json", accelerators=16), contiguous=False)
+    dp = _rebuild(problem, solve(dataclasses.replace(problem, contiguous=True), "dp"))
+    plan = polish(problem, dp, time_limit=30)
+    assert plan.objective < 0.9 * dp.objective
+    assert max(c.transfer_in for c in plan.costs) < 40  # no device receives the 48 s matrix
