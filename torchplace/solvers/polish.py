@@ -35,12 +35,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from torchplace import costmodel
 from torchplace.devices import Device
 from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
+
+if TYPE_CHECKING:
+    from torchplace.solvers.milp.maxload import Units
 
 __all__ = ["polish"]
 
@@ -104,17 +108,17 @@ def polish(problem: Problem, plan: Plan, *, time_limit: float | None = 1.0, max_
     return better if better.objective < plan.objective else plan
 
 
-def _best_move(problem: Problem, units, held: list[set[str]], loads: list[float], d: int,
+def _best_move(problem: Problem, units: Units, held: list[set[str]], loads: list[float], d: int,
                deadline: float) -> tuple[set[str], int, float, float] | None:
-    """The move off device ``d`` whose worse side is least, if below ``loads[d]`` (module docstring)."""
+    """The move off device ``d`` whose worse side is least, if below ``loads[d]`` (module docstring):
+    the nodes moved, the device they go to, and the two devices' new loads."""
     devices = problem.cluster.devices
     top = loads[d]
     best: tuple[set[str], int, float, float] | None = None
     best_worse = top
 
-    def consider(nodes: set[str], e: int, rest_d: float | None = None) -> None:
+    def consider(nodes: set[str], e: int, load_d: float) -> None:
         nonlocal best, best_worse
-        load_d = _load(problem, held[d] - nodes, devices[d]) if rest_d is None else rest_d
         if load_d >= best_worse:
             return
         load_e = _load(problem, held[e] | nodes, devices[e])
