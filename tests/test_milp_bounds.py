@@ -145,3 +145,17 @@ def test_auto_with_mip_bounds_holds_its_time_limit(workloads_dir):
     assert time.perf_counter() - t0 < 4 * 1.1 + 1.5
     plan.validate(problem)
     assert simple_lower_bound(problem) <= plan.lower_bound <= plan.objective
+
+
+def test_auto_skips_the_ip_once_guess_the_bottleneck_meets_the_plan(workloads_dir, monkeypatch):
+    """A bound equal to the plan proves it optimal over any split: the IP has nothing to add."""
+    from torchplace.solvers.auto import solve_auto
+    from torchplace.solvers.milp import bounds as mip_bounds
+
+    problem = read_dnn_partitioning(DNN / "LayerGraphs/bert24_inference.json")
+    dp = solve_auto(problem, time_limit=15)  # the cut bound (17.695) stays below the DP's 17.7899
+    assert dp.lower_bound < dp.objective
+    monkeypatch.setattr(mip_bounds, "guess_the_bottleneck_bound", lambda problem, time_limit: dp.objective)
+    plan = solve_auto(problem, time_limit=15, bounds="mip")
+    assert "ip" not in plan.meta["auto"]
+    assert plan.lower_bound == pytest.approx(plan.objective) and plan.status == "optimal"
