@@ -15,6 +15,19 @@ from torchplace.plan import Stage
 from torchplace.problem import Pipeline, Problem
 
 
+def diamond(branch: float, transfer: float, **problem: object) -> Problem:
+    """a -> (b, c) -> d on two accelerators of 10 bytes: a and d take 1 s, b and c ``branch`` s,
+    each output ``transfer`` s to move, 1 byte of parameters per node; ``problem``: the Problem's
+    other fields (objective, contiguous)."""
+    g = OpGraph()
+    for v, t in zip("abcd", (1.0, branch, branch, 1.0)):
+        g.add_node(v, NodeRecord(v, times={"accel": t}, transfer_time=transfer, param_bytes=1))
+    for u, v in ("ab", "ac", "bd", "cd"):
+        g.add_edge(u, v)
+    devices = tuple(Device(f"acc{i}", "meta", "accel", 10) for i in range(2))
+    return Problem(g, Cluster(devices), **problem)
+
+
 @st.composite
 def problems(draw, max_nodes: int = 7) -> Problem:
     """A random DAG with accelerator/CPU times, transfer times, memory, colocation and CPU-only nodes."""

@@ -7,13 +7,12 @@ import pytest
 from pyomo.contrib import appsi
 
 from torchplace import costmodel
-from torchplace.devices import Cluster, Device
 from torchplace.errors import SolverError
-from torchplace.graph import NodeRecord, OpGraph
-from torchplace.problem import Problem
 from torchplace.solvers import solve
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.milp import bounds, highs, maxload
+
+from .graphs import diamond
 
 
 _TC = appsi.base.TerminationCondition
@@ -28,17 +27,6 @@ def _knapsack() -> pyo.ConcreteModel:
     m.cap = pyo.Constraint(expr=2 * m.x["a"] + m.x["b"] + 3 * m.x["c"] <= 4)
     m.obj = pyo.Objective(expr=-(3 * m.x["a"] + 2 * m.x["b"] + 4 * m.x["c"]))
     return m
-
-
-def _diamond() -> Problem:
-    """a -> (b, c) -> d on two accelerators, any split allowed."""
-    g = OpGraph()
-    for v, t in zip("abcd", (1.0, 3.0, 2.0, 1.0)):
-        g.add_node(v, NodeRecord(v, times={"accel": t}, transfer_time=0.5, param_bytes=1))
-    for u, v in ("ab", "ac", "bd", "cd"):
-        g.add_edge(u, v)
-    devices = tuple(Device(f"acc{i}", "meta", "accel", 10) for i in range(2))
-    return Problem(g, Cluster(devices), contiguous=False)
 
 
 def _solve_errors(monkeypatch, runs: int) -> list[dict]:
@@ -85,7 +73,7 @@ def test_auto_goes_on_when_the_ip_fails_and_bounds_keep_their_floor(monkeypatch)
     """The IP's failure leaves auto with the contiguous plan (tried says why), and a bound MIP's
     failure leaves the bound at the simple bound, which still holds."""
     _solve_errors(monkeypatch, runs=10**6)
-    problem = _diamond()
+    problem = diamond(3.0, 0.5, contiguous=False)  # a -> (b, c) -> d, any split allowed
     plan = solve(problem, "auto", time_limit=30)
     assert plan.objective == costmodel.evaluate(problem, plan)
     assert plan.meta["auto"]["ip"].startswith("failed: max-load IP: HiGHS")

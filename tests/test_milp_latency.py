@@ -24,7 +24,7 @@ from torchplace.solvers.milp import latency
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
-from .graphs import problems
+from .graphs import diamond, problems
 
 # -- an independent evaluator of Tarnawski's model (App. A) and a brute force over it ------------
 
@@ -159,13 +159,7 @@ def test_ip_with_two_slots_equals_brute_force_and_never_loses_to_one(problem):
 
 def _diamond(q_problem: bool = True) -> Problem:
     """a -> (b, c) -> d on two accelerators, no CPU: b and c take 10 s, a and d 1 s, transfers 1 s."""
-    g = OpGraph()
-    for v, t in zip("abcd", (1.0, 10.0, 10.0, 1.0)):
-        g.add_node(v, NodeRecord(v, times={"accel": t}, transfer_time=1.0, param_bytes=1))
-    for u, v in ("ab", "ac", "bd", "cd"):
-        g.add_edge(u, v)
-    devs = tuple(Device(f"acc{i}", "meta", "accel", 10) for i in range(2))
-    return Problem(g, Cluster(devs), objective="latency", contiguous=not q_problem)
+    return diamond(10.0, 1.0, objective="latency", contiguous=not q_problem)
 
 
 def test_diamond_needs_two_subgraphs_per_accelerator_to_run_branches_in_parallel():
