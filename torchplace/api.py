@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -549,6 +550,10 @@ def _load_plan(plan: Plan | str | Path) -> Plan:
     raise UsageError(f"plan must be a Plan or the path of a plan file, got {brief(plan)}")
 
 
+REPLAN_BOUND_SECONDS = 1.0
+"""How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
+
+
 def _replan(problem: Problem, plan: Plan) -> Plan:
     """``plan``'s stages, evaluated and validated on this problem (the model's new timings)."""
     placed = {v for s in plan.stages for v in s.nodes}
@@ -566,10 +571,6 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
                       status="feasible")
 
 
-REPLAN_BOUND_SECONDS = 1.0
-"""How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
-
-
 FUSE_ABOVE = 1000
 """Throughput graphs with more nodes than this are coarsened before solving when ``fuse=None``."""
 
@@ -584,10 +585,14 @@ def _solve(problem: Problem, solver: str, time_limit: float | None, fuse: bool |
         fuse = len(problem.graph) > (MILP_NODES if problem.objective == "latency" else FUSE_ABOVE)
     if not fuse:
         return solvers.solve(problem, method=solver, time_limit=time_limit)
+    start = time.perf_counter()
     coarse = coarsen(problem.graph, devices=len(problem.cluster))
     plan = solvers.solve(coarse.coarse_problem(problem), method=solver, time_limit=time_limit)
-    bound_seconds = CUT_BOUND_SHARE * (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
-    return coarse.expand_plan(plan, problem, lower_bound=combinatorial_lower_bound(problem, bound_seconds))
+    # the fine graph's bound (the coarse one's need not hold for it), in what the limit leaves
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    left = max(0.0, limit - (time.perf_counter() - start))
+    bound = combinatorial_lower_bound(problem, time_limit=min(left, CUT_BOUND_SHARE * limit))
+    return coarse.expand_plan(plan, problem, lower_bound=bound)
 
 
 class _LazyPlaced(nn.Module):

@@ -131,7 +131,7 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
     if not problem.contiguous and not _closed(plans, proven):
-        plans.append(_polished(problem, plans[0], deadline, tried))
+        plans.append(_polished(problem, plans[0], deadline, tried))  # plans[0] again if nothing helps
     if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
     if bounds == "mip" and _remaining(deadline) > 0:
