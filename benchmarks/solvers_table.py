@@ -10,7 +10,7 @@ file's CPUs), solved as a user gets it, ``auto`` with ``bounds="mip"`` within ``
 seconds in all: the DP's contiguous optimum (its certificate within contiguous splits), and the
 bound over any split (the simple bound, the cut bound, guess-the-bottleneck, the non-contiguous
 max-load MILP started from the DP's plan). "best" is the best plan over any split: the DP's, the
-DP's polished by moves off its bottleneck (:mod:`torchplace.solvers.polish`) or the MILP's
+DP's polished by local search (:mod:`torchplace.solvers.polish`) or the MILP's
 incumbent. Prints bound / best per
 instance, the wall time against the limit, and the geo-mean.
 

@@ -6,14 +6,16 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 from torchplace.solvers import solve
-from torchplace.solvers.polish import polish
+from torchplace import costmodel
+from torchplace.solvers.polish import _Cuts, polish
 
 from .conftest import DNN
 from .graphs import problems
@@ -92,3 +94,54 @@ def test_bert12s_tied_output_projection_moves_next_to_the_embedding():
     plan = polish(problem, dp, time_limit=30)
     assert plan.objective < 0.9 * dp.objective
     assert max(c.transfer_in for c in plan.costs) < 40  # no device receives the 48 s matrix
+
+
+def test_bert12_on_8_devices_moves_layers_and_makes_room_below_the_bottleneck():
+    # The contiguous optimum (108.04) holds two whole layers on each of two devices. Moving a
+    # layer's operators one at a time only adds transfers, and moving work off those two devices
+    # needs room that moves between the devices below them make first: without windows of units,
+    # or with moves off the bottleneck alone, the search finds nothing here.
+    from torchplace.solvers.auto import _rebuild
+    from torchplace.workloads.dnn_partitioning import read_dnn_partitioning
+
+    problem = dataclasses.replace(
+        read_dnn_partitioning(DNN / "OperatorGraphs" / "bert_l-12_inference.json", accelerators=8), contiguous=False)
+    dp = _rebuild(problem, solve(dataclasses.replace(problem, contiguous=True), "dp"))
+    plan = polish(problem, dp, time_limit=60)
+    plan.validate(problem)
+    assert plan.objective < 0.96 * dp.objective
+    assert polish(problem, dp, time_limit=60, window=1).objective == dp.objective
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=7), st.data())
+def test_incremental_pricing_equals_the_cost_model(problem, data):
+    # what the search prices a move at is each device's load under the cost model after it
+    devices = problem.cluster.devices
+    assume(len(devices) >= 2)
+    nodes = sorted(problem.graph.nx)
+    held = [set() for _ in devices]
+    for v in nodes:
+        held[data.draw(st.integers(0, len(devices) - 1))].add(v)
+    d, e = data.draw(st.permutations(range(len(devices))))[:2]
+    moved = data.draw(st.sets(st.sampled_from(sorted(held[d])))) if held[d] else set()
+    cuts = _Cuts(problem, held)
+
+    def transfer(nodes, device):
+        return sum(costmodel.transfers(problem, nodes)) if device.pays_transfer and nodes else 0.0
+
+    changed_d, changed_e, delta_d, delta_e = {}, {}, 0.0, 0.0
+    for v in sorted(moved):
+        delta_d += cuts.delta(v, cuts.count[d], changed_d, -1)
+        delta_e += cuts.delta(v, cuts.count[e], changed_e, 1)
+    after_d, after_e = held[d] - moved, held[e] | moved
+    assert transfer(held[d], devices[d]) + (delta_d if devices[d].pays_transfer else 0.0) == pytest.approx(
+        transfer(after_d, devices[d]), abs=1e-9)
+    assert transfer(held[e], devices[e]) + (delta_e if devices[e].pays_transfer else 0.0) == pytest.approx(
+        transfer(after_e, devices[e]), abs=1e-9)
+    merged = cuts.merged(d, e)
+    assert merged == pytest.approx(sum(costmodel.transfers(problem, held[d] | held[e])) if held[d] | held[e] else 0.0,
+                                   abs=1e-9)
+    cuts.move(moved, d, e)
+    again = _Cuts(problem, [after_d if i == d else after_e if i == e else h for i, h in enumerate(held)])
+    assert cuts.count == again.count
