@@ -67,7 +67,7 @@ CUT_BOUND_SHARE = 0.1
 """The share of the time left that the cut bound's exact cuts may take (its one-hop values always run)."""
 
 POLISH_SHARE = 0.1
-"""The share of the time left that moving work off the bottleneck of a non-contiguous plan may take."""
+"""The share of the time left that the local search on a non-contiguous plan may take."""
 
 MIP_BOUND_SHARE = 1 / 3
 """With ``bounds="mip"``: the share of the time left that guess-the-bottleneck may take before the MILP."""
@@ -130,8 +130,11 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
+    loose = dataclasses.replace(problem, contiguous=False) if problem.contiguous and bounds == "mip" else problem
     if not problem.contiguous and not _closed(plans, proven):
         plans.append(_polished(problem, plans[0], deadline, tried))  # plans[0] again if nothing helps
+    elif bounds == "mip" and not _closed(plans, proven):  # a better split than any contiguous one, if found
+        _polished(loose, _rebuild(loose, plans[0]), deadline, tried)  # recorded; the plan stays contiguous
     if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
     if bounds == "mip" and _remaining(deadline) > 0:
@@ -147,10 +150,7 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         # seen to hang past its time limit from a polished start (BERT-6, 418 nodes, 2-3 s limits).
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
     elif bounds == "mip" and _remaining(deadline) > 0:  # the bound over any split; the plan stays contiguous
-        loose = dataclasses.replace(problem, contiguous=False)
-        start = _rebuild(loose, plans[0])
-        _polished(loose, start, deadline, tried)  # a better split than any contiguous one, if found
-        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=start)
+        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=_rebuild(loose, plans[0]))
     return _best(problem, plans, proven, tried, t0)
 
 
