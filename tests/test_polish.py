@@ -145,3 +145,16 @@ def test_incremental_pricing_equals_the_cost_model(problem, data):
     cuts.move(moved, d, e)
     again = _Cuts(problem, [after_d if i == d else after_e if i == e else h for i, h in enumerate(held)])
     assert cuts.count == again.count
+
+
+def test_auto_proves_a_contiguous_problem_over_any_split_without_the_ip_when_the_polished_plan_meets_the_bound():
+    # The contiguous optimum is 10; the polished split {embed, l1, head}, {l2} is 8, which the cut
+    # bound proves optimal over any split (need(l1) = 8): no MIP can raise the bound past it.
+    from torchplace.solvers.auto import solve_auto
+
+    problem = dataclasses.replace(_tied(), contiguous=True)
+    plan = solve_auto(problem, time_limit=20, bounds="mip")
+    tried = plan.meta["auto"]
+    assert plan.objective == pytest.approx(10.0) and plan.lower_bound == pytest.approx(8.0)
+    assert tried["polish"] == pytest.approx(8.0) and tried["cut_bound"] == pytest.approx(8.0)
+    assert "ip" not in tried and "guess_the_bottleneck_bound" not in tried

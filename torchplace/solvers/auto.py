@@ -20,7 +20,8 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    value is recorded beside it, also on a contiguous problem): its proven bound holds for
    every split, contiguous or not (on a contiguous problem only the bound is kept, as its plan
    need not be contiguous). Both are certificates over any split; the DP's ``"optimal"`` is the
-   certificate within contiguous splits.
+   certificate within contiguous splits. Neither runs once a bound meets a plan over any split
+   (on a contiguous problem, the polished one): no bound can exceed a plan's value.
 
 Training with a :class:`~torchplace.problem.Pipeline`: the DP, and SliceGraph and BRKGA over each
 order they slice, cost pieces at their 1F1B positions with recomputation; the MILP and the MIP
@@ -131,13 +132,14 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
     loose = dataclasses.replace(problem, contiguous=False) if problem.contiguous and bounds == "mip" else problem
+    loose_plans = plans  # plans over any split: a bound meeting one of them cannot rise further
     if not problem.contiguous and not _closed(plans, proven):
         plans.append(_polished(problem, plans[0], deadline, tried))  # plans[0] again if nothing helps
     elif bounds == "mip" and not _closed(plans, proven):  # a better split than any contiguous one, if found
-        _polished(loose, _rebuild(loose, plans[0]), deadline, tried)  # recorded; the plan stays contiguous
+        loose_plans = [_polished(loose, _rebuild(loose, plans[0]), deadline, tried)]  # recorded, not returned
     if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
-    if bounds == "mip" and _remaining(deadline) > 0:
+    if bounds == "mip" and _remaining(deadline) > 0 and not _closed(loose_plans, proven):
         from torchplace.solvers.milp import bounds as mip_bounds
 
         value = mip_bounds.guess_the_bottleneck_bound(problem, time_limit=_remaining(deadline) * MIP_BOUND_SHARE)
@@ -149,7 +151,8 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         # The MILP starts from the contiguous plan, not the polished one: HiGHS 1.16's presolve was
         # seen to hang past its time limit from a polished start (BERT-6, 418 nodes, 2-3 s limits).
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
-    elif bounds == "mip" and _remaining(deadline) > 0:  # the bound over any split; the plan stays contiguous
+    elif bounds == "mip" and _remaining(deadline) > 0 and not _closed(loose_plans, proven):
+        # the bound over any split; the plan stays contiguous
         _run_milp("ip", loose, deadline, tried, [], proven, warm_start=_rebuild(loose, plans[0]))
     return _best(problem, plans, proven, tried, t0)
 
