@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from torchplace import costmodel
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 from torchplace.solvers import solve
-from torchplace import costmodel
 from torchplace.solvers.polish import _Cuts, polish
 
 from .conftest import DNN

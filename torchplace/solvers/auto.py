@@ -7,9 +7,9 @@ Throughput (Tarnawski Sec. 5; Archer Sec. 3-4):
    followed by BRKGA (until :data:`BRKGA_PATIENCE` generations bring nothing better), within the
    time left; neither runs on once a split meets the lower bound;
 2. when the problem allows non-contiguous splits, that plan is improved by moving windows of
-   operators between devices (:mod:`~torchplace.solvers.polish`, within :data:`POLISH_SHARE` of the time
-   left), and the contiguous plan is the incumbent of the max-load MILP (Tarnawski App. C), which
-   runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
+   operators between devices (:mod:`~torchplace.solvers.polish`, within :data:`POLISH_SHARE` of
+   the time left), and the contiguous plan is the incumbent of the max-load MILP (Tarnawski
+   App. C), which runs within ``time_limit`` on graphs of at most ``milp_nodes`` nodes;
 3. the lower bound is the best proven one: combinatorial (Archer Lemma 3.3) and the cut bound
    (:mod:`~torchplace.solvers.cut_bound`, transfers priced, within :data:`CUT_BOUND_SHARE` of the
    time left) always, the MILP's bound when it ran; a plan a bound proves optimal over any split

@@ -159,9 +159,11 @@ class _Cuts:
     def merged(self, d: int, e: int) -> float:
         """Transfer seconds of one device holding what ``d`` and ``e`` hold."""
         both = self.count[d].keys() | self.count[e].keys()
-        return math.fsum(self.cost[p] for p in both if self.count[d].get(p, 0) + self.count[e].get(p, 0) < self.size[p])
+        return math.fsum(self.cost[p] for p in both
+                         if self.count[d].get(p, 0) + self.count[e].get(p, 0) < self.size[p])
 
     def move(self, nodes: Collection[str], d: int, e: int) -> None:
+        """Count ``nodes`` on device ``e`` instead of ``d``."""
         for v in nodes:
             for p in self.edges[v]:
                 self.count[e][p] = self.count[e].get(p, 0) + 1
@@ -171,7 +173,8 @@ class _Cuts:
 
 
 def _best_move(problem: Problem, units: Units, cuts: _Cuts, held: list[set[str]], loads: list[float],
-               compute: list[float], d: int, window: int, deadline: float) -> tuple[set[str], int, int, float, float] | None:
+               compute: list[float], d: int, window: int,
+               deadline: float) -> tuple[set[str], int, int, float, float] | None:
     """The move off device ``d`` whose worse side is least, if below the larger of the two devices'
     loads (module docstring): the nodes moved, from ``d`` to which device, and the two new loads.
     Candidates are priced incrementally (:class:`_Cuts`), the best ones then exactly."""
