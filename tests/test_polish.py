@@ -1,5 +1,6 @@
-"""Moving work off the bottleneck of a non-contiguous plan (:mod:`torchplace.solvers.polish`):
-never worse, always valid, and it finds the tied-weights plan that no contiguous split reaches."""
+"""Local search on a non-contiguous plan (:mod:`torchplace.solvers.polish`): never worse, always
+valid, priced as the cost model prices, and it finds the tied-weights plans that no contiguous
+split reaches."""
 from __future__ import annotations
 
 import dataclasses

@@ -131,15 +131,21 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
     tried["cut_bound"] = cut
     proven: list[float] = [cut]
-    loose = dataclasses.replace(problem, contiguous=False) if problem.contiguous and bounds == "mip" else problem
-    loose_plans = plans  # plans over any split: a bound meeting one of them cannot rise further
-    if not problem.contiguous and not _closed(plans, proven):
-        plans.append(_polished(problem, plans[0], deadline, tried))  # plans[0] again if nothing helps
-    elif bounds == "mip" and not _closed(plans, proven):  # a better split than any contiguous one, if found
-        loose_plans = [_polished(loose, _rebuild(loose, plans[0]), deadline, tried)]  # recorded, not returned
     if _closed(plans, proven):  # proven optimal over any split: nothing can do better
         return _best(problem, plans, proven, tried, t0)
-    if bounds == "mip" and _remaining(deadline) > 0 and not _closed(loose_plans, proven):
+    # Plans over any split: once a bound meets one, no bound can rise further. A contiguous
+    # problem returns a contiguous plan; with bounds="mip" its loose twin's polished plan is only
+    # recorded, and stops the bound MIPs when a bound meets it.
+    loose, start, anysplit = problem, plans[0], plans
+    if not problem.contiguous:
+        plans.append(_polished(problem, start, deadline, tried))  # start again if nothing helps
+    elif bounds == "mip":
+        loose = dataclasses.replace(problem, contiguous=False)
+        start = _rebuild(loose, plans[0])
+        anysplit = [_polished(loose, start, deadline, tried)]
+    if _closed(plans, proven):
+        return _best(problem, plans, proven, tried, t0)
+    if bounds == "mip" and _remaining(deadline) > 0 and not _closed(anysplit, proven):
         from torchplace.solvers.milp import bounds as mip_bounds
 
         value = mip_bounds.guess_the_bottleneck_bound(problem, time_limit=_remaining(deadline) * MIP_BOUND_SHARE)
@@ -147,13 +153,12 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         proven.append(value)
         if _closed(plans, proven):
             return _best(problem, plans, proven, tried, t0)
+    # The MILP starts from the contiguous plan, not the polished one: HiGHS 1.16's presolve was
+    # seen to hang past its time limit from a polished start (BERT-6, 418 nodes, 2-3 s limits).
     if not problem.contiguous and (len(problem.graph) <= milp_nodes or bounds == "mip") and _remaining(deadline) > 0:
-        # The MILP starts from the contiguous plan, not the polished one: HiGHS 1.16's presolve was
-        # seen to hang past its time limit from a polished start (BERT-6, 418 nodes, 2-3 s limits).
-        _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=plans[0])
-    elif bounds == "mip" and _remaining(deadline) > 0 and not _closed(loose_plans, proven):
-        # the bound over any split; the plan stays contiguous
-        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=_rebuild(loose, plans[0]))
+        _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=start)
+    elif bounds == "mip" and _remaining(deadline) > 0 and not _closed(anysplit, proven):
+        _run_milp("ip", loose, deadline, tried, [], proven, warm_start=start)  # only its bound is kept
     return _best(problem, plans, proven, tried, t0)
 
 

@@ -183,6 +183,7 @@ def _best_move(problem: Problem, units: Units, cuts: _Cuts, held: list[set[str]]
     candidates: list[tuple[float, float, int, int, int]] = []  # (worse, sum, first, last, e) over d's units
     mine = sorted({units.of[v] for v in held[d]})
     others = [e for e in range(len(devices)) if e != d]
+    limit = {e: max(loads[d], loads[e]) * (1 - _TIE) for e in others}  # a move's worse side must stay below
     for i in range(len(mine)):
         if time.perf_counter() > deadline:
             break
@@ -195,7 +196,7 @@ def _best_move(problem: Problem, units: Units, cuts: _Cuts, held: list[set[str]]
             load_d -= units.time[u][d]
             for e in list(load_e):
                 work_e[e] += units.time[u][e]
-                if (u, e) not in units.allowed or work_e[e] >= max(loads[d], loads[e]) * (1 - _TIE):
+                if (u, e) not in units.allowed or work_e[e] >= limit[e]:
                     del load_e[e]  # neither this window nor a longer one from i can go to e
                 else:
                     load_e[e] += units.time[u][e]
@@ -209,18 +210,18 @@ def _best_move(problem: Problem, units: Units, cuts: _Cuts, held: list[set[str]]
                         load_e[e] += cuts.delta(v, cuts.count[e], changed_e[e], 1)
             for e, new_e in load_e.items():
                 worse = max(load_d, new_e)
-                if worse < max(loads[d], loads[e]) * (1 - _TIE):
+                if worse < limit[e]:
                     candidates.append((worse, load_d + new_e, i, j, e))
     for e in others:  # all of d: the tensors between d and e stop being sent
         if all((u, e) in units.allowed for u in mine):
             merged = compute[e] + math.fsum(units.time[u][e] for u in mine) + (cuts.merged(d, e) if pays[e] else 0.0)
-            if merged < max(loads[d], loads[e]) * (1 - _TIE):
+            if merged < limit[e]:
                 candidates.append((merged, merged, 0, len(mine) - 1, e))
     for _, _, i, j, e in heapq.nsmallest(_CHECKED, candidates):
         nodes = {v for u in mine[i:j + 1] for v in units.members[u]}
         exact_d = _load(problem, held[d] - nodes, devices[d])
         exact_e = _load(problem, held[e] | nodes, devices[e])
-        if max(exact_d, exact_e) < max(loads[d], loads[e]) * (1 - _TIE):
+        if max(exact_d, exact_e) < limit[e]:
             return nodes, d, e, exact_d, exact_e
     return None
 
