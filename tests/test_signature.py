@@ -153,6 +153,47 @@ def test_a_short_graph_runs_again_until_the_budget_and_a_long_one_once(traced_bl
     assert len(runs) == 1
 
 
+def test_a_graph_that_runs_again_times_its_rare_signatures_in_their_places(traced_blocks, monkeypatch):
+    """A looped operator runs on warm caches and is timed low. When the graph runs again (a
+    short graph: the budget holds several runs), the head, one per run, gets its samples in its
+    place over the runs: nothing is looped, every signature has its samples. When the graph runs
+    once, the head is looped as before."""
+    _, x, traced = traced_blocks
+    interpreters: list = []
+    real = profile_module._SharingInterpreter.__init__
+
+    def keeping(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        interpreters.append(self)
+
+    monkeypatch.setattr(profile_module._SharingInterpreter, "__init__", keeping)
+    monkeypatch.setattr(profile_module, "BUDGET", 1e9)
+    with torch.no_grad():
+        profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
+    (short,) = interpreters
+    assert short.runs == 1 + 3 and short.looped == []
+    assert all(len(s.samples) >= s.min_repeats for s in short.samplers.values())
+    interpreters.clear()
+    monkeypatch.setattr(profile_module, "BUDGET", 0.0)
+    with torch.no_grad():
+        profile_module._measure_shared(traced, (x,), {}, "cpu", 1, 3, False)
+    (long,) = interpreters
+    head = [n.name for n in traced.gm.graph.nodes if n.op == "call_function" and "linear" in n.name][-1]
+    assert long.runs == 1 and long.looped == [head]
+
+
+def test_a_pooled_signature_with_samples_enough_is_not_looped_to_settle(traced_blocks, monkeypatch):
+    """Samples in their places that have not settled are kept, not topped up by a loop."""
+    _, x, traced = traced_blocks
+    times = iter([1e-6, 2e-6] * 100)  # every sample moves the median: nothing ever settles
+    monkeypatch.setattr(profile_module._SharingInterpreter, "_timed", lambda self, call: (call(), next(times)))
+    interpreter = profile_module._SharingInterpreter(traced.gm, profile_module._CpuTimer, None, 0, 5)
+    with torch.no_grad():
+        interpreter.run(*traced.flat_inputs((x,)))
+    block = [n.name for n in traced.gm.graph.nodes if n.op == "call_function" and "linear" in n.name][0]
+    assert block not in interpreter.looped and len(interpreter.samplers[interpreter.key_of[block]].samples) == 4
+
+
 def test_signature_tells_shapes_and_operations_apart(traced_blocks):
     _, x, traced = traced_blocks
     sigs = _signatures(traced, (x,))

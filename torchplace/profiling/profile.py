@@ -2,13 +2,13 @@
 
 The traced GraphModule runs node by node in an :class:`torch.fx.Interpreter` that times compute
 nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default the graph runs once
-(a small one again, while its runs take less than half a second), every node timed in its place,
-and the nodes of one operator signature (:mod:`.signature`: operation, argument shapes, dtypes
-and strides) pool their timings: the first ``warmup`` warm up, the median of the rest is the time
-of each (a transformer's repeated blocks are timed by their twelve layers in one run). A
-signature too rare to settle in one run (the model's head) is timed in a loop of its own on the
-first of its nodes after which too few are left: ``warmup`` untimed runs, then timed runs until
-the median settles or ``repeats`` were taken. A node that writes a tensor in place
+(a small one again, as often as its first run fits in half a second), every node timed in its
+place, and the nodes of one operator signature (:mod:`.signature`: operation, argument shapes,
+dtypes and strides) pool their timings: the first ``warmup`` warm up, the median of the rest is
+the time of each (a transformer's repeated blocks are timed by their twelve layers in one run). A
+signature too rare to settle in its places over the runs (the head of a model that runs once) is
+timed in a loop of its own on the first of its nodes after which too few are left: ``warmup``
+untimed runs, then timed runs until the median settles or ``repeats`` were taken. A node that writes a tensor in place
 (:mod:`.effects`) cannot run twice on the same inputs: it runs once per run of the graph, and
 shares with no other. With ``exhaustive=True`` every node is timed instead over ``warmup``
 untimed and ``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its
@@ -20,6 +20,7 @@ Kinds asked for but not present here get a roofline estimate from :mod:`.estimat
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections import Counter
@@ -143,32 +144,39 @@ class _SharingInterpreter(_TimingInterpreter):
     first of them warm it up); each node gets its signature's median.
 
     In its place a node runs as a whole run meets it, on caches as the operators before it left
-    them; looped on its own, an operator runs on warm caches and is timed low. A
-    signature whose later nodes in the graph cannot settle its median (a model's head, a CNN
-    stage's first block; counted before the run by
-    :func:`~torchplace.profiling.signature.shape_key`) is timed in a loop of its own on the first
-    of its nodes after which too few are left. A node in ``once`` (one that writes in place:
-    run again on the inputs it wrote, it would compute something else) runs once per run, timed
-    there, and shares with none. ``times`` holds seconds per compute fx node after :meth:`run`;
-    ``looped`` the nodes timed in a loop."""
+    them; looped on its own, an operator runs on warm caches and is timed low (a CNN's first
+    batch norm, looped: 0.17 ms; in its place: 0.98 ms). So a signature is looped only when the
+    nodes of its kind still to come cannot settle its median: those later in this run and in the
+    ``runs`` planned after it (counted before the run by
+    :func:`~torchplace.profiling.signature.shape_key`; a model's head, a CNN stage's first block
+    when the graph runs once). With ``runs=None`` (the first run of a profile whose number of
+    runs its first run decides) more runs are assumed to follow until ``deadline``
+    (``time.perf_counter``) has passed. A node in ``once`` (one that writes in place: run again
+    on the inputs it wrote, it would compute something else) runs once per run, timed there, and
+    shares with none. ``times`` holds seconds per compute fx node after :meth:`run`; ``looped``
+    the nodes timed in a loop."""
 
     def __init__(self, gm: fx.GraphModule, timer: type[_CpuTimer] | type[_CudaTimer], device: torch.device | None,
                  warmup: int, repeats: int, tick: Callable[[], Any] = lambda: None,
-                 once: Iterable[str] = ()) -> None:
+                 once: Iterable[str] = (), runs: int | None = 1, deadline: float = 0.0) -> None:
         super().__init__(gm, timer(), device)
         self.timer_type, self.warmup, self.repeats, self.tick = timer, warmup, repeats, tick
         self.once = frozenset(once)
+        self.runs, self.deadline = runs, deadline
         self.samplers: dict[Hashable, Sampler] = {}
         self.last: dict[Hashable, float] = {}  # each signature's latest timing (warm-up runs included)
         self.key_of: dict[str, Hashable] = {}
         self.looped: list[str] = []
         self.times: dict[str, float] = {}
         self._shape = {n.name: shape_key(n, gm) for n in gm.graph.nodes if is_compute(n)}  # fixed: keyed once
+        self._per_run = Counter(self._shape.values())
         self._left: Counter[Hashable] = Counter()
+        self._run = 0  # runs started
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """One run of the graph; every run adds to the same pools, and ``times`` holds what they say."""
-        self._left = Counter(self._shape.values())
+        self._left = Counter(self._per_run)
+        self._run += 1
         out = super().run(*args, **kwargs)
         self.times = {name: self._seconds(key) for name, key in self.key_of.items()}
         return out
@@ -194,13 +202,25 @@ class _SharingInterpreter(_TimingInterpreter):
             self.last[key] = seconds
             sampler = self.samplers.setdefault(key, Sampler(self.warmup, self.repeats))
             sampler.add(seconds)
-            if n.name not in self.once and not sampler.done and self._left[shape] < sampler.runs_needed:
-                self.looped.append(n.name)  # too few nodes like it are left to settle it
+            if n.name not in self.once and not sampler.done and self._too_few_to_come(shape, sampler):
+                self.looped.append(n.name)
                 while not sampler.done:
                     extra, seconds = self._timed(call)
                     del extra
                     sampler.add(seconds)
         return out
+
+    def _too_few_to_come(self, shape: Hashable, sampler: Sampler) -> bool:
+        """Whether the nodes of ``shape`` still to run, in this run and the planned ones after it,
+        cannot give ``sampler`` its ``min_repeats`` samples (samples enough in their places, a
+        median that has not settled is kept: a loop would add warm-cache samples to it)."""
+        if self.runs is None:
+            if time.perf_counter() < self.deadline:
+                return False  # more runs follow
+            later = 0
+        else:
+            later = self._per_run[shape] * max(0, self.runs - self._run)
+        return self._left[shape] + later < sampler.runs_to_minimum
 
     def _timed(self, call: Callable[[], Any]) -> tuple[Any, float]:
         timer = self.timer_type()
@@ -272,25 +292,28 @@ def _measure_shared(
 ) -> dict[str, float]:
     """Seconds per compute fx node, the nodes of each signature pooled (:class:`_SharingInterpreter`).
 
-    The graph runs once, and again while the runs so far took less than
+    The graph runs once, and again as often as its first run fits in
     :data:`~torchplace.profiling.signature.BUDGET` seconds (at most ``warmup + repeats`` runs, as
     exhaustive profiling takes), every run adding to the same pools: the samples of one run lie
     within its few milliseconds for a small model, where one stall of the machine moves them all
-    together. Each run gets fresh copies of the inputs; the model's parameters and buffers are
-    restored afterwards."""
+    together, and a rare signature is then timed in its places over the runs, not in a loop. Each
+    run gets fresh copies of the inputs; the model's parameters and buffers are restored
+    afterwards."""
     gm = traced.gm
     device = None if kind == "cpu" else _device_of(kind)
     compute = sum(1 for n in gm.graph.nodes if is_compute(n))
     bar = tqdm(total=compute, desc=f"profiling on {kind}", disable=not progress, leave=False)
     timer = _CudaTimer if kind == "cuda" else _CpuTimer
-    interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update, once=traced.effects.written)
     start = time.perf_counter()
+    interpreter = _SharingInterpreter(gm, timer, device, warmup, repeats, tick=bar.update, once=traced.effects.written,
+                                      runs=None, deadline=start + BUDGET)
     with torch.set_grad_enabled(grad), _restoring(StateSnapshot(gm)), bar:
-        for _ in range(max(1, warmup + repeats)):
+        interpreter.run(*_inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind))
+        interpreter.tick = lambda: None  # the bar counts the first run
+        first = time.perf_counter() - start
+        interpreter.runs = 1 if first >= BUDGET else min(max(1, warmup + repeats), math.ceil(BUDGET / first))
+        for _ in range(interpreter.runs - 1):
             interpreter.run(*_inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind))
-            interpreter.tick = lambda: None  # the bar counts the first run
-            if time.perf_counter() - start >= BUDGET:
-                break
     return interpreter.times
 
 

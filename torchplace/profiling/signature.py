@@ -126,11 +126,11 @@ class Sampler:
         return n >= self.min_repeats and self._settled
 
     @property
-    def runs_needed(self) -> int:
-        """Runs still needed at the least before :attr:`done` (0 once it is)."""
+    def runs_to_minimum(self) -> int:
+        """Runs still needed before it holds ``min_repeats`` samples (0 once it does, or is :attr:`done`)."""
         if self.done:
             return 0
-        return self.warmup - self.warm + max(1, self.min_repeats - len(self.samples))
+        return self.warmup - self.warm + max(0, self.min_repeats - len(self.samples))
 
     @property
     def median(self) -> float:
