@@ -10,14 +10,14 @@ sequence 128, and placed at operator level on two logical CPUs, ``["cpu:0", "cpu
 ``allow_single_device=False`` (the split is what is solved and compared). Three paths, in the same
 run, one fresh process each (so peak RSS is that path's own):
 
-* ``before`` -- today's path: the library as of ``--base`` (default: where this branch left
-  ``main``), extracted with ``git archive`` into a temporary folder;
+* ``before`` -- the library as of ``--base`` (default: where this branch left ``main``),
+  extracted with ``git archive`` into a temporary folder, with ``profiling="exhaustive"`` (its
+  default until 2026-11-23);
 * ``exhaustive`` -- this tree with ``place(..., profiling="exhaustive")``: every operator timed in
-  each of ``warmup + repeats`` runs of the whole graph (the faster trace and DP kept);
-* ``fast`` -- this tree with ``profiling="fast"``: one measurement per distinct operator
-  signature, shared by the operators that have it, with adaptive repeats
-  (:mod:`torchplace.profiling.profile`);
-* ``cached`` -- this tree's default (exhaustive), the second ``place()`` of the same model with
+  each of ``warmup + repeats`` runs of the whole graph;
+* ``fast`` -- this tree's default, ``profiling="fast"``: the nodes of one operator signature
+  timed in their places and pooled, with adaptive repeats (:mod:`torchplace.profiling.profile`);
+* ``cached`` -- this tree's default, the second ``place()`` of the same model with
   ``profile_cache=`` set: the first call (not timed) fills the cache, the second times nothing.
 
 Columns: nodes of the operator graph; seconds of the whole ``place()`` call and of its phases
@@ -136,7 +136,7 @@ def measure(name: str, path: str, quick: bool, profile_path: str | None) -> dict
     api.profile = _timed(phases, "profile", api.profile)
     fusion.coarsen = _timed(phases, "coarsen", fusion.coarsen)
     solvers.solve = _timed(phases, "solve", solvers.solve)
-    options: dict[str, Any] = {"profiling": "fast"} if path == "fast" else {"profiling": "exhaustive"}
+    options: dict[str, Any] = {"profiling": "fast" if path in ("fast", "cached") else "exhaustive"}
     if path == "cached":  # a second place() of the same model: the first fills the profile cache
         import tempfile
 
