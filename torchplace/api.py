@@ -168,10 +168,10 @@ def place(
             its own until its median settles or ``repeats`` were taken; a node that writes a
             tensor in place runs, and is timed, once per run.
             ``"exhaustive"``: every node is timed in each of ``warmup + repeats`` runs of the whole
-            graph (:mod:`torchplace.profiling.profile`): 1.4-6.8x the time, for stage times that
+            graph (:mod:`torchplace.profiling.profile`): 1.1-7x the time, for stage times that
             agree within noise (over seven models, profiles of both kinds alternated in one
-            process: median stage error 1.1% fast, 1.0% exhaustive against their common median,
-            ``benchmarks/profile_accuracy.py``, RESULTS.md).
+            process: median stage error 1-2% for either against their common median, and splits
+            no worse; ``benchmarks/profile_accuracy.py``, RESULTS.md).
         profile_cache: a directory (made if missing) that keeps every profile this call makes, and
             gives it back to later calls for the same model, example shapes, device kinds,
             profiling settings and machine (:mod:`torchplace.profiling.cache`): a job that places
