@@ -98,6 +98,8 @@ def polish(problem: Problem, plan: Plan, *, time_limit: float | None = 1.0, max_
     loads = [_load(problem, nodes, d) for nodes, d in zip(held, devices)]
     compute = [math.fsum(units.time[u][i] for u in {units.of[v] for v in nodes}) for i, nodes in enumerate(held)]
     cuts = _Cuts(problem, held)
+    # Building the plan at the end walks the whole graph again, as this set-up did: keep as long for it.
+    deadline -= time.perf_counter() - start
     moves = 0
     while moves < max_moves and time.perf_counter() < deadline:
         move = None
@@ -218,6 +220,8 @@ def _best_move(problem: Problem, units: Units, cuts: _Cuts, held: list[set[str]]
             if merged < limit[e]:
                 candidates.append((merged, merged, 0, len(mine) - 1, e))
     for _, _, i, j, e in heapq.nsmallest(_CHECKED, candidates):
+        if time.perf_counter() > deadline:
+            break
         nodes = {v for u in mine[i:j + 1] for v in units.members[u]}
         exact_d = _load(problem, held[d] - nodes, devices[d])
         exact_e = _load(problem, held[e] | nodes, devices[e])
