@@ -10,11 +10,12 @@ alternating (fast, exhaustive, fast, ...), so that both meet the same moments of
 machine. The reference time of a node is the median of its times over all those profiles (both
 ways: neither is taken as the truth). A *stage* is a run of consecutive nodes in topological
 order; the graph is cut where the reference time reaches 1/k, 2/k, ... of the whole, k = 1..4,
-as a split would cut it (``stages`` < k where one node holds more than 1/k: GPT-2's head), and each profile's stage sums are compared with the reference's: the median and largest
-relative error over the profiles' stages and the mean signed error (a bias: one way timing low or
-high). *Split regret* is what a plan loses by a profile: the best split of the topological
-order into at most k runs (the least largest run) under one profile, scored on the reference
-against the reference's own best split (the median and the worst over the profiles).
+as a split would cut it (``stages`` < k where one node holds more than 1/k: GPT-2's head), and
+each profile's stage sums are compared with the reference's: the median and largest relative
+error over the profiles' stages and the mean signed error (a bias: one way timing low or high).
+*Split regret* is what a plan loses by a profile: the best split of the topological order into
+at most k runs (the least largest run) under one profile, scored on the reference against the
+reference's own best split (the median and the worst over the profiles).
 ``wall s`` is the median seconds of one profile.
 
 Models: the five transformers of ``benchmarks/place_time.py`` at operator level (batch 4,
@@ -149,11 +150,12 @@ def main() -> None:
                   f"{100 * r['max']:.1f}% | {100 * r['regret']:+.2f}% | {100 * r['worst']:+.2f}% |", flush=True)
     for way in WAYS:
         mine = [r for r in rows if r["way"] == way and r["k"] > 1]
+        median = statistics.median
         print(f"\n{way}: over {len(mine)} (model, k > 1) rows, median of median stage errors "
-              f"{100 * statistics.median(r['median'] for r in mine):.1f}%, median |bias| "
-              f"{100 * statistics.median(abs(r['bias']) for r in mine):.1f}%, largest {100 * max(r['max'] for r in mine):.1f}%; "
-              f"split regret median {100 * statistics.median(r['regret'] for r in mine):+.2f}%, worst "
-              f"{100 * max(r['worst'] for r in mine):+.2f}%; median wall {statistics.median(r['wall'] for r in mine):.2f} s")
+              f"{100 * median(r['median'] for r in mine):.1f}%, median |bias| "
+              f"{100 * median(abs(r['bias']) for r in mine):.1f}%, largest {100 * max(r['max'] for r in mine):.1f}%; "
+              f"split regret median {100 * median(r['regret'] for r in mine):+.2f}%, worst "
+              f"{100 * max(r['worst'] for r in mine):+.2f}%; median wall {median(r['wall'] for r in mine):.2f} s")
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -6,14 +6,15 @@ nodes (``time.perf_counter_ns`` on the CPU, CUDA events on a GPU). By default th
 place, and the nodes of one operator signature (:mod:`.signature`: operation, argument shapes,
 dtypes and strides) pool their timings: the first ``warmup`` warm up, the median of the rest is
 the time of each (a transformer's repeated blocks are timed by their twelve layers in one run). A
-signature too rare to settle in its places over the runs (the head of a model that runs once) is
-timed in a loop of its own on the first of its nodes after which too few are left: ``warmup``
-untimed runs, then timed runs until the median settles or ``repeats`` were taken. A node that writes a tensor in place
-(:mod:`.effects`) cannot run twice on the same inputs: it runs once per run of the graph, and
-shares with no other. With ``exhaustive=True`` every node is timed instead over ``warmup``
-untimed and ``repeats`` timed runs of the whole graph. An OpGraph node's time is the sum of its
-fx nodes' medians. Times are seconds for one call on the example inputs, the unit of work of a
-profiled graph (see :class:`~torchplace.graph.NodeRecord`).
+signature too rare to get ``MIN_REPEATS`` samples in its places over the runs (the head of a
+model that runs once) is timed in a loop of its own on the first of its nodes after which too few
+are left: ``warmup`` untimed runs, then timed runs until the median settles or ``repeats`` were
+taken. A node that writes a tensor in place (:mod:`.effects`) cannot run twice on the same
+inputs: it runs once per run of the graph, and shares with no other. With ``exhaustive=True``
+every node is timed instead over ``warmup`` untimed and ``repeats`` timed runs of the whole
+graph. An OpGraph node's time is the sum of its fx nodes' medians. Times are seconds for one
+call on the example inputs, the unit of work of a profiled graph (see
+:class:`~torchplace.graph.NodeRecord`).
 
 Kinds asked for but not present here get a roofline estimate from :mod:`.estimate`.
 """
@@ -146,8 +147,8 @@ class _SharingInterpreter(_TimingInterpreter):
     In its place a node runs as a whole run meets it, on caches as the operators before it left
     them; looped on its own, an operator runs on warm caches and is timed low (a CNN's first
     batch norm, looped: 0.17 ms; in its place: 0.98 ms). So a signature is looped only when the
-    nodes of its kind still to come cannot settle its median: those later in this run and in the
-    ``runs`` planned after it (counted before the run by
+    nodes of its kind still to come cannot give it ``min_repeats`` samples: those later in this
+    run and in the ``runs`` planned after it (counted before the run by
     :func:`~torchplace.profiling.signature.shape_key`; a model's head, a CNN stage's first block
     when the graph runs once). With ``runs=None`` (the first run of a profile whose number of
     runs its first run decides) more runs are assumed to follow until ``deadline``
@@ -311,7 +312,7 @@ def _measure_shared(
         interpreter.run(*_inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind))
         interpreter.tick = lambda: None  # the bar counts the first run
         first = time.perf_counter() - start
-        interpreter.runs = 1 if first >= BUDGET else min(max(1, warmup + repeats), math.ceil(BUDGET / first))
+        interpreter.runs = 1 if first >= BUDGET else min(max(1, warmup + repeats), math.ceil(BUDGET / max(first, 1e-9)))
         for _ in range(interpreter.runs - 1):
             interpreter.run(*_inputs_on(traced.flat_inputs(example_inputs, example_kwargs), kind))
     return interpreter.times
