@@ -90,6 +90,8 @@ def polish(problem: Problem, plan: Plan, *, time_limit: float | None = 1.0, max_
         units = assignment_units(problem)
     except InfeasibleError:
         return plan
+    if 2 * (time.perf_counter() - start) >= deadline - start:  # no time left to search and build a plan
+        return plan
     devices = problem.cluster.devices
     index = {d.name: i for i, d in enumerate(devices)}
     held: list[set[str]] = [set() for _ in devices]
