@@ -140,9 +140,9 @@ class _TimingInterpreter(fx.Interpreter):
 
 
 class _SharingInterpreter(_TimingInterpreter):
-    """Runs the graph once, timing every compute node in its place, and pools the timings of the
-    nodes that share a signature in one :class:`~torchplace.profiling.signature.Sampler` (the
-    first of them warm it up); each node gets its signature's median.
+    """Runs the graph, timing every compute node in its place, and pools the timings of the nodes
+    that share a signature in one :class:`~torchplace.profiling.signature.Sampler` (the first of
+    them warm it up), over as many runs as it is given; each node gets its signature's median.
 
     In its place a node runs as a whole run meets it, on caches as the operators before it left
     them; looped on its own, an operator runs on warm caches and is timed low (a CNN's first
@@ -154,8 +154,8 @@ class _SharingInterpreter(_TimingInterpreter):
     runs its first run decides) more runs are assumed to follow until ``deadline``
     (``time.perf_counter``) has passed. A node in ``once`` (one that writes in place: run again
     on the inputs it wrote, it would compute something else) runs once per run, timed there, and
-    shares with none. ``times`` holds seconds per compute fx node after :meth:`run`; ``looped``
-    the nodes timed in a loop."""
+    shares with none. :attr:`times` gives seconds per compute fx node after a :meth:`run`;
+    ``looped`` the nodes timed in a loop."""
 
     def __init__(self, gm: fx.GraphModule, timer: type[_CpuTimer] | type[_CudaTimer], device: torch.device | None,
                  warmup: int, repeats: int, tick: Callable[[], Any] = lambda: None,
@@ -168,23 +168,26 @@ class _SharingInterpreter(_TimingInterpreter):
         self.last: dict[Hashable, float] = {}  # each signature's latest timing (warm-up runs included)
         self.key_of: dict[str, Hashable] = {}
         self.looped: list[str] = []
-        self.times: dict[str, float] = {}
         self._shape = {n.name: shape_key(n, gm) for n in gm.graph.nodes if is_compute(n)}  # fixed: keyed once
         self._per_run = Counter(self._shape.values())
         self._left: Counter[Hashable] = Counter()
         self._run = 0  # runs started
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        """One run of the graph; every run adds to the same pools, and ``times`` holds what they say."""
+        """One run of the graph; every run adds to the same pools."""
         self._left = Counter(self._per_run)
         self._run += 1
-        out = super().run(*args, **kwargs)
-        self.times = {name: self._seconds(key) for name, key in self.key_of.items()}
-        return out
+        return super().run(*args, **kwargs)
 
-    def _seconds(self, key: Hashable) -> float:
-        sampler = self.samplers.get(key)
-        return sampler.median if sampler is not None and sampler.samples else self.last[key]
+    @property
+    def times(self) -> dict[str, float]:
+        """Seconds per compute fx node: its signature's median (its latest timing while the
+        signature has no sample past its warm-up)."""
+        def seconds(key: Hashable) -> float:
+            sampler = self.samplers.get(key)
+            return sampler.median if sampler is not None and sampler.samples else self.last[key]
+
+        return {name: seconds(key) for name, key in self.key_of.items()}
 
     def run_node(self, n: fx.Node) -> Any:
         if not is_compute(n):
