@@ -114,6 +114,75 @@ def test_an_expanded_output_holds_only_the_memory_it_was_made_in():
     assert costmodel.working_memory(_problem(g), "ab") == 8
 
 
+def _two_memories(reads: dict[str, tuple[str, ...]]) -> Problem:
+    """g makes two memories, p (8 bytes) and q (2); a (1 byte) runs next, then b (own peak 20),
+    then c (1, the model's output), which reads b and g; ``reads``: what a and c read of g."""
+    g = _graph({"g": 10, "a": 1, "b": 1, "c": 1}, [("g", "a"), ("a", "b"), ("b", "c"), ("g", "c")], ["c"],
+               peak={"b": 20})
+    g.replace_record("g", dataclasses.replace(g.record("g"), fx_nodes=("p", "q"), resident_bytes=10,
+                                              resident_parts={"p": 8, "q": 2}))
+    for v, read in reads.items():
+        g.replace_record(v, dataclasses.replace(g.record(v), reads=read))
+    return _problem(g)
+
+
+def test_a_nodes_memories_die_each_at_its_own_last_reader():
+    # a reads p, c reads q: p dies at a, so b's peak of 20 sits on q (2) and a's output (1)
+    assert costmodel.working_memory(_two_memories({"a": ("p",), "c": ("q",)}), "gabc") == 2 + 1 + 20
+    # c reads p too: both stay until c
+    assert costmodel.working_memory(_two_memories({"a": ("p",), "c": ("p", "q")}), "gabc") == 10 + 1 + 20
+    # c reads only a memory g does not hold (a shape, a view of an input): g's die at a
+    assert costmodel.working_memory(_two_memories({"a": ("p", "q"), "c": ("size",)}), "gabc") == 1 + 20
+    # a reader that does not say what it reads keeps every part (graphs saved before reads were recorded)
+    assert costmodel.working_memory(_two_memories({"a": ("p",)}), "gabc") == 10 + 1 + 20
+
+
+def test_only_the_memories_another_device_reads_are_held_for_it():
+    # c on the other device reads q and b's output: they are held to the end of this device's
+    # pass, and queued for the micro-batches the next device works on; p dies at a
+    m = 4
+    p = dataclasses.replace(_two_memories({"a": ("p",), "c": ("q",)}), pipeline=Pipeline(m))
+    q, out, peak = -(-2 // m), -(-1 // m), -(-20 // m)  # one micro-batch's (each rounded up)
+    assert costmodel.working_memory(p, "gab") == q + out + peak + costmodel.queued(m) * (q + out)
+    p = dataclasses.replace(_two_memories({"a": ("p",), "c": ("p", "q")}), pipeline=Pipeline(m))
+    both = -(-8 // m) + q
+    assert costmodel.working_memory(p, "gab") == both + out + peak + costmodel.queued(m) * (both + out)
+
+
+def test_a_profiled_group_records_its_memories_and_its_readers_what_they_read():
+    import torch
+    from torch import nn
+
+    from torchplace.profiling import trace
+
+    class Two(nn.Module):  # a leaf module whose two outputs are read at different times
+        def forward(self, x):
+            return x * 2, x + 1
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.two = Two()
+
+        def forward(self, x):
+            a, b = self.two(x)
+            y = torch.relu(a)
+            z = y * 3
+            return z + b
+
+    x = torch.randn(256)  # 1 KiB a tensor
+    g = trace(Net(), (x,), granularity="module", method="export", leaf_modules=(Two,)).graph
+    two = next(v for v, r in g.records() if "mul" in r.fx_nodes)
+    assert dict(g.record(two).resident_parts) == {"mul": 1024, "add": 1024}  # a = x * 2, b = x + 1
+    assert {w: g.record(w).reads for w in g.successors(two)} == {"relu": ("mul",), "add_1": ("add", "mul_1")}
+    p = _problem(g)
+    nodes = [v for v, _ in g.records()]
+    # two's peak (2 KiB), then relu with a and b alive (3), then b, y and z (3), then b, z and the sum (3)
+    assert costmodel.working_memory(p, nodes) == 3 * 1024
+    stripped = g.with_records(lambda v, r: dataclasses.replace(r, resident_parts={}, reads=()))
+    assert costmodel.working_memory(_problem(stripped), nodes) == 4 * 1024  # a kept alive with b
+
+
 def test_graphs_without_liveness_keep_the_sum():
     g = _graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c")], ["c"])
     g.meta.pop("liveness")
@@ -127,9 +196,16 @@ def _live_problems(draw):
     edges = [(str(u), str(v)) for u, v in itertools.combinations(range(n), 2) if draw(st.booleans())]
     peak = {v: b + draw(st.integers(0, 5)) for v, b in sizes.items()}
     g = OpGraph(meta={"liveness": True, "outputs": [str(n - 1)]})
+    parts = {}  # some nodes make two memories, whose readers read one or both (or say nothing)
     for v, b in sizes.items():
-        g.add_node(v, NodeRecord(v, fx_nodes=(v,), output_bytes=b, temp_bytes=peak[v] + draw(st.integers(0, 3)),
-                                 peak_bytes=peak[v], times={"cpu": 1.0}))
+        split = draw(st.integers(0, b)) if draw(st.booleans()) else None
+        parts[v] = {} if split is None else {f"{v}.0": split, f"{v}.1": b - split}
+    for v, b in sizes.items():
+        names = sorted(k for u, w in edges if w == v for k in (parts[u] or {u: 0}))
+        reads = tuple(sorted(draw(st.sets(st.sampled_from(names))))) if names and draw(st.booleans()) else ()
+        g.add_node(v, NodeRecord(v, fx_nodes=tuple(parts[v]) or (v,), output_bytes=b,
+                                 temp_bytes=peak[v] + draw(st.integers(0, 3)), peak_bytes=peak[v],
+                                 resident_parts=parts[v], reads=reads, times={"cpu": 1.0}))
     for u, v in edges:
         g.add_edge(u, v)
     members = draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1))

@@ -157,8 +157,8 @@ def test_moirai_unreadable_files(tmp_path, content, fragment):
 def _graph_json() -> dict:
     g = OpGraph()
     g.add_node("a", NodeRecord("a", times={"cpu": 1.0}, output_bytes=8, saved_bytes=12,
-                               saved_parts={"x#0": 8, "a~": 4}))
-    g.add_node("b", NodeRecord("b", times={"cpu": 2.0}, transfer_time=0.5))
+                               saved_parts={"x#0": 8, "a~": 4}, resident_parts={"x": 6, "y": 2}))
+    g.add_node("b", NodeRecord("b", times={"cpu": 2.0}, transfer_time=0.5, reads=("x",)))
     g.add_edge("a", "b")
     return g.to_json()
 
@@ -171,6 +171,8 @@ def _graph_json() -> dict:
     (lambda d: d["nodes"][0].update(backward="no"), r"nodes\[0\]\.backward: expected true or false"),
     (lambda d: d["nodes"][0]["saved_parts"].update({"x#0": -8}), r"nodes\[0\]\.saved_parts\['x#0'\]: expected a non-negative whole"),
     (lambda d: d["nodes"][0].update(saved_parts=[8]), r"nodes\[0\]\.saved_parts: expected an object of byte counts"),
+    (lambda d: d["nodes"][0]["resident_parts"].update(y="2"), r"nodes\[0\]\.resident_parts\['y'\]: expected a non-negative whole"),
+    (lambda d: d["nodes"][1].update(reads="x"), r"nodes\[1\]\.reads: expected a list of strings"),
     (lambda d: d["nodes"][0].update(colour="red"), r"nodes\[0\]: unknown field 'colour'"),
     (lambda d: d["nodes"][0].pop("name"), r"nodes\[0\]: missing field 'name'"),
     (lambda d: d["nodes"][0].pop("id"), r"nodes\[0\]: expected an object with an 'id'"),
@@ -195,6 +197,8 @@ def test_opgraph_round_trip_is_unchanged(tmp_path):
     g.save(tmp_path / "g.json")
     assert OpGraph.load(tmp_path / "g.json") == g
     assert g.record("a").saved_parts == {"x#0": 8, "a~": 4} and "saved_parts" not in g.record("b").to_dict()
+    assert g.record("a").resident_parts == {"x": 6, "y": 2} and g.record("b").reads == ("x",)
+    assert "reads" not in g.record("a").to_dict() and "resident_parts" not in g.record("b").to_dict()
 
 
 # -- plan files -------------------------------------------------------------------------------------------

@@ -23,8 +23,11 @@ peak* (:func:`working_memory`), what ``max_memory`` means to accelerate users: t
 nodes in topological order, one micro-batch (``1/m`` of the example batch, ``m`` =
 ``Pipeline.microbatches``; every tensor rounded up) at a time; a node's output lives from the node
 until its last reader on the device, or to the end of the device's pass when another device or the
-model's output reads it; a tensor from another device lives from the start of the pass to its last
-reader (only on devices that pay transfers: logical CPUs read host memory in place); a view
+model's output reads it (a node whose outputs are several memories,
+:attr:`NodeRecord.resident_parts`, frees each after the last reader of that memory,
+:attr:`NodeRecord.reads`, and sends on only the memories another device reads); a tensor from
+another device lives from the start of the pass to its last reader (only on devices that pay
+transfers: logical CPUs read host memory in place); a view
 (``graph.meta["aliases"]``, found at trace time) takes no memory of its own and keeps the tensor it
 views alive as long as it is read, and a node's outputs hold the memory they were made in
 (:attr:`NodeRecord.resident`: an ``expand`` is no bigger than what it expands); while a node runs it holds its own peak
@@ -220,19 +223,26 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     order = [v for v in g.topological_order() if v in members]
     m = microbatches(problem)
     outputs = set(g.meta.get("outputs", ()))
-    root = _alias_roots(g, members, order)
+    memories = _memories(g, members, order)
     end = len(order)
-    last: dict[str, int] = {}
+    last: dict[Memory, int] = {}
     for i, v in enumerate(order):
         for u in g.predecessors(v):
-            last[root.get(u, u)] = max(last.get(root.get(u, u), -1), i)
+            for key in _kept(g, memories, u, v):
+                last[key] = max(last.get(key, -1), i)
+    made_outputs = {v for v in order if outputs.intersection(g.record(v).fx_nodes)}
+    sent: set[Memory] = set()
     for v in order:
-        if any(_reads(g, v, w) and w not in members for w in g.successors(v)) or outputs.intersection(g.record(v).fx_nodes):
-            last[root[v]] = end
+        readers = [w for w in g.successors(v) if w not in members and _reads(g, v, w)]
+        kept = set(memories[v]) if v in made_outputs else {k for w in readers for k in _kept(g, memories, v, w)}
+        for key in kept:
+            last[key] = end
+        if v not in made_outputs:
+            sent |= kept
     receives = device is None or device.pays_transfer
     frees: dict[int, int] = defaultdict(int)
     live = 0
-    for u, i in last.items():
+    for (u, part), i in last.items():
         if u not in members and receives:  # a received copy: what was moved
             live += _per_microbatch(g.record(u).output_bytes, m)
             frees[i] += _per_microbatch(g.record(u).output_bytes, m)
@@ -240,17 +250,53 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     for i, v in enumerate(order):
         r = g.record(v)
         peak = max(peak, live + _per_microbatch(r.own_peak, m))
-        if root[v] == v and last.get(v, -1) > i:
-            live += _per_microbatch(r.resident, m)
-            frees[last[v]] += _per_microbatch(r.resident, m)
+        for key in memories[v]:
+            if key[0] == v and last.get(key, -1) > i:  # its own memory (not a view's base)
+                nbytes = _per_microbatch(_parts(r)[key[1]], m)
+                live += nbytes
+                frees[last[key]] += nbytes
         live += (saves or {}).get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
-    held = sum(_per_microbatch(g.record(v).resident, m) for v in order if outputs.intersection(g.record(v).fx_nodes))
-    sent = sum(_per_microbatch(g.record(v).resident, m) for v in order
-               if any(_reads(g, v, w) and w not in members for w in g.successors(v))
-               and not outputs.intersection(g.record(v).fx_nodes))
-    return peak + (m - 1 if others is None else others) * held + (queued(m) if others is None else others) * sent
+    held = sum(_per_microbatch(g.record(v).resident, m) for v in made_outputs)
+    sending = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in sent if u in members)
+    return peak + (m - 1 if others is None else others) * held + (queued(m) if others is None else others) * sending
+
+
+Memory = tuple[str, str]
+"""A memory :func:`working_memory` follows: (the node that made it, its part of the node's
+outputs, ``NodeRecord.resident_parts``' key; ``""`` for a node whose outputs are one memory)."""
+
+
+def _parts(record: NodeRecord) -> Mapping[str, int]:
+    """The memories a node's outputs keep: ``resident_parts``, or one of ``resident`` bytes."""
+    return record.resident_parts or {"": record.resident}
+
+
+def _memories(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, tuple[Memory, ...]]:
+    """Each member's memories: its own parts, or for a view (``graph.meta["aliases"]``) what it
+    views of its base's, followed through members down to a member or a received tensor."""
+    aliases = g.meta.get("aliases") or {}
+    out: dict[str, tuple[Memory, ...]] = {}
+    for v in order:  # topological: a view's base has its memories already
+        base = aliases.get(v)  # a view holds no memory of its own (not a merged group named like one)
+        if base is not None and base in g and g.nx.has_edge(base, v) and g.record(v).resident == 0:
+            out[v] = _kept(g, out, base, v) or out.get(base, ((base, ""),))
+        else:
+            out[v] = tuple((v, part) for part in _parts(g.record(v)))
+    return out
+
+
+def _kept(g: OpGraph, memories: Mapping[str, tuple[Memory, ...]], u: str, w: str) -> tuple[Memory, ...]:
+    """The memories of ``u`` that its reader ``w`` keeps alive: the parts of ``u`` that ``w``
+    reads (``NodeRecord.reads``), all of them where ``w`` does not say; for ``u`` not in
+    ``memories`` (a received tensor), ``u`` whole."""
+    if u not in memories:
+        return ((u, ""),)
+    parts, reads = g.record(u).resident_parts, g.record(w).reads
+    if not parts or not reads or memories[u][0][0] != u:
+        return memories[u]
+    return tuple((u, part) for part in parts if part in reads)
 
 
 def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:
@@ -296,20 +342,6 @@ def queued(m: int) -> int:
     ``benchmarks/memory_fidelity.py``): a device whose next device is slower than it may hold one
     more than charged here."""
     return min(m - 1, 2)
-
-
-def _alias_roots(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, str]:
-    """Each member's memory owner: itself, or for a view (``graph.meta["aliases"]``) the owner of
-    the tensor it views, followed through members down to a member or a received tensor."""
-    aliases = g.meta.get("aliases") or {}
-    root: dict[str, str] = {}
-    for v in order:  # topological: a view's base has its root already
-        base = aliases.get(v)  # a view holds no memory of its own (not a merged group named like one)
-        if base is not None and base in g and g.nx.has_edge(base, v) and g.record(v).resident == 0:
-            root[v] = root.get(base, base)
-        else:
-            root[v] = v
-    return root
 
 
 def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False,

@@ -115,6 +115,13 @@ class NodeRecord:
             output, or this node's temporaries); nodes that save the same tensor name the same
             key, and a device holding several keeps it once
             (:func:`torchplace.costmodel.saved_union`). Empty: ``saved_bytes`` is this node's own.
+        resident_parts: in a profiled graph, ``resident_bytes`` by the fx node whose memory each
+            part is (a view's base inside the node), for a node whose outputs are several memories
+            that its readers may free at different times. Empty: one memory.
+        reads: in a profiled graph, the memories of other nodes this node reads (fx node names, a
+            view's base inside its node; keys of their ``resident_parts``): a reader keeps alive
+            only the parts it reads (:func:`torchplace.costmodel.working_memory`). Empty: unknown,
+            it keeps every part of every node it reads.
     """
 
     name: str
@@ -134,6 +141,8 @@ class NodeRecord:
     peak_bytes: int | None = None
     resident_bytes: int | None = None
     saved_parts: Mapping[str, int] = field(default_factory=dict)
+    resident_parts: Mapping[str, int] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()
 
     @property
     def own_peak(self) -> int:
@@ -157,9 +166,13 @@ class NodeRecord:
         d["tmpcs"] = {str(t): [asdict(x) for x in xs] for t, xs in self.tmpcs.items()}
         if not self.tmpcs:
             del d["tmpcs"]
-        d["saved_parts"] = dict(self.saved_parts)
-        if not self.saved_parts:
-            del d["saved_parts"]
+        for keyed in ("saved_parts", "resident_parts"):
+            d[keyed] = dict(d[keyed])
+            if not d[keyed]:
+                del d[keyed]
+        d["reads"] = list(self.reads)
+        if not self.reads:
+            del d["reads"]
         for optional in ("peak_bytes", "resident_bytes"):
             if d[optional] is None:
                 del d[optional]
@@ -261,7 +274,8 @@ _RECORD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "param_bytes": _nbytes, "output_bytes": _nbytes, "temp_bytes": _nbytes, "saved_bytes": _nbytes,
     "times": _seconds_by_key, "transfer_time": _optional_seconds, "link_times": _seconds_by_key,
     "colocation": _optional_text, "backward": _flag, "tmpcs": _tmpcs, "peak_bytes": _optional_nbytes,
-    "resident_bytes": _optional_nbytes, "saved_parts": _nbytes_by_key,
+    "resident_bytes": _optional_nbytes, "saved_parts": _nbytes_by_key, "resident_parts": _nbytes_by_key,
+    "reads": _texts,
 }  # the check of each NodeRecord field read from a file (fields not listed are taken as they are)
 
 

@@ -144,25 +144,33 @@ def _escaping_bytes(group: _Group) -> int:
     )
 
 
-def _own_peak(group: _Group) -> tuple[int, int]:
-    """(peak, resident): the most bytes of new memory the group's fx nodes hold at once while it
-    runs (in graph order), and the new memory its outputs keep alive after it. A view
-    (``TensorInfo.alias_of``) takes no new memory but keeps its base's alive; a memory lives from
-    the node that made it until the last reader of it or of any view of it in the group, or to the
-    group's end when something outside reads one of them."""
-    inside = set(group.nodes)
-    index = {n: i for i, n in enumerate(group.nodes)}
+def _roots(group: _Group) -> dict[fx.Node, fx.Node]:
+    """Each fx node of the group -> the node whose memory it lives in: itself, or for a view
+    (``TensorInfo.alias_of``) of a node of the group, that node's root."""
     by_name = {n.name: n for n in group.nodes}
-    end = len(group.nodes)
     root: dict[fx.Node, fx.Node] = {}
-    for n in group.nodes:
+    for n in group.nodes:  # graph order: a view's base has its root already
         base = by_name.get(n.meta["torchplace"].alias_of or "")
         root[n] = root[base] if base is not None else n
+    return root
+
+
+def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
+    """(peak, resident parts): the most bytes of new memory the group's fx nodes hold at once
+    while it runs (in graph order), and the new memory its outputs keep alive after it, by the fx
+    node that made each memory (:func:`_roots`). A view takes no new memory but keeps its base's
+    alive; a memory lives from the node that made it until the last reader of it or of any view
+    of it in the group, or to the group's end when something outside reads one of them."""
+    inside = set(group.nodes)
+    index = {n: i for i, n in enumerate(group.nodes)}
+    end = len(group.nodes)
+    root = _roots(group)
     last: dict[fx.Node, int] = {}
     for n in group.nodes:
         use = end if any(u not in inside for u in n.users) else max((index[u] for u in n.users if u in inside), default=-1)
         last[root[n]] = max(last.get(root[n], -1), use)
     frees: dict[int, int] = {}
+    resident: dict[str, int] = {}
     live = peak = 0
     for i, n in enumerate(group.nodes):
         size = n.meta["torchplace"].new_bytes
@@ -170,8 +178,17 @@ def _own_peak(group: _Group) -> tuple[int, int]:
         if root[n] is n and last[n] > i:
             live += size
             frees[last[n]] = frees.get(last[n], 0) + size
+            if last[n] == end and size:
+                resident[n.name] = size
         live -= frees.pop(i, 0)
-    return peak, frees.get(end, 0)
+    return peak, resident
+
+
+def _reads(group: _Group, roots: Mapping[fx.Node, fx.Node]) -> tuple[str, ...]:
+    """The memories of other groups ``group`` reads: the roots (``roots``, every group's
+    :func:`_roots`) of its fx nodes' inputs made outside it, by name."""
+    inside = set(group.nodes)
+    return tuple(sorted({roots[a].name for n in group.nodes for a in n.all_input_nodes if a not in inside and a in roots}))
 
 
 def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
@@ -186,17 +203,18 @@ def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
     return out
 
 
-def _record(group: _Group, param_bytes: int, colocation: str | None) -> NodeRecord:
+def _record(group: _Group, param_bytes: int, colocation: str | None, reads: tuple[str, ...]) -> NodeRecord:
     """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
     ``peak_bytes`` = the most of them alive at once, ``resident_bytes`` = the new memory its
-    outputs keep (:func:`_own_peak`)."""
+    outputs keep (:func:`_own_peak`), by part where they are several memories."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
     temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
     peak, resident = _own_peak(group)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),
         module=group.module, param_bytes=param_bytes, output_bytes=out, temp_bytes=temp, colocation=colocation,
-        peak_bytes=peak, resident_bytes=resident,
+        peak_bytes=peak, resident_bytes=sum(resident.values()),
+        resident_parts=resident if len(group.nodes) > 1 else {}, reads=reads,
     )
 
 
@@ -219,8 +237,9 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
         "liveness": True,
         "aliases": _aliases(groups),
     })
+    roots = {n: r for g in groups for n, r in _roots(g).items()}
     for i, g in enumerate(groups):
-        graph.add_node(ids[i], _record(g, params[i], colocation.get(i)))
+        graph.add_node(ids[i], _record(g, params[i], colocation.get(i), _reads(g, roots)))
     for i, j in sorted(edges):
         graph.add_edge(ids[i], ids[j])
     return graph
