@@ -224,6 +224,18 @@ def test_the_relaxation_and_restriction_bracket_the_liveness_memory(case):
     _assert_bracketed(*case)
 
 
+@settings(max_examples=150, deadline=None)
+@given(_live_problems(), st.floats(1.0, 4.0), st.randoms(use_true_random=False))
+def test_on_a_coarsened_graph_too(case, cap, rnd):
+    from torchplace.fusion import coarsen
+
+    p, _ = case
+    c = coarsen(p.graph, devices=1, max_group_time=cap)
+    coarse = c.coarse_problem(p)
+    members = set(rnd.sample(sorted(c.mapping), rnd.randint(1, len(c.mapping))))
+    _assert_bracketed(coarse, members)
+
+
 def _layers(k: int = 4) -> OpGraph:
     """A chain of ``k`` layers, 10 bytes of weights and a 100-byte output each."""
     names = [f"l{i}" for i in range(k)]
@@ -253,6 +265,25 @@ def test_when_the_relaxations_plan_does_not_fit_room_is_reserved_for_activations
     assert plan.lower_bound <= 3.0 + 1e-4 and plan.status == "feasible"  # the relaxation's bound: a proof
 
 
+def test_a_coarse_problem_charges_the_original_graphs_liveness_memory():
+    from torchplace.fusion import coarsen
+
+    # 8 layers (10 bytes of weights, 100-byte outputs) merged in pairs: a merged record cannot
+    # say when each member's output dies (its own peak would be the sum of its outputs, 200)
+    g = _layers(8)
+    c = coarsen(g, devices=1, max_group_time=2.0)
+    assert len(c.graph) == 4
+    fine = _problem(g, devices=tuple(Device(f"acc{i}", "meta", "accel", 250) for i in range(2)))
+    coarse = c.coarse_problem(fine)
+    stages = [Stage("acc0", tuple(list(c.graph.topological_order())[:2])),
+              Stage("acc1", tuple(list(c.graph.topological_order())[2:]))]
+    # 40 bytes of weights + two outputs alive (on the second device the received one, then its own)
+    assert costmodel.device_memory(coarse, stages) == costmodel.device_memory(fine, c.expand(stages)) == {
+        "acc0": 240, "acc1": 240}
+    plan = c.expand_plan(solve(coarse, "dp"), fine)  # on 250 bytes a device; the merged sums said 440
+    assert max(costmodel.device_memory(fine, plan.stages).values()) <= 250
+
+
 def test_too_little_memory_states_a_memory_that_fits():
     p = _problem(_layers(), devices=(Device("acc", "meta", "accel", 50),))
     with pytest.raises(InfeasibleError) as e:
@@ -263,30 +294,53 @@ def test_too_little_memory_states_a_memory_that_fits():
     assert costmodel.device_memory(fits, solve(fits, "dp").stages)["acc"] <= need
 
 
-def test_a_profiled_gpt2_fits_where_summing_every_activation_did_not():
+def _gpt2_placed_under_a_cap(**options):
+    """A tiny GPT-2 placed on two CPUs with ``options``, then again with each CPU capped at 5% above
+    what the first plan's fullest device needed; checks the capped plan fits and computes what the
+    model does; returns (placed, cap)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     import torchplace
-    from torchplace.solvers.liveness import conservative as summed
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, use_cache=False,
                                      bos_token_id=1, eos_token_id=1)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 128, (4, 32))
-    options = dict(example_kwargs={"input_ids": ids}, microbatches=2, progress=False, repeats=1, warmup=0)
+    options.update(example_kwargs={"input_ids": ids}, progress=False, repeats=1, warmup=0)
     free = torchplace.place(model, ["cpu:0", "cpu:1"], **options)
-    cap = int(1.05 * max(c.memory for c in free.plan.costs))  # what the unconstrained split needs, and 5%
+    cap = int(1.05 * max(c.memory for c in free.plan.costs))
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], max_memory={"cpu:0": cap, "cpu:1": cap}, **options)
-    p, stages = placed.problem, placed.plan.stages
     assert max(c.memory for c in placed.plan.costs) <= cap
+    with torch.no_grad():
+        assert torch.equal(placed(input_ids=ids).logits, model(input_ids=ids).logits)
+    return placed, cap
+
+
+def test_a_profiled_gpt2_fits_where_summing_every_activation_did_not():
+    from torchplace.solvers.liveness import conservative as summed
+
+    placed, cap = _gpt2_placed_under_a_cap(microbatches=2)
+    p, stages = placed.problem, placed.plan.stages
     assert max(costmodel.device_memory(summed(p), stages).values()) > cap  # all activations at once: refused
     g = p.graph
     views = [v for v, r in g.records() if v in g.meta["aliases"]]
     assert views and all(g.record(v).resident == 0 for v in views)
-    with torch.no_grad():
-        assert torch.equal(placed(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_fused_gpt2_fits_where_its_merged_records_did_not():
+    from torchplace.fusion import coarsen
+
+    placed, cap = _gpt2_placed_under_a_cap(microbatches=1, fuse=True, granularity="operator",
+                                           allow_single_device=False)
+    assert "coarsen" in placed.plan.solver
+    # the same split on the coarse graph, charged by its merged records, did not fit
+    c = coarsen(placed.problem.graph, devices=2)
+    group = {v: k for k, members in c.mapping.items() for v in members}
+    stages = [Stage(s.device, tuple(dict.fromkeys(group[v] for v in s.nodes))) for s in placed.plan.stages]
+    merged = dataclasses.replace(c.coarse_problem(placed.problem), coarsened=None)
+    assert max(costmodel.device_memory(merged, stages).values()) > cap
 
 
 @st.composite

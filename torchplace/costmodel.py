@@ -38,6 +38,10 @@ it holds the other ``m - 1`` micro-batches' on top of its peak, and the tensors 
 another device stay until that device is done with them, so it holds those of :func:`queued`
 micro-batches.
 
+A problem on a coarsened graph (``Problem.coarsened``, :mod:`torchplace.fusion`) charges each device
+the original graph's liveness memory of its nodes' members: a merged record cannot say when each
+member's output dies, and the coarse plan is checked against that memory once expanded.
+
 Solvers whose memory is a sum over nodes stay exact, and their bounds proofs, through
 :mod:`torchplace.solvers.liveness`: a *relaxation* (parameters only: never above the liveness
 memory, so its lower bound holds), then the relaxation again with room reserved for the working
@@ -115,7 +119,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from torchplace.devices import Device
@@ -389,6 +393,12 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     peak of one micro-batch with :func:`uses_liveness`);
     ``activations``: what is kept for backward for the micro-batches in flight (0 for inference).
     """
+    live = uses_liveness(problem)
+    coarse = problem.coarsened
+    if live and coarse is not None and problem.graph is coarse.graph:  # the original graph's memory of the members
+        original = replace(problem, graph=coarse.original, coarsened=None)
+        return memory_parts(original, [v for c in nodes for v in coarse.members[c]], in_flight=in_flight,
+                            recompute=recompute, device=device)
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
@@ -396,7 +406,6 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     copies = [copy_bytes(problem, t) for t in g.shared_tensors()
               if t.owner not in members and not t.readers.isdisjoint(members)]
     grads += sum(grad for _, grad in copies)
-    live = uses_liveness(problem)
     if live and problem.mode == "training":  # one micro-batch's forward, or its backward: never both at once
         m = microbatches(problem)
         others = (m if in_flight is None else in_flight) - 1  # held until their backward

@@ -1,13 +1,14 @@
 """Problem: everything a solver sees — the graph, the cluster, the objective and the mode."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from torchplace.devices import Cluster, Device
 from torchplace.graph import OpGraph
 
-__all__ = ["Mode", "Objective", "Parallel", "Pipeline", "Problem", "Schedule"]
+__all__ = ["Coarsened", "Mode", "Objective", "Parallel", "Pipeline", "Problem", "Schedule"]
 
 Objective = Literal["throughput", "latency"]
 Mode = Literal["inference", "training"]
@@ -73,6 +74,22 @@ class Parallel:
 
 
 @dataclass(frozen=True)
+class Coarsened:
+    """Where a coarse problem's graph came from (:meth:`torchplace.fusion.Coarsening.coarse_problem`).
+
+    Attributes:
+        original: the original graph.
+        graph: the coarse graph made from it. A problem derived with other records (a solver's
+            relaxation or restriction) has another graph, and its own memory.
+        members: coarse node id -> its original node ids.
+    """
+
+    original: OpGraph
+    graph: OpGraph
+    members: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
 class Problem:
     """A placement problem.
 
@@ -94,6 +111,10 @@ class Problem:
             is given as it is (the published workloads) or one sample at a time (latency).
         parallel: Piper's data x tensor x pipeline setting; when set, a plan's stages carry their
             degrees and TMPCs and the cluster describes one device of the ``devices`` alike.
+        coarsened: for a problem on a coarsened graph, the original graph and each coarse node's
+            members: while ``graph`` is that coarse graph, a device's liveness memory is the
+            original graph's for its members (:func:`torchplace.costmodel.memory_parts`), the
+            memory its plan is checked against once expanded. ``None`` otherwise.
     """
 
     graph: OpGraph
@@ -103,6 +124,7 @@ class Problem:
     contiguous: bool = True
     pipeline: Pipeline | None = None
     parallel: Parallel | None = None
+    coarsened: Coarsened | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in ("throughput", "latency"):
