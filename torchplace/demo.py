@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,13 +75,39 @@ def samples_per_second(fn: Callable[[], Any], batch: int, seconds: float, warmup
     calls; pending GPU work is waited for at both ends (also used by benchmarks/gpu.py)."""
     for _ in range(warmup):
         fn()
+    runs, elapsed = _timed_block(fn, seconds, 3)
+    return batch * runs / elapsed
+
+
+def interleaved_samples_per_second(fns: Mapping[str, Callable[[], Any]], batch: int, seconds: float,
+                                   warmup: int = 1, rounds: int = 4) -> dict[str, float]:
+    """:func:`samples_per_second` of each of ``fns``, measured side by side: ``rounds`` rounds,
+    each running every function for ``seconds / rounds`` (at least one call), the order rotated
+    from round to round, so that a machine whose speed changes over the run (a shared host) slows
+    them alike rather than whichever ran last."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    runs, elapsed = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            n, t = _timed_block(fns[name], seconds / rounds, 1)
+            runs[name] += n
+            elapsed[name] += t
+    return {name: batch * runs[name] / elapsed[name] for name in names}
+
+
+def _timed_block(fn: Callable[[], Any], seconds: float, min_calls: int) -> tuple[int, float]:
+    """(calls, seconds) of calling ``fn`` for at least ``seconds`` and ``min_calls`` calls, pending
+    GPU work waited for at both ends."""
     _sync()
     runs, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or runs < 3:
+    while time.perf_counter() - t0 < seconds or runs < min_calls:
         fn()
         runs += 1
     _sync()
-    return batch * runs / (time.perf_counter() - t0)
+    return runs, time.perf_counter() - t0
 
 
 def _device_sets() -> list[list[str]]:
@@ -139,11 +165,12 @@ def _run_case(case: Case, devices: Sequence[str], microbatches: int, seconds: fl
     inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(first), case.inputs)
     with torch.no_grad():
         batch = pytree.tree_leaves(case.inputs)[0].shape[0]
-        base = samples_per_second(lambda: original(*inputs), batch, seconds)
-        one = samples_per_second(lambda: single(*case.inputs), batch, seconds)
-        measured = {name: samples_per_second(lambda r=run: r(*case.inputs), batch, seconds) for name, run in runs.items()}
+        calls = {"original": lambda: original(*inputs), "traced": lambda: single(*case.inputs),
+                 **{name: (lambda r=run: r(*case.inputs)) for name, run in runs.items()}}
+        measured = interleaved_samples_per_second(calls, batch, seconds)
+    base, one = measured.pop("original"), measured.pop("traced")
     rows = " | ".join(f"{name} {v:.1f} ({v / base:.2f}x)" for name, v in measured.items())
-    print(f"throughput (samples/s, same run): original model on {devices[0]} {base:.1f} | traced, one device "
+    print(f"throughput (samples/s, side by side): original model on {devices[0]} {base:.1f} | traced, one device "
           f"{one:.1f} | {rows}")
     return ok
 
