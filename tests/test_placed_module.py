@@ -159,6 +159,25 @@ def test_a_saved_plan_for_another_trace_is_refused(tmp_path, change):
         _place(model, inputs, **options)
 
 
+@pytest.mark.parametrize("saved", [None, "torchplace.fingerprint/1"])
+def test_a_plan_saved_by_another_version_is_refused_as_such(tmp_path, saved):
+    import json
+
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    profile = data["meta"]["profile"]
+    assert profile["format"] == "torchplace.fingerprint/2"
+    if saved is None:
+        del profile["format"]  # a plan from before the format was stored
+    else:
+        profile["format"] = saved
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(InvalidPlanError, match=r"saved by another version of torchplace .*Leave out plan=") as e:
+        _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
+    assert "another graph" not in str(e.value)
+
+
 def test_an_edited_profile_in_a_plan_file_is_named(tmp_path):
     import json
 

@@ -41,13 +41,20 @@ from torchplace.errors import InvalidPlanError, PlacementWarning, WorkloadFormat
 from torchplace.graph import OpGraph
 from torchplace.profiling.trace import Traced
 
-__all__ = ["KEY", "cached_graph", "disk_key", "fingerprint", "load_profile", "profile_meta", "store_profile"]
+__all__ = ["FINGERPRINT", "KEY", "cached_graph", "disk_key", "fingerprint", "load_profile", "profile_meta", "store_profile"]
 
 FORMAT = "torchplace.profile/2"
 """The ``format`` of a profile file in a ``profile_cache`` directory."""
 
 KEY = "profile"
 """The key of a plan's ``meta`` that holds ``{"fingerprint": ..., "graph": ...}``."""
+
+FINGERPRINT = "torchplace.fingerprint/2"
+"""How :func:`fingerprint` hashes a graph, stored beside each fingerprint. Change it whenever what a
+traced graph records changes (a new :class:`~torchplace.graph.NodeRecord` field): a plan saved by
+a torchplace that fingerprinted otherwise is then refused as made by another version, not as made
+for another model. ``/2``: nodes record their memories and what they read
+(``resident_parts``, ``reads``); plans without a format are from before it."""
 
 _MACHINE_COSTS = ("times", "link_times")  # measured here; everything else is structure
 
@@ -70,7 +77,8 @@ def fingerprint(traced: Traced, mode: str = "inference") -> str:
 def profile_meta(traced: Traced, graph: OpGraph, mode: str, settings: Mapping[str, Any]) -> dict[str, Any]:
     """What a plan stores so that :func:`cached_graph` can give ``graph`` (profiled from
     ``traced`` with ``settings``, e.g. threads per kind and the optimizer) back."""
-    return {"fingerprint": fingerprint(traced, mode), "settings": json.loads(json.dumps(settings)), "graph": graph.to_json()}
+    return {"format": FINGERPRINT, "fingerprint": fingerprint(traced, mode), "settings": json.loads(json.dumps(settings)),
+            "graph": graph.to_json()}
 
 
 def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iterable[str],
@@ -80,12 +88,18 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
     lacks a time for one of ``kinds`` (then profile as usual).
 
     Raises:
-        InvalidPlanError: the plan was made for another graph (fingerprints differ).
+        InvalidPlanError: the plan was made for another graph (fingerprints differ), or by a
+            torchplace that fingerprinted graphs otherwise (:data:`FINGERPRINT`).
         WorkloadFormatError: the stored graph is malformed (naming the field).
     """
     saved = meta.get(KEY)
     if not isinstance(saved, Mapping) or "fingerprint" not in saved:
         return None
+    if saved.get("format") != FINGERPRINT:
+        made = f"fingerprints {saved['format']!r}" if "format" in saved else "no fingerprint format"
+        raise InvalidPlanError(
+            f"{source} was saved by another version of torchplace ({made}; this one: {FINGERPRINT!r}), whose "
+            "graphs record other costs. Leave out plan= to profile and solve anew, then save the new plan")
     here = fingerprint(traced, mode)
     if saved["fingerprint"] != here:
         raise InvalidPlanError(
