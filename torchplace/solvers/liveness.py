@@ -15,8 +15,13 @@ solved through two problems whose node memory is a sum:
    node its ``temp``, rounded up to whole micro-batches) (plus ``(m - 1) ceil(out_v / m)`` when it
    makes a model output, held for the other micro-batches, and in training the loss's
    ``ceil(loss_bytes / m)``, or ``queued(m) ceil(out_v / m)`` (in training ``m - 1``) when it has
-   readers, which may be on another device), never less than its share of the liveness memory (costmodel docstring), so its plans always
-   fit. Its plan is kept with the relaxation's bound, ``"optimal"`` only where that bound proves it.
+   readers, which may be on another device), never less than its share of the liveness memory
+   (costmodel docstring), so its plans always fit. ``out_v`` is at least what the node holds
+   (``resident``), and where its outputs are several memories (``resident_parts``) both
+   ``ceil(temp / m)`` and ``ceil(out_v / m)`` are at least the sum of the memories each rounded
+   up, as the liveness rounds them. On a coarsened graph a node needs the sum of its members'
+   needs in the original graph, whose memory the coarse problem is charged. Its plan is kept with
+   the relaxation's bound, ``"optimal"`` only where that bound proves it.
 3. the restriction charges every activation a device runs as if all were alive at once, far above
    the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
    before it the relaxation is solved again with room reserved on every memory-limited device for
@@ -72,7 +77,16 @@ def _own_saved(v: str, r: NodeRecord) -> int:
 
 
 def conservative(problem: Problem) -> Problem:
-    """Node memory never below its share of the liveness peak (module docstring, 2)."""
+    """Node memory never below its share of the liveness peak (module docstring, 2).
+
+    A problem on a coarsened graph (``Problem.coarsened``), whose memory is the original graph's,
+    charges each coarse node the sum of its members' shares in the original graph: a merged
+    record rounds its bytes up once, and may hold less than a member it merges (a slice that
+    leaves the group keeps the larger memory it was cut from)."""
+    coarse = problem.coarsened
+    if coarse is not None and problem.graph is coarse.graph:
+        fine = conservative(dataclasses.replace(problem, graph=coarse.original, coarsened=None)).graph
+        return _summed(problem, lambda v, r: sum(fine.record(u).temp_bytes for u in coarse.members[v]))
     g, m = problem.graph, costmodel.microbatches(problem)
 
     outputs = set(g.meta.get("outputs", ()))
@@ -84,14 +98,16 @@ def conservative(problem: Problem) -> Problem:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest)
             return m * -(-r.temp_bytes // m)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
-        out = -(-max(r.output_bytes, r.resident) // m)  # the liveness holds what it was made in
+        # the liveness holds what its outputs were made in, each of its memories rounded up
+        parts = sum(-(-b // m) for b in r.resident_parts.values())
+        out = max(-(-max(r.output_bytes, r.resident) // m), parts)
         if outputs.intersection(r.fx_nodes):  # training: the loss and the outputs' gradient here
             held = (m - 1) * out + (loss + -(-r.output_bytes // m) if training else 0)
         else:  # its readers may be on another device: it holds what it sent on (in training until their backward)
             sent = m - 1 if training else costmodel.queued(m)
             held = sent * out if g.nx.out_degree(v) else 0
         # a training problem's working memory is the sum over m (costmodel.memory_parts)
-        return (m if training else 1) * (-(-r.temp_bytes // m) + received + held)
+        return (m if training else 1) * (max(-(-r.temp_bytes // m), parts) + received + held)
 
     return _summed(problem, share)
 
