@@ -86,6 +86,8 @@ def interleaved_samples_per_second(fns: Mapping[str, Callable[[], Any]], batch: 
     from round to round, so that a machine whose speed changes over the run (a shared host) slows
     them alike rather than whichever ran last."""
     names = list(fns)
+    if not names:
+        return {}
     for name in names:
         for _ in range(warmup):
             fns[name]()

@@ -120,8 +120,9 @@ class NodeRecord:
             that its readers may free at different times. Empty: one memory.
         reads: in a profiled graph, the memories of other nodes this node reads (fx node names, a
             view's base inside its node; keys of their ``resident_parts``): a reader keeps alive
-            only the parts it reads (:func:`torchplace.costmodel.working_memory`). Empty: unknown,
-            it keeps every part of every node it reads.
+            only the parts it reads (:func:`torchplace.costmodel.working_memory`). Empty: it
+            keeps every part of every node before it (nothing known, or only an ordering edge:
+            an upper bound either way).
     """
 
     name: str

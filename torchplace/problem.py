@@ -79,9 +79,10 @@ class Coarsened:
 
     Attributes:
         original: the original graph.
-        graph: the coarse graph made from it. A problem derived with other records (a solver's
-            relaxation or restriction) has another graph, and its own memory.
-        members: coarse node id -> its original node ids.
+        graph: the coarse graph made from it, kept to tell the problem it was made for from one
+            derived with other records (a solver's relaxation or restriction: another graph, and
+            its own memory).
+        members: coarse node id -> its original node ids (``Coarsening.mapping``).
     """
 
     original: OpGraph
@@ -112,9 +113,11 @@ class Problem:
         parallel: Piper's data x tensor x pipeline setting; when set, a plan's stages carry their
             degrees and TMPCs and the cluster describes one device of the ``devices`` alike.
         coarsened: for a problem on a coarsened graph, the original graph and each coarse node's
-            members: while ``graph`` is that coarse graph, a device's liveness memory is the
-            original graph's for its members (:func:`torchplace.costmodel.memory_parts`), the
-            memory its plan is checked against once expanded. ``None`` otherwise.
+            members: while ``graph`` is that coarse graph (the identity is checked: a problem
+            derived with new records has its own memory), a device's memory with liveness, all of
+            its kinds, is the original graph's for its members
+            (:func:`torchplace.costmodel.memory_parts`), the memory its plan is checked against
+            once expanded. ``None`` otherwise.
     """
 
     graph: OpGraph
