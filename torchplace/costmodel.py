@@ -235,6 +235,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
     made_outputs = {v for v in order if outputs.intersection(g.record(v).fx_nodes)}
+    held = {key for v in made_outputs for key in memories[v] if key[0] in members}  # what the outputs live in
     sent: set[Memory] = set()
     for v in order:
         readers = [w for w in g.successors(v) if w not in members and _reads(g, v, w)]
@@ -262,9 +263,9 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         live += (saves or {}).get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
-    held = sum(_per_microbatch(g.record(v).resident, m) for v in made_outputs)
-    sending = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in sent if u in members)
-    return peak + (m - 1 if others is None else others) * held + (queued(m) if others is None else others) * sending
+    holding = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in held)
+    sending = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in sent - held if u in members)
+    return peak + (m - 1 if others is None else others) * holding + (queued(m) if others is None else others) * sending
 
 
 Memory = tuple[str, str]
@@ -293,13 +294,16 @@ def _memories(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dic
 
 def _kept(g: OpGraph, memories: Mapping[str, tuple[Memory, ...]], u: str, w: str) -> tuple[Memory, ...]:
     """The memories of ``u`` that its reader ``w`` keeps alive: the parts of ``u`` that ``w``
-    reads (``NodeRecord.reads``), all of them where ``w`` does not say; for ``u`` not in
-    ``memories`` (a received tensor), ``u`` whole."""
+    reads (``NodeRecord.reads``), all of them where ``w`` does not say; for a view, what it views
+    if ``w`` reads the view (not only a size the same node makes); for ``u`` not in ``memories``
+    (a received tensor), ``u`` whole."""
     if u not in memories:
         return ((u, ""),)
     parts, reads = g.record(u).resident_parts, g.record(w).reads
-    if not parts or not reads or memories[u][0][0] != u:
+    if not parts or not reads:
         return memories[u]
+    if memories[u][0][0] != u:  # a view
+        return memories[u] if not parts.keys().isdisjoint(reads) else ()
     return tuple((u, part) for part in parts if part in reads)
 
 

@@ -158,7 +158,8 @@ def _roots(group: _Group) -> dict[fx.Node, fx.Node]:
 def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
     """(peak, resident parts): the most bytes of new memory the group's fx nodes hold at once
     while it runs (in graph order), and the new memory its outputs keep alive after it, by the fx
-    node that made each memory (:func:`_roots`). A view takes no new memory but keeps its base's
+    node that made each memory (:func:`_roots`; an output that views memory made outside the
+    group is a part of 0 bytes, so that its readers can be told from readers of a size). A view takes no new memory but keeps its base's
     alive; a memory lives from the node that made it until the last reader of it or of any view
     of it in the group, or to the group's end when something outside reads one of them."""
     inside = set(group.nodes)
@@ -178,7 +179,7 @@ def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
         if root[n] is n and last[n] > i:
             live += size
             frees[last[n]] = frees.get(last[n], 0) + size
-            if last[n] == end and size:
+            if last[n] == end and (size or n.meta["torchplace"].output_bytes):  # a view of outside memory: 0
                 resident[n.name] = size
         live -= frees.pop(i, 0)
     return peak, resident
@@ -192,14 +193,17 @@ def _reads(group: _Group, roots: Mapping[fx.Node, fx.Node]) -> tuple[str, ...]:
 
 
 def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
-    """``{node id: node id}`` where a one-fx-node group's output is a view of another group's
-    output (:func:`torchplace.costmodel.working_memory` keeps the base alive for the view)."""
+    """``{node id: node id}`` where a group's outputs are all views of another group's output (a
+    view, or a module that only reshapes its input): :func:`torchplace.costmodel.working_memory`
+    keeps the base alive for the view's readers. Outputs that hold no bytes (sizes) do not count."""
     owner = {n.name: g.nodes[0].name for g in groups for n in g.nodes}
     out = {}
     for g in groups:
-        base = g.nodes[0].meta["torchplace"].alias_of if len(g.nodes) == 1 else None
-        if base in owner and owner[base] != g.nodes[0].name:
-            out[g.nodes[0].name] = owner[base]
+        inside, roots = set(g.nodes), _roots(g)
+        escaping = [n for n in g.nodes if n.meta["torchplace"].output_bytes and any(u not in inside for u in n.users)]
+        bases = {owner.get(roots[n].meta["torchplace"].alias_of or "") for n in escaping}
+        if len(bases) == 1 and None not in bases and g.nodes[0].name not in bases:
+            out[g.nodes[0].name] = bases.pop()  # type: ignore[assignment]
     return out
 
 

@@ -90,6 +90,13 @@ def conservative(problem: Problem) -> Problem:
     g, m = problem.graph, costmodel.microbatches(problem)
 
     outputs = set(g.meta.get("outputs", ()))
+    aliases = g.meta.get("aliases") or {}
+    viewed = set()  # nodes whose memory a model output views: held for the other micro-batches too
+    for v, r in g.records():
+        base = aliases.get(v) if outputs.intersection(r.fx_nodes) else None
+        while base is not None and base not in viewed:
+            viewed.add(base)
+            base = aliases.get(base)
 
     training = problem.mode == "training"
     loss = -(-costmodel.loss_bytes(g) // m)  # training: where the outputs are, the loss runs
@@ -106,6 +113,8 @@ def conservative(problem: Problem) -> Problem:
         else:  # its readers may be on another device: it holds what it sent on (in training until their backward)
             sent = m - 1 if training else costmodel.queued(m)
             held = sent * out if g.nx.out_degree(v) else 0
+            if v in viewed:
+                held += (m - 1) * out
         # a training problem's working memory is the sum over m (costmodel.memory_parts)
         return (m if training else 1) * (max(-(-r.temp_bytes // m), parts) + received + held)
 
