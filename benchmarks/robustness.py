@@ -128,6 +128,15 @@ class _Branchy(nn.Module):
         return -x
 
 
+class _FixedBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x).view(6, 2, 4).sum(1)  # the example's batch size, baked in
+
+
 def _x(batch: int = 6) -> torch.Tensor:
     torch.manual_seed(1)
     return torch.randn(batch, 8)
@@ -249,6 +258,7 @@ def cases(tmp: Path) -> list[Case]:
     add("place", "plan file that does not exist", lambda: _place(_mlp(), plan=str(tmp / "missing.json")))
     add("place", "plan of another model", lambda: _place(_mlp(), plan=_place(_Identity()).plan))
     add("place", "data-dependent control flow", lambda: _place(_Branchy()))
+    add("place", "model fixes its batch size, microbatches=3", lambda: _place(_FixedBatch(), microbatches=3))
     for devices in ([], ["potato"], ["cuda:7"], ["cpu:0", "cpu:0"], "cpu:0", [3]):
         add("devices", f"devices={devices!r}", lambda d=devices: _place(_mlp(), devices=d))
     for cap in ("lots", -1, float("nan"), "1.5 apples", 10**400):

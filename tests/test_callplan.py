@@ -178,3 +178,33 @@ def test_cli_plan_takes_auto_and_keep_split(capsys) -> None:
     assert main(["plan", "mlp", "--batch", "4", "--microbatches", "auto", "--keep-split"]) == 0
     out = capsys.readouterr().out
     assert "microbatches='auto' tried m=1" in out and "one device:" in out
+
+
+class _FixedBatch(nn.Module):
+    """A model that reshapes to its example's batch size (4): it cannot run on a micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 256), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).view(4, 4, 64)).sum(1)
+
+
+def test_a_model_that_fixes_its_batch_size_is_refused_micro_batches_at_place_time():
+    from torchplace.errors import MicrobatchError
+
+    torch.manual_seed(0)
+    model, x = _FixedBatch(), torch.randn(4, 256)
+    # was: placed, then every call failed in its second stage (StageError: shape '[4, 4, 64]' is invalid)
+    with pytest.raises(MicrobatchError, match=r"does not run on one of 4 micro-batches \(1 of the example's 4 "
+                                              r"samples\).*microbatches=1"):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=4, allow_single_device=False, progress=False)
+    # "auto" does not consider what cannot run, and says so
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches="auto", allow_single_device=False,
+                              progress=False)
+    notes = placed.plan.meta["call"]["notes"]
+    assert placed.microbatches == 1 and "tried" not in placed.plan.meta["call"]  # only m = 1 was predicted
+    assert [n.split(":")[0] for n in notes if "not tried" in n] == ["m=2", "m=4"]
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))

@@ -21,12 +21,12 @@ from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
-from torchplace.errors import InvalidPlanError, UnsupportedError, UsageError
+from torchplace.errors import InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
-from torchplace.profiling import present_kinds, profile, trace
+from torchplace.profiling import Traced, present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
@@ -484,13 +484,39 @@ def prepare(
             if cached:
                 return None
             chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
-            return profiled(chunk_args, chunk_kwargs)  # training: forward and backward of one micro-batch
+            try:
+                return profiled(chunk_args, chunk_kwargs)  # training: forward and backward of one micro-batch
+            except Exception as error:
+                _check_runs_on_microbatch(traced, chunk_args, chunk_kwargs, m, _batch(args, kwargs))
+                raise error
 
         decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
                                    overheads=executor_overheads(), allow_single_device=allow_single_device,
                                    given=given is not None)
         solved, m = decision.plan, decision.microbatches
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings))
+
+
+def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Mapping[str, Any], m: int,
+                              batch: int | None) -> None:
+    """Run the traced graph on one of ``m`` micro-batches (``args``, ``kwargs``).
+
+    Raises:
+        MicrobatchError: when it fails there: the model fixes its batch size, and its placed model
+            would fail on every call split into micro-batches.
+    """
+    try:
+        with torch.no_grad():
+            traced.gm(*traced.flat_inputs(args, kwargs))
+    except Exception as error:
+        size = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                     and t.dim() > 0), None)
+        raise MicrobatchError(
+            f"the model does not run on one of {m} micro-batches ({size} of the example's {batch} samples): "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}. It fixes "
+            "its batch size (a reshape or view to the example's size, a size taken from a constant); place it with "
+            "microbatches=1, or take the size from the input (x.view(x.shape[0], ...) or x.view(-1, ...))"
+        ) from error
 
 
 def _cache_dir(profile_cache: str | Path | None) -> Path | None:

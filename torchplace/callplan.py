@@ -29,7 +29,7 @@ from typing import Any
 
 from torchplace import callmodel, costmodel
 from torchplace.callmodel import CallPrediction, Overheads
-from torchplace.errors import InvalidPlanError, PlacementWarning
+from torchplace.errors import InvalidPlanError, MicrobatchError, PlacementWarning
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
@@ -80,8 +80,14 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
         return _decide_latency(problem, plan, overheads, allow_single_device, given)
     graphs: dict[int, OpGraph] = {}
     notes: list[str] = []
-    predictions = {m: _predict(problem, plan.stages, m, profiler, overheads, graphs, notes)
-                   for m in candidates(microbatches, batch)}
+    predictions = {}
+    for k in candidates(microbatches, batch):
+        try:
+            predictions[k] = _predict(problem, plan.stages, k, profiler, overheads, graphs, notes)
+        except MicrobatchError as error:  # asked for: the user's to fix; "auto": not a candidate
+            if microbatches != "auto":
+                raise
+            notes.append(f"m={k}: not tried: {error}")
     best = min(predictions, key=lambda k: (predictions[k].seconds, k))
     call = predictions[best]
     m = best if microbatches == "auto" else int(microbatches)  # the executor clamps an m above the batch
@@ -119,6 +125,8 @@ def _predict(problem: Problem, stages: Sequence[Stage], m: int, profiler: Profil
     if m > 1 and m not in graphs:
         try:
             small = profiler(m)
+        except MicrobatchError:
+            raise
         except Exception as error:  # noqa: BLE001 - the prediction falls back, and says so
             notes.append(f"m={m}: profiling one micro-batch failed ({type(error).__name__}: {error}); "
                          "its stage times are the whole batch's divided by m")

@@ -17,6 +17,7 @@ __all__ = [
     "TooManyIdealsError",
     "TorchplaceError",
     "TraceError",
+    "MicrobatchError",
     "UnsupportedError",
     "UsageError",
     "WorkloadFormatError",
@@ -33,6 +34,11 @@ class UsageError(TorchplaceError, ValueError):
     Derives from ``ValueError`` too, so code that catches ``ValueError`` for bad arguments keeps
     working.
     """
+
+
+class MicrobatchError(UsageError):
+    """The model does not run on one micro-batch of its example inputs (it fixes its batch size,
+    e.g. a reshape to the example's size), so it cannot be split into micro-batches."""
 
 
 class UnsupportedError(TorchplaceError):
