@@ -486,9 +486,9 @@ def prepare(
             chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
             try:
                 return profiled(chunk_args, chunk_kwargs)  # training: forward and backward of one micro-batch
-            except Exception as error:
+            except Exception:
                 _check_runs_on_microbatch(traced, chunk_args, chunk_kwargs, m, _batch(args, kwargs))
-                raise error
+                raise  # the model runs there: profiling failed (the prediction falls back, and says so)
 
         decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
                                    overheads=executor_overheads(), allow_single_device=allow_single_device,
@@ -511,9 +511,10 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
     except Exception as error:
         size = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      and t.dim() > 0), None)
+        first_line = (str(error).strip().splitlines() or [""])[0]
         raise MicrobatchError(
             f"the model does not run on one of {m} micro-batches ({size} of the example's {batch} samples): "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}. It fixes "
+            f"{type(error).__name__}: {first_line}. It fixes "
             "its batch size (a reshape or view to the example's size, a size taken from a constant); place it with "
             "microbatches=1, or take the size from the input (x.view(x.shape[0], ...) or x.view(-1, ...))"
         ) from error
