@@ -191,20 +191,25 @@ class _FixedBatch(nn.Module):
         return self.b(torch.relu(self.a(x)).view(4, 4, 64)).sum(1)
 
 
-def test_a_model_that_fixes_its_batch_size_is_refused_micro_batches_at_place_time():
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_model_that_fixes_its_batch_size_is_refused_micro_batches_at_place_time(method):
     from torchplace.errors import MicrobatchError
 
     torch.manual_seed(0)
     model, x = _FixedBatch(), torch.randn(4, 256)
-    # was: placed, then every call failed in its second stage (StageError: shape '[4, 4, 64]' is invalid)
+    options = dict(allow_single_device=False, progress=False, trace_method=method)
+    # was: placed, then every call failed in its second stage (StageError: shape '[4, 4, 64]' is
+    # invalid); exported, it failed to trace (the batch dimension asked dynamic, the model fixing it)
     with pytest.raises(MicrobatchError, match=r"does not run on one of 4 micro-batches \(1 of the example's 4 "
                                               r"samples\).*microbatches=1"):
-        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=4, allow_single_device=False, progress=False)
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=4, **options)
     # "auto" does not consider what cannot run, and says so
-    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches="auto", allow_single_device=False,
-                              progress=False)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches="auto", **options)
     notes = placed.plan.meta["call"]["notes"]
     assert placed.microbatches == 1 and "tried" not in placed.plan.meta["call"]  # only m = 1 was predicted
     assert [n.split(":")[0] for n in notes if "not tried" in n] == ["m=2", "m=4"]
     with torch.no_grad():
         assert torch.equal(placed(x), model(x))
+    if method == "export":  # traced for its batch size alone: another is refused by the export's guards
+        with pytest.raises(UsageError, match=r"x.size\(\)\[0\] == 1024.*the model fixes its batch size"):
+            placed(torch.randn(8, 256))

@@ -11,6 +11,7 @@ placement exists, ``load_state_dict(assign=True)``.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -373,6 +374,11 @@ def _shape_error(error: StageError) -> UsageError | None:
     if not (isinstance(cause, AssertionError) and "Guard failed" in text):
         return None
     guard = text.split("Guard failed:", 1)[1].strip().splitlines()[0]
+    if "==" in guard and re.search(r"size\(\)\[0\]", guard):  # dim 0 is asked dynamic: only the model fixes it
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the model fixes its batch "
+            "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
+            "size, or take the size from the input (x.view(x.shape[0], ...)) and place it again")
     return UsageError(
         f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
         f"vary when placing (place(..., dynamic_dims={{'input_ids': [1]}} or dynamic_dims='auto'), keep calls "

@@ -78,7 +78,10 @@ def check_dynamic_dims(dynamic_dims: Any, model: nn.Module, args: tuple[Any, ...
 def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                    dims: dict[str, tuple[int, ...]] | str | None = None) -> Any:
     """The ``dynamic_shapes`` of :func:`torch.export.export` for this call: dim 0 of every tensor
-    input ``Dim.DYNAMIC``, and ``dims`` as :func:`check_dynamic_dims` returned them.
+    input ``Dim.AUTO`` (the batch is dynamic unless the model fixes it, e.g. a reshape to the
+    example's batch size: that model is then traced for that batch alone, and refused
+    micro-batches by ``place()``), and ``dims`` as :func:`check_dynamic_dims` returned them
+    (``Dim.DYNAMIC``: export fails, naming the dimension, where the model fixes one).
 
     Positional-only calls get a tuple like ``args``; calls with keywords get a dict keyed by the
     parameter names of ``model.forward``, as :func:`torch.export.export` expects.
@@ -89,9 +92,9 @@ def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return None
             if dims == "auto":
-                return {0: torch.export.Dim.DYNAMIC, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}}
+                return {0: torch.export.Dim.AUTO, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}}
             extra = dims.get(name, ()) if isinstance(dims, dict) and name is not None else ()
-            return {0: torch.export.Dim.DYNAMIC, **{d: torch.export.Dim.DYNAMIC for d in extra}}
+            return {0: torch.export.Dim.AUTO, **{d: torch.export.Dim.DYNAMIC for d in extra}}
         return leaf
 
     if not kwargs:
