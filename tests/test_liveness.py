@@ -147,6 +147,36 @@ def test_a_module_that_only_reshapes_its_input_is_a_view_of_it():
     assert costmodel.working_memory(_problem(g), [v for v, _ in g.records()]) == 12 * 1024
 
 
+def test_a_module_that_also_returns_a_view_of_its_input_keeps_the_input_for_it():
+    import torch
+    from torch import nn
+
+    from torchplace.profiling import trace
+
+    class Mixed(nn.Module):  # a new tensor, and a view of its input
+        def forward(self, x):
+            return x * 2, x.view(x.shape[0], 64, 4).transpose(1, 2)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(256, 256)
+            self.mixed = Mixed()
+
+        def forward(self, x):
+            y, s = self.mixed(self.a(x))
+            z = torch.relu(y) * 3  # runs while s waits to be read
+            return (s * 3).sum() + z.sum()
+
+    g = trace(Net(), (torch.randn(4, 256),), granularity="module", method="export", leaf_modules=(Mixed,)).graph
+    mixed = next(v for v, r in g.records() if r.module == "mixed")
+    assert g.meta["part_aliases"] == {mixed: {"view": "linear"}} and mixed not in g.meta["aliases"]
+    assert dict(g.record(mixed).resident_parts) == {"mul": 4096, "view": 0}
+    # the linear's 4 KiB stay alive until s * 3: with y and relu's output, 12 KiB (was 8)
+    nodes = [v for v, _ in g.records()]
+    assert costmodel.working_memory(_problem(g), nodes) == 12 * 1024
+
+
 def test_an_expanded_output_holds_only_the_memory_it_was_made_in():
     g = _graph({"a": 4, "b": 4}, [("a", "b")], ["b"])
     g.replace_record("a", dataclasses.replace(g.record("a"), output_bytes=40, temp_bytes=40, resident_bytes=4))
@@ -236,9 +266,13 @@ def _live_problems(draw):
     peak = {v: b + draw(st.integers(0, 5)) for v, b in sizes.items()}
     g = OpGraph(meta={"liveness": True, "outputs": [str(n - 1)]})
     parts = {}  # some nodes make two memories, whose readers read one or both (or say nothing)
+    part_aliases = {}  # the second of which may view a node it reads instead
     for v, b in sizes.items():
         split = draw(st.integers(0, b)) if draw(st.booleans()) else None
         parts[v] = {} if split is None else {f"{v}.0": split, f"{v}.1": b - split}
+        bases = [u for u, w in edges if w == v]
+        if parts[v] and bases and draw(st.booleans()):
+            parts[v][f"{v}.1"], part_aliases[v] = 0, {f"{v}.1": draw(st.sampled_from(bases))}
     aliases = {}  # some nodes are views of a node they read: no memory of their own
     for v, b in sizes.items():
         names = sorted(k for u, w in edges if w == v for k in (parts[u] or {u: 0}))
@@ -254,7 +288,7 @@ def _live_problems(draw):
                                  times={"cpu": 1.0}))
     for u, v in edges:
         g.add_edge(u, v)
-    g.meta["aliases"] = aliases
+    g.meta["aliases"], g.meta["part_aliases"] = aliases, part_aliases
     members = draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1))
     return _problem(g, m=draw(st.integers(1, 4))), members
 

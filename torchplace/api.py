@@ -506,8 +506,8 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
             would fail on every call split into micro-batches.
     """
     try:
-        with torch.no_grad():
-            traced.gm(*traced.flat_inputs(args, kwargs))
+        with torch.no_grad():  # forward, not the module's call, which prints every failure's traceback
+            traced.gm.forward(*traced.flat_inputs(args, kwargs))
     except Exception as error:
         size = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      and t.dim() > 0), None)

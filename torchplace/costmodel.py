@@ -28,13 +28,15 @@ model's output reads it (a node whose outputs are several memories,
 :attr:`NodeRecord.reads`, and sends on only the memories another device reads); a tensor from
 another device lives from the start of the pass to its last reader (only on devices that pay
 transfers: logical CPUs read host memory in place); a view
-(``graph.meta["aliases"]``, found at trace time) takes no memory of its own and keeps the tensor it
-views alive as long as it is read, and a node's outputs hold the memory they were made in
+(``graph.meta["aliases"]``, found at trace time; ``graph.meta["part_aliases"]`` for one output of
+a node with others) takes no memory of its own and keeps the tensor it views alive as long as it
+is read, and a node's outputs hold the memory they were made in
 (:attr:`NodeRecord.resident`: an ``expand`` is no bigger than what it expands); while a node runs it holds its own peak
 (:attr:`NodeRecord.own_peak`, new memory only) on top of what is alive. Inference devices hold
 one micro-batch's activations at a time (a device finishes a micro-batch before it starts the
-next), except what it has sent on: the model's outputs it makes stay until the call returns, so
-it holds the other ``m - 1`` micro-batches' on top of its peak, and the tensors it sends to
+next), except what it has sent on: the model's outputs it makes stay until the call returns (an
+output that is a view, with the memory it views), so it holds the other ``m - 1`` micro-batches'
+on top of its peak, and the tensors it sends to
 another device stay until that device is done with them, so it holds those of :func:`queued`
 micro-batches.
 
@@ -235,11 +237,11 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
     made_outputs = {v for v in order if outputs.intersection(g.record(v).fx_nodes)}
-    held = {key for v in made_outputs for key in memories[v] if key[0] in members}  # what the outputs live in
+    held = {key for v in made_outputs for key in _all(memories[v]) if key[0] in members}  # what the outputs live in
     sent: set[Memory] = set()
     for v in order:
         readers = [w for w in g.successors(v) if w not in members and _reads(g, v, w)]
-        kept = set(memories[v]) if v in made_outputs else {k for w in readers for k in _kept(g, memories, v, w)}
+        kept = set(_all(memories[v])) if v in made_outputs else {k for w in readers for k in _kept(g, memories, v, w)}
         for key in kept:
             last[key] = end
         if v not in made_outputs:
@@ -255,11 +257,10 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     for i, v in enumerate(order):
         r = g.record(v)
         peak = max(peak, live + _per_microbatch(r.own_peak, m))
-        for key in memories[v]:
-            if key[0] == v and last.get(key, -1) > i:  # its own memory (not a view's base)
-                nbytes = _per_microbatch(_parts(r)[key[1]], m)
-                live += nbytes
-                frees[last[key]] += nbytes
+        for part, nbytes in _parts(r).items():  # its own memories (a view's part is never read as one)
+            if last.get((v, part), -1) > i:
+                live += _per_microbatch(nbytes, m)
+                frees[last[v, part]] += _per_microbatch(nbytes, m)
         live += (saves or {}).get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
@@ -278,33 +279,49 @@ def _parts(record: NodeRecord) -> Mapping[str, int]:
     return record.resident_parts or {"": record.resident}
 
 
-def _memories(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, tuple[Memory, ...]]:
-    """Each member's memories: its own parts, or for a view (``graph.meta["aliases"]``) what it
-    views of its base's, followed through members down to a member or a received tensor."""
+Memories = Mapping[str, Mapping[str, tuple[Memory, ...]]]
+"""Member -> each of its parts (:func:`_parts`) -> the memories that part keeps alive."""
+
+
+def _memories(g: OpGraph, members: Collection[str], order: Sequence[str]) -> dict[str, dict[str, tuple[Memory, ...]]]:
+    """Each member's parts and the memories each keeps (:data:`Memories`): its own, or for a view
+    (``graph.meta["aliases"]``: the whole node; ``graph.meta["part_aliases"]``: one part) what
+    it views of its base's, followed through members down to a member or a received tensor."""
     aliases = g.meta.get("aliases") or {}
-    out: dict[str, tuple[Memory, ...]] = {}
+    part_aliases = g.meta.get("part_aliases") or {}
+    out: dict[str, dict[str, tuple[Memory, ...]]] = {}
+
+    def viewed(base: str, v: str) -> tuple[Memory, ...]:
+        return _kept(g, out, base, v) or _all(out.get(base)) or ((base, ""),)
+
     for v in order:  # topological: a view's base has its memories already
+        r = g.record(v)
         base = aliases.get(v)  # a view holds no memory of its own (not a merged group named like one)
-        if base is not None and base in g and g.nx.has_edge(base, v) and g.record(v).resident == 0:
-            out[v] = _kept(g, out, base, v) or out.get(base, ((base, ""),))
-        else:
-            out[v] = tuple((v, part) for part in _parts(g.record(v)))
+        if base is not None and base in g and g.nx.has_edge(base, v) and r.resident == 0:
+            out[v] = dict.fromkeys(_parts(r), viewed(base, v))
+            continue
+        borrowed = part_aliases.get(v) or {}
+        out[v] = {part: viewed(borrowed[part], v) if borrowed.get(part) in g and g.nx.has_edge(borrowed[part], v)
+                  else ((v, part),) for part in _parts(r)}
     return out
 
 
-def _kept(g: OpGraph, memories: Mapping[str, tuple[Memory, ...]], u: str, w: str) -> tuple[Memory, ...]:
-    """The memories of ``u`` that its reader ``w`` keeps alive: the parts of ``u`` that ``w``
-    reads (``NodeRecord.reads``), all of them where ``w`` does not say; for a view, what it views
-    if ``w`` reads the view (not only a size the same node makes); for ``u`` not in ``memories``
-    (a received tensor), ``u`` whole."""
+def _all(parts: Mapping[str, tuple[Memory, ...]] | None) -> tuple[Memory, ...]:
+    """Every memory the parts keep, once each (``()`` for ``None``)."""
+    return tuple(dict.fromkeys(key for keys in (parts or {}).values() for key in keys))
+
+
+def _kept(g: OpGraph, memories: Memories, u: str, w: str) -> tuple[Memory, ...]:
+    """The memories of ``u`` that its reader ``w`` keeps alive: those of the parts of ``u`` that
+    ``w`` reads (``NodeRecord.reads``; of a view's part, what it views, so a reader of only a size
+    the same node makes keeps nothing), all of them where ``w`` does not say; for ``u`` not in
+    ``memories`` (a received tensor), ``u`` whole."""
     if u not in memories:
         return ((u, ""),)
     parts, reads = g.record(u).resident_parts, g.record(w).reads
     if not parts or not reads:
-        return memories[u]
-    if memories[u][0][0] != u:  # a view
-        return memories[u] if not parts.keys().isdisjoint(reads) else ()
-    return tuple((u, part) for part in parts if part in reads)
+        return _all(memories[u])
+    return _all({part: keys for part, keys in memories[u].items() if part in reads})
 
 
 def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:

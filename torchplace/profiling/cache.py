@@ -54,7 +54,8 @@ FINGERPRINT = "torchplace.fingerprint/2"
 traced graph records changes (a new :class:`~torchplace.graph.NodeRecord` field): a plan saved by
 a torchplace that fingerprinted otherwise is then refused as made by another version, not as made
 for another model. ``/2``: nodes record their memories and what they read
-(``resident_parts``, ``reads``); plans without a format are from before it."""
+(``resident_parts``, ``reads``), graphs the views some of a node's outputs are
+(``meta["part_aliases"]``); plans without a format are from before it."""
 
 _MACHINE_COSTS = ("times", "link_times")  # measured here; everything else is structure
 

@@ -208,6 +208,24 @@ def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
     return out
 
 
+def _part_aliases(groups: Sequence[_Group], whole: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """``{node id: {part: node id}}`` where some of a group's outputs, not all (:func:`_aliases`),
+    view another group's output: that part (of 0 bytes, :func:`_own_peak`) keeps the viewed
+    memory alive for its readers (:func:`torchplace.costmodel.working_memory`)."""
+    owner = {n.name: g.nodes[0].name for g in groups for n in g.nodes}
+    out: dict[str, dict[str, str]] = {}
+    for g in groups:
+        if len(g.nodes) == 1 or g.nodes[0].name in whole:
+            continue
+        inside, roots = set(g.nodes), _roots(g)
+        for n in g.nodes:
+            base = owner.get(roots[n].meta["torchplace"].alias_of or "")
+            if (base is not None and base != g.nodes[0].name and n.meta["torchplace"].output_bytes
+                    and any(u not in inside for u in n.users)):
+                out.setdefault(g.nodes[0].name, {})[roots[n].name] = base
+    return out
+
+
 def _record(group: _Group, param_bytes: int, colocation: str | None, reads: tuple[str, ...]) -> NodeRecord:
     """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
     ``peak_bytes`` = the most of them alive at once, ``resident_bytes`` = the new memory its
@@ -240,7 +258,8 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
         "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
         "state": state_meta(uses, ids),
         "liveness": True,
-        "aliases": _aliases(groups),
+        "aliases": (aliases := _aliases(groups)),
+        "part_aliases": _part_aliases(groups, aliases),
     })
     roots = {n: r for g in groups for n, r in _roots(g).items()}
     for i, g in enumerate(groups):

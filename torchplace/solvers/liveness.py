@@ -90,13 +90,17 @@ def conservative(problem: Problem) -> Problem:
     g, m = problem.graph, costmodel.microbatches(problem)
 
     outputs = set(g.meta.get("outputs", ()))
-    aliases = g.meta.get("aliases") or {}
-    viewed = set()  # nodes whose memory a model output views: held for the other micro-batches too
+    aliases, part_aliases = g.meta.get("aliases") or {}, g.meta.get("part_aliases") or {}
+    viewed: set[str] = set()  # nodes whose memory a model output views: held for the other micro-batches too
     for v, r in g.records():
-        base = aliases.get(v) if outputs.intersection(r.fx_nodes) else None
-        while base is not None and base not in viewed:
-            viewed.add(base)
-            base = aliases.get(base)
+        if not outputs.intersection(r.fx_nodes):
+            continue
+        bases = [aliases[v]] if v in aliases else list((part_aliases.get(v) or {}).values())
+        while bases:
+            base = bases.pop()
+            if base not in viewed:
+                viewed.add(base)
+                bases += [aliases[base]] if base in aliases else list((part_aliases.get(base) or {}).values())
 
     training = problem.mode == "training"
     loss = -(-costmodel.loss_bytes(g) // m)  # training: where the outputs are, the loss runs
