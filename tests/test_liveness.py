@@ -524,6 +524,28 @@ def test_training_working_memory_is_the_larger_of_the_forward_and_backward_peaks
     assert parts["working"] < sum(r.temp_bytes for _, r in g.records())  # was the sum: 23
 
 
+def test_a_residuals_gradient_waits_while_the_branch_runs_its_backward():
+    # a -> b -> c and a -> c (c = b + a, the model's output), 4-byte outputs, a with weights:
+    # c's backward makes the gradients of b and of a (the residual's), and a's waits while b's
+    # backward runs: at b's backward, c's value (kept to the end of the pass), the gradients of b
+    # and a, and b's own peak (1 byte); c's gradient was consumed by c's backward
+    g = _graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c"), ("a", "c")], ["c"])
+    for v in "abc":
+        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=1, temp_bytes=1, backward=True, times={"cpu": 1.0},
+                                       param_bytes=2 if v == "a" else 0))
+        g.add_edge(v, f"{v}'")
+    g.add_edge("c'", "b'")
+    g.add_edge("c'", "a'")
+    g.add_edge("b'", "a'")
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"),)), mode="training", pipeline=Pipeline(1))
+    members = [v for v, _ in g.records()]
+    assert costmodel.backward_peak(p, "abc") == 4 + 4 + 4 + 1
+    # was the larger of the forward's peak (a, b and c alive: 12) and c's gradient with the
+    # largest backward node (4 + 1)
+    assert costmodel.memory_parts(p, members)["working"] == 13
+    _assert_bracketed(p, set(members))
+
+
 def test_the_loss_is_charged_where_the_model_outputs_are():
     # a(4) -> b(4) -> c(4), c the model's output; backward nodes need 6, 2, 3; the loss holds 12
     # bytes beyond c (its temporaries and c's gradient) for the whole batch of 2 micro-batches

@@ -69,10 +69,14 @@ because a worker runs one micro-batch's forward or one's backward at a time, nev
   nodes save (``saved_parts``: the layer norm's output the three attention projections save, a
   ReLU's output saved by the ReLU and the next linear) is kept once on a device
   (:func:`saved_union`), from the first node that saves it;
-- the backward pass's: the gradient of the model outputs it makes, plus the larger of the largest
-  backward node's own peak and, on a device making model outputs, the loss's bytes
-  (``graph.meta["loss_bytes"]``, :mod:`torchplace.profiling.loss`: what the loss and its backward
-  hold beyond the outputs, its gradient of them included).
+- the backward pass's: the larger of the walk :func:`backward_peak` (the forward nodes in reverse:
+  this micro-batch's sent values and model outputs held to the end, each gradient alive from the
+  first reader's backward to its node's, each node's saved tensors freed after its backward, its
+  own peak while it runs; less the saved activations, which the activations count) and the
+  gradient of the model outputs it makes plus the larger of the largest backward node's own peak
+  and, on a device making model outputs, the loss's bytes (``graph.meta["loss_bytes"]``,
+  :mod:`torchplace.profiling.loss`: what the loss and its backward hold beyond the outputs, its
+  gradient of them included).
 The other micro-batches in flight (below) keep their model outputs and sent tensors on the device
 until their backward (the executor forgets a stage's values then), where inference holds ``m - 1``
 outputs and :func:`queued` sends. A copy of a trainable shared tensor has its gradient on the
@@ -133,6 +137,7 @@ __all__ = [
     "StageCost",
     "StageLike",
     "Transfer",
+    "backward_peak",
     "copy_bytes",
     "device_cost",
     "MEMORY_KINDS",
@@ -324,6 +329,78 @@ def _kept(g: OpGraph, memories: Memories, u: str, w: str) -> tuple[Memory, ...]:
     return _all({part: keys for part, keys in memories[u].items() if part in reads})
 
 
+def backward_peak(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
+                  saves: Mapping[str, int] | None = None, backwards: Collection[str] | None = None) -> int:
+    """The most bytes one micro-batch's backward pass holds at once on a device whose forward
+    nodes are ``forwards`` (training; the other micro-batches aside). ``saves``: what each forward
+    node saved for backward (:func:`saved_increments`), alive until its backward ran;
+    ``backwards``: the backward nodes the device runs (``None``: those of ``forwards``).
+
+    Backward runs the forward nodes in reverse order. Held throughout: this micro-batch's values
+    the device sent on or made as model outputs (the executor drops them after the backward), the
+    gradients of the model outputs (the loss's) and, on a device that pays transfers, those of
+    the values it sent. The gradient of a node's output lives from the first of its readers' backward
+    until its own backward ran (its size is the output's); one sent to another device is counted
+    to the end. Each backward node adds its own peak while it runs.
+    """
+    g, m = problem.graph, microbatches(problem)
+    members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
+    order = [v for v in g.topological_order() if v in members]
+    outputs = set(g.meta.get("outputs", ()))
+    receives = device is None or device.pays_transfer
+    graded = _needs_grad(g)
+    saves = saves or {}
+    live = sum(saves.get(v, 0) for v in order)
+    alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
+    for v in order:
+        r = g.record(v)
+        makes = bool(outputs.intersection(r.fx_nodes))
+        sent = any(w not in members and not g.record(w).backward for w in g.successors(v))
+        if makes or sent:
+            live += _per_microbatch(r.resident, m)  # the value, kept to the end of the backward
+        if v in graded and (makes or (sent and receives)):
+            alive[v] = _per_microbatch(r.output_bytes, m)  # its gradient, arrived
+            live += alive[v]
+    peak = live
+    for v in reversed(order):
+        own = max((_per_microbatch(g.record(b).own_peak, m) for b in g.successors(v)
+                   if g.record(b).backward and (backwards is None or b in backwards) and _is_backward_of(g, b, v)),
+                  default=0)
+        peak = max(peak, live + own)
+        live -= alive.pop(v, 0) + saves.get(v, 0)
+        for u in g.predecessors(v):
+            if g.record(u).backward or u not in graded:  # no gradient flows to what no weight made
+                continue
+            grad = _per_microbatch(g.record(u).output_bytes, m)
+            if u in members:
+                if u not in alive:
+                    alive[u] = grad
+                    live += grad
+            else:
+                live += grad  # sent back to the device that made u
+    return peak
+
+
+def _needs_grad(g: OpGraph) -> set[str]:
+    """The forward nodes whose outputs get a gradient: those with trainable weights (their
+    backward node holds gradients: ``param_bytes``; or they read a trainable shared tensor), and
+    every node after one of them."""
+    trainable = {v for v, r in g.records() if r.backward and r.param_bytes
+                 for v in g.predecessors(v) if not g.record(v).backward}
+    trainable |= {v for t in g.shared_tensors() if t.trainable for v in t.readers}
+    out: set[str] = set()
+    for v in g.topological_order():
+        r = g.record(v)
+        if not r.backward and (v in trainable or any(u in out for u in g.predecessors(v))):
+            out.add(v)
+    return out
+
+
+def _is_backward_of(g: OpGraph, b: str, v: str) -> bool:
+    """Whether backward node ``b`` is forward node ``v``'s (its only forward predecessor)."""
+    return all(g.record(u).backward or u == v for u in g.predecessors(b))
+
+
 def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:
     """``record.saved_parts``, or for a record without them ``saved_bytes`` as a key of the node's own."""
     if record.saved_parts:
@@ -441,8 +518,13 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m)
         saved_now = sum(saves.values())
         forward = working_memory(problem, forwards, device, others=others, saves=saves)
+        # what the other micro-batches in flight keep here meanwhile, through this one's backward too
+        held_others = forward - working_memory(problem, forwards, device, others=0, saves=saves)
         # the loss runs right after the forward (other micro-batches' values still held under GPipe)
-        work = max(forward - saved_now + loss, grad_out + max(backward, loss))
+        # the backward's, as it frees what each node saved (the activations below count them all)
+        backward_pass = backward_peak(problem, forwards, device, saves=saves,
+                                      backwards={v for v in members if g.record(v).backward}) - saved_now
+        work = max(forward - saved_now + loss, held_others + max(backward_pass, grad_out + max(backward, loss)))
     elif live:
         work = working_memory(problem, members, device)
     else:
