@@ -337,11 +337,12 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     ``backwards``: the backward nodes the device runs (``None``: those of ``forwards``).
 
     Backward runs the forward nodes in reverse order. Held throughout: this micro-batch's values
-    the device sent on or made as model outputs (the executor drops them after the backward), the
-    gradients of the model outputs (the loss's) and, on a device that pays transfers, those of
-    the values it sent. The gradient of a node's output lives from the first of its readers' backward
-    until its own backward ran (its size is the output's); one sent to another device is counted
-    to the end. Each backward node adds its own peak while it runs.
+    the device sent on or made as model outputs (the executor drops them after the backward).
+    The gradients of the model outputs (the loss's) and, on a device that pays transfers, those
+    of the values it sent arrive first. A gradient lives from the first of its readers' backward
+    (or its arrival) until its own node's backward ran, sized as the output it is the gradient of,
+    and only for nodes with weights before them (:func:`_needs_grad`); one sent back to another
+    device is counted to the end. Each backward node adds its own peak while it runs.
     """
     g, m = problem.graph, microbatches(problem)
     members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
@@ -385,8 +386,8 @@ def _needs_grad(g: OpGraph) -> set[str]:
     """The forward nodes whose outputs get a gradient: those with trainable weights (their
     backward node holds gradients: ``param_bytes``; or they read a trainable shared tensor), and
     every node after one of them."""
-    trainable = {v for v, r in g.records() if r.backward and r.param_bytes
-                 for v in g.predecessors(v) if not g.record(v).backward}
+    trainable = {u for b, r in g.records() if r.backward and r.param_bytes
+                 for u in g.predecessors(b) if not g.record(u).backward}
     trainable |= {v for t in g.shared_tensors() if t.trainable for v in t.readers}
     out: set[str] = set()
     for v in g.topological_order():
