@@ -242,7 +242,7 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
     made_outputs = {v for v in order if outputs.intersection(g.record(v).fx_nodes)}
-    held = {key for v in made_outputs for key in _all(memories[v]) if key[0] in members}  # what the outputs live in
+    held = {key for v in made_outputs for key in _all(memories[v])}  # what the outputs live in
     sent: set[Memory] = set()
     for v in order:
         readers = [w for w in g.successors(v) if w not in members and _reads(g, v, w)]
@@ -269,14 +269,23 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
         live += (saves or {}).get(v, 0)
         live -= frees.pop(i, 0)
     peak = max(peak, live)
-    holding = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in held)
-    sending = sum(_per_microbatch(_parts(g.record(u))[part], m) for u, part in sent - held if u in members)
+    holding = sum(_memory_bytes(g, key, members, receives, m) for key in held)
+    sending = sum(_memory_bytes(g, key, members, receives, m) for key in sent - held)
     return peak + (m - 1 if others is None else others) * holding + (queued(m) if others is None else others) * sending
 
 
 Memory = tuple[str, str]
 """A memory :func:`working_memory` follows: (the node that made it, its part of the node's
 outputs, ``NodeRecord.resident_parts``' key; ``""`` for a node whose outputs are one memory)."""
+
+
+def _memory_bytes(g: OpGraph, key: Memory, members: Collection[str], receives: bool, m: int) -> int:
+    """One micro-batch's bytes of a memory on a device holding ``members``: a member's part, or
+    a tensor received from another device (what was moved; 0 where the device reads it in place)."""
+    u, part = key
+    if u in members:
+        return _per_microbatch(_parts(g.record(u))[part], m)
+    return _per_microbatch(g.record(u).output_bytes, m) if receives else 0
 
 
 def _parts(record: NodeRecord) -> Mapping[str, int]:
@@ -350,18 +359,21 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     outputs = set(g.meta.get("outputs", ()))
     receives = device is None or device.pays_transfer
     graded = _needs_grad(g)
+    memories = _memories(g, members, order)
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
     alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
+    kept: set[Memory] = set()  # what the values sent on and the model outputs live in: kept to the end
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
         sent = any(w not in members and not g.record(w).backward for w in g.successors(v))
         if makes or sent:
-            live += _per_microbatch(r.resident, m)  # the value, kept to the end of the backward
+            kept.update(_all(memories[v]))
         if v in graded and (makes or (sent and receives)):
             alive[v] = _per_microbatch(r.output_bytes, m)  # its gradient, arrived
             live += alive[v]
+    live += sum(_memory_bytes(g, key, members, receives, m) for key in kept)
     peak = live
     for v in reversed(order):
         own = max((_per_microbatch(g.record(b).own_peak, m) for b in g.successors(v)

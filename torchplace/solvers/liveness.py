@@ -112,10 +112,14 @@ def conservative(problem: Problem) -> Problem:
         # the liveness holds what its outputs were made in, each of its memories rounded up
         parts = sum(-(-b // m) for b in r.resident_parts.values())
         out = max(-(-max(r.output_bytes, r.resident) // m), parts)
+        # a view keeps what it views: received, a copy of the viewed node's output
+        viewing = [aliases[v]] if v in aliases else list((part_aliases.get(v) or {}).values())
+        out += sum(-(-g.record(b).output_bytes // m) for b in viewing if b in g)
         if outputs.intersection(r.fx_nodes):  # training: the loss and the outputs' gradient here
             held = (m - 1) * out + (loss + -(-r.output_bytes // m) if training else 0)
-        else:  # its readers may be on another device: it holds what it sent on (in training until their backward)
-            sent = m - 1 if training else costmodel.queued(m)
+        else:  # its readers may be on another device: it holds what it sent on (in training until their
+            # backward, and through its own the gradient that comes back: one more)
+            sent = m if training else costmodel.queued(m)
             held = sent * out if g.nx.out_degree(v) else 0
             if v in viewed:
                 held += (m - 1) * out
