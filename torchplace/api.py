@@ -30,6 +30,7 @@ from torchplace.profiling import Traced, present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
+from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
 from torchplace.profiling.links import with_measured_host_links
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
@@ -505,6 +506,7 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
         MicrobatchError: when it fails there: the model fixes its batch size, and its placed model
             would fail on every call split into micro-batches.
     """
+    snapshot = StateSnapshot(traced.gm)  # a forward that updates buffers (batch norm) leaves them as they were
     try:
         with torch.no_grad():  # forward, not the module's call, which prints every failure's traceback
             traced.gm.forward(*traced.flat_inputs(args, kwargs))
@@ -514,10 +516,13 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise MicrobatchError(
             f"the model does not run on one of {m} micro-batches ({size} of the example's {batch} samples): "
-            f"{type(error).__name__}: {first_line}. It fixes "
-            "its batch size (a reshape or view to the example's size, a size taken from a constant); place it with "
-            "microbatches=1, or take the size from the input (x.view(x.shape[0], ...) or x.view(-1, ...))"
+            f"{type(error).__name__}: {first_line}. It fixes its batch size (a reshape or view to the example's "
+            "size, a size taken from a constant), or an operator needs more samples (batch norm in training needs two); "
+            "place it with microbatches=1 (or fewer), or take the size from the input (x.view(x.shape[0], ...) or "
+            "x.view(-1, ...))"
         ) from error
+    finally:
+        snapshot.restore()
 
 
 def _cache_dir(profile_cache: str | Path | None) -> Path | None:

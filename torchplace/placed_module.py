@@ -374,7 +374,8 @@ def _shape_error(error: StageError) -> UsageError | None:
     if not (isinstance(cause, AssertionError) and "Guard failed" in text):
         return None
     guard = text.split("Guard failed:", 1)[1].strip().splitlines()[0]
-    if "==" in guard and re.search(r"size\(\)\[0\]", guard):  # dim 0 is asked dynamic: only the model fixes it
+    # dim 0 is asked dynamic: only the model fixes it to a number (not two inputs' batches compared)
+    if "==" in guard and re.search(r"size\(\)\[0\]", guard) and guard.count("size()") == 1:
         return UsageError(
             f"the placed model was traced for inputs with {guard}, which this call breaks: the model fixes its batch "
             "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
