@@ -126,7 +126,7 @@ import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torchplace.devices import Device
 from torchplace.graph import TMPC, NodeRecord, OpGraph, SharedTensor, union_of_saved
@@ -229,6 +229,12 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
     output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
     """
+    return _walk(problem, nodes, device, saves).total(microbatches(problem), others)
+
+
+def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
+          saves: Mapping[str, int] | None) -> _Working:
+    """:func:`working_memory` before the other micro-batches are added."""
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     order = [v for v in g.topological_order() if v in members]
@@ -271,7 +277,23 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     peak = max(peak, live)
     holding = sum(_memory_bytes(g, key, members, receives, m) for key in held)
     sending = sum(_memory_bytes(g, key, members, receives, m) for key in sent - held)
-    return peak + (m - 1 if others is None else others) * holding + (queued(m) if others is None else others) * sending
+    return _Working(peak, holding, sending)
+
+
+class _Working(NamedTuple):
+    """:func:`working_memory`'s walk: the peak of one micro-batch, and the bytes of one
+    micro-batch's model outputs (``holding``) and sent tensors (``sending``) that the device keeps
+    for each of the other micro-batches."""
+
+    peak: int
+    holding: int
+    sending: int
+
+    def total(self, m: int, others: int | None) -> int:
+        """The peak with ``others`` micro-batches' outputs and sends held (``None``: inference's
+        ``m - 1`` outputs and :func:`queued` sends)."""
+        return (self.peak + (m - 1 if others is None else others) * self.holding
+                + (queued(m) if others is None else others) * self.sending)
 
 
 Memory = tuple[str, str]
@@ -530,9 +552,10 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         forwards = {v for v in members if not g.record(v).backward}
         saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m)
         saved_now = sum(saves.values())
-        forward = working_memory(problem, forwards, device, others=others, saves=saves)
+        walk = _walk(problem, forwards, device, saves)
+        forward = walk.total(m, others)
         # what the other micro-batches in flight keep here meanwhile, through this one's backward too
-        held_others = forward - working_memory(problem, forwards, device, others=0, saves=saves)
+        held_others = forward - walk.peak
         # the loss runs right after the forward (other micro-batches' values still held under GPipe)
         # the backward's, as it frees what each node saved (the activations below count them all)
         backward_pass = backward_peak(problem, forwards, device, saves=saves,
