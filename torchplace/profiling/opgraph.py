@@ -193,37 +193,32 @@ def _reads(group: _Group, roots: Mapping[fx.Node, fx.Node]) -> tuple[str, ...]:
     return tuple(sorted({roots[a].name for n in group.nodes for a in n.all_input_nodes if a not in inside and a in roots}))
 
 
-def _aliases(groups: Sequence[_Group]) -> dict[str, str]:
-    """``{node id: node id}`` where a group's outputs are all views of another group's output (a
-    view, or a module that only reshapes its input): :func:`torchplace.costmodel.working_memory`
-    keeps the base alive for the view's readers. Outputs that hold no bytes (sizes) do not count."""
+def _views(groups: Sequence[_Group]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """Which groups' outputs view another group's output, for
+    :func:`torchplace.costmodel.working_memory` to keep the viewed memory alive for their readers:
+
+    - ``aliases`` ``{node id: node id}``: every output of the group (a view, or a module that only
+      reshapes its input) views that one node;
+    - ``part_aliases`` ``{node id: {part: node id}}``: some outputs do, each a part of 0 bytes
+      (:func:`_own_peak`) beside the group's own memories.
+
+    Outputs that hold no bytes (sizes) do not count.
+    """
     owner = {n.name: g.nodes[0].name for g in groups for n in g.nodes}
-    out = {}
+    aliases: dict[str, str] = {}
+    parts: dict[str, dict[str, str]] = {}
     for g in groups:
-        inside, roots = set(g.nodes), _roots(g)
+        me, inside, roots = g.nodes[0].name, set(g.nodes), _roots(g)
         escaping = [n for n in g.nodes if n.meta["torchplace"].output_bytes and any(u not in inside for u in n.users)]
-        bases = {owner.get(roots[n].meta["torchplace"].alias_of or "") for n in escaping}
-        if len(bases) == 1 and None not in bases and g.nodes[0].name not in bases:
-            out[g.nodes[0].name] = bases.pop()  # type: ignore[assignment]
-    return out
-
-
-def _part_aliases(groups: Sequence[_Group], whole: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """``{node id: {part: node id}}`` where some of a group's outputs, not all (:func:`_aliases`),
-    view another group's output: that part (of 0 bytes, :func:`_own_peak`) keeps the viewed
-    memory alive for its readers (:func:`torchplace.costmodel.working_memory`)."""
-    owner = {n.name: g.nodes[0].name for g in groups for n in g.nodes}
-    out: dict[str, dict[str, str]] = {}
-    for g in groups:
-        if len(g.nodes) == 1 or g.nodes[0].name in whole:
-            continue
-        inside, roots = set(g.nodes), _roots(g)
-        for n in g.nodes:
-            base = owner.get(roots[n].meta["torchplace"].alias_of or "")
-            if (base is not None and base != g.nodes[0].name and n.meta["torchplace"].output_bytes
-                    and any(u not in inside for u in n.users)):
-                out.setdefault(g.nodes[0].name, {})[roots[n].name] = base
-    return out
+        bases = {roots[n].name: owner.get(roots[n].meta["torchplace"].alias_of or "") for n in escaping}
+        viewed = set(bases.values())
+        if len(viewed) == 1 and None not in viewed and me not in viewed:
+            aliases[me] = viewed.pop()  # type: ignore[assignment]
+        elif len(g.nodes) > 1:
+            views = {part: base for part, base in bases.items() if base is not None and base != me}
+            if views:
+                parts[me] = views
+    return aliases, parts
 
 
 def _record(group: _Group, param_bytes: int, colocation: str | None, reads: tuple[str, ...]) -> NodeRecord:
@@ -252,14 +247,15 @@ def _build_opgraph(gm: fx.GraphModule, model: nn.Module, groups: list[_Group], m
     params = owned_bytes(uses, len(groups))
     ids = [g.nodes[0].name for g in groups]
     nodes = list(gm.graph.nodes)
+    views = _views(groups)
     graph = OpGraph(meta={
         "method": method,
         "inputs": [n.name for n in nodes if n.op == "placeholder"],
         "outputs": [a.name for n in nodes if n.op == "output" for a in n.all_input_nodes],
         "state": state_meta(uses, ids),
         "liveness": True,
-        "aliases": (aliases := _aliases(groups)),
-        "part_aliases": _part_aliases(groups, aliases),
+        "aliases": views[0],
+        "part_aliases": views[1],
     })
     roots = {n: r for g in groups for n, r in _roots(g).items()}
     for i, g in enumerate(groups):
