@@ -44,36 +44,19 @@ from torch.utils import _pytree as pytree
 import torchplace
 from torchplace import costmodel
 from torchplace.models import build
-from torchplace.profiling.livebytes import LiveBytes
 from torchplace.runtime import workers
 
 
 def measured_peaks(placed: Any, call: tuple[tuple, dict], train: Any = None) -> dict[str, int]:
     """Per worker (device), the peak live bytes its thread allocated during one call (with
     ``train = (target, loss_fn)``, one training step)."""
-    peaks: dict[str, int] = {}
-    original = workers.WorkerThreads.submit
-
-    def submit(self: Any, worker: str, fn: Any, *args: Any) -> Any:
-        def measured(*a: Any) -> Any:
-            mode = LiveBytes()
-            try:
-                with mode:
-                    return fn(*a)
-            finally:
-                peaks[worker] = max(peaks.get(worker, 0), mode.peak)
-        return original(self, worker, measured, *args)
-
-    workers.WorkerThreads.submit = submit  # type: ignore[method-assign]
-    try:
+    with workers.peak_live_bytes() as peaks:
         if train is not None:
             placed.zero_grad(set_to_none=True)
             placed.step(*call[0], target=train[0], loss_fn=train[1], **call[1])
         else:
             with torch.no_grad():
                 placed(*call[0], **call[1])
-    finally:
-        workers.WorkerThreads.submit = original  # type: ignore[method-assign]
     return peaks
 
 

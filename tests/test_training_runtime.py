@@ -214,27 +214,14 @@ class WideHead(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_a_worker_forgets_a_microbatchs_values_after_its_backward(monkeypatch):
-    from torchplace.profiling.livebytes import LiveBytes
-    from torchplace.runtime import workers
+def test_a_worker_forgets_a_microbatchs_values_after_its_backward():
+    from torchplace.runtime.workers import peak_live_bytes
 
-    peaks: dict[str, int] = {}
-    submit = workers.WorkerThreads.submit
-
-    def counted(self, worker, fn, *args):
-        def run(*a):
-            with LiveBytes() as live:
-                try:
-                    return fn(*a)
-                finally:
-                    peaks[worker] = live.peak
-        return submit(self, worker, run, *args)
-
-    monkeypatch.setattr(workers.WorkerThreads, "submit", counted)
     executor = _executor(WideHead(), 2)
     x = torch.randn(64, 8)
     output = 16 * 4096 * 4  # one micro-batch's output
-    executor.step((x,), {}, None, lambda out, _: out.sum(), 4, "1f1b")
+    with peak_live_bytes() as peaks:
+        executor.step((x,), {}, None, lambda out, _: out.sum(), 4, "1f1b")
     # under 1F1B the last worker runs each micro-batch's forward, loss and backward in a row: it
     # holds one output, its gradient and the head's weight gradient (half an output), about 3.1
     # outputs; it held 6.1 when every value of the step stayed until the step ended

@@ -9,6 +9,9 @@ A job still running when the next call needs its worker (a stage that ignored it
 signal) keeps its thread; the worker gets a fresh one, so one stuck job never blocks later calls.
 The threads hold no reference to their owner and end when it is garbage-collected.
 
+:func:`peak_live_bytes` measures, while it is open, the tensor memory each worker's jobs
+allocate (the measured side of the memory benchmarks and tests).
+
 A worker may have its own count of intra-op threads (``Device.threads``; ``share_cores=True``
 splits the machine's cores among the CPU devices). torch's OpenMP thread count is per calling thread, so each
 job runs under :func:`~torchplace.machine.intra_op_threads` on its worker's thread, and two
@@ -16,18 +19,47 @@ logical CPUs no longer both spread every operator over all cores.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchplace.machine import intra_op_threads
+from torchplace.profiling.livebytes import LiveBytes
 
-__all__ = ["Job", "WorkerThreads"]
+__all__ = ["Job", "WorkerThreads", "peak_live_bytes"]
+
+_peaks: list[dict[str, int]] = []  # open peak_live_bytes() measurements, innermost last
+
+
+@contextlib.contextmanager
+def peak_live_bytes() -> Iterator[dict[str, int]]:
+    """While open, each job a worker thread runs is measured with
+    :class:`~torchplace.profiling.livebytes.LiveBytes`; yields ``{worker: peak bytes}``, the most
+    tensor memory one job of that worker's allocated and still held at once (a device's memory as
+    its worker makes it: what a training step's actions or a call's stages hold on that device)."""
+    peaks: dict[str, int] = {}
+    _peaks.append(peaks)
+    try:
+        yield peaks
+    finally:
+        _peaks.remove(peaks)
+
+
+def _measured(fn: Callable[..., Any], worker: str, peaks: dict[str, int]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        mode = LiveBytes()
+        try:
+            with mode:
+                return fn(*args)
+        finally:
+            peaks[worker] = max(peaks.get(worker, 0), mode.peak)
+    return run
 
 
 class Job:
@@ -92,6 +124,8 @@ class WorkerThreads:
         """Run ``fn(*args)`` on ``worker``'s thread; returns at once. Meant for one job per worker
         at a time (a run's): a worker whose last job is still running gets a fresh thread."""
         job = Job()
+        if _peaks:
+            fn = _measured(fn, worker, _peaks[-1])
         with self._lock:
             slot = self._slots.get(worker)
             if slot is None or (slot.current is not None and slot.current.is_alive()):
