@@ -79,7 +79,11 @@ because a worker runs one micro-batch's forward or one's backward at a time, nev
   gradient of them included).
 The other micro-batches in flight (below) keep their model outputs and sent tensors on the device
 until their backward (the executor forgets a stage's values then), where inference holds ``m - 1``
-outputs and :func:`queued` sends. A copy of a trainable shared tensor has its gradient on the
+outputs and :func:`queued` sends, and the gradients of theirs that wait across devices
+(:func:`waiting_gradients`: on a CPU those it sent back, until the producer's backward; on an
+accelerator those that arrived, until its own), as many as the schedule lets wait
+(:func:`upstream_in_flight`). A CPU reads other devices' values where they are, so a value of
+theirs it saves for backward costs it nothing (``in_place`` in :func:`saved_union`). A copy of a trainable shared tensor has its gradient on the
 device too. Without liveness it is the sum of ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
 :class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``) count once per
 micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
@@ -126,10 +130,10 @@ import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict
 
 from torchplace.devices import Device
-from torchplace.graph import TMPC, NodeRecord, OpGraph, SharedTensor, union_of_saved
+from torchplace.graph import TMPC, NodeRecord, OpGraph, SharedTensor, saved_producer, union_of_saved
 from torchplace.problem import Problem
 
 __all__ = [
@@ -145,6 +149,8 @@ __all__ = [
     "device_memory_parts",
     "evaluate",
     "in_flight",
+    "upstream_in_flight",
+    "waiting_gradients",
     "evaluate_stages",
     "uses_liveness",
     "working_memory",
@@ -370,10 +376,11 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     Backward runs the forward nodes in reverse order. Held throughout: this micro-batch's values
     the device sent on or made as model outputs (the executor drops them after the backward).
     The gradients of the model outputs (the loss's) and, on a device that pays transfers, those
-    of the values it sent arrive first. A gradient lives from the first of its readers' backward
-    (or its arrival) until its own node's backward ran, sized as the output it is the gradient of,
-    and only for nodes with weights before them (:func:`_needs_grad`); one sent back to another
-    device is counted to the end. Each backward node adds its own peak while it runs.
+    of the values it sent arrive first, and are held to the end (``torch.autograd.backward``
+    keeps the gradients it is given until it returns). A gradient made here lives from the first
+    of its readers' backward until its own node's backward ran, sized as the output it is the
+    gradient of, and only for nodes with weights before them (:func:`_needs_grad`); one sent back
+    to another device is counted to the end. Each backward node adds its own peak while it runs.
     """
     g, m = problem.graph, microbatches(problem)
     members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
@@ -392,9 +399,8 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
         sent = any(w not in members and not g.record(w).backward for w in g.successors(v))
         if makes or sent:
             kept.update(_all(memories[v]))
-        if v in graded and (makes or (sent and receives)):
-            alive[v] = _per_microbatch(r.output_bytes, m)  # its gradient, arrived
-            live += alive[v]
+        if v in graded and (makes or (sent and receives)):  # its gradient, arrived: the executor hands it to
+            live += _per_microbatch(r.output_bytes, m)  # autograd, which keeps it to the end of the pass
     live += sum(_memory_bytes(g, key, members, receives, m) for key in kept)
     peak = live
     for v in reversed(order):
@@ -414,6 +420,37 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
             else:
                 live += grad  # sent back to the device that made u
     return peak
+
+
+def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None) -> tuple[int, int]:
+    """Per micro-batch, the bytes of gradients that wait on a device for another device's backward
+    (training): ``(sent back, arrived)``.
+
+    A device's backward sends the gradient of each value it read from another device back to it,
+    where it waits until that device runs the micro-batch's backward. On a device that reads the
+    values in place (a CPU: :attr:`Device.pays_transfer` false) the gradient stays in its memory
+    while it waits (*sent back*); on one that receives them (``device=None`` too) it is copied
+    over, and waits on the receiving side: the gradients that *arrived* for the values this
+    device sent on. Each value's gradient once (its readers' contributions are summed), and only
+    for values with weights before them (:func:`_needs_grad`).
+
+    How many micro-batches' gradients wait follows from the schedule: a device that holds ``k``
+    micro-batches in flight (:func:`in_flight`) ran the forward of micro-batch ``i`` after the
+    backward of ``i - k`` (1F1B; under GPipe ``k = m`` and every forward ran first), so while the
+    reader works on ``i``, those of ``i - k + 1 .. i - 1`` may wait: ``k - 1`` other micro-batches,
+    ``k`` the producer's (sent back) or the device's own (arrived). :func:`memory_parts` charges them.
+    """
+    g, m = problem.graph, microbatches(problem)
+    members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
+    graded = _needs_grad(g)
+    receives = device is None or device.pays_transfer
+    if receives:
+        arrived = {v for v in members if v in graded and any(
+            w not in members and not g.record(w).backward for w in g.successors(v))}
+        return 0, sum(_per_microbatch(g.record(v).output_bytes, m) for v in arrived)
+    sent_back = {u for v in members for u in g.predecessors(v)
+                 if u not in members and u in graded and not g.record(u).backward}
+    return sum(_per_microbatch(g.record(u).output_bytes, m) for u in sent_back), 0
 
 
 def _needs_grad(g: OpGraph) -> set[str]:
@@ -443,10 +480,13 @@ def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:
     return {f"\0{node}": record.saved_bytes} if record.saved_bytes else {}
 
 
-def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1) -> dict[str, int]:
+def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1, *, in_place: bool = False) -> dict[str, int]:
     """Per micro-batch of ``m``, the bytes each forward node of ``order`` saves for backward that
-    no node before it in ``order`` saved already (:func:`saved_parts`; each storage kept once)."""
-    seen: set[str] = set()
+    no node before it in ``order`` saved already (:func:`saved_parts`; each storage kept once).
+    ``in_place``: the nodes run on a device that reads other devices' values where they are (a
+    CPU), so a saved storage made by a node outside ``order`` takes none of its memory."""
+    order = list(order)
+    seen: set[str] = set() if not in_place else _foreign(graph, order)
     out: dict[str, int] = {}
     for v in order:
         r = graph.record(v)
@@ -458,11 +498,23 @@ def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1) -> dict[s
     return out
 
 
-def saved_union(graph: OpGraph, nodes: Iterable[str]) -> int:
+def saved_union(graph: OpGraph, nodes: Iterable[str], *, in_place: bool = False) -> int:
     """Bytes the forward nodes in ``nodes`` keep for backward together, each saved storage once
-    (``saved_parts``; the sum of ``saved_bytes`` where no node has them)."""
+    (``saved_parts``; the sum of ``saved_bytes`` where no node has them). ``in_place``: as in
+    :func:`saved_increments`, storages made outside ``nodes`` count nothing."""
+    nodes = list(nodes)
+    foreign = _foreign(graph, nodes) if in_place else set()
     forwards = (v for v in nodes if not graph.record(v).backward)
-    return sum(union_of_saved(saved_parts(graph.record(v), v) for v in forwards).values())
+    return sum(b for k, b in union_of_saved(saved_parts(graph.record(v), v) for v in forwards).items()
+               if k not in foreign)
+
+
+def _foreign(graph: OpGraph, nodes: Collection[str]) -> set[str]:
+    """The saved-storage keys of the forward nodes in ``nodes`` made by no fx node of theirs: the
+    values they read from other devices (and the model's inputs)."""
+    made = {f for v in nodes for f in graph.record(v).fx_nodes}
+    return {k for v in nodes if not graph.record(v).backward for k in graph.record(v).saved_parts
+            if saved_producer(k) not in made}
 
 
 def _reads(g: OpGraph, v: str, w: str) -> bool:
@@ -482,7 +534,7 @@ def queued(m: int) -> int:
 
 
 def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False,
-           device: Device | None = None) -> int:
+           device: Device | None = None, upstream_in_flight: int | None = None) -> int:
     """Bytes a device needs for ``nodes``.
 
     Parameters (and, on backward nodes, gradients and optimizer state) plus working memory. A
@@ -498,11 +550,15 @@ def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = No
     where ``saved`` is what the forward nodes keep for backward, or with ``recompute`` only the
     stage's inputs, plus one micro-batch's saved activations while it is recomputed. ``in_flight``
     is the number of micro-batches whose activations the device holds at its peak
-    (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``.
+    (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``. ``upstream_in_flight``:
+    the most micro-batches in flight on a device whose values ``nodes`` read
+    (:func:`upstream_in_flight`; ``None``: ``m``), for the gradients sent back that wait for its
+    backward.
 
     With liveness (:func:`uses_liveness`) working memory is :func:`working_memory` on ``device``.
     """
-    return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute, device=device).values())
+    return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute, device=device,
+                            upstream_in_flight=upstream_in_flight).values())
 
 
 MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working", "activations")
@@ -517,7 +573,8 @@ def copy_bytes(problem: Problem, tensor: SharedTensor) -> tuple[int, int]:
 
 
 def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None,
-                 recompute: bool = False, device: Device | None = None) -> dict[str, int]:
+                 recompute: bool = False, device: Device | None = None,
+                 upstream_in_flight: int | None = None) -> dict[str, int]:
     """:func:`memory` split by kind (:data:`MEMORY_KINDS`); the parts sum to :func:`memory`.
 
     ``parameters``: the forward nodes' parameters and buffers; ``gradients + optimizer``: what
@@ -531,7 +588,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     if live and coarse is not None and problem.graph is coarse.graph:  # the original graph's memory of the members
         original = replace(problem, graph=coarse.original, coarsened=None)
         return memory_parts(original, [v for c in nodes for v in coarse.members[c]], in_flight=in_flight,
-                            recompute=recompute, device=device)
+                            recompute=recompute, device=device, upstream_in_flight=upstream_in_flight)
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
@@ -539,28 +596,17 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     copies = [copy_bytes(problem, t) for t in g.shared_tensors()
               if t.owner not in members and not t.readers.isdisjoint(members)]
     grads += sum(grad for _, grad in copies)
-    if live and problem.mode == "training":  # one micro-batch's forward, or its backward: never both at once
-        m = microbatches(problem)
-        others = (m if in_flight is None else in_flight) - 1  # held until their backward
-        outputs = set(g.meta.get("outputs", ()))
-        makes = [v for v in members if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes)]
-        grad_out = sum(_per_microbatch(g.record(v).output_bytes, m) for v in makes)  # the loss's gradient arrives
-        loss = _per_microbatch(loss_bytes(g), m) if makes else 0  # the loss runs where the outputs are
-        backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
-        # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
-        # counted twice: an upper bound), beside the saved activations of this micro-batch
-        forwards = {v for v in members if not g.record(v).backward}
-        saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m)
-        saved_now = sum(saves.values())
-        walk = _walk(problem, forwards, device, saves)
-        forward = walk.total(m, others)
-        # what the other micro-batches in flight keep here meanwhile, through this one's backward too
-        held_others = forward - walk.peak
-        # the loss runs right after the forward (other micro-batches' values still held under GPipe)
-        # the backward's, as it frees what each node saved (the activations below count them all)
-        backward_pass = backward_peak(problem, forwards, device, saves=saves,
-                                      backwards={v for v in members if g.record(v).backward}) - saved_now
-        work = max(forward - saved_now + loss, held_others + max(backward_pass, grad_out + max(backward, loss)))
+    training, m = problem.mode == "training", microbatches(problem)
+    k = m if in_flight is None else in_flight
+    in_place = live and device is not None and not device.pays_transfer  # reads other devices' values where they are
+    if training:
+        saved = saved_union(g, members, in_place=in_place) if live else sum(g.record(v).saved_bytes for v in members)
+        inputs = 0 if in_place else stage_input_bytes(problem, members)  # what a recomputing device keeps
+        kept = _per_microbatch(inputs if recompute else saved, m)  # per micro-batch in flight
+        activations = k * kept + (_per_microbatch(saved, m) if recompute else 0)  # + the one recomputed
+    if live and training:
+        work = _training_working(problem, members, device, in_flight=k, kept=kept, in_place=in_place,
+                                 upstream=m if upstream_in_flight is None else upstream_in_flight)
     elif live:
         work = working_memory(problem, members, device)
     else:
@@ -568,17 +614,65 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     parts = dict.fromkeys(MEMORY_KINDS, 0)
     parts.update({"parameters": params, "gradients + optimizer": grads, "shared copies": sum(c for c, _ in copies),
                   "working": work})
-    p = problem.pipeline
-    if p is None or problem.mode != "training":
-        return parts
-    m = p.microbatches
-    k = m if in_flight is None else in_flight
-    saved = saved_union(g, members) if live else sum(g.record(v).saved_bytes for v in members)
-    activations = k * _per_microbatch(saved, m)
-    if recompute:
-        activations = k * _per_microbatch(stage_input_bytes(problem, members), m) + _per_microbatch(saved, m)
-    parts.update({"working": work if live else _per_microbatch(work, m), "activations": activations})
+    if training and problem.pipeline is not None:
+        parts.update({"working": work if live else _per_microbatch(work, m), "activations": activations})
     return parts
+
+
+def _training_working(problem: Problem, members: Collection[str], device: Device | None, *, in_flight: int,
+                      upstream: int, kept: int, in_place: bool) -> int:
+    """Training working memory with liveness (module docstring): one micro-batch's forward or its
+    backward, never both at once, with what the other micro-batches in flight hold meanwhile.
+    ``kept``: the bytes each micro-batch in flight keeps for its backward (the activations);
+    ``in_place``: saved values of other devices take no memory here (:func:`saved_increments`)."""
+    g, m = problem.graph, microbatches(problem)
+    others = in_flight - 1  # held until their backward
+    outputs = set(g.meta.get("outputs", ()))
+    makes = [v for v in members if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes)]
+    grad_out = sum(_per_microbatch(g.record(v).output_bytes, m) for v in makes)  # the loss's gradient arrives
+    loss = _per_microbatch(loss_bytes(g), m) if makes else 0  # the loss runs where the outputs are
+    backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
+    # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
+    # counted twice: an upper bound), beside the saved activations of this micro-batch
+    forwards = {v for v in members if not g.record(v).backward}
+    saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m, in_place=in_place)
+    saved_now = sum(saves.values())
+    walk = _walk(problem, forwards, device, saves)
+    forward = walk.total(m, others)
+    # what the other micro-batches in flight keep here meanwhile, through this one's backward too
+    held_others = forward - walk.peak
+    wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept)
+    # the loss runs right after the forward (other micro-batches' values still held under GPipe)
+    # the backward's, as it frees what each node saved (the activations count them all)
+    backward_pass = backward_peak(problem, forwards, device, saves=saves,
+                                  backwards={v for v in members if g.record(v).backward}) - saved_now
+    return max(forward - saved_now + loss + wait_forward,
+               held_others + wait_backward + max(backward_pass, grad_out + max(backward, loss)))
+
+
+def _waiting(problem: Problem, forwards: Collection[str], device: Device | None, *, in_flight: int, upstream: int,
+             kept: int) -> tuple[int, int]:
+    """Bytes of the other micro-batches' gradients waiting on a device (:func:`waiting_gradients`)
+    beyond its ``in_flight`` micro-batches' activations (``kept`` bytes each), at the peaks of its
+    forward and of its backward passes.
+
+    At its ``i``-th backward (``i = 0 .. m-1``) a device keeps the activations of ``min(k, m - i)``
+    micro-batches (``k = in_flight``; 1F1B's drain frees them), and the gradients it sent back
+    for up to ``min(i, upstream - 1)`` earlier ones wait for their producers: beyond ``k``
+    activations, ``max_i min(k, m - i) kept + min(i, upstream - 1) sent_back - k kept``. Under
+    1F1B the forward of micro-batch ``i + k`` follows the backward of ``i``, so ``min(m - k,
+    upstream - 1)`` of them wait at a forward too; under GPipe every forward runs before any
+    backward, and none does. The gradients arrived for the values it sent wait for its own
+    backward, those of its other ``k - 1`` micro-batches in flight, at both (GPipe: the backward).
+    """
+    m = microbatches(problem)
+    sent_back, arrived = waiting_gradients(problem, forwards, device)
+    k, ahead = in_flight, upstream - 1
+    backward = max(min(k, m - i) * kept + min(i, ahead) * sent_back for i in range(m)) - k * kept
+    backward += (k - 1) * arrived
+    gpipe = problem.pipeline is not None and problem.pipeline.schedule == "gpipe"
+    forward = 0 if gpipe else max(min(m - k, ahead), 0) * sent_back + (k - 1) * arrived
+    return forward, max(backward, 0)
 
 
 def loss_bytes(graph: OpGraph) -> int:
@@ -590,12 +684,9 @@ def loss_bytes(graph: OpGraph) -> int:
 def device_memory_parts(problem: Problem, stages: Sequence[StageLike]) -> dict[str, dict[str, int]]:
     """:func:`memory_parts` of each device of a plan, with the plan's in-flight micro-batches and
     recomputation (the parts sum to :func:`device_memory`)."""
-    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
-    return {
-        d: memory_parts(problem, nodes, in_flight=holds[d], recompute=d in recomputing,
-                        device=_device(problem, d))
-        for d, nodes in _nodes_by_device(stages).items()
-    }
+    options = _plan_memory_options(problem, stages)
+    return {d: memory_parts(problem, nodes, device=_device(problem, d), **options[d])
+            for d, nodes in _nodes_by_device(stages).items()}
 
 
 def _device(problem: Problem, name: str) -> Device | None:
@@ -640,30 +731,65 @@ def in_flight(problem: Problem, stages: Sequence[StageLike]) -> dict[str, int]:
     return holds
 
 
+def upstream_in_flight(problem: Problem, stages: Sequence[StageLike],
+                       holds: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Per device of a plan, the most micro-batches in flight (``holds``, :func:`in_flight`) on
+    another device whose values its forward nodes read: the gradients it sends back wait for that
+    device's backward (:func:`waiting_gradients`); 1 for a device that reads none."""
+    g = problem.graph
+    holds = in_flight(problem, stages) if holds is None else holds
+    where = {v: s.device for s in stages for v in s.nodes}
+    out = dict.fromkeys(holds, 1)
+    for v, d in where.items():
+        if g.record(v).backward:
+            continue
+        for u in g.predecessors(v):
+            e = where.get(u)
+            if e is not None and e != d and not g.record(u).backward:
+                out[d] = max(out[d], holds[e])
+    return out
+
+
+class _PlanMemory(TypedDict):
+    """What :func:`memory` takes from a plan for one device."""
+
+    in_flight: int
+    upstream_in_flight: int
+    recompute: bool
+
+
+def _plan_memory_options(problem: Problem, stages: Sequence[StageLike]) -> dict[str, _PlanMemory]:
+    """Per device of a plan, what :func:`memory` takes from the plan: the micro-batches in flight
+    there and upstream, and whether it recomputes."""
+    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
+    upstream = upstream_in_flight(problem, stages, holds)
+    return {d: _PlanMemory(in_flight=holds[d], upstream_in_flight=upstream[d], recompute=d in recomputing)
+            for d in holds}
+
+
 def _recomputes(stages: Iterable[StageLike]) -> set[str]:
     return {s.device for s in stages if getattr(s, "recompute", False)}
 
 
 def device_cost(problem: Problem, nodes: Collection[str], device: Device, *, in_flight: int | None = None,
-                recompute: bool = False) -> StageCost:
+                recompute: bool = False, upstream_in_flight: int | None = None) -> StageCost:
     """Cost of placing node set ``nodes`` on ``device`` (recomputing its forward nodes' activations
     in the backward pass runs them twice)."""
     compute = math.fsum(problem.node_time(v, device) for v in nodes)
     if recompute:
         compute += math.fsum(problem.node_time(v, device) for v in nodes if not problem.graph.record(v).backward)
     t_in, t_out = transfers(problem, nodes) if device.pays_transfer else (0.0, 0.0)
-    mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute, device=device)
+    mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute, device=device,
+                 upstream_in_flight=upstream_in_flight)
     return StageCost(device.name, len(nodes), compute, t_in, t_out, mem)
 
 
 def device_memory(problem: Problem, stages: Sequence[StageLike]) -> dict[str, int]:
     """Bytes each device of a plan needs (:func:`memory` with the plan's in-flight micro-batches
     and recomputation)."""
-    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
-    return {
-        d: memory(problem, nodes, in_flight=holds[d], recompute=d in recomputing, device=_device(problem, d))
-        for d, nodes in _nodes_by_device(stages).items()
-    }
+    options = _plan_memory_options(problem, stages)
+    return {d: memory(problem, nodes, device=_device(problem, d), **options[d])
+            for d, nodes in _nodes_by_device(stages).items()}
 
 
 def _nodes_by_device(stages: Iterable[StageLike]) -> dict[str, list[str]]:
@@ -684,12 +810,9 @@ def evaluate_stages(problem: Problem, stages: Sequence[StageLike]) -> tuple[floa
     if problem.objective == "latency":
         sched = simulate(problem, stages)
         return sched.makespan, sched.costs(problem)
-    holds, recomputing = in_flight(problem, stages), _recomputes(stages)
-    costs = [
-        device_cost(problem, set(nodes), problem.cluster.device(name), in_flight=holds[name],
-                    recompute=name in recomputing)
-        for name, nodes in _nodes_by_device(stages).items()
-    ]
+    options = _plan_memory_options(problem, stages)
+    costs = [device_cost(problem, set(nodes), problem.cluster.device(name), **options[name])
+             for name, nodes in _nodes_by_device(stages).items()]
     return max((c.load for c in costs), default=0.0), costs
 
 

@@ -109,6 +109,8 @@ def conservative(problem: Problem) -> Problem:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest)
             return m * -(-r.temp_bytes // m)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
+        if training:  # the gradients sent back for it, this micro-batch's and the others' that wait
+            received *= m
         # the liveness holds what its outputs were made in, each of its memories rounded up
         parts = sum(-(-b // m) for b in r.resident_parts.values())
         out = max(-(-max(r.output_bytes, r.resident) // m), parts)
@@ -118,8 +120,9 @@ def conservative(problem: Problem) -> Problem:
         if outputs.intersection(r.fx_nodes):  # training: the loss and the outputs' gradient here
             held = (m - 1) * out + (loss + -(-r.output_bytes // m) if training else 0)
         else:  # its readers may be on another device: it holds what it sent on (in training until their
-            # backward, and through its own the gradient that comes back: one more)
-            sent = m if training else costmodel.queued(m)
+            # backward, and through its own the gradient that comes back: one more, and those that came
+            # back for the other micro-batches, costmodel.waiting_gradients)
+            sent = 2 * m - 1 if training else costmodel.queued(m)
             held = sent * out if g.nx.out_degree(v) else 0
             if v in viewed:
                 held += (m - 1) * out

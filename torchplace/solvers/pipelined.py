@@ -25,6 +25,7 @@ Every returned plan is evaluated and validated on the true problem.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -66,6 +67,7 @@ def fit(problem: Problem, stages: Sequence[Stage]) -> list[Stage] | None:
     """``stages`` with each device recomputing exactly when keeping its activations does not fit
     (and the pipeline allows it); None if some device fits neither way."""
     holds = costmodel.in_flight(problem, stages)
+    upstream = costmodel.upstream_in_flight(problem, stages, holds)
     allowed = problem.pipeline is not None and problem.pipeline.recompute
     nodes: dict[str, list[str]] = defaultdict(list)
     for s in stages:
@@ -73,9 +75,11 @@ def fit(problem: Problem, stages: Sequence[Stage]) -> list[Stage] | None:
     redo = set()
     for d, members in nodes.items():
         cap = problem.cluster.device(d).memory_bytes
-        if cap is None or costmodel.memory(problem, members, in_flight=holds[d]) <= cap:
+        need = functools.partial(costmodel.memory, problem, members, in_flight=holds[d],
+                                 upstream_in_flight=upstream[d], device=problem.cluster.device(d))
+        if cap is None or need() <= cap:
             continue
-        if not (allowed and costmodel.memory(problem, members, in_flight=holds[d], recompute=True) <= cap):
+        if not (allowed and need(recompute=True) <= cap):
             return None
         redo.add(d)
     return [dataclasses.replace(s, recompute=s.device in redo) for s in stages]
