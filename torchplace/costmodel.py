@@ -83,12 +83,14 @@ outputs and :func:`queued` sends, and the gradients of theirs that wait across d
 (:func:`waiting_gradients`: on a CPU those it sent back, until the producer's backward; on an
 accelerator those that arrived, until its own), as many as the schedule lets wait
 (:func:`upstream_in_flight`). A CPU reads other devices' values where they are, so a value of
-theirs it saves for backward costs it nothing (``in_place`` in :func:`saved_union`). A copy of a trainable shared tensor has its gradient on the
-device too. Without liveness it is the sum of ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
-:class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``) count once per
-micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)`` at pipeline
-position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage inputs do,
-while its forward compute counts twice (:func:`memory`, :func:`in_flight`).
+theirs it saves for backward costs it nothing (``in_place`` in :func:`saved_union`). A copy of a
+trainable shared tensor has its gradient on the device too. Without liveness it is the sum of
+``temp_bytes`` over ``m``. A training graph profiled from a model carries a
+:class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``)
+count once per micro-batch the device holds in flight (all ``m`` under GPipe; ``min(m, S - j)``
+at pipeline position ``j`` of ``S`` under 1F1B), or, on a device that recomputes, only its stage
+inputs do (on a CPU, none: they are other devices' values), while its forward compute counts
+twice (:func:`memory`, :func:`in_flight`).
 
 Piper (Tarnawski, Narayanan, Phanishayee 2021, Sec. 3-4, App. A-B), when the problem has a
 :class:`~torchplace.problem.Parallel` setting: a stage ``S`` runs on ``d * t`` devices (``d``
