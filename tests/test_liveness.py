@@ -555,6 +555,29 @@ def test_a_residuals_gradient_waits_while_the_branch_runs_its_backward():
     _assert_bracketed(p, set(members))
 
 
+def test_no_gradient_flows_through_a_size():
+    # a (weights) makes a 4-byte tensor and its size; b, the model's output, reads only the size
+    # (a view's shape): b's backward sends a nothing, and b, with nothing trainable before it,
+    # gets no gradient either. The pass holds b's value (4) and a backward node's own peak (1).
+    g = OpGraph(meta={"liveness": True, "outputs": ["b"]})
+    g.add_node("a", NodeRecord("a", fx_nodes=("a", "a_size"), output_bytes=4, temp_bytes=4, peak_bytes=4,
+                               resident_bytes=4, resident_parts={"a": 4}, times={"cpu": 1.0}))
+    g.add_node("b", NodeRecord("b", fx_nodes=("b",), output_bytes=4, temp_bytes=4, peak_bytes=4, resident_bytes=4,
+                               reads=("a_size",), times={"cpu": 1.0}))
+    g.add_edge("a", "b")
+    for v, params in (("a", 2), ("b", 0)):
+        g.add_node(f"{v}'", NodeRecord(f"{v}'", output_bytes=1, temp_bytes=1, backward=True, param_bytes=params,
+                                       times={"cpu": 1.0}))
+        g.add_edge(v, f"{v}'")
+    g.add_edge("b'", "a'")
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"),)), mode="training", pipeline=Pipeline(1))
+    assert costmodel.backward_peak(p, "ab") == 4 + 1  # was 13: b's gradient, and one for a through the size
+    q = Problem(g, Cluster((Device("a0", "meta", "accel"), Device("a1", "meta", "accel"))), mode="training",
+                pipeline=Pipeline(2))
+    # a on one accelerator, b on the other: no gradient comes back to a, nor waits for it
+    assert costmodel.waiting_gradients(q, {"a"}, q.cluster.device("a0")) == (0, 0)
+
+
 def _two_device_chain(kind: str, schedule: str, saved: int = 0) -> tuple[Problem, list[Stage]]:
     """f0 (weights, 16-byte output) on the first device, read by f1 on the second; m = 4, so the
     gradient the second device sends back for f0 is 4 bytes a micro-batch. f1 saves ``saved``."""

@@ -398,10 +398,9 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
-        sent = any(w not in members and not g.record(w).backward for w in g.successors(v))
-        if makes or sent:
-            kept.update(_all(memories[v]))
-        if v in graded and (makes or (sent and receives)):  # its gradient, arrived: the executor hands it to
+        readers = [w for w in g.successors(v) if w not in members and not g.record(w).backward]
+        kept.update(_all(memories[v]) if makes else (key for w in readers for key in _kept(g, memories, v, w)))
+        if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):  # its gradient, arrived: the executor hands it to
             live += _per_microbatch(r.output_bytes, m)  # autograd, which keeps it to the end of the pass
     live += sum(_memory_bytes(g, key, members, receives, m) for key in kept)
     peak = live
@@ -412,8 +411,8 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
         peak = max(peak, live + own)
         live -= alive.pop(v, 0) + saves.get(v, 0)
         for u in g.predecessors(v):
-            if g.record(u).backward or u not in graded:  # no gradient flows to what no weight made
-                continue
+            if g.record(u).backward or u not in graded or not _reads_tensor(g, u, v):  # no gradient flows to
+                continue  # what no weight made, nor through a size
             grad = _per_microbatch(g.record(u).output_bytes, m)
             if u in members:
                 if u not in alive:
@@ -448,10 +447,10 @@ def waiting_gradients(problem: Problem, forwards: Collection[str], device: Devic
     receives = device is None or device.pays_transfer
     if receives:
         arrived = {v for v in members if v in graded and any(
-            w not in members and not g.record(w).backward for w in g.successors(v))}
+            w not in members and not g.record(w).backward and _reads_tensor(g, v, w) for w in g.successors(v))}
         return 0, sum(_per_microbatch(g.record(v).output_bytes, m) for v in arrived)
     sent_back = {u for v in members for u in g.predecessors(v)
-                 if u not in members and u in graded and not g.record(u).backward}
+                 if u not in members and u in graded and not g.record(u).backward and _reads_tensor(g, u, v)}
     return sum(_per_microbatch(g.record(u).output_bytes, m) for u in sent_back), 0
 
 
@@ -465,9 +464,17 @@ def _needs_grad(g: OpGraph) -> set[str]:
     out: set[str] = set()
     for v in g.topological_order():
         r = g.record(v)
-        if not r.backward and (v in trainable or any(u in out for u in g.predecessors(v))):
+        if not r.backward and (v in trainable or any(u in out and _reads_tensor(g, u, v) for u in g.predecessors(v))):
             out.add(v)
     return out
+
+
+def _reads_tensor(g: OpGraph, u: str, w: str) -> bool:
+    """Whether ``w`` reads a tensor ``u`` makes, so that a gradient flows back from ``w`` to ``u``:
+    not when it reads only sizes ``u`` makes (``NodeRecord.reads`` against ``u``'s
+    ``resident_parts``, its tensors; true where either does not say)."""
+    parts, reads = g.record(u).resident_parts, g.record(w).reads
+    return not parts or not reads or any(p in parts for p in reads)
 
 
 def _is_backward_of(g: OpGraph, b: str, v: str) -> bool:
