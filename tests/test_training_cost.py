@@ -46,6 +46,11 @@ def test_1f1b_holds_fewer_microbatches_further_down_the_pipeline():
     assert costmodel.in_flight(_problem("1f1b", m=4), stages) == {"d0": 3, "d1": 2, "d2": 1}
     assert costmodel.in_flight(_problem("1f1b", m=2), stages) == {"d0": 2, "d1": 2, "d2": 1}
     assert costmodel.in_flight(_problem("gpipe", m=4), stages) == {"d0": 4, "d1": 4, "d2": 4}
+    # the executor ranks forward stages, not devices: d1 holding the last two runs the middle
+    # one's warm-up, two micro-batches (it was ranked last of two devices: 1)
+    two = [Stage("d0", ("f0",)), Stage("d1", ("f1",)), Stage("d1", ("f2",)), Stage("d1", ("b2",)),
+           Stage("d1", ("b1",)), Stage("d0", ("b0",))]
+    assert costmodel.in_flight(_problem("1f1b", m=4), two) == {"d0": 3, "d1": 2}
 
 
 @pytest.mark.parametrize("schedule, holds", [("1f1b", {"d0": 3, "d1": 2, "d2": 1}), ("gpipe", {"d0": 4, "d1": 4, "d2": 4})])

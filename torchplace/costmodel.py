@@ -162,6 +162,7 @@ __all__ = [
     "piper_stage",
     "plan_order",
     "saved_increments",
+    "saved_producers",
     "saved_parts",
     "saved_union",
     "simulate",
@@ -285,17 +286,22 @@ def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
     peak = max(peak, live)
     holding = sum(_memory_bytes(g, key, members, receives, m) for key in held)
     sending = sum(_memory_bytes(g, key, members, receives, m) for key in sent - held)
-    return _Working(peak, holding, sending)
+    # of those, what the nodes save for backward (training: the activations count it already)
+    made = saved_producers(g, members) if saves else set()
+    saved = sum(_memory_bytes(g, key, members, receives, m) for key in held | sent if _made_by(g, key, made))
+    return _Working(peak, holding, sending, saved)
 
 
 class _Working(NamedTuple):
     """:func:`working_memory`'s walk: the peak of one micro-batch, and the bytes of one
     micro-batch's model outputs (``holding``) and sent tensors (``sending``) that the device keeps
-    for each of the other micro-batches."""
+    for each of the other micro-batches, ``saved`` of them the storage of a tensor a node saves
+    for backward (training: a walk given ``saves``)."""
 
     peak: int
     holding: int
     sending: int
+    saved: int = 0
 
     def total(self, m: int, others: int | None) -> int:
         """The peak with ``others`` micro-batches' outputs and sends held (``None``: inference's
@@ -400,8 +406,9 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
         makes = bool(outputs.intersection(r.fx_nodes))
         readers = [w for w in g.successors(v) if w not in members and not g.record(w).backward]
         kept.update(_all(memories[v]) if makes else (key for w in readers for key in _kept(g, memories, v, w)))
-        if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):  # its gradient, arrived: the executor hands it to
-            live += _per_microbatch(r.output_bytes, m)  # autograd, which keeps it to the end of the pass
+        # its gradient, arrived: the executor hands it to autograd, which keeps it to the end of the pass
+        if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):
+            live += _per_microbatch(r.output_bytes, m)
     live += sum(_memory_bytes(g, key, members, receives, m) for key in kept)
     peak = live
     for v in reversed(order):
@@ -526,6 +533,23 @@ def _foreign(graph: OpGraph, nodes: Collection[str]) -> set[str]:
             if saved_producer(k) not in made}
 
 
+def saved_producers(graph: OpGraph, nodes: Iterable[str]) -> set[str]:
+    """The fx nodes whose outputs the forward nodes in ``nodes`` save for backward
+    (``saved_parts``' keys, :func:`~torchplace.graph.saved_producer`; temporaries left out)."""
+    return {saved_producer(k) for v in nodes if not graph.record(v).backward
+            for k in graph.record(v).saved_parts if not k.endswith("~")}
+
+
+def _made_by(g: OpGraph, key: Memory, fx_nodes: Collection[str]) -> bool:
+    """Whether memory ``key`` is the output of one of ``fx_nodes``: its part's fx node, or for a
+    node whose outputs are one memory, the node's only fx node (a group's output is not known)."""
+    u, part = key
+    if part:
+        return part in fx_nodes
+    own = g.record(u).fx_nodes
+    return len(own) == 1 and own[0] in fx_nodes
+
+
 def _reads(g: OpGraph, v: str, w: str) -> bool:
     """Whether edge ``v -> w`` keeps ``v``'s output alive as working memory: not the edge from a
     forward node to a backward one (what autograd keeps for backward is ``saved_bytes``, counted
@@ -607,7 +631,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     grads += sum(grad for _, grad in copies)
     training, m = problem.mode == "training", microbatches(problem)
     k = m if in_flight is None else in_flight
-    in_place = live and device is not None and not device.pays_transfer  # reads other devices' values where they are
+    in_place = device is not None and not device.pays_transfer  # reads other devices' values where they are
     if training:
         saved = saved_union(g, members, in_place=in_place) if live else sum(g.record(v).saved_bytes for v in members)
         inputs = 0 if in_place else stage_input_bytes(problem, members)  # what a recomputing device keeps
@@ -615,7 +639,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         activations = k * kept + (_per_microbatch(saved, m) if recompute else 0)  # + the one recomputed
     if live and training:
         work = _training_working(problem, members, device, in_flight=k, kept=kept, in_place=in_place,
-                                 upstream=m if upstream_in_flight is None else upstream_in_flight)
+                                 recompute=recompute, upstream=m if upstream_in_flight is None else upstream_in_flight)
     elif live:
         work = working_memory(problem, members, device)
     else:
@@ -629,11 +653,13 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
 
 
 def _training_working(problem: Problem, members: Collection[str], device: Device | None, *, in_flight: int,
-                      upstream: int, kept: int, in_place: bool) -> int:
+                      upstream: int, kept: int, in_place: bool, recompute: bool) -> int:
     """Training working memory with liveness (module docstring): one micro-batch's forward or its
     backward, never both at once, with what the other micro-batches in flight hold meanwhile.
     ``kept``: the bytes each micro-batch in flight keeps for its backward (the activations);
-    ``in_place``: saved values of other devices take no memory here (:func:`saved_increments`)."""
+    ``in_place``: saved values of other devices take no memory here (:func:`saved_increments`);
+    ``recompute``: the backward runs the forward again, whose outputs are a second copy beside
+    those the device still holds for their readers."""
     g, m = problem.graph, microbatches(problem)
     others = in_flight - 1  # held until their backward
     outputs = set(g.meta.get("outputs", ()))
@@ -648,14 +674,20 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     saved_now = sum(saves.values())
     walk = _walk(problem, forwards, device, saves)
     forward = walk.total(m, others)
-    # what the other micro-batches in flight keep here meanwhile, through this one's backward too
-    held_others = forward - walk.peak
+    # what the other micro-batches in flight keep here meanwhile, through this one's backward too:
+    # their values (less those saved for backward: the activations count them), and the gradients
+    # the loss made of their outputs (waiting for their backward)
+    if not recompute:  # a recomputing device's forward saved nothing
+        forward -= others * walk.saved
+    held_others = forward - walk.peak + others * grad_out
     wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept)
     # the loss runs right after the forward (other micro-batches' values still held under GPipe)
     # the backward's, as it frees what each node saved (the activations count them all)
     backward_pass = backward_peak(problem, forwards, device, saves=saves,
                                   backwards={v for v in members if g.record(v).backward}) - saved_now
-    return max(forward - saved_now + loss + wait_forward,
+    if recompute:
+        backward_pass += walk.holding + walk.sending
+    return max(forward - saved_now + loss + wait_forward + others * grad_out,
                held_others + wait_backward + max(backward_pass, grad_out + max(backward, loss)))
 
 
@@ -723,20 +755,18 @@ def in_flight(problem: Problem, stages: Sequence[StageLike]) -> dict[str, int]:
     """Micro-batches whose activations each device holds at its peak, under the problem's
     :class:`~torchplace.problem.Pipeline` (every device: ``m`` without one).
 
-    The devices are ranked by their first forward stage; with ``S`` of them, the one at position
-    ``j`` holds ``min(m, S - j)`` under 1F1B (its warm-up forwards before its first backward) and
-    ``m`` under GPipe.
+    Under 1F1B the forward stage at position ``j`` of ``S`` holds ``min(m, S - j)`` (its warm-up
+    forwards before its first backward), as the executor runs them, and a device the most of its
+    stages' (the first; a device with two stages in a row holds its first stage's count);
+    under GPipe every device holds ``m``.
     """
     g, p = problem.graph, problem.pipeline
     m = p.microbatches if p is not None else 1
-    first: dict[str, int] = {}
-    for i, s in enumerate(stages):
-        if any(not g.record(v).backward for v in s.nodes):
-            first.setdefault(s.device, i)
-    ranked = sorted(first, key=first.__getitem__)
     holds = {s.device: m for s in stages}
     if p is not None and p.schedule == "1f1b":
-        holds.update({d: min(m, len(ranked) - j) for j, d in enumerate(ranked)})
+        forwards = [s.device for s in stages if any(not g.record(v).backward for v in s.nodes)]
+        for j, d in reversed(list(enumerate(forwards))):  # the first stage of a device sets its count
+            holds[d] = min(m, len(forwards) - j)
     return holds
 
 

@@ -11,12 +11,15 @@ solved through two problems whose node memory is a sum:
    objective, so when its plan also fits the liveness memory that plan keeps its proof (the usual
    case: memory is not what binds);
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
-   m)`` (in training ``m`` times that, since a training problem divides the sum by ``m``; a backward
-   node its ``temp``, rounded up to whole micro-batches) (plus ``(m - 1) ceil(out_v / m)`` when it
-   makes a model output, held for the other micro-batches, and in training the loss's
-   ``ceil(loss_bytes / m)``, or ``queued(m) ceil(out_v / m)`` (in training ``m - 1``) when it has
-   readers, which may be on another device), never less than its share of the liveness memory
-   (costmodel docstring), so its plans always fit. ``out_v`` is at least what the node holds
+   m)`` (in training ``m`` times that, since a training problem divides the sum by ``m``, and each
+   ``ceil(out_u / m)`` counted ``m`` times: the gradients sent back for ``u`` that may wait; a
+   backward node its ``temp``, rounded up to whole micro-batches), plus, when it makes a model
+   output, ``(m - 1) ceil(out_v / m)`` held for the other micro-batches (in training also the
+   loss's ``ceil(loss_bytes / m)``, the output's gradient for ``m`` micro-batches and a copy
+   recomputed), or when it has readers, which may be on another device, ``queued(m) ceil(out_v /
+   m)`` (in training ``2m``: the values held until their backward, their gradients that come back,
+   and a copy recomputed). That is never less than its share of the liveness memory (costmodel
+   docstring), so its plans always fit. ``out_v`` is at least what the node holds
    (``resident``), and where its outputs are several memories (``resident_parts``) both
    ``ceil(temp / m)`` and ``ceil(out_v / m)`` are at least the sum of the memories each rounded
    up, as the liveness rounds them. On a coarsened graph a node needs the sum of its members'
@@ -118,11 +121,14 @@ def conservative(problem: Problem) -> Problem:
         viewing = [aliases[v]] if v in aliases else list((part_aliases.get(v) or {}).values())
         out += sum(-(-g.record(b).output_bytes // m) for b in viewing if b in g)
         if outputs.intersection(r.fx_nodes):  # training: the loss and the outputs' gradient here
-            held = (m - 1) * out + (loss + -(-r.output_bytes // m) if training else 0)
+            # (in training also its gradient, the loss's, for every micro-batch until its backward,
+            # and a second copy while a recomputing device runs its forward again)
+            held = (m - 1) * out + (loss + m * -(-r.output_bytes // m) + out if training else 0)
         else:  # its readers may be on another device: it holds what it sent on (in training until their
-            # backward, and through its own the gradient that comes back: one more, and those that came
-            # back for the other micro-batches, costmodel.waiting_gradients)
-            sent = 2 * m - 1 if training else costmodel.queued(m)
+            # backward, and through its own the gradient that comes back: one more, those that came
+            # back for the other micro-batches, costmodel.waiting_gradients, and the copy a
+            # recomputing device makes again)
+            sent = 2 * m if training else costmodel.queued(m)
             held = sent * out if g.nx.out_degree(v) else 0
             if v in viewed:
                 held += (m - 1) * out

@@ -20,7 +20,8 @@ micro-batches ``k`` the device holds in flight (Piper 2021, Sec. 3.5 and App. A)
 
 and a recomputing piece's load adds its forward compute (:func:`torchplace.costmodel.memory`,
 :func:`~torchplace.costmodel.device_cost`). ``inputs`` are the bytes of the forward values the
-piece reads from outside (:func:`~torchplace.costmodel.stage_input_bytes`). The DP under a
+piece reads from outside (:func:`~torchplace.costmodel.stage_input_bytes`; 0 on a class that
+reads other devices' values where they are, a CPU, as the cost model says). The DP under a
 pipeline works on *upsets* (ideals of the reversed graph, Piper's downsets, Def. 4.1); there a
 producer ``u`` outside ``S = F \\ F'`` that feeds ``S`` lies outside ``F``, so with
 ``A[J, u] = |succ_fw(u) & J|`` and ``Q(F) = {u not in F : A[F, u] > 0}``
@@ -238,8 +239,9 @@ class Tables:
     def recompute(self) -> bool:
         return self.pipeline is not None and self.pipeline.recompute
 
-    def _memory(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Bytes of each pair keeping its activations, and recomputing them (None if not allowed)."""
+    def _memory(self, c: int, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Bytes of each pair on class ``c`` keeping its activations, and recomputing them (None if
+        not allowed; a class that reads other devices' values in place keeps no copy of its inputs)."""
         pc, p = self.pc, self.pipeline
         if p is None:
             return pc.params, None
@@ -248,7 +250,10 @@ class Tables:
         fixed = pc.params + _per_microbatch(pc.work, m)
         saved = _per_microbatch(pc.saved, m)
         keep = fixed + held * saved
-        return keep, (fixed + held * _per_microbatch(pc.inputs, m) + saved if p.recompute else None)
+        if not p.recompute:
+            return keep, None
+        inputs = _per_microbatch(pc.inputs, m) if pc.classes[c].pays_transfer else 0
+        return keep, fixed + held * inputs + saved
 
     def cost(self, c: int, k: int) -> np.ndarray:
         """Class ``c``'s cost of every pair for a piece holding ``k`` micro-batches in flight."""
@@ -261,7 +266,7 @@ class Tables:
         cap, load = self.pc.classes[c].memory, self.pc.load[c]
         if cap is None:
             return load
-        keep, again = self._memory(k)
+        keep, again = self._memory(c, k)
         cost = np.where(keep <= cap, load, math.inf)
         if again is not None:
             redo = (keep > cap) & (again <= cap)
@@ -273,7 +278,7 @@ class Tables:
         if self.pc.classes[c].memory is None:
             cost = np.zeros(self.pc.sub.size)
         else:
-            keep, again = self._memory(k)
+            keep, again = self._memory(c, k)
             cost = (keep if again is None else np.minimum(keep, again)).astype(np.float64)
         cost[self.pc.bad[c]] = math.inf
         cost[self.pc.empty] = 0.0
@@ -285,4 +290,4 @@ class Tables:
         cap = self.pc.classes[c].memory
         if not self.recompute or cap is None or self.measure != "load":
             return False
-        return bool(self._memory(k)[0][pair] > cap)
+        return bool(self._memory(c, k)[0][pair] > cap)
