@@ -750,7 +750,7 @@ def test_a_device_with_two_stages_holds_the_first_ones_micro_batches():
     ratios = _measured_step(["cpu:0", "cpu:1", "cpu:1"], "1f1b", slow="cpu:0")
     assert 1.0 <= ratios["cpu:1"] < 1.15
     # the values a device sends and saves are its activations, held once (1.73 before)
-    assert 1.0 <= ratios["cpu:0"] < 1.3
+    assert abs(ratios["cpu:0"] - 1) < 0.01
 
 
 def test_in_training_the_restriction_pays_for_the_gradient_that_comes_back():

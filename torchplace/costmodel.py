@@ -162,7 +162,6 @@ __all__ = [
     "piper_stage",
     "plan_order",
     "saved_increments",
-    "saved_producers",
     "saved_parts",
     "saved_union",
     "simulate",
@@ -248,7 +247,6 @@ def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     order = [v for v in g.topological_order() if v in members]
     m = microbatches(problem)
-    outputs = set(g.meta.get("outputs", ()))
     memories = _memories(g, members, order)
     end = len(order)
     last: dict[Memory, int] = {}
@@ -256,16 +254,9 @@ def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
         for u in g.predecessors(v):
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
-    made_outputs = {v for v in order if outputs.intersection(g.record(v).fx_nodes)}
-    held = {key for v in made_outputs for key in _all(memories[v])}  # what the outputs live in
-    sent: set[Memory] = set()
-    for v in order:
-        readers = [w for w in g.successors(v) if w not in members and _reads(g, v, w)]
-        kept = set(_all(memories[v])) if v in made_outputs else {k for w in readers for k in _kept(g, memories, v, w)}
-        for key in kept:
-            last[key] = end
-        if v not in made_outputs:
-            sent |= kept
+    held, sent = _kept_to_end(g, members, memories, order)
+    for key in held | sent:
+        last[key] = end
     receives = device is None or device.pays_transfer
     frees: dict[int, int] = defaultdict(int)
     live = 0
@@ -286,22 +277,34 @@ def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
     peak = max(peak, live)
     holding = sum(_memory_bytes(g, key, members, receives, m) for key in held)
     sending = sum(_memory_bytes(g, key, members, receives, m) for key in sent - held)
-    # of those, what the nodes save for backward (training: the activations count it already)
-    made = saved_producers(g, members) if saves else set()
-    saved = sum(_memory_bytes(g, key, members, receives, m) for key in held | sent if _made_by(g, key, made))
-    return _Working(peak, holding, sending, saved)
+    return _Working(peak, holding, sending)
+
+
+def _kept_to_end(g: OpGraph, members: Collection[str], memories: Memories,
+                 order: Sequence[str]) -> tuple[set[Memory], set[Memory]]:
+    """The memories ``members`` keep to the end of a pass: what the model outputs they make live
+    in (``held``), and what the values they send to other devices live in (``sent``, those
+    outside ``held``; a reader of only a size keeps nothing)."""
+    outputs = set(g.meta.get("outputs", ()))
+    held: set[Memory] = set()
+    sent: set[Memory] = set()
+    for v in order:
+        if outputs.intersection(g.record(v).fx_nodes):
+            held.update(_all(memories[v]))
+        else:
+            sent.update(k for w in g.successors(v) if w not in members and _reads(g, v, w)
+                        for k in _kept(g, memories, v, w))
+    return held, sent - held
 
 
 class _Working(NamedTuple):
     """:func:`working_memory`'s walk: the peak of one micro-batch, and the bytes of one
     micro-batch's model outputs (``holding``) and sent tensors (``sending``) that the device keeps
-    for each of the other micro-batches, ``saved`` of them the storage of a tensor a node saves
-    for backward (training: a walk given ``saves``)."""
+    for each of the other micro-batches."""
 
     peak: int
     holding: int
     sending: int
-    saved: int = 0
 
     def total(self, m: int, others: int | None) -> int:
         """The peak with ``others`` micro-batches' outputs and sends held (``None``: inference's
@@ -400,16 +403,15 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
     alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
-    kept: set[Memory] = set()  # what the values sent on and the model outputs live in: kept to the end
+    held, sent = _kept_to_end(g, members, memories, order)  # the model outputs and values sent on: kept
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
         readers = [w for w in g.successors(v) if w not in members and not g.record(w).backward]
-        kept.update(_all(memories[v]) if makes else (key for w in readers for key in _kept(g, memories, v, w)))
         # its gradient, arrived: the executor hands it to autograd, which keeps it to the end of the pass
         if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):
             live += _per_microbatch(r.output_bytes, m)
-    live += sum(_memory_bytes(g, key, members, receives, m) for key in kept)
+    live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent)
     peak = live
     for v in reversed(order):
         own = max((_per_microbatch(g.record(b).own_peak, m) for b in g.successors(v)
@@ -496,13 +498,15 @@ def saved_parts(record: NodeRecord, node: str) -> Mapping[str, int]:
     return {f"\0{node}": record.saved_bytes} if record.saved_bytes else {}
 
 
-def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1, *, in_place: bool = False) -> dict[str, int]:
+def saved_increments(graph: OpGraph, order: Iterable[str], m: int = 1, *, in_place: bool = False,
+                     exclude: Collection[str] = ()) -> dict[str, int]:
     """Per micro-batch of ``m``, the bytes each forward node of ``order`` saves for backward that
     no node before it in ``order`` saved already (:func:`saved_parts`; each storage kept once).
     ``in_place``: the nodes run on a device that reads other devices' values where they are (a
-    CPU), so a saved storage made by a node outside ``order`` takes none of its memory."""
+    CPU), so a saved storage made by a node outside ``order`` takes none of its memory;
+    ``exclude``: saved storages not counted (held otherwise)."""
     order = list(order)
-    seen: set[str] = set() if not in_place else _foreign(graph, order)
+    seen: set[str] = set(exclude) | (_foreign(graph, order) if in_place else set())
     out: dict[str, int] = {}
     for v in order:
         r = graph.record(v)
@@ -533,21 +537,32 @@ def _foreign(graph: OpGraph, nodes: Collection[str]) -> set[str]:
             if saved_producer(k) not in made}
 
 
-def saved_producers(graph: OpGraph, nodes: Iterable[str]) -> set[str]:
-    """The fx nodes whose outputs the forward nodes in ``nodes`` save for backward
-    (``saved_parts``' keys, :func:`~torchplace.graph.saved_producer`; temporaries left out)."""
-    return {saved_producer(k) for v in nodes if not graph.record(v).backward
-            for k in graph.record(v).saved_parts if not k.endswith("~")}
-
-
-def _made_by(g: OpGraph, key: Memory, fx_nodes: Collection[str]) -> bool:
-    """Whether memory ``key`` is the output of one of ``fx_nodes``: its part's fx node, or for a
-    node whose outputs are one memory, the node's only fx node (a group's output is not known)."""
-    u, part = key
-    if part:
-        return part in fx_nodes
-    own = g.record(u).fx_nodes
-    return len(own) == 1 and own[0] in fx_nodes
+def _kept_and_saved(g: OpGraph, members: Collection[str], kept: Iterable[Memory]) -> dict[str, int]:
+    """The saved storages (``saved_parts`` keys of the forward nodes in ``members``, with their
+    bytes) that are a memory in ``kept`` (one the device keeps to the end of a pass anyway: a
+    value it sends, a model output), together no larger than it. A memory is a node's part by
+    its fx node, or the whole output of a node made of one fx node (a group's output is not
+    known)."""
+    saved: dict[str, int] = {}
+    for v in members:
+        if not g.record(v).backward:
+            for k, b in g.record(v).saved_parts.items():
+                if not k.endswith("~"):  # a node's temporaries are no output
+                    saved[k] = max(saved.get(k, 0), b)
+    by_producer: dict[str, list[str]] = defaultdict(list)
+    for k in saved:
+        by_producer[saved_producer(k)].append(k)
+    out: dict[str, int] = {}
+    for u, part in kept:
+        if u not in members:
+            continue
+        own = g.record(u).fx_nodes
+        fx = part or (own[0] if len(own) == 1 else None)
+        room = _parts(g.record(u)).get(part, 0)
+        for k in by_producer.get(fx or "", ()):
+            if saved[k] <= room:
+                out[k], room = saved[k], room - saved[k]
+    return out
 
 
 def _reads(g: OpGraph, v: str, w: str) -> bool:
@@ -670,15 +685,18 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
     # counted twice: an upper bound), beside the saved activations of this micro-batch
     forwards = {v for v in members if not g.record(v).backward}
-    saves = saved_increments(g, [v for v in g.topological_order() if v in forwards], m, in_place=in_place)
-    saved_now = sum(saves.values())
+    order = [v for v in g.topological_order() if v in forwards]
+    # a value sent on (or a model output) that a node also saves for backward is one storage: the
+    # walks hold it as kept to the end, not as saved too, and the activations count it
+    both = {} if recompute else _kept_and_saved(g, forwards, set().union(
+        *_kept_to_end(g, forwards, _memories(g, forwards, order), order)))
+    saves = saved_increments(g, order, m, in_place=in_place, exclude=both)
+    saved_now = sum(saved_increments(g, order, m, in_place=in_place).values())
     walk = _walk(problem, forwards, device, saves)
-    forward = walk.total(m, others)
     # what the other micro-batches in flight keep here meanwhile, through this one's backward too:
     # their values (less those saved for backward: the activations count them), and the gradients
     # the loss made of their outputs (waiting for their backward)
-    if not recompute:  # a recomputing device's forward saved nothing
-        forward -= others * walk.saved
+    forward = walk.total(m, others) - others * sum(_per_microbatch(b, m) for b in both.values())
     held_others = forward - walk.peak + others * grad_out
     wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept)
     # the loss runs right after the forward (other micro-batches' values still held under GPipe)
