@@ -378,11 +378,13 @@ def _kept(g: OpGraph, memories: Memories, u: str, w: str) -> tuple[Memory, ...]:
 
 
 def backward_peak(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
-                  saves: Mapping[str, int] | None = None, backwards: Collection[str] | None = None) -> int:
+                  saves: Mapping[str, int] | None = None, backwards: Collection[str] | None = None,
+                  graded: Collection[str] | None = None) -> int:
     """The most bytes one micro-batch's backward pass holds at once on a device whose forward
     nodes are ``forwards`` (training; the other micro-batches aside). ``saves``: what each forward
     node saved for backward (:func:`saved_increments`), alive until its backward ran;
-    ``backwards``: the backward nodes the device runs (``None``: those of ``forwards``).
+    ``backwards``: the backward nodes the device runs (``None``: those of ``forwards``);
+    ``graded``: :func:`_needs_grad` of the graph, where the caller has it.
 
     Backward runs the forward nodes in reverse order. Held throughout: this micro-batch's values
     the device sent on or made as model outputs (the executor drops them after the backward).
@@ -398,7 +400,7 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     order = [v for v in g.topological_order() if v in members]
     outputs = set(g.meta.get("outputs", ()))
     receives = device is None or device.pays_transfer
-    graded = _needs_grad(g)
+    graded = _needs_grad(g) if graded is None else graded
     memories = _memories(g, members, order)
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
@@ -432,7 +434,8 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     return peak
 
 
-def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None) -> tuple[int, int]:
+def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
+                      graded: Collection[str] | None = None) -> tuple[int, int]:
     """Per micro-batch, the bytes of gradients that wait on a device for another device's backward
     (training): ``(sent back, arrived)``.
 
@@ -449,10 +452,11 @@ def waiting_gradients(problem: Problem, forwards: Collection[str], device: Devic
     backward of ``i - k`` (1F1B; under GPipe ``k = m`` and every forward ran first), so while the
     reader works on ``i``, those of ``i - k + 1 .. i - 1`` may wait: ``k - 1`` other micro-batches,
     ``k`` the producer's (sent back) or the device's own (arrived). :func:`memory_parts` charges them.
+    ``graded``: :func:`_needs_grad` of the graph, where the caller has it.
     """
     g, m = problem.graph, microbatches(problem)
     members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
-    graded = _needs_grad(g)
+    graded = _needs_grad(g) if graded is None else graded
     receives = device is None or device.pays_transfer
     if receives:
         arrived = {v for v in members if v in graded and any(
@@ -698,10 +702,12 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     # the loss made of their outputs (waiting for their backward)
     forward = walk.total(m, others) - others * sum(_per_microbatch(b, m) for b in both.values())
     held_others = forward - walk.peak + others * grad_out
-    wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept)
+    graded = _needs_grad(g)
+    wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept,
+                                           graded=graded)
     # the loss runs right after the forward (other micro-batches' values still held under GPipe)
     # the backward's, as it frees what each node saved (the activations count them all)
-    backward_pass = backward_peak(problem, forwards, device, saves=saves,
+    backward_pass = backward_peak(problem, forwards, device, saves=saves, graded=graded,
                                   backwards={v for v in members if g.record(v).backward}) - saved_now
     if recompute:
         backward_pass += walk.holding + walk.sending
@@ -710,7 +716,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
 
 
 def _waiting(problem: Problem, forwards: Collection[str], device: Device | None, *, in_flight: int, upstream: int,
-             kept: int) -> tuple[int, int]:
+             kept: int, graded: Collection[str]) -> tuple[int, int]:
     """Bytes of the other micro-batches' gradients waiting on a device (:func:`waiting_gradients`)
     beyond its ``in_flight`` micro-batches' activations (``kept`` bytes each), at the peaks of its
     forward and of its backward passes.
@@ -725,7 +731,7 @@ def _waiting(problem: Problem, forwards: Collection[str], device: Device | None,
     backward, those of its other ``k - 1`` micro-batches in flight, at both (GPipe: the backward).
     """
     m = microbatches(problem)
-    sent_back, arrived = waiting_gradients(problem, forwards, device)
+    sent_back, arrived = waiting_gradients(problem, forwards, device, graded=graded)
     k, ahead = in_flight, upstream - 1
     backward = max(min(k, m - i) * kept + min(i, ahead) * sent_back for i in range(m)) - k * kept
     backward += (k - 1) * arrived

@@ -41,8 +41,9 @@ _peaks: list[dict[str, int]] = []  # open peak_live_bytes() measurements, innerm
 def peak_live_bytes() -> Iterator[dict[str, int]]:
     """While open, each job a worker thread runs is measured with
     :class:`~torchplace.profiling.livebytes.LiveBytes`; yields ``{worker: peak bytes}``, the most
-    tensor memory one job of that worker's allocated and still held at once (a device's memory as
-    its worker makes it: what a training step's actions or a call's stages hold on that device)."""
+    tensor memory one job of that worker's allocated and still held at once: what a call's stages
+    or a training step's actions hold, counted on the thread that made each tensor (a logical
+    CPU's memory; a copy a worker makes onto another device counts on that worker)."""
     peaks: dict[str, int] = {}
     _peaks.append(peaks)
     try:
