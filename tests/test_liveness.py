@@ -482,7 +482,8 @@ def _live_training_problems(draw):
             saved = sum(parts.values())
         g.add_node(f"f{i}", NodeRecord(f"f{i}", fx_nodes=(f"f{i}",), output_bytes=outs[i], temp_bytes=temp,
                                        peak_bytes=draw(st.integers(0, temp)), resident_bytes=draw(st.integers(0, temp)),
-                                       saved_bytes=saved, saved_parts=parts, times={"cpu": 1.0}))
+                                       saved_bytes=saved, saved_parts=parts, times={"cpu": 1.0},
+                                       param_bytes=draw(st.sampled_from([0, 0, 3, 40]))))  # weights, maybe large
         grad = draw(st.integers(0, 9))
         g.add_node(f"b{i}", NodeRecord(f"b{i}", output_bytes=grad, temp_bytes=grad, backward=True, times={"cpu": 1.0},
                                        param_bytes=draw(st.sampled_from([0, 0, 2]))))  # weights: gradients flow
@@ -577,6 +578,22 @@ def test_no_gradient_flows_through_a_size():
                 pipeline=Pipeline(2))
     # a on one accelerator, b on the other: no gradient comes back to a, nor waits for it
     assert costmodel.waiting_gradients(q, {"a"}, q.cluster.device("a0")) == (0, 0)
+
+
+def test_a_backward_node_makes_a_whole_weight_gradient_on_any_micro_batch():
+    # f (40 bytes of weights) makes the model output (8 bytes); its backward's own peak at the whole
+    # batch was 16 bytes (an input gradient). On a micro-batch of 4 it still makes a 40-byte
+    # gradient of the weights, added into .grad after it ran (was charged 16 / 4 = 4 bytes)
+    g = OpGraph(meta={"liveness": True, "outputs": ["f"]})
+    g.add_node("f", NodeRecord("f", fx_nodes=("f",), output_bytes=8, temp_bytes=8, peak_bytes=8, resident_bytes=8,
+                               param_bytes=40, times={"cpu": 1.0}))
+    g.add_node("f'", NodeRecord("f'", output_bytes=16, temp_bytes=16, peak_bytes=16, backward=True, param_bytes=40,
+                                times={"cpu": 1.0}))
+    g.add_edge("f", "f'")
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu"),)), mode="training", pipeline=Pipeline(4))
+    # the output (2 bytes a micro-batch) and its gradient from the loss (2), and the weights' new gradient
+    assert costmodel.backward_peak(p, {"f"}) == 2 + 2 + 40
+    _assert_bracketed(p, {"f", "f'"}, in_flight=1)
 
 
 def _two_device_chain(kind: str, schedule: str, saved: int = 0) -> tuple[Problem, list[Stage]]:

@@ -50,8 +50,9 @@ memory, so its lower bound holds), then the relaxation again with room reserved 
 memory its plans needed, and last a *restriction* whose per-node bytes ``ceil(temp_v/m) +
 sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m)
 ceil(out_v/m)`` for a node with readers, which may be elsewhere; ``out_v`` at least what it holds,
-``resident``; in training ``m - 1`` sends, and the loss and the outputs' gradient on a model
-output) are never below it
+``resident``; in training ``2m`` sends, ``m`` times each received value's bytes for the gradients
+sent back, and on a model output the loss, ``m`` of the outputs' gradients and a recomputed
+copy: :func:`torchplace.solvers.liveness.conservative`) are never below it
 (every tensor alive at a moment is an output of a node of ``S``, at most its ``temp``, or a
 received one, counted at one of its readers), so its plans always fit. Solvers called directly
 (not through :func:`torchplace.solvers.solve`) see ``temp_bytes`` sums: their plans are checked
@@ -82,8 +83,11 @@ until their backward (the executor forgets a stage's values then), where inferen
 outputs and :func:`queued` sends, and the gradients of theirs that wait across devices
 (:func:`waiting_gradients`: on a CPU those it sent back, until the producer's backward; on an
 accelerator those that arrived, until its own), as many as the schedule lets wait
-(:func:`upstream_in_flight`). A CPU reads other devices' values where they are, so a value of
-theirs it saves for backward costs it nothing (``in_place`` in :func:`saved_union`). A copy of a
+(:func:`upstream_in_flight`), and the gradients the loss made of their outputs. A CPU reads
+other devices' values where they are, so a value of theirs it saves for backward costs it
+nothing (``in_place`` in :func:`saved_union`). A value a device sends on and also saves is one
+storage: the walks hold it as sent, the activations count it. A recomputing device runs its
+forward again in the backward, a second copy of what it sends beside the one it holds. A copy of a
 trainable shared tensor has its gradient on the device too. Without liveness it is the sum of
 ``temp_bytes`` over ``m``. A training graph profiled from a model carries a
 :class:`~torchplace.problem.Pipeline`, and the activations kept for backward (``saved_bytes``)
@@ -416,7 +420,7 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent)
     peak = live
     for v in reversed(order):
-        own = max((_per_microbatch(g.record(b).own_peak, m) for b in g.successors(v)
+        own = max((_backward_own_peak(g, b, m) for b in g.successors(v)
                    if g.record(b).backward and (backwards is None or b in backwards) and _is_backward_of(g, b, v)),
                   default=0)
         peak = max(peak, live + own)
@@ -432,6 +436,17 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
             else:
                 live += grad  # sent back to the device that made u
     return peak
+
+
+def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
+    """What backward node ``b`` holds while it runs on one micro-batch of ``m``: its own peak (a
+    micro-batch's share), and at least, where it makes weight gradients (``param_bytes``), a new
+    gradient of its forward node's weights, which autograd adds into ``.grad`` after the node ran
+    and whose size does not shrink with the micro-batch (a first layer's backward makes no input
+    gradient, and its own peak at the whole batch was that input gradient)."""
+    r = g.record(b)
+    weights = sum(g.record(u).param_bytes for u in g.predecessors(b) if not g.record(u).backward) if r.param_bytes else 0
+    return max(_per_microbatch(r.own_peak, m), weights)
 
 
 def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
@@ -600,7 +615,8 @@ def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = No
         params + working(one micro-batch) + in_flight x saved(one micro-batch)
 
     where ``saved`` is what the forward nodes keep for backward, or with ``recompute`` only the
-    stage's inputs, plus one micro-batch's saved activations while it is recomputed. ``in_flight``
+    stage's inputs (none on a CPU, which reads them where they are), plus one micro-batch's saved
+    activations while it is recomputed. ``in_flight``
     is the number of micro-batches whose activations the device holds at its peak
     (:func:`in_flight`); ``None`` takes the most any device can hold, ``m``. ``upstream_in_flight``:
     the most micro-batches in flight on a device whose values ``nodes`` read
@@ -685,7 +701,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     makes = [v for v in members if not g.record(v).backward and outputs.intersection(g.record(v).fx_nodes)]
     grad_out = sum(_per_microbatch(g.record(v).output_bytes, m) for v in makes)  # the loss's gradient arrives
     loss = _per_microbatch(loss_bytes(g), m) if makes else 0  # the loss runs where the outputs are
-    backward = max((_per_microbatch(g.record(v).own_peak, m) for v in members if g.record(v).backward), default=0)
+    backward = max((_backward_own_peak(g, v, m) for v in members if g.record(v).backward), default=0)
     # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
     # counted twice: an upper bound), beside the saved activations of this micro-batch
     forwards = {v for v in members if not g.record(v).backward}
@@ -700,7 +716,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     # what the other micro-batches in flight keep here meanwhile, through this one's backward too:
     # their values (less those saved for backward: the activations count them), and the gradients
     # the loss made of their outputs (waiting for their backward)
-    forward = walk.total(m, others) - others * sum(_per_microbatch(b, m) for b in both.values())
+    forward = walk.total(m, others) - others * (sum(both.values()) // m)  # rounded down: never more than counted
     held_others = forward - walk.peak + others * grad_out
     graded = _needs_grad(g)
     wait_forward, wait_backward = _waiting(problem, forwards, device, in_flight=in_flight, upstream=upstream, kept=kept,
