@@ -157,6 +157,7 @@ __all__ = [
     "in_flight",
     "upstream_in_flight",
     "waiting_gradients",
+    "weight_gradient_bytes",
     "evaluate_stages",
     "uses_liveness",
     "working_memory",
@@ -444,9 +445,15 @@ def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
     gradient of its forward node's weights, which autograd adds into ``.grad`` after the node ran
     and whose size does not shrink with the micro-batch (a first layer's backward makes no input
     gradient, and its own peak at the whole batch was that input gradient)."""
-    r = g.record(b)
-    weights = sum(g.record(u).param_bytes for u in g.predecessors(b) if not g.record(u).backward) if r.param_bytes else 0
-    return max(_per_microbatch(r.own_peak, m), weights)
+    return max(_per_microbatch(g.record(b).own_peak, m), weight_gradient_bytes(g, b))
+
+
+def weight_gradient_bytes(g: OpGraph, b: str) -> int:
+    """Bytes of the new weight gradient backward node ``b`` makes on any micro-batch: its forward
+    node's weights where it holds gradients (``param_bytes``), else 0."""
+    if not g.record(b).param_bytes:
+        return 0
+    return sum(g.record(u).param_bytes for u in g.predecessors(b) if not g.record(u).backward)
 
 
 def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None, *,

@@ -111,8 +111,7 @@ def conservative(problem: Problem) -> Problem:
     def share(v: str, r: NodeRecord) -> int:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest), at
             # least the new gradient of its weights (costmodel._backward_own_peak)
-            weights = sum(g.record(u).param_bytes for u in g.predecessors(v) if not g.record(u).backward)
-            return m * max(-(-r.temp_bytes // m), weights if r.param_bytes else 0)
+            return m * max(-(-r.temp_bytes // m), costmodel.weight_gradient_bytes(g, v))
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
         if training:  # the gradients sent back for it, this micro-batch's and the others' that wait
             received *= m
