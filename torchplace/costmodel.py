@@ -245,21 +245,37 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     return _walk(problem, nodes, device, saves).total(microbatches(problem), others)
 
 
-def _walk(problem: Problem, nodes: Iterable[str], device: Device | None,
-          saves: Mapping[str, int] | None) -> _Working:
-    """:func:`working_memory` before the other micro-batches are added."""
-    g = problem.graph
+class _Layout(NamedTuple):
+    """What both walks of a device's nodes start from: the members in topological order, their
+    memories (:func:`_memories`), and those kept to the end of a pass (:func:`_kept_to_end`)."""
+
+    members: Collection[str]
+    order: list[str]
+    memories: Memories
+    held: set[Memory]
+    sent: set[Memory]
+
+
+def _layout(g: OpGraph, nodes: Iterable[str]) -> _Layout:
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     order = [v for v in g.topological_order() if v in members]
-    m = microbatches(problem)
     memories = _memories(g, members, order)
+    return _Layout(members, order, memories, *_kept_to_end(g, members, memories, order))
+
+
+def _walk(problem: Problem, nodes: Iterable[str] | _Layout, device: Device | None,
+          saves: Mapping[str, int] | None) -> _Working:
+    """:func:`working_memory` before the other micro-batches are added (``nodes`` or their
+    :class:`_Layout`, where the caller has it)."""
+    g = problem.graph
+    members, order, memories, held, sent = nodes if isinstance(nodes, _Layout) else _layout(g, nodes)
+    m = microbatches(problem)
     end = len(order)
     last: dict[Memory, int] = {}
     for i, v in enumerate(order):
         for u in g.predecessors(v):
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
-    held, sent = _kept_to_end(g, members, memories, order)
     for key in held | sent:
         last[key] = end
     receives = device is None or device.pays_transfer
@@ -382,14 +398,15 @@ def _kept(g: OpGraph, memories: Memories, u: str, w: str) -> tuple[Memory, ...]:
     return _all({part: keys for part, keys in memories[u].items() if part in reads})
 
 
-def backward_peak(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
+def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device: Device | None = None, *,
                   saves: Mapping[str, int] | None = None, backwards: Collection[str] | None = None,
                   graded: Collection[str] | None = None) -> int:
     """The most bytes one micro-batch's backward pass holds at once on a device whose forward
     nodes are ``forwards`` (training; the other micro-batches aside). ``saves``: what each forward
     node saved for backward (:func:`saved_increments`), alive until its backward ran;
     ``backwards``: the backward nodes the device runs (``None``: those of ``forwards``);
-    ``graded``: :func:`_needs_grad` of the graph, where the caller has it.
+    ``graded``: :func:`_needs_grad` of the graph, and ``forwards`` their :class:`_Layout`, where
+    the caller has them.
 
     Backward runs the forward nodes in reverse order. Held throughout: this micro-batch's values
     the device sent on or made as model outputs (the executor drops them after the backward).
@@ -401,16 +418,14 @@ def backward_peak(problem: Problem, forwards: Collection[str], device: Device | 
     to another device is counted to the end. Each backward node adds its own peak while it runs.
     """
     g, m = problem.graph, microbatches(problem)
-    members = forwards if isinstance(forwards, (set, frozenset)) else set(forwards)
-    order = [v for v in g.topological_order() if v in members]
+    # the model outputs and values sent on (held, sent) are kept to the end
+    members, order, _, held, sent = forwards if isinstance(forwards, _Layout) else _layout(g, forwards)
     outputs = set(g.meta.get("outputs", ()))
     receives = device is None or device.pays_transfer
     graded = _needs_grad(g) if graded is None else graded
-    memories = _memories(g, members, order)
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
     alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
-    held, sent = _kept_to_end(g, members, memories, order)  # the model outputs and values sent on: kept
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
@@ -712,14 +727,13 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     # the forward's peak with what its nodes saved so far (the saved tensors it still reads are
     # counted twice: an upper bound), beside the saved activations of this micro-batch
     forwards = {v for v in members if not g.record(v).backward}
-    order = [v for v in g.topological_order() if v in forwards]
+    layout = _layout(g, forwards)
     # a value sent on (or a model output) that a node also saves for backward is one storage: the
     # walks hold it as kept to the end, not as saved too, and the activations count it
-    both = {} if recompute else _kept_and_saved(g, forwards, set().union(
-        *_kept_to_end(g, forwards, _memories(g, forwards, order), order)))
-    saves = saved_increments(g, order, m, in_place=in_place, exclude=both)
-    saved_now = sum(saved_increments(g, order, m, in_place=in_place).values())
-    walk = _walk(problem, forwards, device, saves)
+    both = {} if recompute else _kept_and_saved(g, forwards, layout.held | layout.sent)
+    saves = saved_increments(g, layout.order, m, in_place=in_place, exclude=both)
+    saved_now = sum(saved_increments(g, layout.order, m, in_place=in_place).values())
+    walk = _walk(problem, layout, device, saves)
     # what the other micro-batches in flight keep here meanwhile, through this one's backward too:
     # their values (less those saved for backward: the activations count them), and the gradients
     # the loss made of their outputs (waiting for their backward)
@@ -730,7 +744,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
                                            graded=graded)
     # the loss runs right after the forward (other micro-batches' values still held under GPipe)
     # the backward's, as it frees what each node saved (the activations count them all)
-    backward_pass = backward_peak(problem, forwards, device, saves=saves, graded=graded,
+    backward_pass = backward_peak(problem, layout, device, saves=saves, graded=graded,
                                   backwards={v for v in members if g.record(v).backward}) - saved_now
     if recompute:
         backward_pass += walk.holding + walk.sending
