@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -119,29 +120,39 @@ def test_a_model_output_that_views_another_node_holds_its_memory_for_every_micro
     _assert_bracketed(p, {"a", "v"})
 
 
-def test_a_module_that_only_reshapes_its_input_is_a_view_of_it():
+def _traced_with_leaf(leaf, after) -> tuple[OpGraph, str]:
+    """The graph of ``Linear(256, 256)`` followed by the leaf module ``leaf()`` and ``after(leaf's
+    output, x)``, traced at module granularity on 4 samples, and the leaf's node."""
     import torch
     from torch import nn
 
     from torchplace.profiling import trace
 
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.leaf = nn.Linear(256, 256), leaf()
+
+        def forward(self, x):
+            return after(self.leaf(self.a(x)), x)
+
+    g = trace(Net(), (torch.randn(4, 256),), granularity="module", method="export", leaf_modules=(leaf,)).graph
+    return g, next(v for v, r in g.records() if r.module == "leaf")
+
+
+def test_a_module_that_only_reshapes_its_input_is_a_view_of_it():
+    import torch
+    from torch import nn
+
     class Split(nn.Module):  # two operators, no memory of their own: a view of the input
         def forward(self, x):
             return x.view(x.shape[0], 64, 4).transpose(1, 2)
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(256, 256)
-            self.split = Split()
+    def after(s, x):
+        y = torch.relu(x * 2)  # runs while the split's output waits to be read
+        return (s * 3).sum() + y.sum()
 
-        def forward(self, x):
-            s = self.split(self.a(x))
-            y = torch.relu(x * 2)  # runs while the split's output waits to be read
-            return (s * 3).sum() + y.sum()
-
-    g = trace(Net(), (torch.randn(4, 256),), granularity="module", method="export", leaf_modules=(Split,)).graph
-    split = next(v for v, r in g.records() if r.module == "split")
+    g, split = _traced_with_leaf(Split, after)
     assert g.meta["aliases"][split] == "linear"
     # the linear's 4 KiB stay alive until s * 3 reads the split: with x * 2 and relu, 12 KiB (was 8)
     assert costmodel.working_memory(_problem(g), [v for v, _ in g.records()]) == 12 * 1024
@@ -151,30 +162,20 @@ def test_a_module_that_also_returns_a_view_of_its_input_keeps_the_input_for_it()
     import torch
     from torch import nn
 
-    from torchplace.profiling import trace
-
     class Mixed(nn.Module):  # a new tensor, and a view of its input
         def forward(self, x):
             return x * 2, x.view(x.shape[0], 64, 4).transpose(1, 2)
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(256, 256)
-            self.mixed = Mixed()
+    def after(outputs, x):
+        y, s = outputs
+        z = torch.relu(y) * 3  # runs while s waits to be read
+        return (s * 3).sum() + z.sum()
 
-        def forward(self, x):
-            y, s = self.mixed(self.a(x))
-            z = torch.relu(y) * 3  # runs while s waits to be read
-            return (s * 3).sum() + z.sum()
-
-    g = trace(Net(), (torch.randn(4, 256),), granularity="module", method="export", leaf_modules=(Mixed,)).graph
-    mixed = next(v for v, r in g.records() if r.module == "mixed")
+    g, mixed = _traced_with_leaf(Mixed, after)
     assert g.meta["part_aliases"] == {mixed: {"view": "linear"}} and mixed not in g.meta["aliases"]
     assert dict(g.record(mixed).resident_parts) == {"mul": 4096, "view": 0}
     # the linear's 4 KiB stay alive until s * 3: with y and relu's output, 12 KiB (was 8)
-    nodes = [v for v, _ in g.records()]
-    assert costmodel.working_memory(_problem(g), nodes) == 12 * 1024
+    assert costmodel.working_memory(_problem(g), [v for v, _ in g.records()]) == 12 * 1024
 
 
 def test_an_expanded_output_holds_only_the_memory_it_was_made_in():
@@ -645,57 +646,23 @@ def test_gradients_sent_back_wait_for_the_producers_backward():
         p, ["f0", "b0"], in_flight=holds["accel:0"], device=p.cluster.device("accel:0"))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_slow_first_device_leaves_the_gradients_sent_back_waiting_as_predicted(schedule, monkeypatch):
-    # a real step on two logical CPUs whose first device's backward is slow: the second runs ahead,
-    # and the gradients it sent back wait in its memory; the prediction holds them
-    import time
+class _Step(NamedTuple):
+    """One measured training step: the placed model, and per device the bytes the step allocates
+    (gradients, working memory, activations) as predicted and as measured on its worker."""
 
-    import torch
-    from torch import nn
+    placed: Any
+    predicted: dict[str, int]
+    measured: dict[str, int]
 
-    import torchplace
-    from torchplace.runtime.training import TrainingExecutor
-    from torchplace.runtime.workers import peak_live_bytes
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
-                          nn.ReLU(), nn.Linear(256, 8))  # every boundary a 256-wide activation with weights before
-    x = torch.randn(1024, 8)
-    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", optimizer="sgd", microbatches=4,
-                              schedule=schedule, allow_single_device=False, progress=False, warmup=0, repeats=1,
-                              loss_fn=lambda out, target: out.pow(2).mean())
-    first, last = placed.plan.stages[0].device, placed.plan.stages[1].device
-    backward = TrainingExecutor._backward
-
-    def slow(self, state, action, worker):
-        if worker.endswith(first):
-            time.sleep(0.05)
-        return backward(self, state, action, worker)
-
-    monkeypatch.setattr(TrainingExecutor, "_backward", slow)
-    placed.train()
-    for _ in range(2):  # the second step is measured: the first makes the weights' gradients
-        placed.zero_grad(set_to_none=True)
-        with peak_live_bytes() as peaks:
-            placed.step(x, target=None)
-    p, stages = placed.problem, placed.plan.stages
-    parts = costmodel.device_memory_parts(p, stages)[last]
-    predicted = parts["working"] + parts["activations"] + parts["gradients + optimizer"]  # what the step allocates
-    waiting = 1024 // 4 * 256 * 4  # one micro-batch's gradient of a 256-wide activation
-    if schedule == "1f1b":
-        assert abs(predicted / peaks[last] - 1) < 0.01
-        assert _waiting(p, stages, last) == waiting
-        assert predicted - waiting < 0.9 * peaks[last]  # the gradient that waited was measured
-    else:  # the activations freed by each backward make room for what waits: an upper bound
-        assert 1.0 <= predicted / peaks[last] < 1.15
+    def ratio(self, device: str) -> float:
+        return self.predicted[device] / self.measured[device]
 
 
 def _measured_step(layout: list[str], schedule: str, recompute: tuple[str, ...] = (), out: int = 8,
-                   slow: str | None = None) -> dict[str, float]:
-    """Per device, predicted / measured bytes one training step allocates (gradients, working
-    memory, activations) for a chain of 256-wide linear + ReLU blocks, block ``i`` forced onto
-    ``layout[i]`` (``recompute``: devices that recompute; ``slow``: a device whose backward sleeps)."""
+                   slow: str | None = None) -> _Step:
+    """A training step of a chain of 256-wide linear + ReLU blocks on 1,024 samples in 4
+    micro-batches, block ``i`` forced onto ``layout[i]`` (``recompute``: devices that recompute;
+    ``slow``: a device whose backward sleeps, so that the others run ahead)."""
     import re
     import time
 
@@ -746,30 +713,45 @@ def _measured_step(layout: list[str], schedule: str, recompute: tuple[str, ...] 
     finally:
         TrainingExecutor._backward = backward
     parts = costmodel.device_memory_parts(placed.problem, placed.plan.stages)
-    return {d: (parts[d]["working"] + parts[d]["activations"] + parts[d]["gradients + optimizer"])
-            / max(v for k, v in peaks.items() if k.endswith(d)) for d in devices}
+    return _Step(placed, {d: parts[d]["working"] + parts[d]["activations"] + parts[d]["gradients + optimizer"]
+                          for d in devices},
+                 {d: max(v for k, v in peaks.items() if k.endswith(d)) for d in devices})
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_slow_first_device_leaves_the_gradients_sent_back_waiting_as_predicted(schedule):
+    # a real step on two logical CPUs whose first device's backward is slow: the second runs ahead,
+    # and the gradients it sent back wait in its memory; the prediction holds them
+    step = _measured_step(["cpu:0", "cpu:1"], schedule, slow="cpu:0")
+    if schedule == "1f1b":
+        waiting = 1024 // 4 * 256 * 4  # one micro-batch's gradient of a 256-wide activation
+        assert abs(step.ratio("cpu:1") - 1) < 0.01
+        assert _waiting(step.placed.problem, step.placed.plan.stages, "cpu:1") == waiting
+        assert step.predicted["cpu:1"] - waiting < 0.9 * step.measured["cpu:1"]  # the waiting gradient was measured
+    else:  # the activations freed by each backward make room for what waits: an upper bound
+        assert 1.0 <= step.ratio("cpu:1") < 1.15
 
 
 def test_a_recomputing_device_holds_a_second_copy_of_what_it_sends():
     # cpu:1 runs its forward again in the backward: the ReLU output it sent is made a second
     # time beside the one it holds for cpu:2 (0.875 of the measured peak before)
-    ratios = _measured_step(["cpu:0", "cpu:1", "cpu:2"], "1f1b", recompute=("cpu:1",), slow="cpu:0")
-    assert abs(ratios["cpu:1"] - 1) < 0.01
+    step = _measured_step(["cpu:0", "cpu:1", "cpu:2"], "1f1b", recompute=("cpu:1",), slow="cpu:0")
+    assert abs(step.ratio("cpu:1") - 1) < 0.01
 
 
 def test_the_losss_gradients_wait_with_their_micro_batches():
     # under GPipe the last device runs every forward and its loss first: the gradients the loss
     # made of the 2048-wide outputs wait for their backward (0.848 of the measured peak before)
-    assert 1.0 <= _measured_step(["cpu:0", "cpu:1"], "gpipe", out=2048)["cpu:1"] < 1.15
+    assert 1.0 <= _measured_step(["cpu:0", "cpu:1"], "gpipe", out=2048).ratio("cpu:1") < 1.15
 
 
 def test_a_device_with_two_stages_holds_the_first_ones_micro_batches():
     # cpu:1 runs the middle stage, which 1F1B gives two micro-batches in flight, and the last
     # (0.785 of the measured peak before, ranked as the last of two devices: one in flight)
-    ratios = _measured_step(["cpu:0", "cpu:1", "cpu:1"], "1f1b", slow="cpu:0")
-    assert 1.0 <= ratios["cpu:1"] < 1.15
+    step = _measured_step(["cpu:0", "cpu:1", "cpu:1"], "1f1b", slow="cpu:0")
+    assert 1.0 <= step.ratio("cpu:1") < 1.15
     # the values a device sends and saves are its activations, held once (1.73 before)
-    assert abs(ratios["cpu:0"] - 1) < 0.01
+    assert abs(step.ratio("cpu:0") - 1) < 0.01
 
 
 def test_in_training_the_restriction_pays_for_the_gradient_that_comes_back():
