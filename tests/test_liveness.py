@@ -641,9 +641,10 @@ def test_gradients_sent_back_wait_for_the_producers_backward():
     p, stages = _two_device_chain("accel", "1f1b")
     assert _waiting(p, stages, "accel:0") == 0  # nothing upstream of it
     assert costmodel.waiting_gradients(p, {"f0"}, p.cluster.device("accel:0")) == (0, 4)
-    holds = costmodel.in_flight(p, stages)
-    assert costmodel.device_memory(p, stages)["accel:0"] == costmodel.memory(
-        p, ["f0", "b0"], in_flight=holds["accel:0"], device=p.cluster.device("accel:0"))
+    assert costmodel.in_flight(p, stages)["accel:0"] == 2
+    working = [costmodel.memory_parts(p, ["f0", "b0"], in_flight=k, device=p.cluster.device("accel:0"))["working"]
+               for k in (1, 2)]
+    assert working[1] - working[0] == 4 + 4  # the other micro-batch's f0 output, held, and its gradient, arrived
 
 
 class _Step(NamedTuple):
