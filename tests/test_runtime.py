@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -380,6 +380,38 @@ def test_exported_graph_with_pytree_inputs_and_outputs() -> None:
             assert torch.equal(out["out"], expected["out"])
             assert torch.equal(out["pair"][0], expected["pair"][0])
             assert torch.equal(out["pair"][1], expected["pair"][1])
+
+
+class Pair(NamedTuple):
+    h: torch.Tensor
+    doubled: torch.Tensor
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.a(x)
+        return {"h": h, "y": self.b(h)}, [h, x * 2], Pair(h, h * 2)
+
+
+def test_outputs_come_back_in_the_containers_the_model_returns() -> None:
+    """fx keeps a graph's output as immutable_dict / immutable_list; the placed model returns the
+    dict, list and namedtuple the model does, which the caller may change."""
+    x = torch.randn(6, 4)
+    model = Containers()
+    gm = fx.symbolic_trace(model)
+    executor = make_executor(gm, 2)
+    with torch.no_grad():
+        expected = model(x)
+        for microbatches in (1, 3):
+            out = run_guarded(partial(executor.run, (x,), {}, microbatches))
+            assert [type(o) for o in out] == [dict, list, Pair]
+            assert torch.equal(out[0]["y"], expected[0]["y"]) and torch.equal(out[1][1], expected[1][1])
+            assert torch.equal(out[2].doubled, expected[2].doubled)
+            out[0]["extra"], out[1][0] = 1, None  # as the caller may with the model's own output
 
 
 def test_exported_transformer_encoder() -> None:

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
-from torch.fx.node import map_arg
 
 from torchplace.errors import UsageError
 from torchplace.fxutil import bind_placeholders, fetch_attr
@@ -78,5 +77,24 @@ class GraphIO:
             KeyError: if a name in :attr:`output_names` is missing from ``env``.
         """
         values = {**self._constants, **env}
-        flat = map_arg(self._structure, lambda n: values[n.name])
-        return self._codegen.process_outputs(flat)
+        return self._codegen.process_outputs(_rebuild(self._structure, values))
+
+
+def _rebuild(structure: Any, values: Mapping[str, Any]) -> Any:
+    """``structure`` (an output node's argument) with every fx node replaced by its value, in
+    plain containers: fx keeps the graph's output as ``immutable_list`` / ``immutable_dict`` (so
+    ``fx.node.map_arg`` returns those), where the GraphModule's code returns a ``list`` / ``dict``
+    the caller may change."""
+    if isinstance(structure, fx.Node):
+        return values[structure.name]
+    if isinstance(structure, tuple):
+        items = [_rebuild(s, values) for s in structure]
+        return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)  # a namedtuple keeps its type
+    if isinstance(structure, list):
+        return [_rebuild(s, values) for s in structure]
+    if isinstance(structure, dict):
+        return {k: _rebuild(v, values) for k, v in structure.items()}
+    if isinstance(structure, slice):
+        return slice(_rebuild(structure.start, values), _rebuild(structure.stop, values),
+                     _rebuild(structure.step, values))
+    return structure
