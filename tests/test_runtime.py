@@ -20,6 +20,7 @@ from torchplace.runtime import (
     split_stages,
     worker_orders,
 )
+from torchplace.runtime.devices import ALIGNMENT, copy_to
 from torchplace.runtime.split import compute_nodes
 
 WORKERS = ["cpu:0", "cpu:1", "cpu:2"]
@@ -380,6 +381,45 @@ def test_exported_graph_with_pytree_inputs_and_outputs() -> None:
             assert torch.equal(out["out"], expected["out"])
             assert torch.equal(out["pair"][0], expected["pair"][0])
             assert torch.equal(out["pair"][1], expected["pair"][1])
+
+
+class SlicedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:, :-1])  # a view with gaps (stride 8) read on the next device
+
+
+def test_a_value_read_on_another_device_keeps_its_layout() -> None:
+    """A copy on another device has the original's strides: the Linear reads x[:, :-1] as the
+    model does, where a contiguous copy rounds differently (1.2e-7 here on the CPU)."""
+    torch.manual_seed(10)
+    model, x = SlicedLinear(), torch.randn(4, 8, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert not torch.equal(model.lin(x[:, :-1].contiguous()), model(x))  # the rounding this guards
+        out = run_guarded(partial(make_executor(fx.symbolic_trace(model), 2, isolate=True).run, (x,), {}, 1))
+    assert torch.equal(out, model(x))
+
+
+@pytest.mark.parametrize("view", [
+    lambda t: t[:, 1:],                       # gaps and an offset
+    lambda t: t[1:],                          # dense, an offset inside the alignment
+    lambda t: t.t(),                          # dense, transposed
+    lambda t: t[:, ::2].t(),                  # gaps, transposed
+    lambda t: t[:, :1].expand(-1, 3),         # elements overlap: copied contiguous
+])
+def test_copy_to_keeps_strides_and_the_offsets_alignment(view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    original = view(torch.arange(48, dtype=torch.float32).reshape(6, 8))
+    copy = copy_to(original, torch.device("cpu"))
+    assert torch.equal(copy, original) and copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+    if original.stride()[-1] != 0:
+        assert copy.stride() == original.stride()
+        assert copy.storage_offset() * 4 % ALIGNMENT == original.storage_offset() * 4 % ALIGNMENT
+        assert copy.untyped_storage().nbytes() <= original.untyped_storage().nbytes()
+    else:
+        assert copy.is_contiguous()
 
 
 class Pair(NamedTuple):

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torchplace.errors import UnsupportedError
-from torchplace.runtime.devices import to_device
+from torchplace.runtime.devices import copy_to, to_device
 
 __all__ = ["Values", "written_inputs"]
 
@@ -34,7 +34,7 @@ def _on(value: Any, device: torch.device) -> bool:
 
 
 def _clone(value: Any) -> Any:
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+    return tree_map(lambda t: copy_to(t, t.device) if isinstance(t, torch.Tensor) else t, value)
 
 
 class Values:
