@@ -17,7 +17,7 @@ from torch import nn
 import torchplace
 from torchplace.api import PlacedModule
 from torchplace.devices import make_cluster
-from torchplace.errors import TraceError
+from torchplace.errors import MicrobatchError, TraceError
 from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.profiling import profile, trace
@@ -340,7 +340,7 @@ def test_place_leaves_the_model_state_and_example_inputs_alone():
     model, reference = _pair(RunningMean)
     x = torch.randn(8, 16)
     x_before = x.clone()
-    torchplace.place(model, DEVICES[2], (x,), progress=False, repeats=2, warmup=1)
+    torchplace.place(model, DEVICES[2], (x,), microbatches=1, progress=False, repeats=2, warmup=1)
     assert torch.equal(model.mean, reference.mean)
     assert torch.equal(x, x_before)
     model, _ = _pair(InputWrite)
@@ -410,11 +410,13 @@ def test_aliasing_that_only_a_batch_of_one_shows_is_found():
     traced = trace(model, (torch.randn(4, 8),), method="fx")
     writes = traced.effects.written
     assert any("linear" in names for names in writes.values())  # t's write reaches h at batch 1
-    placed = torchplace.place(model, DEVICES[3], (torch.randn(4, 8),), microbatches=4, trace_method="fx",
-                              contiguous=False, progress=False, repeats=1, warmup=0)
+    options = dict(trace_method="fx", contiguous=False, progress=False, repeats=1, warmup=0)
+    with pytest.raises(MicrobatchError, match="alone differs from the same rows computed beside"):
+        torchplace.place(model, DEVICES[3], (torch.randn(4, 8),), microbatches=4, **options)  # t aliases h on one sample
+    placed = torchplace.place(model, DEVICES[3], (torch.randn(4, 8),), microbatches=1, **options)
     x = torch.randn(4, 8)
     with torch.no_grad():
-        assert torch.equal(placed(x.clone()), torch.cat([model(c) for c in x.clone().tensor_split(4)]))
+        assert torch.equal(placed(x.clone()), model(x.clone()))
         assert torch.equal(placed(x[:1].clone()), model(x[:1].clone()))
 
 

@@ -21,6 +21,7 @@ from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
+from torchplace.batchdim import joined_outputs
 from torchplace.errors import InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
@@ -230,13 +231,15 @@ def place(
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
-    placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn)
+    joined = placement.joined
+    placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
+                          joined_outputs=joined)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
         placed = closing_the_loop(placed, placement.args, placement.kwargs,
                                   solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, m))
+                                  build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined))
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
 
@@ -254,6 +257,9 @@ class Placement(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     cache: dict[str, Any]
+    joined: tuple[bool, ...] | MicrobatchError | None = None
+    """Which outputs the micro-batches of an inference pipeline join, or why they cannot be split
+    (:func:`torchplace.batchdim.joined_outputs`)."""
 
     @property
     def example(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -432,6 +438,10 @@ def prepare(
             for m, was in modes.items():  # a refused call leaves the model as it was
                 m.training = was
         raise
+    joined = None  # which outputs an inference pipeline's micro-batches join, or why they cannot be split
+    if objective == "throughput" and not training and not shapes_only:
+        joined = joined_outputs(traced.gm, traced.flat_inputs, args, kwargs,
+                                microbatches if isinstance(microbatches, int) else 1)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}
@@ -491,11 +501,14 @@ def prepare(
                 _check_runs_on_microbatch(traced, chunk_args, chunk_kwargs, m, _batch(args, kwargs))
                 raise  # the model runs there: profiling failed (the prediction falls back, and says so)
 
-        decision = callplan.decide(problem, solved, microbatches, _batch(args, kwargs), profile_microbatch,
-                                   overheads=executor_overheads(), allow_single_device=allow_single_device,
-                                   given=given is not None)
+        refused = isinstance(joined, MicrobatchError) and microbatches == "auto"
+        decision = callplan.decide(problem, solved, 1 if refused else microbatches, _batch(args, kwargs),
+                                   profile_microbatch, overheads=executor_overheads(),
+                                   allow_single_device=allow_single_device, given=given is not None)
         solved, m = decision.plan, decision.microbatches
-    return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings))
+        if refused and "call" in solved.meta:
+            solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
+    return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined)
 
 
 def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Mapping[str, Any], m: int,

@@ -340,6 +340,11 @@ class DistributedPlaced:
             raise UnsupportedError("the plan recomputes activations on "
                                    f"{sorted({s.device for s in plan.stages if s.recompute})}, which the "
                                    "torch.distributed bridge does not do yet: place with recompute=False")
+        joined = placement.joined
+        if placement.microbatches > 1 and isinstance(joined, tuple) and not all(joined):
+            raise UnsupportedError("the model returns an output that reads no input's batch (a constant or a "
+                                   "parameter), which the torch.distributed engine would join over micro-batches "
+                                   "into several copies: return it from outside the model, or use microbatches=1")
         run = _forward_stages(problem, plan)
         stage_of = {f: i for i, s in enumerate(run) for v in s.nodes for f in problem.graph.record(v).fx_nodes}
         stages = split_stages(traced.gm, stage_of, len(run), traced.effects)

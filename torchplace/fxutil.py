@@ -16,6 +16,7 @@ __all__ = [
     "COMPUTE_OPS",
     "TensorInfo",
     "bind_placeholders",
+    "draws_random_numbers",
     "fetch_attr",
     "flat_inputs",
     "is_compute",
@@ -216,3 +217,26 @@ def relax_views(gm: fx.GraphModule, keep: Collection[str] = ()) -> int:
 def _dtype_view(node: fx.Node) -> bool:
     """``x.view(torch.float16)``: a reinterpretation of the bytes, which ``reshape`` is not."""
     return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) or isinstance(node.kwargs.get("dtype"), torch.dtype)
+
+
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "exponential", "geometric",
+           "cauchy", "log_normal", "uniform_")
+
+
+def draws_random_numbers(module: nn.Module, n: fx.Node) -> bool:
+    """Whether fx node ``n`` of ``module`` (its GraphModule, or a stage of it) draws random numbers
+    (a dropout with ``p = 0`` or in eval mode does not)."""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if n.op == "call_module":
+        sub = module.get_submodule(str(n.target))
+        name = type(sub).__name__.lower()
+        if "dropout" in name:
+            return bool(sub.training and getattr(sub, "p", 1.0) > 0)
+    else:
+        name = str(n.target).lower()
+        if "dropout" in name:
+            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
+            return not (isinstance(p, (int, float)) and p == 0) and train is not False
+    return any(r in name for r in _RANDOM)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchplace import batchdim
 from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
@@ -78,11 +79,15 @@ class PlacedModule(nn.Module):
         microbatches: how many micro-batches each call's batch is split into (dim 0; always 1
             for the latency objective).
         stage_modules: the stage modules, in plan order (they call the model's own submodules).
+
+    ``joined_outputs``: which outputs micro-batches join (:func:`torchplace.batchdim.joined_outputs`),
+    or the refusal to raise if the model is run split.
     """
 
     def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1,
                  example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 joined_outputs: Sequence[bool] | Exception | None = None) -> None:
         super().__init__()
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -109,7 +114,10 @@ class PlacedModule(nn.Module):
                                              isolate=self._isolate, stage_threads=self._threads)
         else:
             self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
-                                              isolate=self._isolate, stage_threads=self._threads)
+                                              isolate=self._isolate, stage_threads=self._threads,
+                                              joined_outputs=None if isinstance(joined_outputs, Exception) else joined_outputs)
+        self._unsplittable = joined_outputs if isinstance(joined_outputs, Exception) else None
+        self._eval_unsplittable: Exception | None = None
         if self._for_training:
             recomputing = {s.device for s in plan.stages if s.recompute}
             self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
@@ -153,6 +161,9 @@ class PlacedModule(nn.Module):
                 "model for training (mode='training')"
             )
         executor = self._eval_executor() if self._for_training and training == {False} else self._executor
+        refusal = self._eval_unsplittable if executor is self._eval else self._unsplittable
+        if refusal is not None and self.microbatches > 1 and isinstance(executor, PipelineExecutor):
+            raise refusal
         try:
             if isinstance(executor, LatencyExecutor):
                 return executor.run(args, kwargs)
@@ -211,8 +222,11 @@ class PlacedModule(nn.Module):
             stages = split_stages(other.gm, stage_of, len(self._stages), other.effects)
             params = StageParameters(stages, [normalize_device(d) for d in self._torch_devices], self._workers,
                                      self._isolate, homes=self._executor.stage_params)
+            joined = batchdim.joined_outputs(other.gm, other.flat_inputs, args, dict(kwargs), self.microbatches)
             self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
-                                          isolate=self._isolate, stage_params=params, stage_threads=self._threads)
+                                          isolate=self._isolate, stage_params=params, stage_threads=self._threads,
+                                          joined_outputs=None if isinstance(joined, Exception) else joined)
+            self._eval_unsplittable = joined if isinstance(joined, Exception) else None
         return self._eval
 
     # -- seeing the plan and the runs (torchplace.report) ---------------------------------------------

@@ -9,8 +9,10 @@ Rules (as in torchgpipe's ``microbatch.scatter``/``gather``):
   is clamped to the batch size and a ``RuntimeWarning`` says so; with no batched tensor there is
   one micro-batch.
 * Gather: the outputs of the micro-batches, in micro-batch order, are combined leaf by leaf
-  (``torch.utils._pytree``): tensor leaves are concatenated along dim 0; non-tensor leaves are
-  taken from the first micro-batch. A 0-dim tensor leaf cannot be concatenated and raises.
+  (``torch.utils._pytree``): tensor leaves are concatenated along dim 0; non-tensor leaves, and
+  the leaves ``place()`` found to read no batched input (:func:`torchplace.batchdim.check_split`:
+  a constant or a parameter the model returns), are taken from the first micro-batch. A 0-dim
+  tensor leaf cannot be concatenated and raises.
 """
 from __future__ import annotations
 
@@ -89,11 +91,13 @@ def _split_leaf(leaf: Any, chunks: int) -> Sequence[Any]:
     return [leaf] * chunks
 
 
-def gather(outputs: Sequence[Any]) -> Any:
+def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
     """Combine micro-batch outputs into the output of the whole batch.
 
     Args:
         outputs: one output pytree per micro-batch, in micro-batch order, all of one structure.
+        joined: per leaf, whether it is concatenated (``False``: the first micro-batch's is
+            taken); ``None``: every tensor leaf is.
 
     Returns:
         The first output's structure with tensor leaves concatenated along dim 0.
@@ -108,8 +112,11 @@ def gather(outputs: Sequence[Any]) -> Any:
     spec = flats[0][1]
     if any(other != spec for _, other in flats[1:]):
         raise ValueError("micro-batch outputs differ in structure; use microbatches=1")
+    if joined is not None and len(joined) != len(flats[0][0]):
+        raise ValueError(f"the output has {len(flats[0][0])} parts where the example's had {len(joined)}; use microbatches=1")
     columns = zip(*(leaves for leaves, _ in flats))
-    return tree_unflatten([_gather_leaf(i, list(col)) for i, col in enumerate(columns)], spec)
+    return tree_unflatten([_gather_leaf(i, list(col)) if joined is None or joined[i] else col[0]
+                           for i, col in enumerate(columns)], spec)
 
 
 def _gather_leaf(position: int, column: list[Any]) -> Any:

@@ -161,6 +161,9 @@ class PipelineExecutor:
             stages made them already (made here otherwise).
         stage_threads: intra-op threads of each stage's worker (``Device.threads``; ``None``:
             the process's setting), applied in the worker's thread.
+        joined_outputs: per output leaf, whether micro-batches' outputs are joined along dim 0
+            (``False``: the first's is the call's; :func:`torchplace.batchdim.check_split`);
+            ``None``: every tensor leaf is joined.
 
     Raises:
         ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
@@ -182,8 +185,10 @@ class PipelineExecutor:
         isolate: bool = False,
         stage_params: StageParameters | None = None,
         stage_threads: Sequence[int | None] | None = None,
+        joined_outputs: Sequence[bool] | None = None,
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
+        self.joined_outputs = joined_outputs
         self.stages = list(stages)
         self.devices = [normalize_device(d) for d in stage_devices]
         self.workers = list(stage_workers)
@@ -220,7 +225,7 @@ class PipelineExecutor:
 
         Returns:
             The model's output; with several micro-batches every tensor leaf is the concatenation
-            of the micro-batches' leaves along dim 0.
+            of the micro-batches' leaves along dim 0 (but those ``joined_outputs`` leaves out).
 
         Raises:
             StageError: if a stage raised; ``__cause__`` is the original exception.
@@ -241,7 +246,7 @@ class PipelineExecutor:
                     thread.join(timeout=_JOIN_S)
                 self.last_trace = list(state.trace)
                 self.last_spans = list(state.spans)
-            return gather(outputs)
+            return gather(outputs, self.joined_outputs)
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""

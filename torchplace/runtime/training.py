@@ -38,6 +38,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from torchplace.errors import StageError, UnsupportedError
+from torchplace.fxutil import draws_random_numbers
 from torchplace.runtime.devices import as_stage_error, normalize_device
 from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
@@ -331,33 +332,10 @@ class TrainingExecutor:
         state.pending[i, name] -= 1
 
 
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "exponential", "geometric",
-           "cauchy", "log_normal", "uniform_")
-
-
-def _draws_random_numbers(stage: StageModule, n: Any) -> bool:
-    """Whether fx node ``n`` of ``stage`` draws random numbers (a dropout with ``p = 0`` or in eval
-    mode does not)."""
-    if n.op not in ("call_function", "call_method", "call_module"):
-        return False
-    if n.op == "call_module":
-        module = stage.get_submodule(str(n.target))
-        name = type(module).__name__.lower()
-        if "dropout" in name:
-            return bool(module.training and getattr(module, "p", 1.0) > 0)
-    else:
-        name = str(n.target).lower()
-        if "dropout" in name:
-            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
-            return not (isinstance(p, (int, float)) and p == 0) and train is not False
-    return any(r in name for r in _RANDOM)
-
-
 def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
     """Refuse recomputing a stage whose second run would differ from its first."""
     for n in stage.graph.nodes:
-        if _draws_random_numbers(stage, n):
+        if draws_random_numbers(stage, n):
             raise UnsupportedError(f"stage {index} draws random numbers ({n.name}: {n.target}), so recomputing its "
                                    "activations would not reproduce them: place without recomputation (recompute=False)")
     written = set(stage.writes) & set(getattr(graph_io, "placeholder_names", ()))

@@ -1,0 +1,154 @@
+"""Micro-batches give the model's outputs or are refused (torchplace.batchdim): an output that reads
+no batch comes back once, one that mixes the samples of a batch is refused with MicrobatchError."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import torchplace
+from torchplace.batchdim import check_split, reads_batch
+from torchplace.errors import MicrobatchError
+
+DEVICES = ["cpu:0", "cpu:1"]
+OPTIONS = dict(allow_single_device=False, progress=False, time_limit=2, repeats=1, warmup=0)
+
+
+class Extras(nn.Module):
+    """Returns, beside its batched output, a constant, a parameter and a tensor sized by the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.b(torch.relu(self.a(x)))
+        return h, torch.arange(5), self.a.bias, torch.zeros(x.size(1))
+
+
+class BatchMax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return h, h.amax(0)  # a reduction over the batch
+
+
+class BatchSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        return {"h": h, "total": h.sum()}
+
+
+def _sequence_first() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False: (sequence, batch, features)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_outputs_that_read_no_batch_come_back_once(trace_method: str) -> None:
+    torch.manual_seed(0)
+    model, x = Extras().eval(), torch.randn(4, 8)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=2, trace_method=trace_method, **OPTIONS)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    assert [tuple(o.shape) for o in out] == [(4, 8), (5,), (8,), (8,)]  # was (10,), (16,), (16,): joined copies
+    assert torch.allclose(out[0], expected[0], atol=1e-6)
+    assert all(torch.equal(o, e) for o, e in zip(out[1:], expected[1:]))
+
+
+@pytest.mark.parametrize(("model", "match"), [
+    (BatchMax(), r"model output \[1\] has shape \(8,\) for 2 samples and \(8,\) for 1: its dim 0 is not the batch"),
+    (BatchSum(), r"model output \['total'\] is a scalar computed from the batch"),
+    (_sequence_first(), r"the model.s output for the example.s last 1 sample alone differs .* batch_first=True"),
+])
+def test_an_output_that_mixes_the_batch_is_refused(model: nn.Module, match: str) -> None:
+    """Joining micro-batches would silently give another output: a reduction over the batch, a
+    scalar of it, attention over dim 0 (the sequence first, split along the sequence)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 16) if isinstance(model, nn.TransformerEncoder) else torch.randn(4, 8)
+    with pytest.raises(MicrobatchError, match=match):
+        torchplace.place(model.eval(), DEVICES, (x,), microbatches=2, **OPTIONS)
+
+
+def test_auto_keeps_one_micro_batch_and_a_later_split_is_refused() -> None:
+    torch.manual_seed(0)
+    model, x = _sequence_first(), torch.randn(8, 4, 16)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches="auto", **OPTIONS)
+    assert placed.microbatches == 1
+    assert any("tried only m=1" in note for note in placed.plan.meta["call"]["notes"])
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+        placed.microbatches = 2
+        with pytest.raises(MicrobatchError, match="mixes the samples"):
+            placed(x)
+
+
+def test_the_eval_mode_of_a_training_placement_is_checked_too() -> None:
+    torch.manual_seed(0)
+    model, x = BatchMax(), torch.randn(4, 8)
+    placed = torchplace.place(model.train(), DEVICES, (x,), mode="training", microbatches=2,
+                              loss_fn=lambda out, target: ((out[0] - target) ** 2).mean(),
+                              example_target=torch.zeros(4, 8), **OPTIONS)
+    placed.step(x, target=torch.zeros(4, 8))  # a training step joins no outputs
+    placed.eval()
+    with torch.no_grad(), pytest.raises(MicrobatchError, match=r"model output \[1\] has shape"):
+        placed(x)
+
+
+class Sizes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x: (batch, sequence, 8)
+        return self.a(x), torch.zeros(x.size(1)), torch.zeros(x.size(0)), torch.ones(x.dim())
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_an_output_sized_by_the_batch_reads_it_and_one_sized_otherwise_does_not(trace_method: str) -> None:
+    """torch.zeros(x.size(0)) has the batch's rows: joined; torch.zeros(x.size(1)) reads no batch:
+    returned once (in an exported graph with a dynamic sequence, a sym_size node of dim 1)."""
+    model, x = Sizes(), torch.randn(4, 6, 8)
+    if trace_method == "export":
+        dims = {0: torch.export.Dim("batch", min=2, max=64), 1: torch.export.Dim("sequence", min=2, max=64)}
+        gm = torch.export.export(model, (x,), dynamic_shapes=(dims,), strict=False).module()
+        assert any("sym_size" in str(n.target) for n in gm.graph.nodes)
+    else:
+        gm = fx.symbolic_trace(model)
+    assert reads_batch(gm, (x,), 4, 4) == [True, False, True, False]
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=2, trace_method=trace_method, **OPTIONS)
+    with torch.no_grad():
+        assert [tuple(o.shape) for o in placed(x)] == [(4, 6, 8), (6,), (4,), (3,)]
+
+
+def test_nothing_to_split_is_not_checked() -> None:
+    gm = fx.symbolic_trace(BatchMax())
+    x = torch.randn(4, 8)
+    assert check_split(gm, lambda a, k: a, (x,), {}, 1) is None  # one micro-batch
+    assert check_split(gm, lambda a, k: a, (x[:1],), {}, 4) is None  # a batch of one
+    assert check_split(gm, lambda a, k: a, (torch.tensor(3.0),), {}, 4) is None  # no batch dimension
+
+
+class FixedBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).reshape(4, 2, 4)  # the example's batch, fixed
+
+
+def test_a_model_that_fixes_its_batch_places_unsplit_and_says_why_it_cannot_split() -> None:
+    x = torch.randn(4, 8)
+    placed = torchplace.place(FixedBatch().eval(), DEVICES, (x,), microbatches=1, **OPTIONS)
+    with torch.no_grad():
+        assert placed(x).shape == (4, 2, 4)
+    with pytest.raises(MicrobatchError, match="does not run on one of 2 micro-batches"):
+        torchplace.place(FixedBatch().eval(), DEVICES, (x,), microbatches=2, **OPTIONS)

@@ -1,0 +1,195 @@
+"""Whether splitting a call's batch into micro-batches keeps the model's outputs.
+
+A throughput pipeline splits every batched input along dim 0 (:func:`~torchplace.runtime.microbatch.scatter`)
+and joins each output of the micro-batches along dim 0 (:func:`~torchplace.runtime.microbatch.gather`).
+That gives the model's output only where dim 0 is the batch of every input and output and no
+output mixes the samples of a batch. ``place()`` checks it on the example (:func:`check_split`).
+The property does not depend on how many rows are split off, so the traced graph runs on the
+example's last sample and on its last two (a few milliseconds; on the last micro-batch and twice
+its rows where the model needs more):
+
+- an output that reads no batched input (a constant, a parameter, a size other than the batch's)
+  is the same on every micro-batch: the placed model returns it once, not ``m`` copies joined;
+- every other tensor output must have a dim 0 that scales with the rows, and a floating-point one
+  must hold for the last sample alone what it holds for it beside another, up to rounding. Where
+  it does not (a reduction over the batch, batch statistics, attention over dim 0 because the model
+  puts the sequence first, a layout that is not batch-major), :class:`~torchplace.errors.MicrobatchError`
+  names the output and says what to do.
+
+A graph that draws random numbers (dropout in training mode) is checked by shape only. The check
+is as good as the example: an output whose rows mix only on other inputs is not seen.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from torchplace.errors import MicrobatchError
+from torchplace.fxutil import draws_random_numbers
+from torchplace.profiling.effects import StateSnapshot
+from torchplace.runtime.microbatch import batch_size
+
+__all__ = ["check_split", "joined_outputs", "reads_batch"]
+
+TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
+"""Largest difference, relative to the output's largest value, between rows computed alone and
+beside others that counts as rounding (a different batch size may take other kernels);
+``HALF_TOLERANCE`` for 16-bit and smaller floating types. Mixing samples differs by far more."""
+
+HALF_TOLERANCE = 5e-2
+
+
+def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], m: int, *,
+                values: bool = True) -> tuple[bool, ...] | None:
+    """Check that micro-batches of ``(args, kwargs)`` give the model's outputs (module docstring).
+
+    Args:
+        gm: the traced graph; ``flat(args, kwargs)`` gives fresh values of its placeholders.
+        m: the micro-batches (at least 2 to check anything).
+        values: compare floating-point values too (``False``: dependence and shapes only, for a
+            training graph, whose batch statistics and dropout differ per micro-batch by design).
+
+    Returns:
+        Per output leaf (``tree_flatten`` order), ``False`` for a tensor that reads no batched input
+        (taken from the first micro-batch), ``True`` for the rest (a tensor joined along dim 0, any
+        other value taken from the first, as :func:`~torchplace.runtime.microbatch.gather` does);
+        ``None`` where nothing is split (no batch, or ``m < 2``), or where the graph does not run
+        on a micro-batch (the micro-batch profile then says why).
+
+    Raises:
+        MicrobatchError: an output that micro-batches cannot reproduce (see the module docstring).
+    """
+    try:
+        batch = batch_size(args, kwargs)
+    except ValueError:
+        return None
+    if batch is None or batch < 2 or m < 2:
+        return None
+    rows = batch // min(m, batch)  # the executor's smallest micro-batch
+    outputs = None
+    for one in dict.fromkeys((1, rows)):
+        try:
+            outputs = [_run(gm, flat(*_last_rows(args, kwargs, batch, n))) for n in (2 * one, one)]
+            break
+        except Exception:  # noqa: BLE001 - a model that needs more rows (or fails on any split)
+            continue
+    if outputs is None:
+        return None
+    pair, _ = pytree.tree_flatten_with_path(outputs[0])
+    alone = pytree.tree_leaves(outputs[1])
+    if len(pair) != len(alone):
+        raise MicrobatchError(f"the model's output has {len(pair)} parts on {2 * one} samples and {len(alone)} on "
+                              f"{one}: its structure depends on the batch; place it with microbatches=1")
+    reads = reads_batch(gm, flat(args, kwargs), batch, len(pair))
+    random = any(draws_random_numbers(gm, n) for n in gm.graph.nodes)
+    joined = []
+    for (path, both), single, read in zip(pair, alone, reads):
+        if not isinstance(both, torch.Tensor):
+            joined.append(True)  # gather takes it from the first micro-batch anyway
+            continue
+        if not read:
+            joined.append(False)
+            continue
+        what = f"model output {pytree.keystr(path)}" if path else "the model's output"
+        _check_output(what, both, single, one, values=values and not random)
+        joined.append(True)
+    return tuple(joined)
+
+
+def _last_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch: int, n: int) -> tuple[Any, Any]:
+    """``(args, kwargs)`` with every batched tensor cut to its last ``n`` rows."""
+    def cut(leaf: Any) -> Any:
+        return leaf[batch - n:] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch else leaf
+
+    return pytree.tree_map(cut, (tuple(args), dict(kwargs)))
+
+
+def joined_outputs(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   m: int) -> tuple[bool, ...] | MicrobatchError | None:
+    """:func:`check_split` for a pipeline that runs ``m`` micro-batches, or two where it runs one
+    (its ``microbatches`` may be raised later): then a refusal is returned, not raised, for the
+    placed model to raise if it is run split.
+
+    Raises:
+        MicrobatchError: micro-batches cannot reproduce an output, and ``m > 1``.
+    """
+    try:
+        return check_split(gm, flat, args, kwargs, max(m, 2))
+    except MicrobatchError as error:
+        if m > 1:
+            raise
+        return error
+
+
+def _run(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
+    """The graph's output on ``flat`` placeholders, its buffers left as they were."""
+    snapshot = StateSnapshot(gm)
+    try:
+        with torch.no_grad():
+            return gm.forward(*flat)
+    finally:
+        snapshot.restore()
+
+
+def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, values: bool) -> None:
+    """Refuse an output that reads the batch but is not its parts joined along dim 0: ``both`` on
+    ``2 rows`` samples, ``single`` on the last ``rows`` of them."""
+    advice = "place it with microbatches=1"
+    if not isinstance(single, torch.Tensor) or both.dim() == 0 or single.dim() == 0:
+        raise MicrobatchError(f"{what} is a scalar computed from the batch (a reduction over it?): micro-batches "
+                              f"give one each, not the batch's; {advice}, or return it per sample")
+    if both.shape[1:] != single.shape[1:] or both.shape[0] != 2 * single.shape[0]:
+        raise MicrobatchError(f"{what} has shape {tuple(both.shape)} for {2 * rows} samples and {tuple(single.shape)} "
+                              f"for {rows}: its dim 0 is not the batch, so micro-batches cannot be joined into it; "
+                              f"{advice}, or return the batch first")
+    if not values or not both.is_floating_point() or both.numel() == 0 or single.dtype != both.dtype:
+        return
+    tail = both[single.shape[0]:].to(torch.float64)
+    scale = float(tail.abs().max()) or 1.0
+    diff = float((tail - single.to(torch.float64)).abs().max())
+    if not math.isfinite(diff) and torch.equal(tail.isfinite(), single.isfinite()):
+        return  # inf and nan where the pair has them too
+    if diff > TOLERANCE.get(both.dtype, HALF_TOLERANCE) * scale:
+        raise MicrobatchError(
+            f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
+            f"rows computed beside {rows} more by {diff:.3g} (values up to {scale:.3g}): the model mixes the samples "
+            f"of a batch (batch statistics, a reduction or attention over dim 0, the sequence first where the batch "
+            f"should be); {advice}, or put the batch first (e.g. batch_first=True)")
+
+
+def reads_batch(gm: fx.GraphModule, flat: Sequence[Any], batch: int, count: int) -> list[bool]:
+    """Per output leaf (``count`` of them, ``tree_flatten`` order of the graph's output), whether
+    it reads a batched input (a placeholder with ``batch`` rows): its values, or its size along
+    dim 0 (``torch.zeros(x.shape[0])`` has the batch's rows); reading another dimension's size
+    does not count (:func:`_size_query`). All ``True`` where the graph's output does not flatten
+    to ``count``."""
+    batched = {n for n, v in zip(gm.graph.find_nodes(op="placeholder"), flat)
+               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch}
+    reads: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n in batched or (not _size_query(n) and any(a in reads for a in n.all_input_nodes)):
+            reads.add(n)
+    leaves = pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args[0])
+    if len(leaves) != count:
+        return [True] * count
+    return [isinstance(leaf, fx.Node) and leaf in reads for leaf in leaves]
+
+
+def _size_query(n: fx.Node) -> bool:
+    """A node that reads no value of its tensor and no size its batch sets: ``x.size(d)`` or
+    ``aten.sym_size(x, d)`` for ``d != 0``, ``x.dim()``."""
+    if n.op == "call_method":
+        return n.target == "dim" or (n.target == "size" and _not_dim_0(n.args[1:2] or [n.kwargs.get("dim")]))
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", str(n.target))
+        return name.split(".")[0] == "sym_size" and _not_dim_0(n.args[1:2] or [n.kwargs.get("dim")])
+    return False
+
+
+def _not_dim_0(dims: Sequence[Any]) -> bool:
+    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] != 0
