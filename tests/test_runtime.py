@@ -558,3 +558,31 @@ def test_pipeline_workers_are_kept_across_runs_and_end_with_the_executor() -> No
     for t in threads:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
+
+
+class SharedOnTwoDevices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.shared(x), self.shared(x[:, ::2])  # the second use reads a replica, on a strided 3-d input
+
+
+def test_a_parameter_replica_requires_grad_as_its_home_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aten::matmul picks its path for a non-contiguous input by the weight's requires_grad, even
+    under no_grad: a replica that dropped it rounded differently (2.4e-7) from the model."""
+    import torchplace
+    from torchplace.plan import Plan, Stage
+
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")  # a replica, as on a second GPU
+    torch.manual_seed(0)
+    model, x = SharedOnTwoDevices().eval(), torch.randn(4, 5, 8)
+    with torch.no_grad():
+        w = model.shared.weight
+        assert not torch.equal(nn.functional.linear(x[:, ::2], w), nn.functional.linear(x[:, ::2], w.detach()))
+    plan = Plan([Stage("cpu:0", ("linear",)), Stage("cpu:1", ("getitem", "linear_1"))], 0.0, 0.0, "user", 0.0)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, plan=plan, progress=False)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])

@@ -49,9 +49,12 @@ class _Replica:
     seen: tuple[int, int | None, torch.device] | None = None
 
     def install(self, value: torch.Tensor) -> None:
+        """Put ``value`` in the slots; a detached copy of a parameter becomes a parameter that
+        requires grad as its home does: some kernels choose their path by it even under
+        ``no_grad`` (``aten::matmul`` on a non-contiguous input), and round differently."""
         for owner, kind, slot in self.slots:
-            getattr(owner, kind)[slot] = nn.Parameter(value, requires_grad=False) if (
-                kind == "_parameters" and not value.requires_grad) else value
+            getattr(owner, kind)[slot] = nn.Parameter(value, requires_grad=self.home.requires_grad) if (
+                kind == "_parameters" and value.grad_fn is None) else value
 
     def refresh(self) -> None:
         """Make the slots hold a replica that reflects the home tensor now (see the module docs)."""
