@@ -226,3 +226,116 @@ def test_a_worker_forgets_a_microbatchs_values_after_its_backward():
     # holds one output, its gradient and the head's weight gradient (half an output), about 3.1
     # outputs; it held 6.1 when every value of the step stayed until the step ended
     assert 2 * output <= peaks["cpu:1"] < 4 * output
+
+
+def _two_stages(model: nn.Module, second: str, **options) -> TrainingExecutor:
+    """``model`` traced as ``place()`` traces it for training (its in-place writes recorded) and
+    split before compute node ``second``, on two isolated CPU workers."""
+    from torchplace.profiling import trace
+
+    traced = trace(model, (torch.randn(8, 8),), {}, training=True)
+    names = [n.name for n in compute_nodes(traced.gm.graph)]
+    stage_of = {name: int(i >= names.index(second)) for i, name in enumerate(names)}
+    return TrainingExecutor(split_stages(traced.gm, stage_of, 2, traced.effects), ["cpu", "cpu"],
+                            ["cpu:0", "cpu:1"], GraphIO(traced.gm), isolate=True, **options)
+
+
+class ReadsItsAverage(nn.Module):
+    """Updates a running average of its activations and reads it in the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.a(x)
+        self.ema.mul_(0.9).add_(torch.tanh(h.detach()).mean(0) * 0.1)  # no gradient through the statistic
+        return self.b(torch.tanh(h + self.ema))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_recomputed_stage_runs_again_from_the_buffers_its_first_run_found(schedule):
+    """Recomputing a stage that reads the average it updated gives its first run's activations
+    (the gradients were 1e-3 off when it ran from the advanced average), and its output needs no
+    gradient where the model's does not (the buffer took autograd history, and the next step failed)."""
+    torch.manual_seed(0)
+    model = ReadsItsAverage().train()
+    reference = copy.deepcopy(model)
+    executor = _two_stages(model, "linear_1", recompute=(True, False))  # the statistic is read on cpu:0
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for _ in range(2):
+        model.zero_grad(), reference.zero_grad()
+        executor.step((x,), {}, y, nn.functional.mse_loss, 2, schedule)
+        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+            (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        assert torch.equal(model.ema, reference.ema) and not model.ema.requires_grad
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x + 1)
+        x.mul_(2)  # on cpu:1, through its copy of x (the devices are isolated)
+        return self.b(h + x)
+
+
+def test_a_step_writes_back_the_inputs_the_model_writes():
+    torch.manual_seed(0)
+    model = WritesItsInput()
+    executor = _two_stages(model, "mul_")
+    x = torch.randn(8, 8)
+    caller = x.clone()
+    executor.step((caller,), {}, torch.randn(8, 4), nn.functional.mse_loss, 2, "1f1b")
+    assert torch.equal(caller, 2 * x)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_a_step_gives_the_inputs_that_require_grad_their_gradient(m):
+    """As the unsplit model does; the gradients of the inputs were dropped before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    executor = _two_stages(model, "tanh")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    executor.step((mine,), {}, y, nn.functional.mse_loss, m, "1f1b")
+    for xs, ys in zip(theirs.tensor_split(m), y.tensor_split(m)):
+        (nn.functional.mse_loss(reference(xs), ys) / m).backward()
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+
+
+class AveragesWhatItIsSent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.a(x)
+        d = torch.tanh(h.detach())  # sent to cpu:1, where it needs no gradient
+        self.ema.mul_(0.9).add_(d.mean(0) * 0.1)
+        return self.b(h) + self.ema
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_recomputed_stage_sends_what_needs_no_gradient_without_one(m):
+    """A recomputing stage marked every output as needing a gradient: the average of one took
+    autograd history, and the next micro-batch's (or step's) backward ran into a freed graph."""
+    torch.manual_seed(0)
+    model = AveragesWhatItIsSent().train()
+    reference = copy.deepcopy(model)
+    executor = _two_stages(model, "mul_", recompute=(True, False))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for _ in range(2):
+        executor.step((x,), {}, y, nn.functional.mse_loss, m, "1f1b")
+        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+            (nn.functional.mse_loss(reference(xs), ys) / m).backward()
+    assert not model.ema.requires_grad and torch.equal(model.ema, reference.ema)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

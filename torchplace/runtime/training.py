@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 
 from torchplace.errors import StageError, UnsupportedError
 from torchplace.fxutil import draws_random_numbers
+from torchplace.profiling.effects import version_of
 from torchplace.runtime.devices import as_stage_error, normalize_device
 from torchplace.runtime.microbatch import scatter
 from torchplace.runtime.params import StageParameters
@@ -83,7 +84,10 @@ class _Step:
 
     values: list[Values]
     pending: dict[tuple[int, str], int]
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # each micro-batch's bound model inputs
     grads: dict[tuple[int, str], Any] = field(default_factory=dict)
+    input_grads: dict[tuple[int, str], Any] = field(default_factory=dict)  # of model inputs that require grad
+    before: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     leaves: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     done: set[Action] = field(default_factory=set)
@@ -121,9 +125,10 @@ class TrainingExecutor:
         isolate: give every worker its own memory (a test aid, :class:`~torchplace.runtime.values.Values`).
         recompute: per stage, whether its forward pass keeps only its inputs and its backward pass
             runs the forward again with grad first (activation recomputation, Chen et al. 2016):
-            the buffers the stage updates (BatchNorm's statistics) are put back after the second
-            run, so they advance once. A stage that draws random numbers or writes a model input
-            in place cannot be recomputed exactly and is refused.
+            the second run starts from the buffers the first one found (an EMA the stage updates
+            and reads gives the same activations), and the buffers are put back afterwards, so they
+            advance once. A stage that draws random numbers or writes a model input in place cannot
+            be recomputed exactly and is refused.
         stage_threads: intra-op threads of each stage's worker (``Device.threads``; ``None``:
             the process's setting), applied in the worker's thread.
     """
@@ -144,6 +149,7 @@ class TrainingExecutor:
         self.isolate = isolate
         self.stage_params = stage_params or StageParameters(self.stages, self.devices, self.workers, isolate)
         self._producer = {name: s for s, stage in enumerate(self.stages) for name in stage.outputs}
+        self._inputs = frozenset(getattr(graph_io, "placeholder_names", ()))
         self._consumers: dict[str, int] = {}
         for stage in self.stages:
             for name in stage.inputs:
@@ -161,7 +167,9 @@ class TrainingExecutor:
     def step(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int, schedule: str = "1f1b") -> list[torch.Tensor]:
         """Forward and backward of one batch in ``microbatches`` micro-batches; returns each
-        micro-batch's loss (detached). Parameters' ``.grad`` accumulate ``d(mean loss)/dp``.
+        micro-batch's loss (detached). Parameters' ``.grad`` accumulate ``d(mean loss)/dp``, and so
+        do model inputs that require grad; inputs the model writes in place are written, as by
+        the model.
 
         Raises:
             StageError: a stage's forward or backward, or the loss, raised (the original is chained).
@@ -185,19 +193,36 @@ class TrainingExecutor:
                 raise
             if state.error is not None:
                 raise state.error
+            self._finish(state)
             return [state.losses[i] for i in range(len(chunks))]
 
+    def _finish(self, state: _Step) -> None:
+        """After every action ran: write back the model inputs the model wrote (each micro-batch's
+        part of the caller's tensor), and pass the gradients of the inputs that require grad on to
+        the caller's tensors (a micro-batch is a view of them: its backward reaches them)."""
+        for values in state.values:
+            values.finish()
+        tensors, grads = [], []
+        for (i, name), received in state.input_grads.items():
+            for tensor, grad in zip(tree_leaves(state.inputs[i][name]), received):
+                if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensors.append(tensor)
+                    grads.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
     def _start(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _Step:
-        values = []
+        values, inputs = [], []
         for a, k in chunks:
             bound = self.graph_io.bind_inputs(a, k)
+            inputs.append(bound)
             values.append(Values(bound, bound, self.isolate, written_inputs(self.stages, self.graph_io)))
         outputs = set(self.graph_io.output_names)
         pending = {}
         for i in range(len(chunks)):
             for name in self._producer:
                 pending[i, name] = self._consumers.get(name, 0) + (name in outputs)
-        return _Step(values, pending)
+        return _Step(values, pending, inputs)
 
     def _work(self, state: _Step, worker: str, order: Sequence[Action], targets: Sequence[Any],
               loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
@@ -240,8 +265,11 @@ class TrainingExecutor:
             leaves = [_leaf(v) for v in got]
             self.stage_params.refresh_stage(a.stage)
             if self.recompute[a.stage]:  # keep only the inputs; the outputs carry no history
-                with torch.no_grad():
-                    outputs = tuple(_needs_grad(o) for o in stage.forward(*leaves))
+                before = [(b, b.detach().clone(), version_of(b)) for b in stage.buffers()]
+                with torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _kept_nothing):
+                    outputs = tuple(_detached(o) for o in stage.forward(*leaves))  # which need grad, as without
+                state.before[a.microbatch, a.stage] = [(b, saved) for b, saved, v in before  # the buffers it wrote
+                                                       if version_of(b) != v or not torch.equal(b, saved)]
             else:
                 outputs = stage.forward(*leaves)
             with state.cond:
@@ -271,8 +299,7 @@ class TrainingExecutor:
             raise StageError(f"the loss of micro-batch {i} failed: {type(error).__name__}: {error}") from error
         with state.cond:
             for n, leaf in leaves.items():
-                if n in self._producer:
-                    self._contribute(state, i, n, leaf)
+                self._contribute(state, i, n, leaf)
             state.losses[i] = loss.detach()
             state.cond.notify_all()
 
@@ -288,7 +315,7 @@ class TrainingExecutor:
                 grads_in = [state.grads.pop((a.microbatch, n), None) for n in stage.outputs]
             restore = None
             if self.recompute[a.stage]:
-                outputs, restore = self._recompute(a.stage, leaves)
+                outputs, restore = self._recompute(a.stage, leaves, state.before.pop(key, []))
             tensors, grads = _with_grads(list(zip(outputs, grads_in)))
             if tensors:
                 torch.autograd.backward(tensors, grads)
@@ -299,37 +326,45 @@ class TrainingExecutor:
                              f"{a.microbatch}: {type(error).__name__}: {error}") from error
         with state.cond:
             for n, leaf in leaves.items():
-                if n in self._producer:
-                    self._contribute(state, a.microbatch, n, leaf)
+                self._contribute(state, a.microbatch, n, leaf)
             for n in stage.outputs:  # every reader (and the loss) has run its backward: nothing reads them again
                 state.values[a.microbatch].drop(n)
             state.cond.notify_all()
 
-    def _recompute(self, index: int, leaves: Mapping[str, Any]) -> tuple[tuple[Any, ...], Callable[[], None]]:
-        """Stage ``index``'s forward again, with grad, on the inputs it kept, and a function that
-        puts back the buffers it updates (they advanced in the first run); call it after the
-        backward, which may check the versions of what it saved."""
+    def _recompute(self, index: int, leaves: Mapping[str, Any],
+                   before: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], Callable[[], None]]:
+        """Stage ``index``'s forward again, with grad, on the inputs it kept, from the buffers its
+        first run found (``before``: those it wrote, as they were), and a function that puts back
+        the buffers as they are now; call it after the backward, which may check the versions of
+        what it saved."""
         stage = self.stages[index]
-        buffers = [(b, b.detach().clone()) for b in stage.buffers()]
+        now = [(b, b.detach().clone()) for b, _ in before]
+        with torch.no_grad():
+            for b, saved in before:
+                b.copy_(saved)
         self.stage_params.refresh_stage(index)
         outputs = tuple(stage.forward(*(leaves[n] for n in stage.inputs)))
 
         def restore() -> None:
             with torch.no_grad():
-                for b, saved in buffers:
+                for b, saved in now:
                     b.copy_(saved)
 
         return outputs, restore
 
     def _contribute(self, state: _Step, i: int, name: str, leaf: Any) -> None:
-        """Add ``leaf``'s gradient to the gradient of value ``name`` (on the producer's device);
-        called with ``state.cond`` held."""
-        original = state.values[i].originals[name]
-        grad = _grad_like(leaf, original)
+        """Add ``leaf``'s gradient to the gradient of value ``name`` (on the producer's device, or
+        the caller's for a model input); called with ``state.cond`` held."""
+        if name in self._producer:
+            grad, into = _grad_like(leaf, state.values[i].originals[name]), state.grads
+            state.pending[i, name] -= 1
+        elif name in self._inputs:
+            grad, into = _grad_like(leaf, state.inputs[i][name]), state.input_grads
+        else:
+            return
         if grad is not None:
-            have = state.grads.get((i, name))
-            state.grads[i, name] = grad if have is None else _add(have, grad)
-        state.pending[i, name] -= 1
+            have = into.get((i, name))
+            into[i, name] = grad if have is None else _add(have, grad)
 
 
 def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
@@ -344,10 +379,20 @@ def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
                                "would write again: place without recomputation (recompute=False)")
 
 
-def _needs_grad(value: Any) -> Any:
-    """An output of a recomputing stage's forward (run without grad), its floating-point tensors
-    marked as ones whose gradient the stage wants back."""
-    return tree_map_only(torch.Tensor, lambda t: t.requires_grad_(True) if t.is_floating_point() else t, value)
+def _detached(value: Any) -> Any:
+    """An output of a recomputing stage's first forward, without its history: each tensor requires
+    grad as it did (as it would in a forward that keeps its activations), no more."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+
+def _keep_nothing(tensor: torch.Tensor) -> None:
+    """A recomputing stage's first forward saves nothing for backward: its graph only tells which
+    outputs need a gradient."""
+    return None
+
+
+def _kept_nothing(packed: None) -> torch.Tensor:
+    raise RuntimeError("a recomputing stage's first forward has no backward; its second one does")
 
 
 class SavedBytes:
