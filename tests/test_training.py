@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace.errors import UnsupportedError
+from torchplace.errors import TraceError, UnsupportedError
 from torchplace.models import MLP, ResidualCNN
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -208,3 +208,40 @@ def test_cuda_and_cpu_training_gives_the_unsplit_gradients(monkeypatch):
     _reference_step(reference, inputs, target, loss_fn, 4)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-4, msg=name)  # CUDA rounds differently
+
+
+class StopsAGradientInABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():  # a scale the model does not differentiate through
+            s = h.abs().sum(1, keepdim=True)
+        return self.b(h / (1 + s))
+
+
+class HooksAGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        return self.b(h)
+
+
+@pytest.mark.parametrize(("model_type", "trace_method"), [
+    (StopsAGradientInABlock, "fx"), (StopsAGradientInABlock, "export"),
+    (HooksAGradient, "export"),  # fx cannot branch on requires_grad
+])
+def test_a_forward_that_changes_what_autograd_records_is_refused_for_training(model_type, trace_method):
+    """The trace keeps the operators, not a no_grad block or a hook: the placed model's gradients
+    were silently the ones through the block (1e-2 off)."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"gradient of 'a\.(weight|bias)' differs from the model's .* \.detach\(\)"):
+        torchplace.place(model_type(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training", microbatches=2,
+                         trace_method=trace_method, progress=False, allow_single_device=False, warmup=0, repeats=1)

@@ -22,6 +22,7 @@ from torchplace.arguments import check_model, example_call, leaf_types, try_exam
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.batchdim import joined_outputs
+from torchplace.profiling.gradcheck import check_gradients
 from torchplace.errors import InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
@@ -430,6 +431,8 @@ def prepare(
         with torch.no_grad():
             traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
                            training=training, dynamic_dims=dynamic_dims)
+        if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
+            check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs)
     except BaseException as error:
         try:
             if isinstance(error, Exception) and not shapes_only and not called:

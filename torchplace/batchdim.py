@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import MicrobatchError
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import StateSnapshot
-from torchplace.runtime.microbatch import batch_size
+from torchplace.runtime.microbatch import batch_size, last_rows
 
 __all__ = ["check_split", "joined_outputs", "reads_batch"]
 
@@ -74,7 +74,7 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
     outputs = None
     for one in dict.fromkeys((1, rows)):
         try:
-            outputs = [_run(gm, flat(*_last_rows(args, kwargs, batch, n))) for n in (2 * one, one)]
+            outputs = [_run(gm, flat(*last_rows(args, kwargs, batch, n))) for n in (2 * one, one)]
             break
         except Exception:  # noqa: BLE001 - a model that needs more rows (or fails on any split)
             continue
@@ -99,14 +99,6 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
         _check_output(what, both, single, one, values=values and not random)
         joined.append(True)
     return tuple(joined)
-
-
-def _last_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch: int, n: int) -> tuple[Any, Any]:
-    """``(args, kwargs)`` with every batched tensor cut to its last ``n`` rows."""
-    def cut(leaf: Any) -> Any:
-        return leaf[batch - n:] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch else leaf
-
-    return pytree.tree_map(cut, (tuple(args), dict(kwargs)))
 
 
 def joined_outputs(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],

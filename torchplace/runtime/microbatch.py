@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["batch_size", "gather", "scatter"]
+__all__ = ["batch_size", "gather", "last_rows", "scatter"]
 
 
 def _batch_size(leaves: Sequence[Any]) -> int | None:
@@ -82,6 +82,15 @@ def scatter(
         microbatches = batch
     columns = [_split_leaf(leaf, microbatches) for leaf in leaves]
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(microbatches)]
+
+
+def last_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch: int, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with every batched tensor (``batch`` rows in dim 0) cut to its last ``n``
+    rows (views), the other leaves as they are."""
+    def cut(leaf: Any) -> Any:
+        return leaf[batch - n:] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch else leaf
+
+    return tree_map(cut, (tuple(args), dict(kwargs)))
 
 
 def _split_leaf(leaf: Any, chunks: int) -> Sequence[Any]:
