@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace.errors import TraceError, UnsupportedError
+from torchplace import costmodel
+from torchplace.errors import InfeasibleError, TraceError, UnsupportedError
 from torchplace.models import MLP, ResidualCNN
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -245,3 +246,24 @@ def test_a_forward_that_changes_what_autograd_records_is_refused_for_training(mo
     with pytest.raises(TraceError, match=r"gradient of 'a\.(weight|bias)' differs from the model's .* \.detach\(\)"):
         torchplace.place(model_type(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training", microbatches=2,
                          trace_method=trace_method, progress=False, allow_single_device=False, warmup=0, repeats=1)
+
+
+def _dropout_layers(p: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(p)) for _ in range(8)])
+
+
+def test_a_model_that_draws_random_numbers_is_planned_without_recomputation():
+    """The runtime refuses to recompute a stage with dropout (it would draw other masks); the plan
+    recomputed it anyway where memory was short, and place() failed after solving. Now the cap
+    that makes the dropout-free model recompute is a clear InfeasibleError for the model with it."""
+    options = dict(progress=False, warmup=0, repeats=1, time_limit=2, allow_single_device=False, mode="training",
+                   microbatches=8, schedule="gpipe")
+    x = torch.randn(1024, 32)
+    base = torchplace.place(_dropout_layers(0.0), ["cpu:0", "cpu:1"], (x,), recompute=False, **options)
+    cap = int(0.5 * max(costmodel.device_memory(base.problem, base.plan.stages).values()))
+    caps = {"cpu:0": cap, "cpu:1": cap}
+    recomputing = torchplace.place(_dropout_layers(0.0), ["cpu:0", "cpu:1"], (x,), max_memory=caps, **options)
+    assert any(s.recompute for s in recomputing.plan.stages)
+    with pytest.raises(InfeasibleError, match="Recomputation was not tried: the model draws random numbers"):
+        torchplace.place(_dropout_layers(0.1), ["cpu:0", "cpu:1"], (x,), max_memory=caps, **options)

@@ -19,11 +19,11 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
+from torchplace.batchdim import joined_outputs
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
-from torchplace.batchdim import joined_outputs
-from torchplace.profiling.gradcheck import check_gradients
-from torchplace.errors import InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
+from torchplace.errors import InfeasibleError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
+from torchplace.fxutil import draws_random_numbers
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
@@ -33,6 +33,7 @@ from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
 from torchplace.profiling.dynamic import DynamicDims
 from torchplace.profiling.effects import StateSnapshot
+from torchplace.profiling.gradcheck import check_gradients
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
 from torchplace.profiling.links import with_measured_host_links
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
@@ -482,8 +483,9 @@ def prepare(
     # Inference: the memory model charges activations per micro-batch (for "auto", the largest one).
     split = microbatches if isinstance(microbatches, int) else 1
     pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
-    if training:
-        pipeline = Pipeline(split, schedule, recompute)  # type: ignore[arg-type]
+    random = training and recompute and any(draws_random_numbers(traced.gm, n) for n in traced.gm.graph.nodes)
+    if training:  # a stage that draws random numbers would draw them again, otherwise, when recomputed
+        pipeline = Pipeline(split, schedule, recompute and not random)  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
@@ -491,7 +493,14 @@ def prepare(
     elif len(graph) == 0:
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
     else:
-        solved = _solve(problem, solver, time_limit, fuse)
+        try:
+            solved = _solve(problem, solver, time_limit, fuse)
+        except InfeasibleError as error:
+            if not random:
+                raise
+            raise InfeasibleError(f"{str(error).rstrip('.')}. Recomputation was not tried: the model draws random "
+                                  "numbers (dropout), which a recomputed stage would draw again, differently.",
+                                  error.min_memory_bytes) from error
     m = split
     if len(graph) > 0 and not shapes_only:
         def profile_microbatch(m: int) -> Any:  # the graph's times on one of m micro-batches (None: costs cached)
