@@ -261,9 +261,16 @@ def test_a_model_that_draws_random_numbers_is_planned_without_recomputation():
                    microbatches=8, schedule="gpipe")
     x = torch.randn(1024, 32)
     base = torchplace.place(_dropout_layers(0.0), ["cpu:0", "cpu:1"], (x,), recompute=False, **options)
-    cap = int(0.5 * max(costmodel.device_memory(base.problem, base.plan.stages).values()))
-    caps = {"cpu:0": cap, "cpu:1": cap}
-    recomputing = torchplace.place(_dropout_layers(0.0), ["cpu:0", "cpu:1"], (x,), max_memory=caps, **options)
-    assert any(s.recompute for s in recomputing.plan.stages)
+    whole = sum(costmodel.device_memory(base.problem, base.plan.stages).values())
+    for share in (0.5, 0.45, 0.4, 0.35):  # a cap the dropout-free model fits only by recomputing
+        caps = {"cpu:0": int(share * whole), "cpu:1": int(share * whole)}
+        try:
+            recomputing = torchplace.place(_dropout_layers(0.0), ["cpu:0", "cpu:1"], (x,), max_memory=caps, **options)
+        except InfeasibleError:
+            continue
+        if any(s.recompute for s in recomputing.plan.stages):
+            break
+    else:
+        pytest.fail("no cap made the dropout-free model recompute")
     with pytest.raises(InfeasibleError, match="Recomputation was not tried: the model draws random numbers"):
         torchplace.place(_dropout_layers(0.1), ["cpu:0", "cpu:1"], (x,), max_memory=caps, **options)
