@@ -8,7 +8,7 @@ from torch import fx, nn
 
 import torchplace
 from torchplace.batchdim import check_split, reads_batch
-from torchplace.errors import MicrobatchError
+from torchplace.errors import MicrobatchError, UsageError
 
 DEVICES = ["cpu:0", "cpu:1"]
 OPTIONS = dict(allow_single_device=False, progress=False, time_limit=2, repeats=1, warmup=0)
@@ -152,3 +152,36 @@ def test_a_model_that_fixes_its_batch_places_unsplit_and_says_why_it_cannot_spli
         assert placed(x).shape == (4, 2, 4)
     with pytest.raises(MicrobatchError, match="does not run on one of 2 micro-batches"):
         torchplace.place(FixedBatch().eval(), DEVICES, (x,), microbatches=2, **OPTIONS)
+
+
+class OneSampleBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[0] == 1:  # torch.export traces the batch as 2 or more and drops this, unguarded
+            h = h * 100
+        return self.b(torch.relu(h))
+
+
+def test_a_model_that_branches_on_a_batch_of_one_never_runs_one():
+    """The trace ran on one sample and computed the other branch, silently: on a call of one
+    sample, and on every micro-batch of one (microbatches=4 of an example of 4)."""
+    torch.manual_seed(0)
+    model, x = OneSampleBranch().eval(), torch.randn(4, 8)
+    with pytest.raises(MicrobatchError, match="micro-batches of the example's 4 samples would hold one each; use "
+                                              "microbatches=2 or fewer"):
+        torchplace.place(model, DEVICES, (x,), microbatches=4, **OPTIONS)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches="auto", **OPTIONS)
+    assert placed.microbatches <= 2
+    with torch.no_grad():
+        assert torch.allclose(placed(x), torch.cat([model(c) for c in x.tensor_split(placed.microbatches)]), atol=1e-6)
+        with pytest.raises(UsageError, match="call it with 2 or more samples"):
+            placed(x[:1])
+        placed.microbatches = 4
+        with pytest.raises(MicrobatchError, match="set placed.microbatches to 2 or fewer"):
+            placed(x)
+    with pytest.raises(UsageError, match="give an example batch of 2 or more"):
+        torchplace.place(model, DEVICES, (x[:1],), objective="latency", **OPTIONS)

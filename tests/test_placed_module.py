@@ -307,24 +307,26 @@ class _CountsEagerCalls(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear, self.calls = nn.Linear(8, 8), 0
+        self.linear, self.calls = nn.Linear(8, 8), []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(x) is torch.Tensor:
-            self.calls += 1
+            self.calls.append(len(x))
         return self.linear(x).relu()
 
 
-def test_place_runs_the_model_eagerly_only_for_the_loss():
+def test_place_runs_the_model_on_the_example_batch_only_for_the_loss():
     """Checking the example call eagerly cost a full forward of every place() (2.7 s of GPT-2
-    small's 16 s): an inference place() does not run the model's own forward now; a training one
-    with a loss runs it once, to measure the loss's memory."""
+    small's 16 s): an inference place() runs the model's own forward on one sample only (whether
+    it branches on a batch of one); a training one also on two (whether the trace differentiates
+    as it does) and, with a loss, once on the example, to measure the loss's memory."""
     model = _CountsEagerCalls()
     torchplace.place(model, DEVICES, torch.randn(4, 8), trace_method="export", **QUICK)
-    assert model.calls == 0
+    assert model.calls == [1]
+    model.calls.clear()
     torchplace.place(model, DEVICES, torch.randn(4, 8), trace_method="export", mode="training",
                      loss_fn=lambda out, target: out.pow(2).mean(), example_target=torch.zeros(4), **QUICK)
-    assert model.calls == 1
+    assert sorted(model.calls) == [1, 2, 4]
 
 
 def test_a_model_left_on_several_devices_is_named_as_the_cause():

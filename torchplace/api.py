@@ -19,11 +19,11 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import joined_outputs
+from torchplace.batchdim import joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import InfeasibleError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
-from torchplace.fxutil import draws_random_numbers
+from torchplace.fxutil import draws_random_numbers, run_graph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
@@ -233,15 +233,16 @@ def place(
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
-    joined = placement.joined
+    joined, rows = placement.joined, placement.rows
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
-                          joined_outputs=joined)
+                          joined_outputs=joined, min_rows=rows)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
         placed = closing_the_loop(placed, placement.args, placement.kwargs,
                                   solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined))
+                                  build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
+                                                               min_rows=rows))
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
 
@@ -262,6 +263,8 @@ class Placement(NamedTuple):
     joined: tuple[bool, ...] | MicrobatchError | None = None
     """Which outputs the micro-batches of an inference pipeline join, or why they cannot be split
     (:func:`torchplace.batchdim.joined_outputs`)."""
+    rows: int = 1
+    """The fewest samples a call or micro-batch may have (:func:`torchplace.batchdim.rows_needed`)."""
 
     @property
     def example(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -442,6 +445,7 @@ def prepare(
             for m, was in modes.items():  # a refused call leaves the model as it was
                 m.training = was
         raise
+    rows = 1 if shapes_only else _rows_needed(model, traced, args, kwargs, microbatches)
     joined = None  # which outputs an inference pipeline's micro-batches join, or why they cannot be split
     if objective == "throughput" and not training and not shapes_only:
         joined = joined_outputs(traced.gm, traced.flat_inputs, args, kwargs,
@@ -516,11 +520,35 @@ def prepare(
         refused = isinstance(joined, MicrobatchError) and microbatches == "auto"
         decision = callplan.decide(problem, solved, 1 if refused else microbatches, _batch(args, kwargs),
                                    profile_microbatch, overheads=executor_overheads(),
-                                   allow_single_device=allow_single_device, given=given is not None)
+                                   allow_single_device=allow_single_device, given=given is not None,
+                                   most=None if rows == 1 else max(1, (_batch(args, kwargs) or 1) // rows))
         solved, m = decision.plan, decision.microbatches
         if refused and "call" in solved.meta:
             solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
-    return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined)
+    return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined,
+                     rows)
+
+
+def _rows_needed(model: nn.Module, traced: Traced, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 microbatches: int | str) -> int:
+    """:func:`torchplace.batchdim.rows_needed`, checked against the example and the micro-batches asked for.
+
+    Raises:
+        UsageError: the example batch is smaller than the trace holds for.
+        MicrobatchError: ``microbatches`` splits the example into micro-batches that small.
+    """
+    rows = rows_needed(model, traced.gm, traced.flat_inputs, args, kwargs)
+    batch = _batch(args, kwargs)
+    if rows == 1 or not batch:
+        return rows
+    why = ("the model computes other outputs for a single sample than its trace does (torch.export traces the batch "
+           "as 2 or more and drops what `if x.shape[0] == 1:` guards)")
+    if batch < rows:
+        raise UsageError(f"{why}: give an example batch of 2 or more samples, and call the placed model with 2 or more")
+    if isinstance(microbatches, int) and batch // min(microbatches, batch) < rows:
+        raise MicrobatchError(f"{why}: {microbatches} micro-batches of the example's {batch} samples would hold one "
+                              f"each; use microbatches={batch // rows} or fewer")
+    return rows
 
 
 def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Mapping[str, Any], m: int,
@@ -534,7 +562,7 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
     snapshot = StateSnapshot(traced.gm)  # a forward that updates buffers (batch norm) leaves them as they were
     try:
         with torch.no_grad():  # forward, not the module's call, which prints every failure's traceback
-            traced.gm.forward(*traced.flat_inputs(args, kwargs))
+            run_graph(traced.gm, traced.flat_inputs(args, kwargs))
     except Exception as error:
         size = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      and t.dim() > 0), None)

@@ -30,11 +30,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import MicrobatchError
-from torchplace.fxutil import draws_random_numbers
+from torchplace.fxutil import draws_random_numbers, run_graph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
-__all__ = ["check_split", "joined_outputs", "reads_batch"]
+__all__ = ["check_split", "joined_outputs", "reads_batch", "rows_needed"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -118,12 +118,59 @@ def joined_outputs(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs:
         return error
 
 
-def _run(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
-    """The graph's output on ``flat`` placeholders, its buffers left as they were."""
-    snapshot = StateSnapshot(gm)
+def rows_needed(model: torch.nn.Module, gm: fx.GraphModule, flat: Any, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> int:
+    """The fewest samples the traced graph computes the model's outputs on: 1, or 2 where the model
+    does something else for a single sample than its trace does. ``torch.export`` traces the batch
+    as 2 or more (it specializes sizes 0 and 1) and drops what ``if x.shape[0] == 1:`` guards,
+    without a guard: the graph then runs on one sample and silently computes the other branch.
+    Checked by running both on the example's last sample (one seed for both, the buffers put back)."""
+    try:
+        batch = batch_size(args, kwargs)
+    except ValueError:
+        return 1
+    if not batch:
+        return 1
+    one_args, one_kwargs = last_rows(args, kwargs, batch, 1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            theirs = pytree.tree_leaves(_run(model, _copies((one_args, one_kwargs)), call=True))
+            torch.manual_seed(0)
+            mine = pytree.tree_leaves(_run(gm, flat(one_args, one_kwargs)))
+    except Exception:  # noqa: BLE001 - a model that does not run on one sample: the micro-batch checks say so
+        return 1
+    if len(theirs) != len(mine):
+        return 2
+    for a, b in zip(theirs, mine):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return 2
+        if not isinstance(a, torch.Tensor):
+            continue
+        a, b = a.detach(), b.detach()  # a parameter the model returns
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return 2
+        if a.is_floating_point():
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            if a.numel() and not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True):
+                return 2
+        elif not torch.equal(a, b):
+            return 2
+    return 1
+
+
+def _copies(call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fresh copies of a call's tensors (a forward may write its inputs)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), (tuple(call[0]), dict(call[1])))
+
+
+def _run(module: torch.nn.Module, inputs: Any, call: bool = False) -> Any:
+    """The graph's output on ``inputs`` (its flat placeholders), or with ``call`` the module's on
+    ``inputs = (args, kwargs)``; its buffers left as they were."""
+    snapshot = StateSnapshot(module)
     try:
         with torch.no_grad():
-            return gm.forward(*flat)
+            return module(*inputs[0], **inputs[1]) if call else run_graph(module, inputs)  # type: ignore[arg-type]
     finally:
         snapshot.restore()
 

@@ -57,21 +57,24 @@ class Decision:
     call: CallPrediction | None
 
 
-def candidates(microbatches: int | str, batch: int | None) -> list[int]:
+def candidates(microbatches: int | str, batch: int | None, most: int | None = None) -> list[int]:
     """The ``m`` to predict: the one asked for (at most the batch, as the executor clamps it), or for
-    ``"auto"`` every divisor of the batch up to :data:`AUTO_MAX_MICROBATCHES` (``[1]`` without a
-    batch dimension)."""
+    ``"auto"`` every divisor of the batch up to :data:`AUTO_MAX_MICROBATCHES` and ``most`` (``[1]``
+    without a batch dimension)."""
     if not batch:  # no batched tensor: one micro-batch whatever is asked
         return [1]
     if microbatches != "auto":
         return [min(int(microbatches), batch)]
-    return [m for m in range(1, min(batch, AUTO_MAX_MICROBATCHES) + 1) if batch % m == 0]
+    top = min(batch, AUTO_MAX_MICROBATCHES, most or batch)
+    return [m for m in range(1, top + 1) if batch % m == 0]
 
 
 def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | None, profiler: Profiler, *,
-           overheads: Overheads, allow_single_device: bool = True, given: bool = False) -> Decision:
+           overheads: Overheads, allow_single_device: bool = True, given: bool = False,
+           most: int | None = None) -> Decision:
     """Predict the plan's call, choose ``m``, and compare with the best single device (see the module
-    docstring). ``given``: the plan was given by the user (it is run as given, never replaced).
+    docstring). ``given``: the plan was given by the user (it is run as given, never replaced);
+    ``most``: the most micro-batches ``"auto"`` tries.
 
     Returns:
         The :class:`Decision`; its plan's ``meta`` holds the prediction and the comparison.
@@ -81,7 +84,7 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
     graphs: dict[int, OpGraph] = {}
     notes: list[str] = []
     predictions = {}
-    for k in candidates(microbatches, batch):
+    for k in candidates(microbatches, batch, most):
         try:
             predictions[k] = _predict(problem, plan.stages, k, profiler, overheads, graphs, notes)
         except MicrobatchError as error:  # asked for: the user's to fix; "auto": not a candidate

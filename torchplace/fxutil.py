@@ -19,6 +19,7 @@ __all__ = [
     "draws_random_numbers",
     "fetch_attr",
     "flat_inputs",
+    "run_graph",
     "is_compute",
     "pin_arguments",
     "pin_devices",
@@ -114,6 +115,13 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
     if copy:
         values = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), values)
     return values
+
+
+def run_graph(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
+    """The output of ``gm`` run on ``flat`` (:func:`flat_inputs`: one value per placeholder) by an
+    :class:`torch.fx.Interpreter`: ``gm.forward`` of an exported graph takes the model's own
+    arguments (keywords included), not its placeholders."""
+    return fx.Interpreter(gm).run(*flat)
 
 
 def is_compute(node: fx.Node) -> bool:

@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from torchplace import batchdim
-from torchplace.errors import StageError, UnsupportedError, UsageError
+from torchplace.errors import MicrobatchError, StageError, UnsupportedError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
 from torchplace.runtime.devices import normalize_device
+from torchplace.runtime.microbatch import batch_size
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
 from torchplace.runtime.training import TrainingExecutor
@@ -81,14 +82,16 @@ class PlacedModule(nn.Module):
         stage_modules: the stage modules, in plan order (they call the model's own submodules).
 
     ``joined_outputs``: which outputs micro-batches join (:func:`torchplace.batchdim.joined_outputs`),
-    or the refusal to raise if the model is run split.
+    or the refusal to raise if the model is run split; ``min_rows``: the fewest samples a call or a
+    micro-batch may have (:func:`torchplace.batchdim.rows_needed`).
     """
 
     def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1,
                  example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 joined_outputs: Sequence[bool] | Exception | None = None) -> None:
+                 joined_outputs: Sequence[bool] | Exception | None = None, min_rows: int = 1) -> None:
         super().__init__()
+        self._min_rows = min_rows
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
@@ -164,6 +167,7 @@ class PlacedModule(nn.Module):
         refusal = self._eval_unsplittable if executor is self._eval else self._unsplittable
         if refusal is not None and self.microbatches > 1 and isinstance(executor, PipelineExecutor):
             raise refusal
+        self._check_rows(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1)
         try:
             if isinstance(executor, LatencyExecutor):
                 return executor.run(args, kwargs)
@@ -202,8 +206,25 @@ class PlacedModule(nn.Module):
         if loss_fn is None:
             raise UsageError("step() needs a loss: pass loss_fn=f (f(output, target) -> scalar tensor), or give it "
                              "to place(..., loss_fn=f)")
+        self._check_rows(args, kwargs, self.microbatches)
         return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                   schedule or self.problem.pipeline.schedule)
+
+    def _check_rows(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int) -> None:
+        """Refuse a call whose batch, or whose micro-batches, hold fewer samples than the trace holds for."""
+        if self._min_rows == 1:
+            return
+        try:
+            batch = batch_size(args, kwargs)
+        except ValueError:
+            return
+        if not batch or batch // min(microbatches, batch) >= self._min_rows:
+            return
+        why = "the model computes other outputs for a single sample than its trace does (it branches on the batch size)"
+        if batch < self._min_rows:
+            raise UsageError(f"{why}: call it with {self._min_rows} or more samples")
+        raise MicrobatchError(f"{why}: {microbatches} micro-batches of {batch} samples would hold one each; set "
+                              f"placed.microbatches to {batch // self._min_rows} or fewer")
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError
+from torchplace.fxutil import run_graph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
@@ -32,7 +33,7 @@ more."""
 _SEED = 20261124
 
 
-def check_gradients(model: nn.Module, gm: nn.Module, flat: Any, args: tuple[Any, ...],
+def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple[Any, ...],
                     kwargs: Mapping[str, Any]) -> None:
     """Refuse a traced graph (``gm``; ``flat(args, kwargs)`` gives fresh values of its
     placeholders) whose parameter gradients differ from ``model``'s on the example's last two
@@ -49,7 +50,7 @@ def check_gradients(model: nn.Module, gm: nn.Module, flat: Any, args: tuple[Any,
     theirs = _gradients(model, params, lambda: model(*_fresh(few_args), **_fresh(few_kwargs)), weights)
     if theirs is None:
         return  # nothing differentiable comes out: the placed model has nothing to differ in
-    mine = _gradients(model, params, lambda: gm(*flat(few_args, few_kwargs)), weights)
+    mine = _gradients(model, params, lambda: run_graph(gm, flat(few_args, few_kwargs)), weights)
     for (name, _), a, b in zip(params, theirs, mine if mine is not None else [None] * len(params)):
         if a is None and b is None:
             continue
