@@ -396,3 +396,21 @@ def test_a_warm_started_maxload_ip_stopped_before_its_first_incumbent_returns_th
     assert plan.objective == pytest.approx(start.objective) and plan.lower_bound <= plan.objective
     with pytest.raises(SolverLimitError, match="stopped"):
         maxload.solve(problem, time_limit=60)
+
+
+def test_a_phase_that_stops_is_reported_against_the_users_time_limit():
+    """Liveness solves in phases, each with a share of the time: the error named the share (0.5 s)
+    that the user never set, where the user had given 2 s."""
+    from torchplace.solvers.liveness import solve_live
+
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", times={"cpu": 1.0}, output_bytes=4))
+    problem = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu", 1 << 20),)))
+
+    def stops(p: Problem, time_limit: float | None = None, **_: object):
+        raise SolverLimitError(f"a solver: no plan within the {time_limit:g} s time limit", time_limit, 0.5)
+
+    with pytest.raises(SolverLimitError, match=r"^no plan within the 2 s time limit: .* had 1 s of it") as caught:
+        solve_live(problem, stops, 2.0)
+    assert caught.value.time_limit == 2.0 and caught.value.bound == 0.5
+    assert limits.in_phases(SolverLimitError("x", 2.0), 2.0, "how").args == ("x",)  # already the user's: kept

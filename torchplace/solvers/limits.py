@@ -26,7 +26,7 @@ import psutil
 
 from torchplace.errors import ModelTooLargeError, SolverLimitError
 
-__all__ = ["MEMORY_BUDGET", "MILP_WAY_OUT", "Budget", "ModelSize"]
+__all__ = ["MEMORY_BUDGET", "MILP_WAY_OUT", "Budget", "ModelSize", "in_phases"]
 
 MEMORY_BUDGET = 3 * 2**30
 """Bytes a solver may add to the process (tables, Pyomo model, HiGHS): with the interpreter and the
@@ -76,6 +76,17 @@ class ModelSize:
 
 
 _PROCESS = psutil.Process()
+
+
+def in_phases(error: SolverLimitError, time_limit: float | None, how: str) -> SolverLimitError:
+    """``error``, from one phase of a solve that splits the user's ``time_limit`` into phases
+    (``how`` says which), restated against that limit: the phase's own share means nothing to
+    the user who set the whole."""
+    if time_limit is None or type(error) is not SolverLimitError or error.time_limit == time_limit:
+        return error
+    phase = f"{error.time_limit:g} s" if error.time_limit is not None else "part"
+    return SolverLimitError(f"no plan within the {time_limit:g} s time limit: {how}, and the phase that stopped had "
+                            f"{phase} of it ({error}); raise time_limit", time_limit, error.bound)
 
 
 def _rss() -> int:

@@ -42,10 +42,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, InvalidPlanError
+from torchplace.errors import InfeasibleError, InvalidPlanError, SolverLimitError
 from torchplace.graph import NodeRecord, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
+from torchplace.solvers.limits import in_phases
 
 __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
@@ -174,7 +175,17 @@ def solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts:
             ``min_memory_bytes`` is then the restriction's: a per-device memory at which a plan
             surely fits (the liveness optimum may need less; the message gives the relaxation's
             smallest memory too, below which nothing fits).
+        SolverLimitError: a phase stopped at its share of ``time_limit`` without a plan (the
+            message names ``time_limit``).
     """
+    try:
+        return _solve_live(problem, solve, time_limit, **opts)
+    except SolverLimitError as e:
+        raise in_phases(e, time_limit, "liveness memory solves a relaxed problem, then reserved or restricted ones, "
+                        "in turn") from e
+
+
+def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
     try:

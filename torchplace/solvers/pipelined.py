@@ -36,6 +36,7 @@ from torchplace.errors import InfeasibleError, SolverLimitError
 from torchplace.graph import NodeRecord
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
+from torchplace.solvers.limits import in_phases
 from torchplace.solvers.paircosts import training_pipeline
 
 __all__ = ["bounding_problem", "conservative", "fit", "relaxed", "solve_pipelined", "training_pipeline"]
@@ -104,11 +105,15 @@ def solve_pipelined(problem: Problem, solve: Solve, time_limit: float | None, **
     Raises:
         InfeasibleError: if the relaxation has no plan (so the problem has none), or if neither
             the relaxation's plan nor the restriction's fits.
+        SolverLimitError: the relaxation found no plan in its half of ``time_limit`` (the
+            message names ``time_limit``).
     """
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
     try:
         first = solve(relaxed(problem), time_limit=share, **opts)
+    except SolverLimitError as e:
+        raise in_phases(e, time_limit, "a training pipeline is solved on a relaxed problem first, in half the time") from e
     except InfeasibleError as e:
         raise InfeasibleError(
             "no split fits the devices' memory for training even with every device holding one micro-batch's "
