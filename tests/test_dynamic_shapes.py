@@ -88,3 +88,21 @@ def test_a_length_the_trace_did_not_allow_is_a_usage_error_naming_the_fix():
 def test_bad_dynamic_dims_are_usage_errors(dims, message):
     with pytest.raises(UsageError, match=message):
         torchplace.place(_gpt2(), ["cpu:0"], example_kwargs=_call(8), dynamic_dims=dims, **QUICK)
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.a(x) * scale
+
+
+def test_a_python_number_the_export_kept_is_a_usage_error_naming_the_fix():
+    """The message told to declare dynamic dimensions, which cannot help a float argument."""
+    x = torch.randn(4, 8)
+    placed = torchplace.place(Scaled(), ["cpu:0", "cpu:1"], (x,), example_kwargs={"scale": 1.5}, trace_method="export",
+                              **{**QUICK, "microbatches": 1})
+    with torch.no_grad(), pytest.raises(UsageError, match=r"scale == 1\.5.*a Python number.*torch\.tensor"):
+        placed(x, scale=3.0)

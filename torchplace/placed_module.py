@@ -415,6 +415,11 @@ def _shape_error(error: StageError) -> UsageError | None:
             f"the placed model was traced for inputs with {guard}, which this call breaks: the model fixes its batch "
             "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
             "size, or take the size from the input (x.view(x.shape[0], ...)) and place it again")
+    if "size()" not in guard and "stride()" not in guard:  # a value: a Python number the export baked in
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
+            "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
+            "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
     return UsageError(
         f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
         f"vary when placing (place(..., dynamic_dims={{'input_ids': [1]}} or dynamic_dims='auto'), keep calls "

@@ -371,7 +371,8 @@ def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
     """Refuse recomputing a stage whose second run would differ from its first."""
     for n in stage.graph.nodes:
         if draws_random_numbers(stage, n):
-            raise UnsupportedError(f"stage {index} draws random numbers ({n.name}: {n.target}), so recomputing its "
+            raise UnsupportedError(f"stage {index} draws random numbers ({n.name}: "
+                                   f"{getattr(n.target, '__name__', n.target)}), so recomputing its "
                                    "activations would not reproduce them: place without recomputation (recompute=False)")
     written = set(stage.writes) & set(getattr(graph_io, "placeholder_names", ()))
     if written:
