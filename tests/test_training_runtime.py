@@ -254,24 +254,29 @@ class ReadsItsAverage(nn.Module):
         return self.b(torch.tanh(h + self.ema))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_recomputed_stage_runs_again_from_the_buffers_its_first_run_found(schedule):
-    """Recomputing a stage that reads the average it updated gives its first run's activations
-    (the gradients were 1e-3 off when it ran from the advanced average), and its output needs no
-    gradient where the model's does not (the buffer took autograd history, and the next step failed)."""
+def _recomputing_steps(model_type: type[nn.Module], second: str, m: int, schedule: str) -> None:
+    """Two steps of ``model_type`` split before ``second``, its first stage recomputed, against the
+    unsplit model on the same micro-batches: equal gradients and averages, no autograd history."""
     torch.manual_seed(0)
-    model = ReadsItsAverage().train()
+    model = model_type().train()
     reference = copy.deepcopy(model)
-    executor = _two_stages(model, "linear_1", recompute=(True, False))  # the statistic is read on cpu:0
+    executor = _two_stages(model, second, recompute=(True, False))
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     for _ in range(2):
         model.zero_grad(), reference.zero_grad()
-        executor.step((x,), {}, y, nn.functional.mse_loss, 2, schedule)
-        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
-            (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+        executor.step((x,), {}, y, nn.functional.mse_loss, m, schedule)
+        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+            (nn.functional.mse_loss(reference(xs), ys) / m).backward()
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
         assert torch.equal(model.ema, reference.ema) and not model.ema.requires_grad
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_recomputed_stage_runs_again_from_the_buffers_its_first_run_found(schedule):
+    """Recomputing a stage that reads the average it updated gives its first run's activations:
+    the gradients were 1e-3 off when it ran from the advanced average."""
+    _recomputing_steps(ReadsItsAverage, "linear_1", 2, schedule)  # the average is updated and read on cpu:0
 
 
 class WritesItsInput(nn.Module):
@@ -327,15 +332,4 @@ class AveragesWhatItIsSent(nn.Module):
 def test_a_recomputed_stage_sends_what_needs_no_gradient_without_one(m):
     """A recomputing stage marked every output as needing a gradient: the average of one took
     autograd history, and the next micro-batch's (or step's) backward ran into a freed graph."""
-    torch.manual_seed(0)
-    model = AveragesWhatItIsSent().train()
-    reference = copy.deepcopy(model)
-    executor = _two_stages(model, "mul_", recompute=(True, False))
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    for _ in range(2):
-        executor.step((x,), {}, y, nn.functional.mse_loss, m, "1f1b")
-        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
-            (nn.functional.mse_loss(reference(xs), ys) / m).backward()
-    assert not model.ema.requires_grad and torch.equal(model.ema, reference.ema)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    _recomputing_steps(AveragesWhatItIsSent, "mul_", m, "1f1b")  # tanh(h.detach()) is sent to cpu:1
