@@ -5,8 +5,8 @@ and joins each output of the micro-batches along dim 0 (:func:`~torchplace.runti
 That gives the model's output only where dim 0 is the batch of every input and output and no
 output mixes the samples of a batch. ``place()`` checks it on the example (:func:`check_split`).
 The property does not depend on how many rows are split off, so the traced graph runs on the
-example's last sample and on its last two (a few milliseconds; on the last micro-batch and twice
-its rows where the model needs more):
+example's last sample and on its last two (on the last micro-batch and twice its rows where the
+model needs more): two small forwards, not the example's.
 
 - an output that reads no batched input (a constant, a parameter, a size other than the batch's)
   is the same on every micro-batch: the placed model returns it once, not ``m`` copies joined;
@@ -44,15 +44,13 @@ beside others that counts as rounding (a different batch size may take other ker
 HALF_TOLERANCE = 5e-2
 
 
-def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], m: int, *,
-                values: bool = True) -> tuple[bool, ...] | None:
+def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                m: int) -> tuple[bool, ...] | None:
     """Check that micro-batches of ``(args, kwargs)`` give the model's outputs (module docstring).
 
     Args:
         gm: the traced graph; ``flat(args, kwargs)`` gives fresh values of its placeholders.
         m: the micro-batches (at least 2 to check anything).
-        values: compare floating-point values too (``False``: dependence and shapes only, for a
-            training graph, whose batch statistics and dropout differ per micro-batch by design).
 
     Returns:
         Per output leaf (``tree_flatten`` order), ``False`` for a tensor that reads no batched input
@@ -96,7 +94,7 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
             joined.append(False)
             continue
         what = f"model output {pytree.keystr(path)}" if path else "the model's output"
-        _check_output(what, both, single, one, values=values and not random)
+        _check_output(what, both, single, one, values=not random)
         joined.append(True)
     return tuple(joined)
 
