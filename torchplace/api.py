@@ -561,7 +561,7 @@ def _check_runs_on_microbatch(traced: Traced, args: tuple[Any, ...], kwargs: Map
     """
     snapshot = StateSnapshot(traced.gm)  # a forward that updates buffers (batch norm) leaves them as they were
     try:
-        with torch.no_grad():  # forward, not the module's call, which prints every failure's traceback
+        with torch.no_grad():  # an Interpreter, not the module's call, which prints every failure's traceback
             run_graph(traced.gm, traced.flat_inputs(args, kwargs))
     except Exception as error:
         size = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
