@@ -7,8 +7,8 @@ import torch
 from torch import fx, nn
 
 import torchplace
-from torchplace.batchdim import check_split, reads_batch
-from torchplace.errors import MicrobatchError, UsageError
+from torchplace.batchdim import Runs, check_split, reads_batch
+from torchplace.errors import MicrobatchError, TraceError, UsageError
 
 DEVICES = ["cpu:0", "cpu:1"]
 OPTIONS = dict(allow_single_device=False, progress=False, time_limit=2, repeats=1, warmup=0)
@@ -131,9 +131,45 @@ def test_an_output_sized_by_the_batch_reads_it_and_one_sized_otherwise_does_not(
 def test_nothing_to_split_is_not_checked() -> None:
     gm = fx.symbolic_trace(BatchMax())
     x = torch.randn(4, 8)
-    assert check_split(gm, lambda a, k: a, (x,), {}, 1) is None  # one micro-batch
-    assert check_split(gm, lambda a, k: a, (x[:1],), {}, 4) is None  # a batch of one
-    assert check_split(gm, lambda a, k: a, (torch.tensor(3.0),), {}, 4) is None  # no batch dimension
+
+    def runs(*args: torch.Tensor) -> Runs:
+        return Runs(None, gm, lambda a, k: a, args, {})
+
+    assert check_split(runs(x), 1) is None  # one micro-batch
+    assert check_split(runs(x[:1]), 4) is None  # a batch of one
+    assert check_split(runs(torch.tensor(3.0)), 4) is None  # no batch dimension
+
+
+class Threshold(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.a(x)
+        return y, y > y.mean(0)  # a bool output that mixes the batch
+
+
+def test_an_integer_output_that_mixes_the_batch_is_refused_too() -> None:
+    """Only floating-point values were compared: the bool output came back with its shape and
+    other values."""
+    torch.manual_seed(0)
+    with pytest.raises(MicrobatchError, match=r"model output \[1\] for the example's last 1 sample alone differs"):
+        torchplace.place(Threshold().eval(), DEVICES, (torch.randn(8, 8),), microbatches=4, **OPTIONS)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_trace_that_differs_from_the_model_on_two_samples_is_refused() -> None:
+    """An encoder with nested tensors and a padding mask takes a fused path its trace does not
+    (zeros at the padded positions): that was blamed on a batch of one and placed with 2 rows."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2).eval()  # enable_nested_tensor=True, the default
+    x, mask = torch.randn(4, 6, 16), torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 4:] = True
+    with pytest.raises(TraceError, match="on one sample and on two.*enable_nested_tensor=False"):
+        torchplace.place(model, DEVICES, (x,), example_kwargs={"src_key_padding_mask": mask}, microbatches=2,
+                         **OPTIONS)
 
 
 class FixedBatch(nn.Module):
@@ -185,3 +221,6 @@ def test_a_model_that_branches_on_a_batch_of_one_never_runs_one():
             placed(x)
     with pytest.raises(UsageError, match="give an example batch of 2 or more"):
         torchplace.place(model, DEVICES, (x[:1],), objective="latency", **OPTIONS)
+    latency = torchplace.place(model, DEVICES, (x,), objective="latency", **OPTIONS)  # splits nothing: placed
+    with torch.no_grad():
+        assert torch.allclose(latency(x), model(x), atol=1e-6)

@@ -511,3 +511,16 @@ def test_the_readme_data_parallel_recipe_runs_as_shown(tmp_path):
         losses[n] = sorted(line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith(f"rank {n - 1}: step"))
     assert len(losses[2]) == 5 and losses[4] == losses[2]  # "step 4: loss 0.004703" on ranks 1 and 3 alike
 
+
+
+def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
+    """A model that branches on a batch of one (placement.rows = 2) was run by the engine on
+    micro-batches of one, computing the other branch."""
+    from torchplace.distributed import DistributedPlaced
+    from torchplace.errors import MicrobatchError
+
+    placed = DistributedPlaced.__new__(DistributedPlaced)  # the check alone, without a process group
+    placed._rows, placed._microbatches = 2, 4
+    placed._check_rows((torch.zeros(8, 3),), {})
+    with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; call it with 8"):
+        placed._check_rows((torch.zeros(4, 3),), {})

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import joined_outputs, rows_needed
+from torchplace.batchdim import Runs, joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import InfeasibleError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
@@ -422,11 +422,13 @@ def prepare(
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     measured_loss = None  # bytes of the training loss on the example outputs (loss_fn given)
-    # The model runs on the example eagerly first only where its output is needed (the loss's
-    # bytes); otherwise only when tracing fails, to say whether the inputs were the cause (a full
-    # forward: 2.7 s of GPT-2 small's place() at one thread). A meta model's Python may branch on
-    # values it does not have, so it is never run (export does not need it to).
+    # The model runs on the whole example eagerly only where its output is needed (the loss's
+    # bytes), or when tracing fails, to say whether the inputs were the cause (a full forward:
+    # 2.7 s of GPT-2 small's place() at one thread). The checks after tracing run it on one or two
+    # samples (batchdim, gradcheck), so its forward hooks fire then. A meta model's Python may
+    # branch on values it does not have, so it is never run (export does not need it to).
     called = False
+    drew = False  # the traced training graph draws random numbers
     try:
         if not shapes_only and training and loss_fn is not None:
             output, called = try_example_call(model, args, kwargs), True
@@ -436,7 +438,8 @@ def prepare(
             traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
                            training=training, dynamic_dims=dynamic_dims)
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
-            check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs)
+            drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
+                                   microbatches if isinstance(microbatches, int) else 1)
     except BaseException as error:
         try:
             if isinstance(error, Exception) and not shapes_only and not called:
@@ -445,11 +448,11 @@ def prepare(
             for m, was in modes.items():  # a refused call leaves the model as it was
                 m.training = was
         raise
-    rows = 1 if shapes_only else _rows_needed(model, traced, args, kwargs, microbatches)
+    runs = None if shapes_only else Runs(model, traced.gm, traced.flat_inputs, args, kwargs)  # shared by the checks
+    rows = 1 if runs is None else _rows_needed(runs, microbatches if objective == "throughput" or training else 1)
     joined = None  # which outputs an inference pipeline's micro-batches join, or why they cannot be split
-    if objective == "throughput" and not training and not shapes_only:
-        joined = joined_outputs(traced.gm, traced.flat_inputs, args, kwargs,
-                                microbatches if isinstance(microbatches, int) else 1)
+    if runs is not None and objective == "throughput" and not training:
+        joined = joined_outputs(runs, microbatches if isinstance(microbatches, int) else 1)
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}
@@ -487,7 +490,8 @@ def prepare(
     # Inference: the memory model charges activations per micro-batch (for "auto", the largest one).
     split = microbatches if isinstance(microbatches, int) else 1
     pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
-    random = training and recompute and any(draws_random_numbers(traced.gm, n) for n in traced.gm.graph.nodes)
+    random = training and recompute and (drew or any(draws_random_numbers(traced.gm, n)
+                                                     for n in traced.gm.graph.nodes))
     if training:  # a stage that draws random numbers would draw them again, otherwise, when recomputed
         pipeline = Pipeline(split, schedule, recompute and not random)  # type: ignore[arg-type]
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
@@ -529,16 +533,16 @@ def prepare(
                      rows)
 
 
-def _rows_needed(model: nn.Module, traced: Traced, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                 microbatches: int | str) -> int:
-    """:func:`torchplace.batchdim.rows_needed`, checked against the example and the micro-batches asked for.
+def _rows_needed(runs: Runs, microbatches: int | str) -> int:
+    """:func:`torchplace.batchdim.rows_needed`, checked against the example and the micro-batches
+    asked for (1 for a latency placement, which splits nothing).
 
     Raises:
         UsageError: the example batch is smaller than the trace holds for.
         MicrobatchError: ``microbatches`` splits the example into micro-batches that small.
+        TraceError: the trace differs from the model on two samples as well.
     """
-    rows = rows_needed(model, traced.gm, traced.flat_inputs, args, kwargs)
-    batch = _batch(args, kwargs)
+    rows, batch = rows_needed(runs), runs.batch
     if rows == 1 or not batch:
         return rows
     why = ("the model computes other outputs for a single sample than its trace does (torch.export traces the batch "
@@ -546,8 +550,9 @@ def _rows_needed(model: nn.Module, traced: Traced, args: tuple[Any, ...], kwargs
     if batch < rows:
         raise UsageError(f"{why}: give an example batch of 2 or more samples, and call the placed model with 2 or more")
     if isinstance(microbatches, int) and batch // min(microbatches, batch) < rows:
+        fewer = f"microbatches={batch // rows} or fewer" if batch // rows > 1 else "microbatches=1"
         raise MicrobatchError(f"{why}: {microbatches} micro-batches of the example's {batch} samples would hold one "
-                              f"each; use microbatches={batch // rows} or fewer")
+                              f"each; use {fewer}")
     return rows
 
 

@@ -29,12 +29,12 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from torchplace.errors import MicrobatchError
+from torchplace.errors import MicrobatchError, TraceError
 from torchplace.fxutil import draws_random_numbers, run_graph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
-__all__ = ["check_split", "joined_outputs", "reads_batch", "rows_needed"]
+__all__ = ["Runs", "check_split", "joined_outputs", "reads_batch", "rows_needed"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -44,12 +44,56 @@ beside others that counts as rounding (a different batch size may take other ker
 HALF_TOLERANCE = 5e-2
 
 
-def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                m: int) -> tuple[bool, ...] | None:
-    """Check that micro-batches of ``(args, kwargs)`` give the model's outputs (module docstring).
+class Runs:
+    """The traced graph's (and the model's) outputs on the example's last ``n`` samples, each run
+    once (the checks share them); one random seed for every run, the buffers put back.
 
     Args:
+        model: the model (``None``: only the graph runs).
         gm: the traced graph; ``flat(args, kwargs)`` gives fresh values of its placeholders.
+    """
+
+    def __init__(self, model: torch.nn.Module | None, gm: fx.GraphModule, flat: Any, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> None:
+        self.model, self.gm, self.flat, self.args, self.kwargs = model, gm, flat, tuple(args), dict(kwargs)
+        try:
+            self.batch = batch_size(args, kwargs)
+        except ValueError:
+            self.batch = None
+        self._outputs: dict[tuple[bool, int], Any] = {}
+
+    def graph(self, n: int) -> Any:
+        """The graph's output on the last ``n`` samples (raises what the graph raises)."""
+        return self._get(False, n)
+
+    def eager(self, n: int) -> Any:
+        """The model's own output on the last ``n`` samples."""
+        return self._get(True, n)
+
+    def _get(self, eager: bool, n: int) -> Any:
+        key = (eager, n)
+        if key not in self._outputs:
+            call = last_rows(self.args, self.kwargs, self.batch, n) if self.batch else (self.args, self.kwargs)
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    if eager:
+                        self._outputs[key] = _run(self.model, _copies(call), call=True)  # type: ignore[arg-type]
+                    else:
+                        self._outputs[key] = _run(self.gm, self.flat(*call))
+            except Exception as error:  # noqa: BLE001 - kept, to raise again on the next ask
+                self._outputs[key] = error
+        out = self._outputs[key]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
+    """Check that micro-batches of the example give the model's outputs (module docstring).
+
+    Args:
+        runs: the graph's runs on the example (:class:`Runs`).
         m: the micro-batches (at least 2 to check anything).
 
     Returns:
@@ -62,17 +106,14 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
     Raises:
         MicrobatchError: an output that micro-batches cannot reproduce (see the module docstring).
     """
-    try:
-        batch = batch_size(args, kwargs)
-    except ValueError:
-        return None
+    batch, gm = runs.batch, runs.gm
     if batch is None or batch < 2 or m < 2:
         return None
     rows = batch // min(m, batch)  # the executor's smallest micro-batch
     outputs = None
     for one in dict.fromkeys((1, rows)):
         try:
-            outputs = [_run(gm, flat(*last_rows(args, kwargs, batch, n))) for n in (2 * one, one)]
+            outputs = [runs.graph(2 * one), runs.graph(one)]
             break
         except Exception:  # noqa: BLE001 - a model that needs more rows (or fails on any split)
             continue
@@ -83,7 +124,7 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
     if len(pair) != len(alone):
         raise MicrobatchError(f"the model's output has {len(pair)} parts on {2 * one} samples and {len(alone)} on "
                               f"{one}: its structure depends on the batch; place it with microbatches=1")
-    reads = reads_batch(gm, flat(args, kwargs), batch, len(pair))
+    reads = reads_batch(gm, runs.flat(runs.args, runs.kwargs), batch, len(pair))
     random = any(draws_random_numbers(gm, n) for n in gm.graph.nodes)
     joined = []
     for (path, both), single, read in zip(pair, alone, reads):
@@ -99,8 +140,7 @@ def check_split(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Ma
     return tuple(joined)
 
 
-def joined_outputs(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                   m: int) -> tuple[bool, ...] | MicrobatchError | None:
+def joined_outputs(runs: Runs, m: int) -> tuple[bool, ...] | MicrobatchError | None:
     """:func:`check_split` for a pipeline that runs ``m`` micro-batches, or two where it runs one
     (its ``microbatches`` may be raised later): then a refusal is returned, not raised, for the
     placed model to raise if it is run split.
@@ -109,52 +149,70 @@ def joined_outputs(gm: fx.GraphModule, flat: Any, args: tuple[Any, ...], kwargs:
         MicrobatchError: micro-batches cannot reproduce an output, and ``m > 1``.
     """
     try:
-        return check_split(gm, flat, args, kwargs, max(m, 2))
+        return check_split(runs, max(m, 2))
     except MicrobatchError as error:
         if m > 1:
             raise
         return error
 
 
-def rows_needed(model: torch.nn.Module, gm: fx.GraphModule, flat: Any, args: tuple[Any, ...],
-                kwargs: Mapping[str, Any]) -> int:
+def rows_needed(runs: Runs) -> int:
     """The fewest samples the traced graph computes the model's outputs on: 1, or 2 where the model
     does something else for a single sample than its trace does. ``torch.export`` traces the batch
     as 2 or more (it specializes sizes 0 and 1) and drops what ``if x.shape[0] == 1:`` guards,
     without a guard: the graph then runs on one sample and silently computes the other branch.
-    Checked by running both on the example's last sample (one seed for both, the buffers put back)."""
-    try:
-        batch = batch_size(args, kwargs)
-    except ValueError:
+    Checked by running both on the example's last sample, and where they differ, on its last two.
+
+    Raises:
+        TraceError: they differ on two samples too: the trace is not the model, whatever the batch.
+    """
+    if not runs.batch:
         return 1
-    if not batch:
-        return 1
-    one_args, one_kwargs = last_rows(args, kwargs, batch, 1)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            theirs = pytree.tree_leaves(_run(model, _copies((one_args, one_kwargs)), call=True))
-            torch.manual_seed(0)
-            mine = pytree.tree_leaves(_run(gm, flat(one_args, one_kwargs)))
+        differs = _difference(runs.eager(1), runs.graph(1))
     except Exception:  # noqa: BLE001 - a model that does not run on one sample: the micro-batch checks say so
         return 1
-    if len(theirs) != len(mine):
+    if differs is None:
+        return 1
+    if runs.batch < 2:
         return 2
-    for a, b in zip(theirs, mine):
+    try:
+        still = _difference(runs.eager(2), runs.graph(2))
+    except Exception:  # noqa: BLE001
+        return 2
+    if still is not None:
+        raise TraceError(
+            f"the traced model's output differs from the model's ({still}), on one sample and on two: the model runs "
+            "code its trace does not (a fused fast path: nn.TransformerEncoder's nested tensors with a padding mask "
+            "take one, so build it with enable_nested_tensor=False or call "
+            "torch.backends.mha.set_fastpath_enabled(False); or Python that branches on tensor values); placing it "
+            "would change its outputs")
+    return 2
+
+
+def _difference(theirs: Any, mine: Any) -> str | None:
+    """Where two outputs differ beyond rounding (a phrase), or ``None``."""
+    a_leaves, b_leaves = pytree.tree_leaves(theirs), pytree.tree_leaves(mine)
+    if len(a_leaves) != len(b_leaves):
+        return f"{len(b_leaves)} parts where the model has {len(a_leaves)}"
+    for i, (a, b) in enumerate(zip(a_leaves, b_leaves)):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            return 2
+            return f"part {i} is {type(b).__name__} where the model's is {type(a).__name__}"
         if not isinstance(a, torch.Tensor):
             continue
         a, b = a.detach(), b.detach()  # a parameter the model returns
         if a.shape != b.shape or a.dtype != b.dtype:
-            return 2
+            return f"part {i} is {tuple(b.shape)} {b.dtype} where the model's is {tuple(a.shape)} {a.dtype}"
+        if not a.numel():
+            continue
         if a.is_floating_point():
-            scale = float(a.abs().max()) if a.numel() else 0.0
-            if a.numel() and not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True):
-                return 2
+            scale = max(float(a.abs().max()), 1.0)
+            tolerance = 1e-4 if a.dtype in TOLERANCE else HALF_TOLERANCE
+            if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * 1e-2 * scale, equal_nan=True):
+                return f"part {i} by {float((a.double() - b.double()).abs().max()):.3g}"
         elif not torch.equal(a, b):
-            return 2
-    return 1
+            return f"part {i} in {int((a != b).sum())} elements"
+    return None
 
 
 def _copies(call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -184,7 +242,13 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
         raise MicrobatchError(f"{what} has shape {tuple(both.shape)} for {2 * rows} samples and {tuple(single.shape)} "
                               f"for {rows}: its dim 0 is not the batch, so micro-batches cannot be joined into it; "
                               f"{advice}, or return the batch first")
-    if not values or not both.is_floating_point() or both.numel() == 0 or single.dtype != both.dtype:
+    if not values or both.numel() == 0 or single.dtype != both.dtype:
+        return
+    if not both.is_floating_point():  # exact: nothing to round
+        if not torch.equal(both[single.shape[0]:], single):
+            raise MicrobatchError(
+                f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
+                f"rows computed beside {rows} more: the model mixes the samples of a batch; {advice}")
         return
     tail = both[single.shape[0]:].to(torch.float64)
     scale = float(tail.abs().max()) or 1.0

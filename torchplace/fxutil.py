@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,24 +228,36 @@ def _dtype_view(node: fx.Node) -> bool:
     return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) or isinstance(node.kwargs.get("dtype"), torch.dtype)
 
 
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "exponential", "geometric",
-           "cauchy", "log_normal", "uniform_")
+_RANDOM = frozenset({"dropout", "bernoulli", "rand", "randn", "randint", "randperm", "random", "normal", "multinomial",
+                     "poisson", "exponential", "geometric", "cauchy", "uniform", "rrelu"})
+"""Words of operator names that draw random numbers (``native_dropout``, ``randn_like``,
+``normal_``, ``log_normal``; not ``normalize``)."""
 
 
 def draws_random_numbers(module: nn.Module, n: fx.Node) -> bool:
-    """Whether fx node ``n`` of ``module`` (its GraphModule, or a stage of it) draws random numbers
-    (a dropout with ``p = 0`` or in eval mode does not)."""
+    """Whether fx node ``n`` of ``module`` (its GraphModule, or a stage of it) draws random numbers:
+    a random operator (a dropout with ``p = 0`` or in eval mode, an attention with ``dropout_p =
+    0`` do not), or a leaf module holding a dropout in training mode. What a leaf module's Python
+    calls itself is not seen here (``torchplace.profiling.gradcheck`` runs the graph to see it)."""
     if n.op not in ("call_function", "call_method", "call_module"):
         return False
     if n.op == "call_module":
         sub = module.get_submodule(str(n.target))
-        name = type(sub).__name__.lower()
-        if "dropout" in name:
-            return bool(sub.training and getattr(sub, "p", 1.0) > 0)
-    else:
-        name = str(n.target).lower()
-        if "dropout" in name:
-            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
-            return not (isinstance(p, (int, float)) and p == 0) and train is not False
-    return any(r in name for r in _RANDOM)
+        return any(_random_module(m) for m in sub.modules())
+    name = str(getattr(n.target, "__name__", n.target)).lower()
+    words = set(re.split(r"[^a-z]+", name))
+    if "dropout" in words:
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
+        return not (isinstance(p, (int, float)) and p == 0) and train is not False
+    if "scaled_dot_product" in name or "attention" in words:
+        p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return not words.isdisjoint(_RANDOM)
+
+
+def _random_module(m: nn.Module) -> bool:
+    name = type(m).__name__.lower()
+    if "dropout" in name or "rrelu" in name:
+        return bool(m.training and getattr(m, "p", getattr(m, "lower", 1.0)) != 0)
+    return False

@@ -243,7 +243,8 @@ class PlacedModule(nn.Module):
             stages = split_stages(other.gm, stage_of, len(self._stages), other.effects)
             params = StageParameters(stages, [normalize_device(d) for d in self._torch_devices], self._workers,
                                      self._isolate, homes=self._executor.stage_params)
-            joined = batchdim.joined_outputs(other.gm, other.flat_inputs, args, dict(kwargs), self.microbatches)
+            joined = batchdim.joined_outputs(batchdim.Runs(None, other.gm, other.flat_inputs, args, kwargs),
+                                             self.microbatches)
             self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
                                           isolate=self._isolate, stage_params=params, stage_threads=self._threads,
                                           joined_outputs=None if isinstance(joined, Exception) else joined)

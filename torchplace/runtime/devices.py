@@ -70,17 +70,37 @@ def copy_to(tensor: torch.Tensor, device: torch.device, non_blocking: bool = Fal
     ``Tensor.to`` and ``clone`` give a view with gaps (``x[:, :-1]``) contiguous strides and any
     view a fresh, aligned start. A kernel reading such a copy may take another path than on the
     original and round differently: measured on the CPU, a Linear on ``x[:, :-1]`` and on its
-    contiguous copy differ by 1.2e-7. The copy's storage spans the view's extent (its gaps
-    included), at most the original's. A tensor whose elements overlap (an ``expand``) is copied
-    by ``Tensor.to``, as one that is not strided.
+    contiguous copy differ by 1.2e-7. The copy keeps the gaps only where they are at most
+    :data:`GAPS` of its elements (a view that picks a few rows of a large tensor, ``x[:, 0]`` of
+    BERT's hidden states, would carry 448 times its bytes): otherwise it is dense, its dimensions
+    in the original's order. A tensor whose elements overlap (an ``expand``) is copied by
+    ``Tensor.to``, as one that is not strided.
     """
     if tensor.layout != torch.strided or tensor.numel() == 0 or _overlaps(tensor):
         return tensor.to(device, non_blocking=non_blocking, copy=True)
     item = tensor.element_size()
     shift = tensor.storage_offset() * item % ALIGNMENT // item
-    extent = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride()))
+    strides = tensor.stride()
+    extent = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, strides))
+    if extent > (1 + GAPS) * tensor.numel():
+        strides, extent = _dense_strides(tensor), tensor.numel()
     storage = torch.empty(shift + extent, dtype=tensor.dtype, device=device)
-    return storage.as_strided(tensor.shape, tensor.stride(), shift).copy_(tensor, non_blocking=non_blocking)
+    return storage.as_strided(tensor.shape, strides, shift).copy_(tensor, non_blocking=non_blocking)
+
+
+GAPS = 1.0
+"""The most a copy of a view keeps of its gaps, as a share of its elements (:func:`copy_to`)."""
+
+
+def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``tensor``'s shape whose dimensions lie in memory in the order
+    ``tensor``'s do (the largest stride outermost)."""
+    order = sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), d))  # innermost first
+    strides, step = [0] * tensor.dim(), 1
+    for d in order:
+        strides[d] = step
+        step *= tensor.shape[d]
+    return tuple(strides)
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:
