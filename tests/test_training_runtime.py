@@ -240,13 +240,17 @@ def _two_stages(model: nn.Module, second: str, **options) -> TrainingExecutor:
                             ["cpu:0", "cpu:1"], GraphIO(traced.gm), isolate=True, **options)
 
 
-class ReadsItsAverage(nn.Module):
-    """Updates a running average of its activations and reads it in the same forward."""
+class _Averaging(nn.Module):
+    """Two layers and a running average of an activation (a buffer the forward writes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
         self.register_buffer("ema", torch.zeros(8))
+
+
+class ReadsItsAverage(_Averaging):
+    """Updates a running average of its activations and reads it in the same forward."""
 
     def forward(self, x):
         h = self.a(x)
@@ -315,11 +319,8 @@ def test_a_step_gives_the_inputs_that_require_grad_their_gradient(m):
     torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
 
 
-class AveragesWhatItIsSent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-        self.register_buffer("ema", torch.zeros(8))
+class AveragesWhatItIsSent(_Averaging):
+    """Averages a value the next device gets, which needs no gradient there."""
 
     def forward(self, x):
         h = self.a(x)
