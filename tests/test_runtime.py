@@ -597,3 +597,28 @@ def test_a_copy_of_a_sparse_view_is_dense():
     assert copy.untyped_storage().nbytes() <= (original.numel() + ALIGNMENT // 4) * 4
     columns = torch.randn(16, 64)[:, :2].t()  # dense in the transposed order: kept so
     assert copy_to(columns, torch.device("cpu")).stride() == (1, 2)
+
+
+class ChunkOfAStridedSlice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(2).eval()
+        self.bn.running_mean.uniform_(-1, 1)
+        self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        half = x[:, ::2].chunk(2, dim=-1)  # a view 3.6 times its elements wide
+        return self.bn(half[0]) * 2
+
+
+def test_a_view_with_a_few_gaps_keeps_its_layout_on_another_device():
+    """Found by fuzzing: BatchNorm read the dense copy of a chunk of a strided slice with other
+    rounding (2.4e-7) than the view itself."""
+    torch.manual_seed(0)
+    model, x = ChunkOfAStridedSlice().eval(), torch.randn(4, 4, 8)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in compute_nodes(gm.graph)]
+    stage_of = {name: int(i >= names.index("bn")) for i, name in enumerate(names)}
+    executor = PipelineExecutor(split_stages(gm, stage_of, 2), ["cpu", "cpu"], WORKERS[:2], GraphIO(gm), isolate=True)
+    with torch.no_grad():
+        assert torch.equal(run_guarded(partial(executor.run, (x,), {}, 1)), model(x))
