@@ -363,3 +363,26 @@ def test_random_operators_are_found_by_word_and_by_argument():
     assert found == {"scaled_dot_product_attention", "rrelu", "randn_like", "block"}
     model.eval()
     assert not draws_random_numbers(gm, next(n for n in gm.graph.nodes if n.name == "block"))
+
+
+class WritesInANoGradBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = torch.exp(self.a(x))  # exp keeps its output for backward, where the block is lost
+            s.mul_(0.5)
+        return self.b(x) * s.sum(1, keepdim=True)
+
+
+def test_a_trace_that_fails_backward_where_the_model_does_not_is_refused():
+    """Found by fuzzing: the lost block made the trace's backward fail (an in-place write on a
+    saved tensor); the check took that for a model needing more samples, and the placed model
+    raised a RuntimeError on its first backward."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match="fails forward or backward where the model does not"):
+        torchplace.place(WritesInANoGradBlock(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training",
+                         microbatches=2, trace_method="export", progress=False, allow_single_device=False, warmup=0,
+                         repeats=1)

@@ -62,9 +62,17 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple
         weights: list[torch.Tensor | None] = []  # one random projection of the outputs, for both runs
         try:
             theirs, _ = _gradients(model, params, lambda: model(*_fresh(few_args), **_fresh(few_kwargs)), weights)
-            mine, draws = _gradients(model, params, lambda: run_graph(gm, flat(few_args, few_kwargs)), weights)
         except Exception:  # noqa: BLE001 - a model that needs more samples: try more
             continue
+        try:
+            mine, draws = _gradients(model, params, lambda: run_graph(gm, flat(few_args, few_kwargs)), weights)
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise TraceError(
+                f"the traced model fails forward or backward where the model does not ({type(error).__name__}: "
+                f"{first}): its forward changes what autograd records (a torch.no_grad() block around an in-place "
+                "write, a hook), which a trace does not keep. Use .detach() where the forward stops a gradient, or "
+                "place the model for inference") from error
         break
     else:
         return False  # it runs on none of them here: the micro-batch checks say why
