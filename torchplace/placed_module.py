@@ -116,9 +116,10 @@ class PlacedModule(nn.Module):
             self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                              isolate=self._isolate, stage_threads=self._threads)
         else:
+            refused = isinstance(joined_outputs, Exception)
             self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                               isolate=self._isolate, stage_threads=self._threads,
-                                              joined_outputs=None if isinstance(joined_outputs, Exception) else joined_outputs)
+                                              joined_outputs=None if refused else joined_outputs)
         self._unsplittable = joined_outputs if isinstance(joined_outputs, Exception) else None
         self._eval_unsplittable: Exception | None = None
         if self._for_training:
@@ -223,8 +224,9 @@ class PlacedModule(nn.Module):
         why = "the model computes other outputs for a single sample than its trace does (it branches on the batch size)"
         if batch < self._min_rows:
             raise UsageError(f"{why}: call it with {self._min_rows} or more samples")
+        most = batch // self._min_rows
         raise MicrobatchError(f"{why}: {microbatches} micro-batches of {batch} samples would hold one each; set "
-                              f"placed.microbatches to {batch // self._min_rows} or fewer")
+                              f"placed.microbatches to {most}{' or fewer' if most > 1 else ''}")
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph

@@ -84,11 +84,13 @@ def scatter(
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(microbatches)]
 
 
-def last_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch: int, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def last_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch: int,
+              n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with every batched tensor (``batch`` rows in dim 0) cut to its last ``n``
     rows (views), the other leaves as they are."""
     def cut(leaf: Any) -> Any:
-        return leaf[batch - n:] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch else leaf
+        batched = isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch
+        return leaf[batch - n:] if batched else leaf
 
     return tree_map(cut, (tuple(args), dict(kwargs)))
 
@@ -122,7 +124,8 @@ def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
     if any(other != spec for _, other in flats[1:]):
         raise ValueError("micro-batch outputs differ in structure; use microbatches=1")
     if joined is not None and len(joined) != len(flats[0][0]):
-        raise ValueError(f"the output has {len(flats[0][0])} parts where the example's had {len(joined)}; use microbatches=1")
+        raise ValueError(f"the output has {len(flats[0][0])} parts where the example's had {len(joined)}; "
+                         "use microbatches=1")
     columns = zip(*(leaves for leaves, _ in flats))
     return tree_unflatten([_gather_leaf(i, list(col)) if joined is None or joined[i] else col[0]
                            for i, col in enumerate(columns)], spec)

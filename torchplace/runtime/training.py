@@ -372,8 +372,8 @@ def _check_recomputable(stage: StageModule, index: int, graph_io: Any) -> None:
     for n in stage.graph.nodes:
         if draws_random_numbers(stage, n):
             raise UnsupportedError(f"stage {index} draws random numbers ({n.name}: "
-                                   f"{getattr(n.target, '__name__', n.target)}), so recomputing its "
-                                   "activations would not reproduce them: place without recomputation (recompute=False)")
+                                   f"{getattr(n.target, '__name__', n.target)}), so recomputing its activations "
+                                   "would not reproduce them: place without recomputation (recompute=False)")
     written = set(stage.writes) & set(getattr(graph_io, "placeholder_names", ()))
     if written:
         raise UnsupportedError(f"stage {index} writes the model input {sorted(written)[0]!r} in place, which a second run "

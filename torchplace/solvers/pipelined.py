@@ -113,7 +113,8 @@ def solve_pipelined(problem: Problem, solve: Solve, time_limit: float | None, **
     try:
         first = solve(relaxed(problem), time_limit=share, **opts)
     except SolverLimitError as e:
-        raise in_phases(e, time_limit, "a training pipeline is solved on a relaxed problem first, in half the time") from e
+        raise in_phases(e, time_limit, "a training pipeline is solved on a relaxed problem first, in half the "
+                        "time") from e
     except InfeasibleError as e:
         raise InfeasibleError(
             "no split fits the devices' memory for training even with every device holding one micro-batch's "
