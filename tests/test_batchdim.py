@@ -207,8 +207,8 @@ def test_a_model_that_branches_on_a_batch_of_one_never_runs_one():
     sample, and on every micro-batch of one (microbatches=4 of an example of 4)."""
     torch.manual_seed(0)
     model, x = OneSampleBranch().eval(), torch.randn(4, 8)
-    with pytest.raises(MicrobatchError, match="micro-batches of the example's 4 samples would hold one each; use "
-                                              "microbatches=2 or fewer"):
+    with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set microbatches "
+                                              "to 2 or fewer"):
         torchplace.place(model, DEVICES, (x,), microbatches=4, **OPTIONS)
     placed = torchplace.place(model, DEVICES, (x,), microbatches="auto", **OPTIONS)
     assert placed.microbatches <= 2
@@ -219,7 +219,7 @@ def test_a_model_that_branches_on_a_batch_of_one_never_runs_one():
         placed.microbatches = 4
         with pytest.raises(MicrobatchError, match="set placed.microbatches to 2 or fewer"):
             placed(x)
-    with pytest.raises(UsageError, match="give an example batch of 2 or more"):
+    with pytest.raises(UsageError, match="place it with an example of 2 or more"):
         torchplace.place(model, DEVICES, (x[:1],), objective="latency", **OPTIONS)
     latency = torchplace.place(model, DEVICES, (x,), objective="latency", **OPTIONS)  # splits nothing: placed
     with torch.no_grad():

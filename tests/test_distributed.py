@@ -519,8 +519,13 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
     from torchplace.distributed import DistributedPlaced
     from torchplace.errors import MicrobatchError
 
-    placed = DistributedPlaced.__new__(DistributedPlaced)  # the check alone, without a process group
-    placed._rows, placed._microbatches = 2, 4
-    placed._check_rows((torch.zeros(8, 3),), {})
-    with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; call it with 8"):
-        placed._check_rows((torch.zeros(4, 3),), {})
+    class Engine:  # the rank's engine, without a process group
+        def run(self, *args, **kwargs):
+            return "ran"
+
+    placed = DistributedPlaced.__new__(DistributedPlaced)
+    placed._rows, placed._microbatches, placed.pipeline = 2, 4, Engine()
+    assert placed.run(torch.zeros(8, 3)) == "ran"
+    with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
+                                              "placed.microbatches to 2 or fewer"):
+        placed.run(torch.zeros(4, 3))

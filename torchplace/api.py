@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import Runs, joined_outputs, rows_needed
+from torchplace.batchdim import Runs, check_rows, joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import InfeasibleError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
@@ -542,17 +542,8 @@ def _rows_needed(runs: Runs, microbatches: int | str) -> int:
         MicrobatchError: ``microbatches`` splits the example into micro-batches that small.
         TraceError: the trace differs from the model on two samples as well.
     """
-    rows, batch = rows_needed(runs), runs.batch
-    if rows == 1 or not batch:
-        return rows
-    why = ("the model computes other outputs for a single sample than its trace does (torch.export traces the batch "
-           "as 2 or more and drops what `if x.shape[0] == 1:` guards)")
-    if batch < rows:
-        raise UsageError(f"{why}: give an example batch of 2 or more samples, and call the placed model with 2 or more")
-    if isinstance(microbatches, int) and batch // min(microbatches, batch) < rows:
-        fewer = f"microbatches={batch // rows} or fewer" if batch // rows > 1 else "microbatches=1"
-        raise MicrobatchError(f"{why}: {microbatches} micro-batches of the example's {batch} samples would hold one "
-                              f"each; use {fewer}")
+    rows = rows_needed(runs)
+    check_rows(runs.args, runs.kwargs, microbatches if isinstance(microbatches, int) else 1, rows, fix="microbatches")
     return rows
 
 

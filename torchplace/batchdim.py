@@ -29,12 +29,12 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from torchplace.errors import MicrobatchError, TraceError
-from torchplace.fxutil import draws_random_numbers, run_graph
+from torchplace.errors import MicrobatchError, TraceError, UsageError
+from torchplace.fxutil import draws_random_numbers, flat_inputs, run_graph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
-__all__ = ["Runs", "check_split", "joined_outputs", "reads_batch", "rows_needed"]
+__all__ = ["Runs", "check_rows", "check_split", "joined_outputs", "reads_batch", "rows_needed"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -124,7 +124,7 @@ def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
     if len(pair) != len(alone):
         raise MicrobatchError(f"the model's output has {len(pair)} parts on {2 * one} samples and {len(alone)} on "
                               f"{one}: its structure depends on the batch; place it with microbatches=1")
-    reads = reads_batch(gm, runs.flat(runs.args, runs.kwargs), batch, len(pair))
+    reads = reads_batch(gm, flat_inputs(gm, runs.args, runs.kwargs), batch, len(pair))  # no copies: shapes only
     random = any(draws_random_numbers(gm, n) for n in gm.graph.nodes)
     joined = []
     for (path, both), single, read in zip(pair, alone, reads):
@@ -188,6 +188,32 @@ def rows_needed(runs: Runs) -> int:
             "torch.backends.mha.set_fastpath_enabled(False); or Python that branches on tensor values); placing it "
             "would change its outputs")
     return 2
+
+
+def check_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int, rows: int, *,
+               fix: str = "placed.microbatches") -> None:
+    """Refuse a call (or the example, ``fix="microbatches"``) whose batch, or whose micro-batches,
+    hold fewer than ``rows`` samples (:func:`rows_needed`).
+
+    Raises:
+        UsageError: the batch is smaller than ``rows``.
+        MicrobatchError: the micro-batches are.
+    """
+    if rows == 1:
+        return
+    try:
+        batch = batch_size(args, kwargs)
+    except ValueError:
+        return
+    if not batch or batch // min(microbatches, batch) >= rows:
+        return
+    why = ("the model computes other outputs for a single sample than its trace does (torch.export traces the batch "
+           "as 2 or more and drops what `if x.shape[0] == 1:` guards)")
+    if batch < rows:
+        raise UsageError(f"{why}: call it with {rows} or more samples (and place it with an example of {rows} or more)")
+    most = batch // rows
+    raise MicrobatchError(f"{why}: {microbatches} micro-batches of {batch} samples would hold one each; set {fix} "
+                          f"to {most}{' or fewer' if most > 1 else ''}")
 
 
 def _difference(theirs: Any, mine: Any) -> str | None:

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from torchplace.devices import Cluster, Device
-from torchplace.errors import DistributedError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
+from torchplace.batchdim import check_rows
+from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import Plan
-from torchplace.runtime.microbatch import batch_size
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
 
@@ -372,7 +372,7 @@ class DistributedPlaced:
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for this batch on the last rank; ``None`` on the others (see
         :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
-        self._check_rows(args, kwargs)
+        check_rows(args, kwargs, self._microbatches, self._rows)
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
@@ -380,23 +380,8 @@ class DistributedPlaced:
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
         """One training step of the batch; the losses of its micro-batches on the last rank."""
-        self._check_rows(args, kwargs)
+        check_rows(args, kwargs, self._microbatches, self._rows)
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
-
-    def _check_rows(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Refuse micro-batches of fewer samples than the trace holds for (``placement.rows``:
-        the model branches on a batch of one, :func:`torchplace.batchdim.rows_needed`)."""
-        if self._rows == 1:
-            return
-        try:
-            batch = batch_size(args, kwargs)
-        except ValueError:
-            return
-        if batch and batch // self._microbatches < self._rows:
-            raise MicrobatchError(f"the model computes other outputs for a single sample than its trace does (it "
-                                  f"branches on the batch size): {self._microbatches} micro-batches of {batch} "
-                                  f"samples would hold one each; call it with {self._rows * self._microbatches} or "
-                                  "more samples")
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (the model's own objects): build this rank's optimizer on them."""

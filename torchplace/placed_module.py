@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 from torchplace import batchdim
-from torchplace.errors import MicrobatchError, StageError, UnsupportedError, UsageError
+from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
 from torchplace.runtime.devices import normalize_device
-from torchplace.runtime.microbatch import batch_size
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
 from torchplace.runtime.training import TrainingExecutor
@@ -116,12 +115,9 @@ class PlacedModule(nn.Module):
             self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                              isolate=self._isolate, stage_threads=self._threads)
         else:
-            refused = isinstance(joined_outputs, Exception)
             self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
                                               isolate=self._isolate, stage_threads=self._threads,
-                                              joined_outputs=None if refused else joined_outputs)
-        self._unsplittable = joined_outputs if isinstance(joined_outputs, Exception) else None
-        self._eval_unsplittable: Exception | None = None
+                                              joined_outputs=joined_outputs)
         if self._for_training:
             recomputing = {s.device for s in plan.stages if s.recompute}
             self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
@@ -165,10 +161,8 @@ class PlacedModule(nn.Module):
                 "model for training (mode='training')"
             )
         executor = self._eval_executor() if self._for_training and training == {False} else self._executor
-        refusal = self._eval_unsplittable if executor is self._eval else self._unsplittable
-        if refusal is not None and self.microbatches > 1 and isinstance(executor, PipelineExecutor):
-            raise refusal
-        self._check_rows(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1)
+        batchdim.check_rows(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1,
+                            self._min_rows)
         try:
             if isinstance(executor, LatencyExecutor):
                 return executor.run(args, kwargs)
@@ -207,26 +201,9 @@ class PlacedModule(nn.Module):
         if loss_fn is None:
             raise UsageError("step() needs a loss: pass loss_fn=f (f(output, target) -> scalar tensor), or give it "
                              "to place(..., loss_fn=f)")
-        self._check_rows(args, kwargs, self.microbatches)
+        batchdim.check_rows(args, kwargs, self.microbatches, self._min_rows)
         return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                   schedule or self.problem.pipeline.schedule)
-
-    def _check_rows(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int) -> None:
-        """Refuse a call whose batch, or whose micro-batches, hold fewer samples than the trace holds for."""
-        if self._min_rows == 1:
-            return
-        try:
-            batch = batch_size(args, kwargs)
-        except ValueError:
-            return
-        if not batch or batch // min(microbatches, batch) >= self._min_rows:
-            return
-        why = "the model computes other outputs for a single sample than its trace does (it branches on the batch size)"
-        if batch < self._min_rows:
-            raise UsageError(f"{why}: call it with {self._min_rows} or more samples")
-        most = batch // self._min_rows
-        raise MicrobatchError(f"{why}: {microbatches} micro-batches of {batch} samples would hold one each; set "
-                              f"placed.microbatches to {most}{' or fewer' if most > 1 else ''}")
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph
@@ -249,8 +226,7 @@ class PlacedModule(nn.Module):
                                              self.microbatches)
             self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
                                           isolate=self._isolate, stage_params=params, stage_threads=self._threads,
-                                          joined_outputs=None if isinstance(joined, Exception) else joined)
-            self._eval_unsplittable = joined if isinstance(joined, Exception) else None
+                                          joined_outputs=joined)
         return self._eval
 
     # -- seeing the plan and the runs (torchplace.report) ---------------------------------------------

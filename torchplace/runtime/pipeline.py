@@ -163,7 +163,8 @@ class PipelineExecutor:
             the process's setting), applied in the worker's thread.
         joined_outputs: per output leaf, whether micro-batches' outputs are joined along dim 0
             (``False``: the first's is the call's; :func:`torchplace.batchdim.check_split`);
-            ``None``: every tensor leaf is joined.
+            ``None``: every tensor leaf is joined; an exception: why they cannot be, raised by a
+            call split into several micro-batches.
 
     Raises:
         ValueError: if the per-stage lists differ in length or ``queue_size < 1``.
@@ -185,7 +186,7 @@ class PipelineExecutor:
         isolate: bool = False,
         stage_params: StageParameters | None = None,
         stage_threads: Sequence[int | None] | None = None,
-        joined_outputs: Sequence[bool] | None = None,
+        joined_outputs: Sequence[bool] | Exception | None = None,
     ) -> None:
         _check_arguments(stages, stage_devices, stage_workers, queue_size)
         self.joined_outputs = joined_outputs
@@ -234,6 +235,8 @@ class PipelineExecutor:
         with self._lock:  # runs take turns: they share the stages and their replicas
             self.stage_params.refresh()
             chunks = scatter(args, kwargs, microbatches)
+            if isinstance(self.joined_outputs, Exception) and len(chunks) > 1:
+                raise self.joined_outputs
             state = self._start_state(chunks)
             orders = worker_orders(len(chunks), [worker for worker, _ in self._segments])
             threads = [self._threads.submit(worker, self._work, state, worker, order)
@@ -246,7 +249,7 @@ class PipelineExecutor:
                     thread.join(timeout=_JOIN_S)
                 self.last_trace = list(state.trace)
                 self.last_spans = list(state.spans)
-            return gather(outputs, self.joined_outputs)
+            return gather(outputs, None if isinstance(self.joined_outputs, Exception) else self.joined_outputs)
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""
