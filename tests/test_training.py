@@ -336,6 +336,25 @@ def test_the_gradient_check_sees_random_numbers_a_leaf_hides():
         assert check_gradients(model, gm, lambda a, k: flat_inputs(gm, a, k, copy=True), (x,), {}) is draws
 
 
+@pytest.mark.parametrize("p, recompute, why", [(0.5, True, "draws random numbers"),
+                                                  (0.0, False, "called with recompute=False")])
+def test_a_given_plan_that_recomputes_where_it_may_not_is_refused_with_the_reason(p, recompute, why):
+    """The refusal named only ``Problem.pipeline.recompute``, not the dropout a leaf hides nor
+    the caller's recompute=False."""
+    import dataclasses
+
+    from torchplace.errors import InvalidPlanError
+
+    x = torch.randn(8, 8)
+    options = dict(mode="training", progress=False, warmup=0, repeats=1, time_limit=2, allow_single_device=False,
+                   leaf_modules=[HidesItsDropout])
+    model = nn.Sequential(nn.Linear(8, 8), HidesItsDropout(p), nn.Linear(8, 4))
+    plan = torchplace.place(copy.deepcopy(model), ["cpu:0", "cpu:1"], (x,), recompute=False, **options).plan
+    recomputing = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=True) for s in plan.stages))
+    with pytest.raises(InvalidPlanError, match=f"given plan recomputes activations on cpu:0, cpu:1, but .*{why}"):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), plan=recomputing, recompute=recompute, **options)
+
+
 def test_random_operators_are_found_by_word_and_by_argument():
     import torch.nn.functional as F
     from torch import fx

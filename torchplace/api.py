@@ -497,6 +497,7 @@ def prepare(
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
+        _check_given_recomputation(given, problem, random)
         solved = _replan(problem, given)
     elif len(graph) == 0:
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
@@ -635,6 +636,18 @@ def _load_plan(plan: Plan | str | Path) -> Plan:
 
 REPLAN_BOUND_SECONDS = 1.0
 """How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
+
+
+def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:
+    """Refuse a given plan that recomputes where this placement may not, saying why."""
+    recomputing = sorted({s.device for s in plan.stages if s.recompute})
+    if not recomputing or (problem.pipeline is not None and problem.pipeline.recompute):
+        return
+    why = ("the model draws random numbers (dropout), which a recomputed stage would draw again, differently"
+           if random else "place() was called with recompute=False" if problem.mode == "training"
+           else "the model is placed for inference, which keeps no activations to recompute")
+    raise InvalidPlanError(f"the given plan recomputes activations on {', '.join(recomputing)}, but {why}: "
+                           "give a plan without recomputation (one made with recompute=False), or let place() solve")
 
 
 def _replan(problem: Problem, plan: Plan) -> Plan:
