@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -166,9 +167,56 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+    elif scenario in ("gpt2", "gpt2-train"):  # a torch.export graph whose stages read the batch size as a number
+        placed = _gpt2(scenario == "gpt2-train", result, opts)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     placed.close()
+
+
+def _gpt2(training: bool, result: dict, opts: dict) -> Any:
+    """A small GPT-2 (no dropout): its outputs, or its parameters after 3 SGD steps, beside one process's."""
+    import torchplace.distributed as tpd
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).train(training)
+    ids, labels = torch.randint(0, 64, (8, 12)), torch.randint(0, 64, (8, 12))
+    m = opts["microbatches"]
+    opts = {**opts, "leaf_modules": [], "plan": None, "contiguous": True}
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+    if not training:
+        expected = torch.cat([model(input_ids=c).logits for c in ids.tensor_split(m)]).detach()
+        placed = tpd.place(model, (), example_kwargs={"input_ids": ids}, **opts)
+        result["numbers"] = sorted({r.name for s in placed.pipeline.slots for r in s.numbers})
+        got = placed.run(input_ids=ids)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got["logits"], expected))
+        return placed
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        sum(loss_fn(reference(input_ids=c), t) / m for c, t in zip(ids.tensor_split(m), labels.tensor_split(m))).backward()
+        opt.step()
+    placed = tpd.place(model, (), example_kwargs={"input_ids": ids}, mode="training", **opts)
+    result["numbers"] = sorted({r.name for s in placed.pipeline.slots for r in s.numbers})
+    opt = torch.optim.SGD(placed.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        placed.step(input_ids=ids, target=labels, loss_fn=loss_fn)
+        opt.step()
+    expected = dict(reference.named_parameters())
+    mine = [n for n, p in model.named_parameters() if any(p is q for q in placed.parameters())]
+    result["params"], result["all"] = sorted(mine), sorted(expected)
+    result["max_diff"] = max((float((p - expected[n]).abs().max()) for n, p in model.named_parameters() if n in mine),
+                             default=0.0)
+    return placed
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

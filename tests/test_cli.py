@@ -141,3 +141,20 @@ def test_bad_device_counts_are_one_line_errors(capsys, workloads_dir, argv, mess
     assert main(["solve", BERT24, "--method", "dp", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("torchplace: error:") and message in err and err.count("\n") == 1
+
+
+def test_run_compares_every_output_of_a_model_output_object_with_the_joined_micro_batches():
+    """`torchplace run` on GPT-2 failed after running: its output is a model-output object, and the
+    check called `out.tensor_split`."""
+    import torch
+
+    from torchplace.cli import _equals_joined
+
+    logits, hidden = torch.randn(4, 3), torch.randn(4, 2)
+    parts = [{"logits": logits[:2], "hidden": hidden[:2]}, {"logits": logits[2:], "hidden": hidden[2:]}]
+    assert _equals_joined({"logits": logits, "hidden": hidden}, parts)
+    assert _equals_joined(logits, [logits[:1], logits[1:]])
+    changed = hidden.clone()
+    changed[3, 1] += 1e-6
+    assert not _equals_joined({"logits": logits, "hidden": changed}, parts)
+    assert not _equals_joined({"logits": logits}, parts)  # an output missing

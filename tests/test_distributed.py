@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
@@ -108,6 +109,69 @@ def test_a_non_tensor_value_crossing_a_boundary_is_refused_by_name():
     slot = EngineSlot(0, 0, (), ("n",), ("n",))
     with pytest.raises(UnsupportedError, match="value 'n' leaves engine stage 0 but is a int"):
         EngineStage(slot, [])(3)
+
+
+class ReadsItsBatch(nn.Module):
+    """Its later operators read the batch size ``n`` and ``2 * n``, Python numbers of the exported
+    graph; ``expand`` reads ``n`` beside a tensor without a batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 12), nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        h = torch.tanh(self.a(x))
+        return self.b(h).reshape(n * 2, 6) + self.b.bias.new_ones(n * 2, 1), self.a(x).sum(0).expand(n, 12)
+
+
+def _engine_stages_split_before(second: str):
+    """ReadsItsBatch exported as place() traces it, split into two engine stages before compute
+    node ``second``: the stages, the GraphIO, the slots and each value's example."""
+    from torchplace.profiling import trace
+    from torchplace.runtime import GraphIO
+    from torchplace.runtime.split import compute_nodes
+
+    traced = trace(ReadsItsBatch().eval(), (torch.randn(4, 8),), {}, method="export")
+    names = [n.name for n in compute_nodes(traced.gm.graph)]
+    stages = split_stages(traced.gm, {n: int(i >= names.index(second)) for i, n in enumerate(names)}, 2)
+    io = GraphIO(traced.gm)
+    slots = live_values(engine_layout([0, 1], 2), stages, io.placeholder_names, io.output_names,
+                        [n.name for n in traced.gm.graph.nodes])
+    return traced.model, stages, io, slots, {n.name: n.meta.get("val") for n in traced.gm.graph.nodes}
+
+
+@pytest.mark.parametrize("second, numbers", [("linear_1", {"sym_size_int_1"}),
+                                             ("reshape", {"sym_size_int_1", "mul"})])
+def test_a_python_number_crossing_engine_stages_is_computed_from_the_tensors_received(second, numbers):
+    """GPT-2 stopped with `value 'sym_size_int_2' leaves engine stage 0 but is a int`: the engine
+    sends only tensors. The reader now computes the number (``n``, ``2 * n``) from the sizes it
+    receives, at each call: a batch of 6 through a trace of 4 too."""
+    from torchplace.runtime.distributed import computed_numbers
+
+    torch.manual_seed(0)
+    model, stages, io, slots, examples = _engine_stages_split_before(second)
+    assert numbers <= set(slots[0].outputs)  # what the engine could not send
+    slots = computed_numbers(slots, stages, examples)
+    assert numbers.isdisjoint(slots[0].outputs + slots[1].inputs)
+    assert {r.name for r in slots[1].numbers} == numbers
+    for batch in (4, 6):
+        flat = inputs = (torch.randn(batch, 8),)
+        with torch.no_grad():
+            for slot in slots:
+                flat = EngineStage(slot, [stages[p] for p in slot.pieces])(*flat)
+            got, expected = io(dict(zip(slots[-1].outputs, flat))), model(*inputs)
+        assert len(got) == 2 and all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_python_number_no_received_tensor_determines_is_refused_by_name():
+    """Split before ``expand``: its stage receives the column sums, of shape (12,), and ``n``,
+    which no size it receives holds."""
+    from torchplace.runtime.distributed import computed_numbers
+
+    _, stages, _, slots, examples = _engine_stages_split_before("expand")
+    with pytest.raises(UnsupportedError, match="value 'sym_size_int_1' .* is read by engine stage 1.* no tensor"):
+        computed_numbers(slots, stages, examples)
 
 
 # -- launch errors, before any communication --------------------------------------------------------
@@ -433,6 +497,22 @@ def test_three_ranks_inference_and_training(tmp_path):
     ranks = launch("infer,train", 3, tmp_path)
     _check(ranks, "0:infer", 3)
     _check(ranks, "1:train", 3)
+
+
+def test_gpt2_runs_and_trains_on_two_ranks(tmp_path):
+    """GPT-2's later stages read the batch size, which the engine cannot send (it stopped with
+    UnsupportedError); they compute it from the hidden states they receive. Outputs bitwise,
+    parameters after 3 SGD steps within 1e-6 of one process's."""
+    pytest.importorskip("transformers")
+    ranks = launch("gpt2,gpt2-train", 2, tmp_path, timeout_s=120)
+    for key in ("0:gpt2", "1:gpt2-train"):
+        for _, results, err in ranks:
+            assert key in results and "error" not in results[key], (results.get(key), err[-3000:])
+        assert any(r[1][key]["numbers"] for r in ranks), "no number crossed: the test no longer tests anything"
+    assert [r[1]["0:gpt2"].get("equal") for r in ranks] == [None, True]  # on the last rank
+    assert all(r[1]["1:gpt2-train"]["max_diff"] < 1e-6 for r in ranks)
+    held = {n for r in ranks for n in r[1]["1:gpt2-train"]["params"]}
+    assert held == set(ranks[0][1]["1:gpt2-train"]["all"])  # every parameter stepped on some rank
 
 
 @pytest.mark.slow

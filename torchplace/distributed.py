@@ -363,7 +363,8 @@ class DistributedPlaced:
             stages, [index[s.device] for s in run], GraphIO(traced.gm), [n.name for n in traced.gm.graph.nodes],
             rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
-            replicas=replicas, tensor_group=tensor_group)
+            replicas=replicas, tensor_group=tensor_group,
+            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
         self.is_last = self.pipeline.is_last
         self._rows, self._microbatches = placement.rows, placement.microbatches
         if state_dict is not None:

@@ -46,6 +46,7 @@ from torch import nn
 
 from torchplace.errors import UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import Activity
+from torchplace.runtime.dist_numbers import NumberRule, is_number, number_rule
 from torchplace.runtime.dist_replicas import Replicas
 from torchplace.runtime.params import _slots, move_in_place
 from torchplace.runtime.split import StageModule
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedPipeline",
     "EngineSlot",
     "EngineStage",
+    "computed_numbers",
     "engine_layout",
     "live_values",
 ]
@@ -84,6 +86,8 @@ class EngineSlot:
         pieces: indices of the torchplace stages it runs, in order; empty for a pass-through.
         inputs: names of the values it receives, in the order of its forward's arguments.
         outputs: names of the values it sends on (for the last one, the values the model output reads).
+        numbers: Python numbers its pieces read that it neither makes nor receives: computed from
+            the sizes of the tensors it receives (:func:`computed_numbers`).
     """
 
     index: int
@@ -91,6 +95,7 @@ class EngineSlot:
     pieces: tuple[int, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    numbers: tuple[NumberRule, ...] = ()
 
 
 def engine_layout(stage_ranks: Sequence[int], world: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -163,6 +168,36 @@ def live_values(
     return slots
 
 
+def computed_numbers(slots: Sequence[EngineSlot], stages: Sequence[StageModule],
+                     examples: Mapping[str, Any]) -> list[EngineSlot]:
+    """``slots`` with the Python numbers that cross between them computed by their readers.
+
+    A number (``examples[name]``, a node's ``meta["val"]``, is a symbolic or plain ``int``,
+    ``float`` or ``bool``) leaves no engine stage but the last; each engine stage computes the
+    numbers its pieces read, and that it does not make itself, from the sizes of the tensors it
+    receives (:mod:`torchplace.runtime.dist_numbers`). The first stage receives the model inputs
+    as they are.
+
+    Raises:
+        UnsupportedError: a number no received tensor's shape determines (before any communication).
+    """
+    numbers = {n for n, v in examples.items() if is_number(v)}
+    out = []
+    for k, slot in enumerate(slots):
+        last = k == len(slots) - 1
+        inputs = slot.inputs if k == 0 else tuple(n for n in slot.inputs if n not in numbers)
+        outputs = slot.outputs if last else tuple(n for n in slot.outputs if n not in numbers)
+        have, needed = set(inputs), []
+        for piece in slot.pieces:
+            needed += [n for n in stages[piece].inputs if n in numbers and n not in have and n not in needed]
+            have.update(stages[piece].outputs)
+        if last:
+            needed += [n for n in outputs if n in numbers and n not in have and n not in needed]
+        rules = tuple(number_rule(n, examples[n], inputs, examples, slot.index) for n in needed)
+        out.append(EngineSlot(slot.index, slot.rank, slot.pieces, inputs, outputs, rules))
+    return out
+
+
 def _crossing(made: Mapping[str, int], last: Mapping[str, int], k: int, rank: Mapping[str, int]) -> tuple[str, ...]:
     """The values made before engine stage ``k`` and read at or after it, in graph order."""
     return tuple(sorted((n for n, at in made.items() if at < k <= last.get(n, -1)), key=rank.__getitem__))
@@ -191,6 +226,7 @@ class EngineStage(nn.Module):
         if self._activity is not None and not self._activity.now.startswith(f"stage {slot.index} "):
             self._activity.set(slot.index, "forward")  # the engine's first call infers shapes outside its chunks
         env = dict(zip(slot.inputs, flat))
+        env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
             env.update(zip(piece.outputs, outputs))
@@ -261,16 +297,21 @@ class DistributedPipeline:
             ``rank``, ``world`` and ``group`` are those of this rank's own pipeline.
         tensor_group: the process group of the ranks that run this rank's stages together, tensor
             parallel (:mod:`torchplace.runtime.dist_tensor`); ``None``: this rank alone.
+        examples: each value's trace-time example by name (``node.meta["val"]``): the Python numbers
+            among them are computed by the engine stages that read them (:func:`computed_numbers`);
+            without them, a number that crosses engine stages is refused when it is sent.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
-            rank only), or ``schedule`` is not one the engine offers for this layout.
+            rank only), ``schedule`` is not one the engine offers for this layout, or a Python
+            number crosses engine stages and no tensor its reader receives determines it.
     """
 
     def __init__(self, stages: Sequence[StageModule], stage_ranks: Sequence[int], graph_io: Any,
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
                  schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
-                 replicas: Replicas | None = None, tensor_group: Any = None) -> None:
+                 replicas: Replicas | None = None, tensor_group: Any = None,
+                 examples: Mapping[str, Any] | None = None) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -282,8 +323,9 @@ class DistributedPipeline:
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
         self.replicas = replicas
-        self.slots = live_values(engine_layout(stage_ranks, world), stages, graph_io.placeholder_names,
-                                 graph_io.output_names, order)
+        self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
+                                                  graph_io.placeholder_names, graph_io.output_names, order),
+                                      stages, examples or {})
         self.activity = faults.activity if faults is not None else Activity()
         self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity)
                         for s in self.slots if s.rank == rank]
@@ -449,7 +491,7 @@ class DistributedPipeline:
         except (ValueError, RuntimeError) as e:
             raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
-                                   f"micro-batches: {e}; pick another schedule or micro-batch count") from e
+                                   f"micro-batches: {str(e).rstrip('.')}; pick another schedule or micro-batch count") from e
 
     def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
         """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
