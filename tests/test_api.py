@@ -242,3 +242,22 @@ def test_a_transformers_model_with_its_kv_cache_on_gets_the_real_fix():
                               repeats=1, warmup=0)  # the fix the message names
     with torch.no_grad():
         assert torch.equal(placed(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_attention_that_takes_the_fast_path_under_no_grad_is_named_in_a_warning(monkeypatch):
+    """Under no_grad an eval nn.MultiheadAttention runs a fused kernel no trace holds: the placed
+    model differed from `with torch.no_grad(): model(x)` by 7e-7, and nothing said so."""
+    from torchplace.errors import PlacementWarning
+
+    model, inputs = build("transformer", batch=4)
+    torch.backends.mha.set_fastpath_enabled(True)
+    with torch.no_grad():
+        fast = model(*inputs)
+    with pytest.warns(PlacementWarning, match=r"layers.0.self_attn.*set_fastpath_enabled\(False\)"):
+        placed = torchplace.place(model, ["cpu:0", "cpu:1"], inputs, microbatches=1, progress=False,
+                                  allow_single_device=False, warmup=0, repeats=1, time_limit=2)
+    with torch.no_grad():
+        out = placed(*inputs)
+        torch.testing.assert_close(out, fast)  # to float rounding ...
+        torch.backends.mha.set_fastpath_enabled(False)
+        assert torch.equal(out, model(*inputs))  # ... and bitwise on the ordinary path

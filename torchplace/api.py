@@ -22,7 +22,14 @@ from torchplace.arguments import check_model, example_call, leaf_types, try_exam
 from torchplace.batchdim import Runs, check_rows, joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
-from torchplace.errors import InfeasibleError, InvalidPlanError, MicrobatchError, UnsupportedError, UsageError
+from torchplace.errors import (
+    InfeasibleError,
+    InvalidPlanError,
+    MicrobatchError,
+    PlacementWarning,
+    UnsupportedError,
+    UsageError,
+)
 from torchplace.fxutil import draws_random_numbers, run_graph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
@@ -448,6 +455,8 @@ def prepare(
             for m, was in modes.items():  # a refused call leaves the model as it was
                 m.training = was
         raise
+    if not training:
+        _warn_of_fast_path(model)
     runs = None if shapes_only else Runs(model, traced.gm, traced.flat_inputs, args, kwargs)  # shared by the checks
     rows = 1 if runs is None else _rows_needed(runs, microbatches if objective == "throughput" or training else 1)
     joined = None  # which outputs an inference pipeline's micro-batches join, or why they cannot be split
@@ -636,6 +645,23 @@ def _load_plan(plan: Plan | str | Path) -> Plan:
 
 REPLAN_BOUND_SECONDS = 1.0
 """How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
+
+
+def _warn_of_fast_path(model: nn.Module) -> None:
+    """Warn that ``model``'s attention takes PyTorch's fused fast path under ``no_grad``, which no
+    trace captures: the placed model then equals it to float rounding, not bitwise."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return
+    names = [name or type(model).__name__ for name, m in model.named_modules()
+             if isinstance(m, nn.MultiheadAttention) and m.batch_first]
+    if names:
+        import warnings
+
+        warnings.warn(f"{len(names)} nn.MultiheadAttention module(s) with batch_first=True ({names[0]}, ...) take "
+                      "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
+                      "contain: there the placed model equals the model to float rounding, not bitwise. Call "
+                      "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too",
+                      PlacementWarning, stacklevel=4)
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:
