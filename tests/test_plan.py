@@ -55,6 +55,12 @@ def test_validate_rejects(stages, message):
         plan.validate(_problem())
 
 
+def test_building_a_plan_on_devices_the_cluster_lacks_is_refused_with_the_fix():
+    """A plan file reused with fewer devices failed with a bare KeyError from the cost model."""
+    with pytest.raises(InvalidPlanError, match=r"stages on 'gpu9', which is not among the devices.*plan's devices"):
+        Plan.build(_problem(), [Stage("gpu9", ("a", "b", "c"))], solver="test", seconds=0.0, lower_bound=0.0)
+
+
 def test_validate_rejects_memory_overflow():
     plan = Plan([Stage("acc0", ("a", "b", "c"))], 0.0, 0.0, "test", 0.0)
     with pytest.raises(InvalidPlanError, match="needs 12 bytes but has 10"):

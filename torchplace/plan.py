@@ -92,6 +92,11 @@ class Plan:
                 An invalid plan raises InvalidPlanError whatever its bound: a plan on a device
                 too small for it may well beat a true bound.
         """
+        names = [d.name for d in problem.cluster.devices]
+        unknown = sorted({s.device for s in stages} - set(names))
+        if unknown:  # before the cost model, which looks each device up
+            raise InvalidPlanError(f"the plan places stages on {', '.join(map(repr, unknown))}, which is not among the "
+                                   f"devices {names}: place on the plan's devices, or solve anew without the plan")
         objective, costs = costmodel.evaluate_stages(problem, stages)
         plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs, dict(meta or {}))
         plan.validate(problem)  # first: a bound holds for feasible plans only (an infeasible one may beat it)
