@@ -85,3 +85,33 @@ def test_refine_is_refused_for_training_and_must_be_a_bool():
         torchplace.place(model, ["cpu:0", "cpu:1"], inputs, mode="training", refine=True, **QUICK)
     with pytest.raises(UsageError, match="refine must be True or False"):
         torchplace.place(model, ["cpu:0", "cpu:1"], inputs, refine="yes", **QUICK)
+
+
+class CountsAndWritesItsInput(torch.nn.Module):
+    """A step counter in a buffer, and its input written in place: every call changes both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        x.add_(1)
+        return self.layers(x) * self.n
+
+
+def test_refine_leaves_the_models_buffers_and_the_example_as_they_were():
+    """The measured calls left the counter at 4 (the placed model's first call then differed from
+    the model's) and the caller's example 4 higher."""
+    import copy
+
+    torch.manual_seed(0)
+    model = CountsAndWritesItsInput().eval()
+    reference, x = copy.deepcopy(model), torch.randn(8, 16)
+    example = x.clone()
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (example,), refine=True, allow_single_device=False,
+                              time_limit=2, **QUICK)
+    assert torch.equal(example, x) and model.n.item() == 0
+    with torch.no_grad():
+        assert torch.equal(placed(x.clone()), reference(x.clone()))

@@ -246,10 +246,17 @@ def place(
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
-        placed = closing_the_loop(placed, placement.args, placement.kwargs,
+        # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
+        # or written to copies, as every other step of place() leaves the model and the example.
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
+        placed = closing_the_loop(placed, args, kwargs,
                                   solve=lambda p: _solve(p, solver, time_limit, fuse),
                                   build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
                                                                min_rows=rows))
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
 
