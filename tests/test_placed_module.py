@@ -192,6 +192,47 @@ def test_an_edited_profile_in_a_plan_file_is_named(tmp_path):
         _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
 
 
+class WritesAValueInPlace(nn.Module):
+    """``h`` is written in place twice after another layer read it: its writers share a device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(h)
+        h[:, :8] = g[:, :8]
+        h.mul_(2)
+        return self.d(self.c(h))
+
+
+@pytest.mark.parametrize("edit", ["colocation", "edge"])
+def test_a_plan_file_whose_profile_lost_a_constraint_is_refused(tmp_path, monkeypatch, edit):
+    """The stored graph's costs are a cache, but the Problem was built from the file's graph, so a
+    file with its colocation labels removed let the in-place writes of h run on another device than
+    its readers: outputs 1.3 off (found by fuzzing)."""
+    from torchplace.errors import WorkloadFormatError
+
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+    torch.manual_seed(0)
+    model, x = WritesAValueInPlace().eval(), torch.randn(8, 16)
+    _place(copy.deepcopy(model), (x,), microbatches=1, allow_single_device=False).plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    graph = data["meta"]["profile"]["graph"]
+    if edit == "colocation":
+        assert any(n["colocation"] for n in graph["nodes"])
+        for n in graph["nodes"]:
+            n["colocation"] = None
+        message = r"no longer keeps .*'mul_' on one device"
+    else:
+        graph["edges"] = graph["edges"][1:]
+        message = r"lacks the edge"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError, match=message):
+        _place(model, (x,), microbatches=1, plan=tmp_path / "plan.json")
+
+
 @pytest.mark.parametrize("operation", [
     pickle.dumps, copy.deepcopy, copy.copy, lambda m: torch.save(m, io.BytesIO()),
 ], ids=["pickle", "deepcopy", "copy", "torch.save"])

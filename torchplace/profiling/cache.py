@@ -114,9 +114,34 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
     if not set(traced.graph) <= set(graph):  # a training graph adds backward nodes
         raise WorkloadFormatError(f"{source}: meta.{KEY}.graph does not hold the nodes its fingerprint names; "
                                   "the file was edited: save the plan again")
+    _check_structure(traced.graph, graph, f"{source}: meta.{KEY}.graph")
     if not set(kinds) <= graph.device_kinds():
         return None
     return graph
+
+
+def _check_structure(traced: OpGraph, stored: OpGraph, where: str) -> None:
+    """Refuse a stored graph that lost a constraint of the traced one: an edge (an order the
+    values or the in-place writes need), or a colocation (writers of one memory share a device;
+    the runtime relies on it). Its costs are the cache; its structure must be the model's.
+
+    Raises:
+        WorkloadFormatError: naming the lost edge or colocation.
+    """
+    edges = set(stored.edges())
+    for u, v in traced.edges():
+        if (u, v) not in edges:
+            raise WorkloadFormatError(f"{where} lacks the edge {u!r} -> {v!r} of this model's graph; the file was "
+                                      "edited: save the plan again")
+    together: dict[str, list[str]] = {}
+    for v, record in traced.records():
+        if record.colocation is not None:
+            together.setdefault(record.colocation, []).append(v)
+    for label, members in together.items():
+        if len({stored.record(v).colocation for v in members}) != 1 or stored.record(members[0]).colocation is None:
+            raise WorkloadFormatError(f"{where} no longer keeps {', '.join(map(repr, members))} on one device "
+                                      f"(colocation {label!r}: they write one memory); the file was edited: save the "
+                                      "plan again")
 
 
 def disk_key(traced: Traced, mode: str, call: Any, kinds: Iterable[str], settings: Mapping[str, Any],
