@@ -594,8 +594,9 @@ def test_the_readme_data_parallel_recipe_runs_as_shown(tmp_path):
 
 
 def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
-    """A model that branches on a batch of one (placement.rows = 2) was run by the engine on
+    """A model that branches on a batch of one (placement.sizes.rows = 2) was run by the engine on
     micro-batches of one, computing the other branch."""
+    from torchplace.batchdim import CallSizes
     from torchplace.distributed import DistributedPlaced
     from torchplace.errors import MicrobatchError
 
@@ -604,7 +605,7 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
             return "ran"
 
     placed = DistributedPlaced.__new__(DistributedPlaced)
-    placed._rows, placed._microbatches, placed.pipeline = 2, 4, Engine()
+    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(rows=2), 4, Engine()
     assert placed.run(torch.zeros(8, 3)) == "ran"
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
                                               "placed.microbatches to 2 or fewer"):

@@ -10,7 +10,7 @@ from torchplace.errors import UsageError
 transformers = pytest.importorskip("transformers")
 
 QUICK = dict(progress=False, repeats=1, warmup=0, microbatches=2)
-LENGTHS = (8, 13, 32)
+LENGTHS = (1, 8, 13, 32)  # 1: a decoding step, which the trace (of sizes >= 2) must also compute
 
 
 def _gpt2():
@@ -42,6 +42,13 @@ def _equal(out, ref, key: str) -> bool:
     return torch.equal(getattr(out, key), getattr(ref, key))
 
 
+def _equal_split(out, model, call: dict[str, torch.Tensor], key: str, m: int = QUICK["microbatches"]) -> bool:
+    """``out`` is bitwise the model's on the same ``m`` micro-batches (on the whole batch at once its
+    kernels may round otherwise: at length one they do)."""
+    parts = [{k: v.tensor_split(m)[i] for k, v in call.items()} for i in range(m)]
+    return torch.equal(getattr(out, key), torch.cat([getattr(model(**p), key) for p in parts]))
+
+
 def test_one_placed_gpt2_serves_every_sequence_length():
     model = _gpt2()
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=_call(16),
@@ -49,7 +56,7 @@ def test_one_placed_gpt2_serves_every_sequence_length():
     assert len({s.device for s in placed.plan.stages}) == 2
     with torch.no_grad():
         for n in LENGTHS:
-            assert _equal(placed(**_call(n)), model(**_call(n)), "logits"), n
+            assert _equal_split(placed(**_call(n)), model, _call(n), "logits"), n
 
 
 def test_one_placed_bert_serves_every_sequence_length():
@@ -58,7 +65,7 @@ def test_one_placed_bert_serves_every_sequence_length():
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=_call(16, True), dynamic_dims=dims, **QUICK)
     with torch.no_grad():
         for n in LENGTHS:
-            assert _equal(placed(**_call(n, True)), model(**_call(n, True)), "last_hidden_state"), n
+            assert _equal_split(placed(**_call(n, True)), model, _call(n, True), "last_hidden_state"), n
 
 
 def test_auto_finds_the_dimensions_that_vary():
@@ -106,3 +113,32 @@ def test_a_python_number_the_export_kept_is_a_usage_error_naming_the_fix():
                               **{**QUICK, "microbatches": 1})
     with torch.no_grad(), pytest.raises(UsageError, match=r"scale == 1\.5.*a Python number.*torch\.tensor"):
         placed(x, scale=3.0)
+
+
+class BranchesOnOneStep(torch.nn.Module):
+    """Another computation for a sequence of one (a decoding step), and a mean that guards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        length = x.shape[1]
+        if length == 1:
+            return self.a(x) + 100
+        return self.b(self.a(x)) / (length - 1 if length > 1 else 1)
+
+
+def test_a_size_of_one_the_trace_does_not_compute_as_the_model_is_refused():
+    """torch.export traces the length as 2 or more and drops the branch without a guard: a call of
+    length one ran the other branch (values near 0 where the model's are near 100), silently."""
+    torch.manual_seed(0)
+    model = BranchesOnOneStep().eval()
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (torch.randn(4, 16, 8),), dynamic_dims={"x": [1]},
+                              allow_single_device=False, **QUICK)
+    with torch.no_grad():
+        for n in (2, 5):
+            x = torch.randn(4, n, 8)
+            assert torch.equal(placed(x), torch.cat([model(c) for c in x.tensor_split(2)])), n
+        with pytest.raises(UsageError, match=r"dim 1 of 'x' has size one"):
+            placed(torch.randn(4, 1, 8))

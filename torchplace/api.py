@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import Runs, check_rows, joined_outputs, rows_needed
+from torchplace.batchdim import CallSizes, Runs, check_rows, dims_of_one, joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -240,9 +240,9 @@ def place(
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
-    joined, rows = placement.joined, placement.rows
+    joined, sizes = placement.joined, placement.sizes
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
-                          joined_outputs=joined, min_rows=rows)
+                          joined_outputs=joined, sizes=sizes)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
@@ -253,7 +253,7 @@ def place(
         placed = closing_the_loop(placed, args, kwargs,
                                   solve=lambda p: _solve(p, solver, time_limit, fuse),
                                   build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
-                                                               min_rows=rows))
+                                                               sizes=sizes))
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
@@ -277,8 +277,9 @@ class Placement(NamedTuple):
     joined: tuple[bool, ...] | MicrobatchError | None = None
     """Which outputs the micro-batches of an inference pipeline join, or why they cannot be split
     (:func:`torchplace.batchdim.joined_outputs`)."""
-    rows: int = 1
-    """The fewest samples a call or micro-batch may have (:func:`torchplace.batchdim.rows_needed`)."""
+    sizes: CallSizes = CallSizes()
+    """The sizes a call must have (:class:`torchplace.batchdim.CallSizes`): the fewest samples per call
+    and micro-batch, and the dynamic dims that may not be one."""
 
     @property
     def example(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -546,8 +547,9 @@ def prepare(
         solved, m = decision.plan, decision.microbatches
         if refused and "call" in solved.meta:
             solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
+    ones = () if runs is None else dims_of_one(runs)
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined,
-                     rows)
+                     CallSizes(rows, ones, traced.gm))
 
 
 def _rows_needed(runs: Runs, microbatches: int | str) -> int:

@@ -18,23 +18,32 @@ model needs more): two small forwards, not the example's.
 
 A graph that draws random numbers (dropout in training mode) is checked by shape only. The check
 is as good as the example: an output whose rows mix only on other inputs is not seen.
+
+``torch.export`` traces every dynamic size as 2 or more and drops, without a guard, what a branch
+on a size of one does (``if x.shape[1] == 1:``, ``L - 1 if L > 1 else 1``). For the batch,
+:func:`rows_needed` finds it; for the other dynamic dimensions (a sequence length declared with
+``dynamic_dims``), :func:`dims_of_one` runs the model and its trace at size one along each, and
+:class:`CallSizes` refuses the calls the trace does not compute as the model does.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import MicrobatchError, TraceError, UsageError
-from torchplace.fxutil import draws_random_numbers, flat_inputs, run_graph
+from torchplace.fxutil import bind_placeholders, draws_random_numbers, flat_inputs, run_graph
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
-__all__ = ["Runs", "check_rows", "check_split", "joined_outputs", "reads_batch", "rows_needed"]
+__all__ = ["CallSizes", "Runs", "check_rows", "check_split", "dims_of_one", "joined_outputs", "reads_batch",
+           "rows_needed"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -70,17 +79,23 @@ class Runs:
         """The model's own output on the last ``n`` samples."""
         return self._get(True, n)
 
+    def last(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The example call cut to its last ``n`` samples."""
+        return last_rows(self.args, self.kwargs, self.batch, n) if self.batch else (self.args, dict(self.kwargs))
+
+    def run(self, eager: bool, call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> Any:
+        """The model's (``eager``) or the graph's output on ``call``, from the seed every run uses."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            if eager:
+                return _run(self.model, _copies(call), call=True)  # type: ignore[arg-type]
+            return _run(self.gm, self.flat(*call))
+
     def _get(self, eager: bool, n: int) -> Any:
         key = (eager, n)
         if key not in self._outputs:
-            call = last_rows(self.args, self.kwargs, self.batch, n) if self.batch else (self.args, self.kwargs)
             try:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(0)
-                    if eager:
-                        self._outputs[key] = _run(self.model, _copies(call), call=True)  # type: ignore[arg-type]
-                    else:
-                        self._outputs[key] = _run(self.gm, self.flat(*call))
+                self._outputs[key] = self.run(eager, self.last(n))
             except Exception as error:  # noqa: BLE001 - kept, to raise again on the next ask
                 self._outputs[key] = error
         out = self._outputs[key]
@@ -214,6 +229,81 @@ def check_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: i
     most = batch // rows
     raise MicrobatchError(f"{why}: {microbatches} micro-batches of {batch} samples would hold one each; set {fix} "
                           f"to {most}{' or fewer' if most > 1 else ''}")
+
+
+def dims_of_one(runs: Runs) -> tuple[tuple[str, int], ...]:
+    """``(input, dim)`` of the dynamic dimensions other than the batch (the graph's placeholders,
+    as ``dynamic_dims`` made them) where the trace computes something else at size one than the
+    model: the model and its graph both run on the example's last samples with every input of
+    that size cut to one along it. A dimension where the model itself fails at size one is not
+    listed (a call there fails as the model's does).
+    """
+    if runs.model is None:
+        return ()
+    call = runs.last(min(2, runs.batch or 1))
+    bound = bind_placeholders(runs.gm, *call)
+    batch: set[Any] = set()
+    sizes: dict[Any, list[tuple[str, int]]] = {}
+    for node in runs.gm.graph.find_nodes(op="placeholder"):
+        example = node.meta.get("val")
+        if not isinstance(example, torch.Tensor) or not isinstance(bound.get(node.name), torch.Tensor):
+            continue
+        for dim, size in enumerate(example.shape):
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            if dim == 0:
+                batch.add(size.node.expr)
+            else:
+                sizes.setdefault(size.node.expr, []).append((node.name, dim))
+    out: list[tuple[str, int]] = []
+    for symbol, where in sizes.items():
+        if symbol in batch:
+            continue
+        cut = {id(bound[name]): dim for name, dim in where}
+        short = pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(cut[id(t)], 0, 1) if id(t) in cut else t, call)
+        try:
+            model = runs.run(True, short)
+        except Exception:  # noqa: BLE001 - the model does not run at size one either
+            continue
+        try:
+            differs = _difference(model, runs.run(False, short))
+        except Exception as error:  # noqa: BLE001 - the graph fails where the model does not
+            differs = f"its trace fails: {type(error).__name__}"
+        if differs is not None:
+            out.extend(where)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CallSizes:
+    """What a call's sizes must be for the trace to compute the model's outputs: at least ``rows``
+    samples per call and micro-batch (:func:`rows_needed`), and none of the ``(input, dim)`` of
+    ``ones`` of size one (:func:`dims_of_one`; inputs are placeholders of ``gm``)."""
+
+    rows: int = 1
+    ones: tuple[tuple[str, int], ...] = ()
+    gm: fx.GraphModule | None = field(default=None, compare=False, repr=False)
+
+    def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int, *,
+              fix: str = "placed.microbatches") -> None:
+        """Refuse a call whose sizes the trace does not compute as the model does.
+
+        Raises:
+            UsageError: the batch is smaller than ``rows``, or a dim of ``ones`` has size one.
+            MicrobatchError: the micro-batches hold fewer than ``rows`` samples.
+        """
+        check_rows(args, kwargs, microbatches, self.rows, fix=fix)
+        if not self.ones or self.gm is None:
+            return
+        bound = bind_placeholders(self.gm, args, kwargs)
+        for name, dim in self.ones:
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == 1:
+                raise UsageError(
+                    f"the model computes other outputs when dim {dim} of {name!r} has size one than its trace does "
+                    "(torch.export traces dynamic sizes as 2 or more and drops what `if x.shape[1] == 1:` guards): "
+                    f"call it with a size of 2 or more there, or place another model for size one (an example of "
+                    "that size, without that dim in dynamic_dims)")
 
 
 def _difference(theirs: Any, mine: Any) -> str | None:

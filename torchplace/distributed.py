@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from torchplace.devices import Cluster, Device
-from torchplace.batchdim import check_rows
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import Plan
 
@@ -366,14 +365,14 @@ class DistributedPlaced:
             replicas=replicas, tensor_group=tensor_group,
             examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
         self.is_last = self.pipeline.is_last
-        self._rows, self._microbatches = placement.rows, placement.microbatches
+        self._sizes, self._microbatches = placement.sizes, placement.microbatches
         if state_dict is not None:
             self._load(traced.model, state_dict)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for this batch on the last rank; ``None`` on the others (see
         :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
-        check_rows(args, kwargs, self._microbatches, self._rows)
+        self._sizes.check(args, kwargs, self._microbatches)
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
@@ -381,7 +380,7 @@ class DistributedPlaced:
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
         """One training step of the batch; the losses of its micro-batches on the last rank."""
-        check_rows(args, kwargs, self._microbatches, self._rows)
+        self._sizes.check(args, kwargs, self._microbatches)
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:

@@ -81,16 +81,18 @@ class PlacedModule(nn.Module):
         stage_modules: the stage modules, in plan order (they call the model's own submodules).
 
     ``joined_outputs``: which outputs micro-batches join (:func:`torchplace.batchdim.joined_outputs`),
-    or the refusal to raise if the model is run split; ``min_rows``: the fewest samples a call or a
-    micro-batch may have (:func:`torchplace.batchdim.rows_needed`).
+    or the refusal to raise if the model is run split; ``sizes``: the sizes a call must have
+    (:class:`torchplace.batchdim.CallSizes`: the fewest samples per call and micro-batch, the dynamic
+    dims that may not be one).
     """
 
     def __init__(self, traced: Traced, problem: Problem, plan: Plan, microbatches: int = 1,
                  example: tuple[tuple[Any, ...], Mapping[str, Any]] | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 joined_outputs: Sequence[bool] | Exception | None = None, min_rows: int = 1) -> None:
+                 joined_outputs: Sequence[bool] | Exception | None = None,
+                 sizes: batchdim.CallSizes = batchdim.CallSizes()) -> None:
         super().__init__()
-        self._min_rows = min_rows
+        self._sizes = sizes
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
@@ -161,8 +163,7 @@ class PlacedModule(nn.Module):
                 "model for training (mode='training')"
             )
         executor = self._eval_executor() if self._for_training and training == {False} else self._executor
-        batchdim.check_rows(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1,
-                            self._min_rows)
+        self._sizes.check(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1)
         try:
             if isinstance(executor, LatencyExecutor):
                 return executor.run(args, kwargs)
@@ -201,7 +202,7 @@ class PlacedModule(nn.Module):
         if loss_fn is None:
             raise UsageError("step() needs a loss: pass loss_fn=f (f(output, target) -> scalar tensor), or give it "
                              "to place(..., loss_fn=f)")
-        batchdim.check_rows(args, kwargs, self.microbatches, self._min_rows)
+        self._sizes.check(args, kwargs, self.microbatches)
         return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                   schedule or self.problem.pipeline.schedule)
 
