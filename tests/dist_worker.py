@@ -97,7 +97,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     scenario, _, schedule = scenario.partition("@")
     linear = scenario.endswith("-tp")  # a plan traced with Linear modules as leaves: tensor parallel stages
     scenario = scenario.removesuffix("-tp")
-    model, x, y = build(tied=scenario == "train-tied")
+    model, x, y = build(tied=scenario.startswith("train-tied"))
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb, nn.Linear] if linear else [Bomb],
                 timeout=float(os.environ.get("TP_TIMEOUT", "30")),
@@ -124,7 +124,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             placed.step(x[:6], target=y[:6], loss_fn=nn.functional.mse_loss)
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
-    elif scenario in ("train", "train-tied"):
+    elif scenario in ("train", "train-tied", "train-tied-one-rank"):
         expected = reference_training(model, x, y, m, steps=5)
         model.train()
         placed = tpd.place(model, (x,), mode="training", schedule=schedule or None, **opts)
@@ -146,6 +146,21 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["sliced"] = sorted(n for n, v in model.named_parameters() if n in mine and hasattr(v, "full_tensor"))
         result["losses"] = [float(v) for v in losses]
         result["replica"] = placed.replica
+    elif scenario == "accumulate":  # two steps without zero_grad: the gradients add up, as the model's do
+        reference = copy.deepcopy(model).train()
+        for _ in range(2):
+            (sum(nn.functional.mse_loss(reference(c), t) for c, t in zip(x.tensor_split(m), y.tensor_split(m))) / m
+             ).backward()
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        for _ in range(2):
+            placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        expected = dict(reference.named_parameters())
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = [names[id(p)] for p in placed.parameters()]
+        result["params"] = sorted(mine)
+        result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]].grad, atol=1e-6)
+                                 for p in placed.parameters())
     elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
         from torchplace.clusterfile import load_cluster
 

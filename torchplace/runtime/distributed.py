@@ -427,9 +427,19 @@ class DistributedPipeline:
         losses: list[torch.Tensor] = []
         target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
+        params = self.parameters()
+        before = [None if p.grad is None else p.grad.clone() for p in params]  # what earlier steps accumulated
         self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
+        for p, had in zip(params, before):  # this step's sum over micro-batches alone
+            if p.grad is not None and had is not None:
+                p.grad.sub_(had)
         if self._shared:
             self._guard(self._sync_shared_grads)
+        for p, had in zip(params, before):  # the mean micro-batch loss's, added to what was there
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
+                if had is not None:
+                    p.grad.add_(had)
         replicas = self.replicas
         if replicas is None:
             return [loss.detach() for loss in losses]
@@ -486,8 +496,11 @@ class DistributedPipeline:
         cls = classes[name]
         wrapped = None if loss_fn is None else _LossOnOutput(loss_fn, self)
         single = issubclass(cls, engine.PipelineScheduleSingle)
-        try:
-            return cls(self.engine_stages[0] if single else self.engine_stages, self.microbatches, loss_fn=wrapped)
+        try:  # the gradients are scaled in step(), once per parameter: the engine scales each stage's
+            # .grad, so a parameter two engine stages of a rank read was scaled twice, and what an
+            # earlier step accumulated once more
+            return cls(self.engine_stages[0] if single else self.engine_stages, self.microbatches, loss_fn=wrapped,
+                       scale_grads=False)
         except (ValueError, RuntimeError) as e:
             raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
