@@ -161,6 +161,8 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["params"] = sorted(mine)
         result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]].grad, atol=1e-6)
                                  for p in placed.parameters())
+    elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter
+        placed = _stateful(result, opts)
     elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
         from torchplace.clusterfile import load_cluster
 
@@ -187,6 +189,49 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     placed.close()
+
+
+class Stateful(nn.Module):
+    """Batch norms and a counter of calls: buffers every forward writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.bn_a, self.bn_b = nn.BatchNorm1d(16), nn.BatchNorm1d(16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn_a(self.a(x)))
+        h = torch.relu(self.bn_b(self.b(h)))
+        self.calls += 1
+        return self.c(h) + self.calls  # added: a product would save it for a backward after the next write
+
+
+def _stateful(result: dict, opts: dict) -> Any:
+    """Two training steps: the buffers each rank's stages write, beside one process's."""
+    import torchplace.distributed as tpd
+
+    torch.manual_seed(0)
+    model, x, y, m = Stateful().train(), torch.randn(8, 8), torch.randn(8, 4), opts["microbatches"]
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        sum(nn.functional.mse_loss(reference(c), t) / m for c, t in zip(x.tensor_split(m), y.tensor_split(m))).backward()
+        opt.step()
+    placed = tpd.place(model, (x,), mode="training", **{**opts, "plan": None, "contiguous": True})
+    opt = torch.optim.SGD(placed.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        opt.step()
+    mine = {id(t) for module in placed.pipeline.modules for t in module.buffers()}
+    expected = dict(reference.named_buffers())
+    result["buffers"] = sorted(n for n, b in model.named_buffers() if id(b) in mine)
+    result["allclose"] = all(torch.allclose(b.float(), expected[n].float(), atol=1e-6)
+                             for n, b in model.named_buffers() if id(b) in mine)
+    result["params"] = []
+    return placed
 
 
 def _gpt2(training: bool, result: dict, opts: dict) -> Any:

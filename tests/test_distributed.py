@@ -518,12 +518,13 @@ def test_three_ranks_inference_and_training(tmp_path):
     _check(ranks, "1:train", 3)
 
 
-def test_gpt2_runs_and_trains_on_two_ranks(tmp_path):
+def test_gpt2_and_a_stateful_model_run_and_train_on_two_ranks(tmp_path):
     """GPT-2's later stages read the batch size, which the engine cannot send (it stopped with
     UnsupportedError); they compute it from the hidden states they receive. Outputs bitwise,
-    parameters after 3 SGD steps within 1e-6 of one process's."""
+    parameters after 3 SGD steps within 1e-6 of one process's. And the buffers a model writes
+    in forward end as one process's do."""
     pytest.importorskip("transformers")
-    ranks = launch("gpt2,gpt2-train", 2, tmp_path, timeout_s=120)
+    ranks = launch("gpt2,gpt2-train,stateful", 2, tmp_path, timeout_s=120)
     for key in ("0:gpt2", "1:gpt2-train"):
         for _, results, err in ranks:
             assert key in results and "error" not in results[key], (results.get(key), err[-3000:])
@@ -532,6 +533,13 @@ def test_gpt2_runs_and_trains_on_two_ranks(tmp_path):
     assert all(r[1]["1:gpt2-train"]["max_diff"] < 1e-6 for r in ranks)
     held = {n for r in ranks for n in r[1]["1:gpt2-train"]["params"]}
     assert held == set(ranks[0][1]["1:gpt2-train"]["all"])  # every parameter stepped on some rank
+    # the engine's shape inference runs every stage once more, on uninitialised tensors: a counter
+    # was one ahead and batch norm's statistics NaN; garbage token ids failed an embedding
+    for _, results, err in ranks:
+        assert "error" not in results["2:stateful"] and results["2:stateful"]["allclose"], (results["2:stateful"],
+                                                                                           err[-2000:])
+    assert {n for r in ranks for n in r[1]["2:stateful"]["buffers"]} >= {"bn_a.running_mean", "bn_b.running_var",
+                                                                        "calls"}
 
 
 @pytest.mark.slow

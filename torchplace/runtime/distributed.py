@@ -217,14 +217,48 @@ class EngineStage(nn.Module):
         self.slot = slot
         self.pieces = nn.ModuleList(pieces)
         self._activity = activity
+        self.inferring = False  # set by the engine stage while the engine infers shapes
+        self._written: Any = None  # the buffers before the engine's shape inference ran
 
     def forward(self, *flat: Any) -> tuple[torch.Tensor, ...]:
         slot = self.slot
         if len(flat) != len(slot.inputs):
             raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)}), "
                              f"got {len(flat)}")
-        if self._activity is not None and not self._activity.now.startswith(f"stage {slot.index} "):
-            self._activity.set(slot.index, "forward")  # the engine's first call infers shapes outside its chunks
+        if not self.inferring:
+            return self._run(flat)
+        if self._activity is not None:
+            self._activity.set(slot.index, "forward")
+        return self._infer_shapes(flat)
+
+    def _infer_shapes(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        """The engine's shape inference: one more forward, outside any micro-batch, on uninitialised
+        tensors after the first stage. It must leave no trace: the buffers it writes (a counter,
+        batch norm's statistics, which garbage made NaN) are put back before the first micro-batch
+        runs (:meth:`settle`; not at once: the engine's backward shape inference still reads what
+        this forward saved), the random numbers it draws are drawn again, and its inputs are
+        zeros (token ids of garbage failed an embedding)."""
+        from torchplace.profiling.effects import StateSnapshot
+
+        if self.slot.index > 0:  # the first stage's are the caller's own tensors
+            with torch.no_grad():
+                for t in flat:
+                    if isinstance(t, torch.Tensor):
+                        t.zero_()
+        cuda = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
+        if self._written is None:
+            self._written = StateSnapshot(self)
+        with torch.random.fork_rng(devices=cuda):
+            return self._run(flat)
+
+    def settle(self) -> None:
+        """Put back the buffers the engine's shape inference wrote (before a micro-batch runs)."""
+        if self._written is not None:
+            self._written.restore()
+            self._written = None
+
+    def _run(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        slot = self.slot
         env = dict(zip(slot.inputs, flat))
         env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
@@ -259,7 +293,15 @@ def _stage_class() -> type:
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self.activity.set(self.stage_index, "forward", fwd_chunk_id)
+            self.submod.settle()
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self.submod.inferring = True  # the engine's shape inference (EngineStage._infer_shapes)
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                self.submod.inferring = False
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if self.has_backward:  # GPipe calls it in inference too, where it does nothing
