@@ -163,6 +163,11 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
                                  for p in placed.parameters())
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter
         placed = _stateful(result, opts)
+    elif scenario == "transposed":  # a value whose gradient comes back transposed (not contiguous)
+        placed = _one_step(Transposes(), result, {**opts, "plan": _cut_after(Transposes(), "mul")})
+    elif scenario == "zero-bubble-output":  # a model output the last stage also saved for backward
+        placed = _one_step(AlsoReturnsAHiddenState(), result, {**opts, "schedule": "zero-bubble", "plan": None,
+                                                                "contiguous": True})
     elif scenario == "cluster":  # ``plan`` is a cluster file: two hosts joined by a priced link
         from torchplace.clusterfile import load_cluster
 
@@ -231,6 +236,74 @@ def _stateful(result: dict, opts: dict) -> Any:
     result["allclose"] = all(torch.allclose(b.float(), expected[n].float(), atol=1e-6)
                              for n, b in model.named_buffers() if id(b) in mine)
     result["params"] = []
+    return placed
+
+
+class Transposes(nn.Module):
+    """Cut after the product, the second stage transposes what it receives: its gradient goes back
+    transposed, a tensor gloo cannot send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)).view(-1, 2, 4).transpose(1, 2) * 2
+        return self.b(h.transpose(1, 2).reshape(-1, 8))
+
+
+class AlsoReturnsAHiddenState(nn.Module):
+    """Returns ``g`` beside the output made from it: the zero-bubble backward detached the sent
+    ``g`` in place, and its weight pass then found what it had saved detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x))))))
+        return self.d(g), g
+
+
+def _cut_after(model: nn.Module, node: str) -> Any:
+    """A training plan of two pieces, cpu:0 up to the first forward node named ``node*``."""
+    from torchplace import api
+    from torchplace.plan import Plan, Stage
+
+    torch.manual_seed(0)
+    placement = api.prepare(model.train(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training",
+                            contiguous=False, microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
+    graph = placement.problem.graph
+    forward = [v for v in graph.topological_order() if not graph.record(v).backward]
+    k = next(i for i, v in enumerate(forward) if v.startswith(node)) + 1
+    pieces = [tuple(forward[:k]), tuple(forward[k:])]
+    back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
+    stages = [Stage(f"cpu:{d}", p) for d, p in enumerate(pieces)]
+    stages += [Stage(f"cpu:{d}", tuple(b for v in p for b in back[v])) for d, p in reversed(list(enumerate(pieces)))]
+    return Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
+
+
+def _one_step(model: nn.Module, result: dict, opts: dict) -> Any:
+    """One training step of ``model`` (first output against a target): each rank's gradients beside
+    one process's."""
+    import torchplace.distributed as tpd
+
+    torch.manual_seed(0)
+    model.load_state_dict(type(model)().state_dict())  # the same weights on every rank
+    model.train()
+    x, y, m = torch.randn(8, 8), torch.randn(8, 8), opts["microbatches"]
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out[0] if isinstance(out, tuple) else out, target)
+
+    reference = copy.deepcopy(model)
+    sum(loss_fn(reference(c), t) / m for c, t in zip(x.tensor_split(m), y.tensor_split(m))).backward()
+    placed = tpd.place(model, (x,), mode="training", **opts)
+    placed.step(x, target=y, loss_fn=loss_fn)
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    result["params"] = sorted(names[id(p)] for p in placed.parameters())
+    result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]], atol=1e-6) for p in placed.parameters())
     return placed
 
 

@@ -518,13 +518,13 @@ def test_three_ranks_inference_and_training(tmp_path):
     _check(ranks, "1:train", 3)
 
 
-def test_gpt2_and_a_stateful_model_run_and_train_on_two_ranks(tmp_path):
+def test_gpt2_and_models_that_tried_the_engine_run_and_train_on_two_ranks(tmp_path):
     """GPT-2's later stages read the batch size, which the engine cannot send (it stopped with
     UnsupportedError); they compute it from the hidden states they receive. Outputs bitwise,
     parameters after 3 SGD steps within 1e-6 of one process's. And the buffers a model writes
-    in forward end as one process's do."""
+    in forward end as one process's do; the models below found by fuzzing train as one process."""
     pytest.importorskip("transformers")
-    ranks = launch("gpt2,gpt2-train,stateful", 2, tmp_path, timeout_s=120)
+    ranks = launch("gpt2,gpt2-train,stateful,transposed,zero-bubble-output", 2, tmp_path, timeout_s=120)
     for key in ("0:gpt2", "1:gpt2-train"):
         for _, results, err in ranks:
             assert key in results and "error" not in results[key], (results.get(key), err[-3000:])
@@ -540,6 +540,11 @@ def test_gpt2_and_a_stateful_model_run_and_train_on_two_ranks(tmp_path):
                                                                                            err[-2000:])
     assert {n for r in ranks for n in r[1]["2:stateful"]["buffers"]} >= {"bn_a.running_mean", "bn_b.running_var",
                                                                         "calls"}
+    # a gradient that goes back transposed (gloo: "input tensor has to be contiguous"), and a sent
+    # output the zero-bubble backward detached while the stage's weight pass still needed it
+    for key in ("3:transposed", "4:zero-bubble-output"):
+        for _, results, err in ranks:
+            assert "error" not in results[key] and results[key]["allclose"], (key, results[key], err[-2000:])
 
 
 @pytest.mark.slow
@@ -637,3 +642,70 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
                                               "placed.microbatches to 2 or fewer"):
         placed.run(torch.zeros(4, 3))
+
+
+# -- checks of a rank's inputs, without processes (found by fuzzing) ---------------------------------
+class _Rank:
+    """A rank's engine stand-in: its modules hold the whole model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [model]
+
+
+def test_step_on_a_model_placed_for_inference_is_refused():
+    """It trained the eval-mode graph (batch norm on its running statistics), silently."""
+    from torchplace.distributed import DistributedPlaced
+    from torchplace.problem import Problem
+
+    placed = DistributedPlaced.__new__(DistributedPlaced)
+    placed.problem = Problem.__new__(Problem)
+    object.__setattr__(placed.problem, "mode", "inference")
+    with pytest.raises(UnsupportedError, match="placed for inference.*mode='training'"):
+        placed.step(torch.zeros(8, 3), target=torch.zeros(8), loss_fn=nn.functional.mse_loss)
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_and_unsaved_buffers_are_not_asked_for():
+    """A (1,) bias was broadcast into an (8,) one; a buffer registered with persistent=False
+    (a rotary embedding's inv_freq) was asked for in model.state_dict(), which never holds it."""
+    from torchplace.distributed import DistributedPlaced
+
+    model = nn.Linear(3, 8)
+    model.register_buffer("scale", torch.ones(8), persistent=False)
+    placed = DistributedPlaced.__new__(DistributedPlaced)
+    placed.pipeline = _Rank(model)
+    checkpoint = {k: v + 1 for k, v in model.state_dict().items()}
+    placed._load(model, checkpoint)
+    assert torch.equal(model.bias, checkpoint["bias"]) and torch.equal(model.scale, torch.ones(8))
+    with pytest.raises(UsageError, match=r"state_dict\['bias'\] has shape \(1,\), but the model's 'bias' has \(8,\)"):
+        placed._load(model, {**checkpoint, "bias": torch.ones(1)})
+
+
+def test_a_meta_model_keeps_its_tied_weights_and_refuses_buffers_no_checkpoint_holds():
+    """``to_empty`` gave each module its own copy of a tied weight: the copies then trained apart."""
+    from torchplace.distributed import _materialize_lazily
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    _materialize_lazily(model, state_dict={})
+    assert model[1].weight is model[0].weight and not model[0].weight.is_meta
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    model.register_buffer("inv_freq", torch.ones(2, device="meta"), persistent=False)
+    with pytest.raises(UsageError, match=r"buffer 'inv_freq' .* not saved in a state_dict"):
+        _materialize_lazily(model, state_dict={})
+
+
+def test_a_model_input_without_the_batch_rows_is_refused_by_name():
+    """A (1, 8) bias beside an (8, 8) batch failed inside the engine with 'Expecting 2 arg_mbs but got 1'."""
+    from torchplace.runtime import GraphIO
+    from torchplace.runtime.distributed import DistributedPipeline
+
+    class AddsABias(nn.Module):
+        def forward(self, x, bias):
+            return x + bias
+
+    pipeline = DistributedPipeline.__new__(DistributedPipeline)
+    pipeline.graph_io = GraphIO(torch.fx.symbolic_trace(AddsABias()))
+    with pytest.raises(UnsupportedError, match=r"model input 'bias' is a tensor of 1 rows where 'x' has 8"):
+        pipeline._inputs((torch.zeros(8, 8), torch.zeros(1, 8)), {})

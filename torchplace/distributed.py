@@ -207,7 +207,23 @@ def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
     if state_dict is None:
         raise UsageError("the model is on the meta device: pass state_dict= (a checkpoint, mapping or torch.save file), "
                          "from which each rank loads its own stages' tensors")
-    model.to_empty(device="cpu")
+    unsaved = [f"{name}.{b}" if name else b for name, m in model.named_modules()
+               for b in m._non_persistent_buffers_set if m._buffers.get(b) is not None and m._buffers[b].is_meta]
+    if unsaved:
+        raise UsageError(f"buffer {unsaved[0]!r} of the model on the meta device is not saved in a state_dict "
+                         "(persistent=False, as a rotary embedding's inv_freq), so no checkpoint can give it a value: "
+                         "build the model on the CPU, or compute that buffer before placing")
+    slots: dict[int, list[tuple[nn.Module, str, str]]] = {}  # a tensor several modules hold (tied weights)
+    for m in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(m, kind).items():
+                if t is not None:
+                    slots.setdefault(id(t), []).append((m, kind, name))
+    model.to_empty(device="cpu")  # gives each module's slot a tensor of its own
+    for held in slots.values():
+        first = getattr(held[0][0], held[0][1])[held[0][2]]
+        for m, kind, name in held[1:]:
+            getattr(m, kind)[name] = first
 
 
 def _quick(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -379,7 +395,14 @@ class DistributedPlaced:
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
-        """One training step of the batch; the losses of its micro-batches on the last rank."""
+        """One training step of the batch; the losses of its micro-batches on the last rank.
+
+        Raises:
+            UnsupportedError: the model was placed for inference (its eval-mode graph would train).
+        """
+        if self.problem.mode != "training":
+            raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
+                                   "with mode='training' to train it")
         self._sizes.check(args, kwargs, self._microbatches)
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
@@ -404,12 +427,17 @@ class DistributedPlaced:
             raise UsageError("state_dict needs the model the plan was traced from")
         source = torch.load(state_dict, mmap=True, weights_only=True) if isinstance(state_dict, (str, Path)) else state_dict
         mine = {id(t) for m in self.pipeline.modules for t in [*m.parameters(), *m.buffers()]}
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        missing = [n for n, t in named if id(t) in mine and n not in source]
+        saved = set(model.state_dict(keep_vars=True))  # not the buffers registered with persistent=False
+        named = [(n, t) for n, t in [*model.named_parameters(remove_duplicate=False),
+                                     *model.named_buffers(remove_duplicate=False)] if id(t) in mine and n in saved]
+        missing = [n for n, _ in named if n not in source]
         if missing:
             raise UsageError(f"state_dict has no {missing[0]!r} (and {len(missing) - 1} more of this rank's tensors): "
                              "pass a checkpoint of this model (model.state_dict())")
+        for n, t in named:
+            if tuple(source[n].shape) != tuple(t.shape):
+                raise UsageError(f"state_dict[{n!r}] has shape {tuple(source[n].shape)}, but the model's {n!r} has "
+                                 f"{tuple(t.shape)}: pass a checkpoint of this model (model.state_dict())")
         with torch.no_grad():
             for n, t in named:
-                if id(t) in mine:
-                    t.copy_(source[n])
+                t.copy_(source[n])

@@ -218,6 +218,7 @@ class EngineStage(nn.Module):
         self.pieces = nn.ModuleList(pieces)
         self._activity = activity
         self.inferring = False  # set by the engine stage while the engine infers shapes
+        self.fresh_outputs = False  # send copies: the zero-bubble backward detaches what it sent in place
         self._written: Any = None  # the buffers before the engine's shape inference ran
 
     def forward(self, *flat: Any) -> tuple[torch.Tensor, ...]:
@@ -259,26 +260,44 @@ class EngineStage(nn.Module):
 
     def _run(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         slot = self.slot
+        if torch.is_grad_enabled():  # the gradients it sends back are contiguous, as gloo needs
+            flat = tuple(_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                         for t in flat)
         env = dict(zip(slot.inputs, flat))
         env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
             env.update(zip(piece.outputs, outputs))
         received = {id(v) for v in flat}
-        return tuple(_sendable(n, env[n], slot, id(env[n]) in received) for n in slot.outputs)
+        return tuple(_sendable(n, env[n], slot, self.fresh_outputs or id(env[n]) in received) for n in slot.outputs)
 
 
-def _sendable(name: str, value: Any, slot: EngineSlot, received: bool) -> torch.Tensor:
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: a received value's gradient is
+    sent back, and gloo sends only contiguous tensors (a transposed view's gradient is not)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _sendable(name: str, value: Any, slot: EngineSlot, copy: bool) -> torch.Tensor:
     """``value`` as the engine can send it: a contiguous tensor that is not one of the stage's
-    inputs (a carried value is cloned: the engine detaches outputs in place and makes inputs leaves,
-    so an output must not be an input, nor a view, which the zero-bubble backward cannot detach)."""
+    inputs. ``copy``: a copy (a carried value: the engine detaches outputs in place and makes inputs
+    leaves, so an output must not be an input; and under the zero-bubble schedule every output, which
+    its input-gradient pass detaches in place while the weight pass still needs what the stage saved).
+    A view is copied too, which the zero-bubble backward cannot detach."""
     if not isinstance(value, torch.Tensor):
         raise UnsupportedError(
             f"value {name!r} leaves engine stage {slot.index} but is a {type(value).__name__}, not a tensor: "
             "torch.distributed.pipelining sends only tensors between stages; place so that this value does not "
             "cross a stage boundary (e.g. keep its producer and readers in one module with leaf_modules=...)"
         )
-    if received or value._is_view():
+    if copy or value._is_view():
         return value.clone(memory_format=torch.contiguous_format)
     return value.contiguous()
 
@@ -371,6 +390,8 @@ class DistributedPipeline:
         self.activity = faults.activity if faults is not None else Activity()
         self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity)
                         for s in self.slots if s.rank == rank]
+        for module in self.modules:
+            module.fresh_outputs = schedule == "zero-bubble"
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
@@ -495,10 +516,14 @@ class DistributedPipeline:
         bound = self.graph_io.bind_inputs(args, kwargs)
         flat = tuple(bound[n] for n in self.graph_io.placeholder_names)
         for name, value in zip(self.graph_io.placeholder_names, flat):
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                raise UnsupportedError(f"model input {name!r} is {type(value).__name__}"
-                                       f"{' with no batch dimension' if isinstance(value, torch.Tensor) else ''}: "
-                                       "the engine splits every input along dim 0; pass batched tensors only")
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != flat[0].shape[0]:
+                what = (type(value).__name__ if not isinstance(value, torch.Tensor) else
+                        "a tensor with no batch dimension" if value.dim() == 0 else
+                        f"a tensor of {value.shape[0]} rows where {self.graph_io.placeholder_names[0]!r} has "
+                        f"{flat[0].shape[0]}")
+                raise UnsupportedError(f"model input {name!r} is {what}: the engine splits every input along dim 0 "
+                                       "into the micro-batches; pass batched tensors only (the same rows each), and "
+                                       "keep other values in the model (a buffer)")
         shape = tuple(tuple(t.shape) for t in flat)
         if self._shape is not None and shape != self._shape:
             raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
