@@ -106,6 +106,8 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         expected = reference_output(model, x, m)
         placed = tpd.place(model, (x,), **opts)
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+        mine = {id(p) for p in placed.parameters()}
+        result["others_real"] = [n for n, p in model.named_parameters() if id(p) not in mine and not p.is_meta]
         Bomb.armed = "" if scenario == "infer" else scenario.split("-")[0]
         try:
             got = placed.run(x)

@@ -271,6 +271,12 @@ def test_two_ranks_inference_is_bitwise_the_model(two_ranks):
     _check(two_ranks, "0:infer", 2)
 
 
+def test_each_rank_frees_the_other_ranks_tensors_in_the_model_itself(two_ranks):
+    """They went to the meta device in the traced graph's modules only; the model kept them all."""
+    assert all(r[1]["0:infer"]["others_real"] == [] for r in two_ranks)
+    assert all(r[1]["0:infer"]["layout"] for r in two_ranks)
+
+
 def test_two_ranks_training_matches_single_process_after_5_steps(two_ranks):
     _check(two_ranks, "1:train", 2)
 

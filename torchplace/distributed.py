@@ -350,6 +350,7 @@ class DistributedPlaced:
         from torchplace.runtime import GraphIO, split_stages
         from torchplace.runtime.dist_replicas import grid_groups
         from torchplace.runtime.distributed import DistributedPipeline
+        from torchplace.runtime.params import _slots
 
         traced, problem, plan = placement.traced, placement.problem, placement.plan
         if any(s.recompute for s in plan.stages):
@@ -382,6 +383,9 @@ class DistributedPlaced:
             examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
         self.is_last = self.pipeline.is_last
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
+        for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
+            if id(t) in self.pipeline.freed:
+                getattr(owner, kind)[slot] = self.pipeline.freed[id(t)]
         if state_dict is not None:
             self._load(traced.model, state_dict)
 

@@ -413,8 +413,9 @@ class DistributedPipeline:
         for m in self.modules:
             for name, t in _named_tensors(m):
                 move_in_place(t, self.device, name)
+        self.freed: dict[int, torch.Tensor] = {}  # id of a tensor only other ranks read -> its meta stand-in
         if free_others:
-            memo: dict[int, torch.Tensor] = {}
+            memo = self.freed
             for s in self.slots:
                 for p in s.pieces if s.rank != self.rank else ():
                     for _, owner, kind, slot, t in _slots(stages[p]):
