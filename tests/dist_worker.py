@@ -224,7 +224,8 @@ def _stateful(result: dict, opts: dict) -> Any:
     opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for _ in range(2):
         opt.zero_grad()
-        sum(nn.functional.mse_loss(reference(c), t) / m for c, t in zip(x.tensor_split(m), y.tensor_split(m))).backward()
+        parts = zip(x.tensor_split(m), y.tensor_split(m))
+        sum(nn.functional.mse_loss(reference(c), t) / m for c, t in parts).backward()
         opt.step()
     placed = tpd.place(model, (x,), mode="training", **{**opts, "plan": None, "contiguous": True})
     opt = torch.optim.SGD(placed.parameters(), lr=0.05)
@@ -337,7 +338,8 @@ def _gpt2(training: bool, result: dict, opts: dict) -> Any:
     opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for _ in range(3):
         opt.zero_grad()
-        sum(loss_fn(reference(input_ids=c), t) / m for c, t in zip(ids.tensor_split(m), labels.tensor_split(m))).backward()
+        parts = zip(ids.tensor_split(m), labels.tensor_split(m))
+        sum(loss_fn(reference(input_ids=c), t) / m for c, t in parts).backward()
         opt.step()
     placed = tpd.place(model, (), example_kwargs={"input_ids": ids}, mode="training", **opts)
     result["numbers"] = sorted({r.name for s in placed.pipeline.slots for r in s.numbers})

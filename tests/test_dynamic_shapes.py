@@ -82,8 +82,31 @@ def test_auto_finds_the_dimensions_that_vary():
 def test_a_length_the_trace_did_not_allow_is_a_usage_error_naming_the_fix():
     model = _gpt2()
     placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=_call(16), **QUICK)
-    with torch.no_grad(), pytest.raises(UsageError, match=r"size\(\)\[1\] == 16.*dynamic_dims"):
+    with torch.no_grad(), pytest.raises(UsageError, match=r"size\(\)\[1\] == 16.*dynamic_dims=\{'input_ids': \[1\]\}"):
         placed(**_call(8))
+
+
+class AddsPositions(torch.nn.Module):
+    """Adds one of 32 learned positions to each token: it runs on 32 tokens at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16)
+        self.pos = torch.nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, ids):
+        return self.out(self.emb(ids) + self.pos[:ids.shape[1]])
+
+
+def test_a_length_beyond_what_the_model_allows_says_so_not_to_declare_dims():
+    """The export bounds the length by the position table; the message said to declare dynamic_dims,
+    which were declared (and named `input_ids` for an input called `ids`)."""
+    torch.manual_seed(0)
+    placed = torchplace.place(AddsPositions().eval(), ["cpu:0", "cpu:1"], (torch.randint(0, 50, (4, 16)),),
+                              dynamic_dims={"ids": [1]}, allow_single_device=False, trace_method="export", **QUICK)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"ids.size\(\)\[1\] <= 32.*runs only within that range") as e:
+        placed(torch.randint(0, 50, (4, 40)))
+    assert "dynamic_dims" not in str(e.value)
 
 
 @pytest.mark.parametrize("dims, message", [

@@ -400,7 +400,13 @@ def _shape_error(error: StageError) -> UsageError | None:
             f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
             "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
             "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
+    if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, say)
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the export found that the "
+            "model runs only within that range (a table of that many positions, say); call it within the range")
+    named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
+    name, dim = (named.group(1), int(named.group(2))) if named else ("input_ids", 1)
     return UsageError(
         f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
-        f"vary when placing (place(..., dynamic_dims={{'input_ids': [1]}} or dynamic_dims='auto'), keep calls "
-        f"within the range the export inferred, or place the model again with an example of this shape")
+        f"vary when placing (place(..., dynamic_dims={{{name!r}: [{dim}]}}) or dynamic_dims='auto'), or place the "
+        "model again with an example of this shape")
