@@ -93,8 +93,8 @@ class Plan:
                 too small for it may well beat a true bound.
         """
         names = [d.name for d in problem.cluster.devices]
-        unknown = sorted({s.device for s in stages} - set(names))
-        if unknown:  # before the cost model, which looks each device up
+        unknown = sorted({s.device for s in stages} - set(names)) if problem.parallel is None else []
+        if unknown:  # before the cost model, which looks each device up (Piper's stages name device ranges)
             raise InvalidPlanError(f"the plan places stages on {', '.join(map(repr, unknown))}, which is not among the "
                                    f"devices {names}: place on the plan's devices, or solve anew without the plan")
         objective, costs = costmodel.evaluate_stages(problem, stages)
