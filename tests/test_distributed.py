@@ -715,3 +715,32 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
     pipeline.graph_io = GraphIO(torch.fx.symbolic_trace(AddsABias()))
     with pytest.raises(UnsupportedError, match=r"model input 'bias' is a tensor of 1 rows where 'x' has 8"):
         pipeline._inputs((torch.zeros(8, 8), torch.zeros(1, 8)), {})
+
+
+class SplitsInTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, q = self.a(x).chunk(2, dim=1)
+        return self.b(p) * q
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_plan_for_the_engine_keeps_a_container_with_the_nodes_that_take_its_items(mode):
+    """A solved training plan cut between `chunk` and its `getitem`s; the engine cannot send the
+    tuple, and the first step failed (found by fuzzing). Placed for the engine, they share a
+    device (backward nodes too); placed for threads, they need not."""
+    from torchplace import api
+
+    def labels(**options) -> set:
+        placement = api.prepare(SplitsInTwo().train(mode == "training"), ["cpu:0", "cpu:1"], (torch.randn(4, 8),),
+                                mode=mode, progress=False, warmup=0, repeats=1, allow_single_device=False,
+                                time_limit=2, **options)
+        graph = placement.problem.graph
+        return {graph.record(v).colocation for v in graph if v.split(":")[0] in ("chunk", "getitem", "getitem_1")}
+
+    together = labels(sends_tensors_only=True)
+    assert len(together) == 1 and None not in together
+    assert labels() != together

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ from torchplace.errors import (
     UsageError,
 )
 from torchplace.fxutil import draws_random_numbers, run_graph
+from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
 from torchplace.plan import Plan, Stage
@@ -364,11 +366,14 @@ def prepare(
     parallelism: str = "pipeline",
     allreduce_bandwidth: float | str | None = None,
     tensor_bandwidth: float | str | None = None,
+    sends_tensors_only: bool = False,
 ) -> Placement:
     """Decide where ``model`` runs on ``devices`` without running it: :func:`place` up to its
     plan (trace, profile, solve, choose the micro-batch count or one device), with
     :func:`place`'s arguments and errors. A model on the meta device is planned from shapes
-    (:func:`plan_model`)."""
+    (:func:`plan_model`). ``sends_tensors_only``: the stages will run where only tensors cross
+    between them (``torch.distributed.pipelining``): a node that makes a tuple or a list shares a
+    device with the nodes that take its items (:func:`keep_containers_together`)."""
     model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -495,6 +500,8 @@ def prepare(
 
     if graph is None:
         graph = profiled(args, kwargs)
+    if sends_tensors_only:
+        graph = keep_containers_together(graph, traced.gm)
     if training:
         graph.meta["loss_bytes"] = assumed_loss_bytes(graph) if measured_loss is None else measured_loss
     if parallelism == "piper":
@@ -654,6 +661,41 @@ def _load_plan(plan: Plan | str | Path) -> Plan:
 
 REPLAN_BOUND_SECONDS = 1.0
 """How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
+
+
+def keep_containers_together(graph: OpGraph, gm: torch.fx.GraphModule) -> OpGraph:
+    """``graph`` with every node that makes a container (a tuple or list: ``chunk``, ``split``,
+    a multi-output module; its fx users all take items with ``getitem``) colocated with the nodes
+    that take its items, so no stage boundary falls between them (their colocation groups,
+    backward nodes included, merge into one)."""
+    import operator
+
+    node_of = {f: v for v, record in graph.records() if not record.backward for f in record.fx_nodes}
+    pairs = []
+    for n in gm.graph.nodes:
+        if n.name not in node_of or not n.users or isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        if all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            pairs += [(node_of[n.name], node_of[u.name]) for u in n.users if u.name in node_of]
+    pairs = [(a, b) for a, b in pairs if a != b]
+    if not pairs:
+        return graph
+    label = {v: record.colocation or f"items:{v}" for v, record in graph.records()}
+    parent = {g: g for g in set(label.values())}
+
+    def root(g: str) -> str:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    for a, b in pairs:
+        parent[root(label[b])] = root(label[a])
+    grouped: dict[str, int] = {}
+    for v in graph:
+        grouped[root(label[v])] = grouped.get(root(label[v]), 0) + 1
+    return graph.with_records(lambda v, r: dataclasses.replace(
+        r, colocation=root(label[v]) if grouped[root(label[v])] > 1 else r.colocation))
 
 
 def _warn_of_fast_path(model: nn.Module) -> None:

@@ -161,6 +161,7 @@ def place(
     device, backend = _torch_device(rank_devices, local_rank, backend)
     common = dict(options, mode=mode, microbatches=microbatches)
     common.setdefault("allow_single_device", False)  # one process per device was launched: keep the split
+    common["sends_tensors_only"] = True  # the engine sends tensors only: no stage boundary inside chunk -> items
     if given is not None:  # a given plan is checked as it is: contiguity constrains solvers, not the runtime
         common.setdefault("contiguous", False)
     if mode == "training":
