@@ -32,13 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import MicrobatchError, TraceError, UsageError
-from torchplace.fxutil import bind_placeholders, draws_random_numbers, flat_inputs, run_graph
+from torchplace.fxutil import bind_placeholders, draws_random_numbers, flat_inputs, run_graph, symbolic_sizes
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
@@ -242,24 +241,9 @@ def dims_of_one(runs: Runs) -> tuple[tuple[str, int], ...]:
         return ()
     call = runs.last(min(2, runs.batch or 1))
     bound = bind_placeholders(runs.gm, *call)
-    batch: set[Any] = set()
-    sizes: dict[Any, list[tuple[str, int]]] = {}
-    for node in runs.gm.graph.find_nodes(op="placeholder"):
-        example = node.meta.get("val")
-        if not isinstance(example, torch.Tensor) or not isinstance(bound.get(node.name), torch.Tensor):
-            continue
-        for dim, size in enumerate(example.shape):
-            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
-                continue
-            if dim == 0:
-                batch.add(size.node.expr)
-            else:
-                sizes.setdefault(size.node.expr, []).append((node.name, dim))
     out: list[tuple[str, int]] = []
-    for symbol, where in sizes.items():
-        if symbol in batch:
-            continue
-        cut = {id(bound[name]): dim for name, dim in where}
+    for where in symbolic_sizes(runs.gm)[1].values():
+        cut = {id(bound[name]): dim for name, dim in where if isinstance(bound.get(name), torch.Tensor)}
         short = pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(cut[id(t)], 0, 1) if id(t) in cut else t, call)
         try:
             model = runs.run(True, short)

@@ -118,6 +118,27 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
     return values
 
 
+def symbolic_sizes(gm: fx.GraphModule) -> tuple[set[Any], dict[Any, list[tuple[str, int]]]]:
+    """The shape symbols of ``gm``'s placeholders (an exported graph's dynamic sizes): those of a
+    dim 0 (the batch), and for each other symbol the ``(placeholder name, dim)`` that have it."""
+    import sympy
+
+    batch: set[Any] = set()
+    others: dict[Any, list[tuple[str, int]]] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        example = node.meta.get("val")
+        if not isinstance(example, torch.Tensor):
+            continue
+        for dim, size in enumerate(example.shape):
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            if dim == 0:
+                batch.add(size.node.expr)
+            else:
+                others.setdefault(size.node.expr, []).append((node.name, dim))
+    return batch, {s: where for s, where in others.items() if s not in batch}
+
+
 def run_graph(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
     """The output of ``gm`` run on ``flat`` (:func:`flat_inputs`: one value per placeholder) by an
     :class:`torch.fx.Interpreter`: ``gm.forward`` of an exported graph takes the model's own

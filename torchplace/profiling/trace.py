@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError, UsageError
-from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, relax_views, tensor_bytes
+from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, relax_views, symbolic_sizes, tensor_bytes
 from torchplace.graph import OpGraph
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
@@ -298,16 +298,18 @@ def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
     """Shape propagation and the in-place analysis on real runs (no grad) of copies of the
     inputs; the model's parameters and buffers are restored afterwards.
 
-    The analysis runs at the example batch and at a batch of one, and keeps the union: PyTorch
-    decides some aliasing from strides (``h.t().contiguous()`` is a copy, but an alias of ``h``
-    when a dimension has size one), and strides of a batch of one differ from those of any larger
-    batch, while all larger batches agree."""
+    The analysis runs at the example batch, at a batch of one, and with each other dynamic size
+    (``dynamic_dims``) cut to one, and keeps the union: PyTorch decides some aliasing from strides
+    (``h.t().contiguous()`` is a copy, but an alias of ``h`` when a dimension has size one), and
+    strides with a size of one differ from those of any larger size, while all larger sizes agree."""
     inputs = flat_inputs(gm, example_inputs, example_kwargs, copy=True)
     snapshot = StateSnapshot(model)
     runs = [(inputs, True)]
     single = pytree.tree_map_only(torch.Tensor, lambda t: t[:1] if t.dim() > 0 and t.shape[0] > 1 else t, inputs)
     if any(a is not b for a, b in zip(pytree.tree_leaves(single), pytree.tree_leaves(inputs))):
         runs.append((single, False))
+    for cut in _sizes_of_one(gm, inputs):  # a sequence of one token, say
+        runs.append((tuple(t.narrow(cut[i], 0, 1).clone() if i in cut else t for i, t in enumerate(inputs)), False))
     effects = []
     try:
         for values, shapes in runs:
@@ -325,6 +327,18 @@ def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
     finally:
         snapshot.restore()
     return union(effects)
+
+
+def _sizes_of_one(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[dict[int, int]]:
+    """The calls, besides the batch of one, whose strides the in-place analysis must also see:
+    ``{placeholder position: dim}`` cut to size one. An exported graph runs at any size of its
+    dynamic dims (each symbol's dims together); an fx graph has no guards and runs at any size of
+    any dim (each dim of each input alone; a dim the weights fix fails there and is skipped)."""
+    position = {n.name: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    if any("val" in n.meta for n in gm.graph.find_nodes(op="placeholder")):
+        return [{position[name]: dim for name, dim in where} for where in symbolic_sizes(gm)[1].values()]
+    return [{i: dim} for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
+            for dim in range(1, t.dim()) if t.shape[dim] > 1]
 
 
 def trace(
