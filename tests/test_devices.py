@@ -19,13 +19,14 @@ from torchplace.devices import (
 
 @pytest.mark.parametrize(
     "text, nbytes",
-    [(1024, 1024), ("20GiB", 20 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 1_500_000_000), ("7", 7), ("3kib", 3072)],
+    [(1024, 1024), ("20GiB", 20 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 1_500_000_000), ("7", 7), ("3kib", 3072),
+     ("8Gb", 8 * 10**9 // 8), ("64kb", 64 * 10**3 // 8), ("1e3MB", 10**9)],  # lower-case b: bits, as accelerate reads
 )
 def test_parse_memory(text, nbytes):
     assert parse_memory(text) == nbytes
 
 
-@pytest.mark.parametrize("bad", ["lots", "12 parsecs", "-3GB", -1])
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", "-3GB", -1, "8b"])
 def test_parse_memory_rejects(bad):
     with pytest.raises(ValueError):
         parse_memory(bad)

@@ -217,7 +217,7 @@ def test_decode_map_is_a_valid_map_timed_per_generated_token():
 
 
 def test_offloaded_blocks_charge_the_main_device_with_their_kv_cache_and_streamed_weights():
-    # an H100 showed it: a block mapped to "cpu" computes on the first GPU of the map, so its KV
+    # an H100 showed it: a block mapped to "cpu" computes on the main GPU (the lowest id), so its KV
     # cache is made there and its weights are copied there while it runs
     from torchplace.costmodel import device_memory
     from torchplace.hf.maps import dispatched_memory, offload_charge
@@ -363,3 +363,150 @@ def test_a_mixture_of_experts_on_the_meta_device_is_costed_by_the_experts_it_rou
                               fake_dtype=torch.bfloat16)
         flops[k] = probe.records["model.layers.0"].flops
     assert flops[2] - flops[1] == batch * seq * 3 * 2 * 64 * 128  # one more expert: gate, up and down
+
+
+# -- what accelerate and from_pretrained really do ----------------------------------------------------
+def accelerates_main(device_map):
+    """The device accelerate 1.15's dispatch_model computes offloaded blocks on (its own expression)."""
+    gpus = set(device_map.values()) - {"cpu", "disk"}
+    return list(gpus)[0] if gpus else "cpu"
+
+
+def test_offloaded_blocks_are_charged_to_the_gpu_accelerate_computes_them_on(tmp_path):
+    # a slow GPU 0 with little room and a fast GPU 1: the plan offloads and puts blocks on both;
+    # accelerate computes the offloaded ones on the lowest id its map names, not the first in order
+    from torchplace.hf.maps import offload_charge
+
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"format": "torchplace.cluster/1", "devices": ['
+                       '{"name": "cuda:0", "kind": "cuda-t4", "torch_device": "cuda:0"},'
+                       '{"name": "cuda:1", "kind": "cuda", "torch_device": "cuda:1"},'
+                       '{"name": "cpu", "kind": "cpu", "torch_device": "cpu"}]}')
+    config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=128, vocab_size=1000)
+    model = build(config, "meta")
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = {0: int(weights * 0.2), 1: int(weights * 0.7), "cpu": "1GiB"}
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=16, cluster=cluster, time_limit=2, repeats=0)
+    values = set(plan.device_map.values())
+    assert "cpu" in values and {0, 1} <= values, plan.device_map  # offloads, and both GPUs hold blocks
+    main, extra = offload_charge(plan.problem, plan.plan.stages)
+    assert extra > 0 and main == f"cuda:{accelerates_main(plan.device_map)}"
+    assert plan.memory[0] <= budget[0]  # the charge is inside GPU 0's budget
+    cost = evaluate_device_map(plan.problem, plan.device_map)
+    assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+
+
+def test_a_map_that_offloads_names_the_gpu_its_offloaded_blocks_were_priced_on():
+    """A plan offloading with nothing on GPU 0 was priced computing on GPU 0 (its kind, its links):
+    the map names GPU 0 through a module without weights, so accelerate computes there too."""
+    from torchplace.hf.maps import to_device_map
+    from torchplace.plan import Plan, Stage
+
+    model = build(gpt2_config(2), "meta")
+    problem = build_problem(model, {0: "64MiB", 1: "64MiB", "cpu": "1GiB"}, batch_size=2, sequence_length=32)
+    order = problem.graph.topological_order()
+    layers = [v for v in order if v in problem.graph.meta["hf"]["kv_cache"]]
+    stages, cur = [], None
+    for v in order:
+        dev = "cpu" if v == layers[0] else "cuda:1"
+        if cur is None or cur.device != dev:
+            stages.append(Stage(dev, (v,)))
+        else:
+            stages[-1] = Stage(dev, (*cur.nodes, v))
+        cur = stages[-1]
+    device_map = to_device_map(model, problem, Plan(stages, 0.0, 0.0, "test", 0.0))
+    check_device_map(model, device_map)
+    assert accelerates_main(device_map) == 0
+    named = [k for k, v in device_map.items() if v == 0]
+    assert len(named) == 1 and not any(True for _ in model.get_submodule(named[0]).parameters())
+    # any map is priced where accelerate would compute its offloaded blocks: here GPU 1
+    theirs = {k: v for k, v in device_map.items() if v != 0}
+    charged = evaluate_device_map(problem, theirs).memory
+    assert charged[1] > evaluate_device_map(problem, device_map).memory[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_weights_kept_in_float32_by_from_pretrained_are_counted_in_float32(dtype, tmp_path):
+    # T5's _keep_in_fp32_modules (["wo"]) stay float32 when from_pretrained loads float16, not bfloat16:
+    # every block must weigh what the loaded model's block weighs
+    from torchplace.hf.blocks import blocks_of
+
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16,
+                                   vocab_size=VOCAB, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    loaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=dtype)
+    assert any(p.dtype == torch.float32 for p in loaded.parameters()) == (dtype == torch.float16)
+    no_split = list(model._no_split_modules)
+    planned = [(b.path, b.param_bytes) for b in blocks_of(model, no_split, dtype)]
+    assert planned == [(b.path, b.param_bytes) for b in blocks_of(loaded, no_split)]
+
+
+def test_a_disk_only_budget_gives_a_map_dispatch_model_and_from_pretrained_run(tmp_path):
+    model = build(gpt2_config(2))
+    model.save_pretrained(tmp_path / "model")
+    device_map = torchplace.infer_device_map(model, {"disk": "1GiB"}, sequence_length=8, time_limit=2, repeats=0)
+    assert set(device_map.values()) == {"disk"} and "" not in device_map
+    check_device_map(model, device_map)
+    ids = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False)
+    other = build(gpt2_config(2))
+    other.load_state_dict(model.state_dict())
+    other = dispatch_model(other, device_map, offload_dir=str(tmp_path / "dispatch"))
+    assert torch.equal(other.generate(ids, max_new_tokens=3, do_sample=False), expected)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                               offload_folder=str(tmp_path / "offload"))
+    assert torch.equal(loaded.generate(ids, max_new_tokens=3, do_sample=False), expected)
+
+
+def test_accelerates_memory_strings_are_read_as_accelerate_reads_them():
+    from accelerate.utils import convert_file_size_to_int
+
+    from torchplace.hf.budget import hf_cluster
+
+    for amount in ("8Gb", "8gb", "8GB", "800Mb", "64Kb", "1.5GiB", "0.3gib"):
+        caps = {d.name: d.memory_bytes for d in hf_cluster({0: amount, "cpu": "1GiB"}).devices}
+        assert caps["cuda:0"] == convert_file_size_to_int(amount), amount
+
+
+def bad_input_cases():
+    ids = torch.randint(0, VOCAB, (2, 8))
+    vit = transformers.ViTConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                 image_size=32, patch_size=16)
+    return {
+        "seq-beyond-positions-real": (lambda: (build(gpt2_config(1)), dict(sequence_length=1000)), "at most 128"),
+        "seq-beyond-positions-meta": (lambda: (build(llama_config(1), "meta"), dict(sequence_length=129)),
+                                      "max_position_embeddings"),
+        "vision-model-no-example": (lambda: (transformers.ViTModel(vit).eval(), {}), "takes no input_ids"),
+        "sequential-no-example": (lambda: (torch.nn.Sequential(torch.nn.Linear(4, 4)), {}), "takes no input_ids"),
+        "misspelt-kwarg-real": (lambda: (build(gpt2_config(1)), dict(example_kwargs={"input_idz": ids})),
+                                "failed on its example inputs"),
+        "misspelt-kwarg-meta": (lambda: (build(gpt2_config(1), "meta"), dict(example_kwargs={"input_idz": ids})),
+                                "failed on its example inputs"),
+        "no-split-typo": (lambda: (build(gpt2_config(1), "meta"), dict(no_split_module_classes=["GPT2block"])),
+                          "did you mean 'GPT2Block'"),
+        "no-split-not-a-class": (lambda: (build(gpt2_config(1), "meta"), dict(no_split_module_classes=[3])),
+                                 "module classes or their names"),
+        "integer-dtype": (lambda: (build(gpt2_config(1), "meta"), dict(dtype=torch.int8)), "floating"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_input_cases()))
+def test_bad_inputs_are_usage_errors_naming_the_problem(case):
+    make, match = bad_input_cases()[case]
+    model, options = make()
+    with pytest.raises(UsageError, match=match):
+        plan_device_map(model, {"cpu": "1GiB"}, time_limit=2, repeats=0, **options)
+
+
+def test_cli_refuses_a_device_named_twice_and_shows_why_a_config_cannot_be_built(tmp_path, capsys):
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    gpt2_config(1).to_json_file(config)
+    assert main(["plan", "--hf", str(config), "--max-memory", "0=1MiB", "0=2GiB", "--sequence-length", "8"]) == 2
+    assert "twice" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    transformers.GPT2Config(n_layer=1, n_embd=66, n_head=4, vocab_size=VOCAB).to_json_file(bad)
+    assert main(["plan", "--hf", str(bad), "--max-memory", "cpu=1GiB"]) == 2
+    assert "divisible" in capsys.readouterr().err  # transformers' own reason

@@ -224,6 +224,10 @@ def _plan_hf(args: argparse.Namespace) -> int:
 
     if args.model is not None:
         raise UsageError("give either a built-in MODEL or --hf CONFIG.json, not both")
+    keys = [key for key, _ in args.max_memory or []]
+    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if twice is not None:
+        raise UsageError(f"--max-memory names device {twice!r} twice: give each device one amount")
     result = plan_device_map(meta_model(args.hf), dict(args.max_memory) if args.max_memory else None,
                              batch_size=args.batch or 1, sequence_length=args.sequence_length, dtype=args.dtype,
                              cluster=args.cluster, time_limit=args.time_limit or 10.0, phase=args.phase)

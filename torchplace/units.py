@@ -26,8 +26,10 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_ACCELERATE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+"""The units accelerate's ``convert_file_size_to_int`` reads (any case)."""
 _PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}  # divisors: 20 / 1e6 rounds to 2e-05
-_AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+_AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]{1,3})?)\s*([A-Za-z]*)\s*")
 
 
 def _number(value: Any, check: Any, expected: str) -> Any:
@@ -51,22 +53,40 @@ def _amount(text: str, units: Mapping[str, Any], what: str, example: str) -> tup
 def parse_memory(value: float | str) -> int:
     """Bytes from a whole number or a string like ``"20GiB"``, ``"512MB"``, ``"1.5 GB"`` (accelerate's form).
 
-    A number, or a string in bytes (no unit or ``B``), must be a whole number of bytes: ``1.7`` is
-    an error, not 1. An amount in a larger unit is converted exactly and rounded down to whole
-    bytes (``"0.3GiB"`` is 322122547 bytes: a cap is never exceeded).
+    The units accelerate 1.15's ``convert_file_size_to_int`` reads (``KiB``, ``MiB``, ``GiB``,
+    ``KB``, ``MB``, ``GB``, in any case) give the bytes it gives: ``int(float(number) * unit)``, and
+    a decimal unit written with a lower-case ``b`` is in *bits*, divided by 8 (``"8Gb"`` and
+    ``"8gb"`` are 1e9 bytes), as accelerate reads a ``max_memory`` copied from it. Beyond those,
+    ``TB`` / ``TiB`` (``"Tb"``: terabits) and bytes (no unit or ``B``) are read exactly: a number,
+    or a string in bytes, must be a whole number of bytes (``1.7`` is an error, not 1), and
+    ``"1.5TiB"`` is rounded down to whole bytes (a cap is never exceeded). A number may carry an
+    exponent, as accelerate's ``float`` reads it (``"1e3MB"``).
 
     Raises:
         UsageError: (a ``ValueError``) for a negative, fractional, non-finite or huge amount, a
-            bool, or a string that is not a number with a known unit.
+            bool, a string that is not a number with a known unit, or a lone ``b`` (bits or bytes:
+            write ``B``).
     """
     expected = "memory must be a non-negative whole number of bytes (or a string like '20GiB')"
     if not isinstance(value, str):
         return int(_number(value, non_negative_int, expected))
     amount, unit = _amount(value, _UNITS, "memory size", "bytes or a number with a unit, e.g. '20GiB', '512MB'")
-    nbytes = amount * _UNITS[unit]
-    if unit in ("", "b") and nbytes.denominator != 1:
-        raise UsageError(f"{expected}, got {brief(value)}")
-    return int(_number(math.floor(nbytes), non_negative_int, expected))
+    written = value.strip()[-len(unit):] if unit else ""
+    if written == "b":
+        raise UsageError(f"cannot read memory size {brief(value)}: a lower-case 'b' is bits in accelerate's units; "
+                         "write 'B' for bytes")
+    per = 8 if unit in ("kb", "mb", "gb", "tb") and written.endswith("b") else 1  # bits, as accelerate reads them
+    if unit in _ACCELERATE_UNITS:  # accelerate's float arithmetic, to its byte
+        product = float(amount) * _ACCELERATE_UNITS[unit] if amount < 2**1000 else math.inf
+        if not math.isfinite(product):
+            raise UsageError(f"{expected}, got {brief(value)}")
+        nbytes = int(product) // per
+    else:
+        exact = amount * _UNITS[unit] / per
+        if unit in ("", "b") and exact.denominator != 1:
+            raise UsageError(f"{expected}, got {brief(value)}")
+        nbytes = math.floor(exact)
+    return int(_number(nbytes, non_negative_int, expected))
 
 
 def parse_bandwidth(value: float | str) -> float:

@@ -26,12 +26,14 @@ then run on bfloat16 fake tensors (FLOPs and shapes are the dtype's own; bytes a
 the model's dtype). If even that fails (a kernel with no fake implementation), every block is
 costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size output per token
 (a dense upper bound on FLOPs for MoE blocks), and the result says so
-(``graph.meta["hf"]["costs"] == "structural"``).
+(``graph.meta["hf"]["costs"] == "structural"``). An error of the model's own code (inputs it does
+not take) is a :class:`~torchplace.errors.UsageError` instead, never hidden by that fallback.
 """
 from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,7 +54,7 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
 from torchplace.profiling.livebytes import LiveBytes
 
-__all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of"]
+__all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of", "kept_in_fp32"]
 
 HF_DEVICE_SPECS: dict[str, DeviceSpec] = {
     **DEVICE_SPECS,
@@ -79,21 +81,44 @@ def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * size
 
 
+def kept_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> set[int]:
+    """Ids of the tensors ``from_pretrained(..., dtype=dtype)`` loads in float32 whatever ``dtype`` says.
+
+    As transformers 5's ``PreTrainedModel._get_dtype_plan`` and ``core_model_loading`` decide it:
+    under ``float16`` the patterns of ``_keep_in_fp32_modules``, under ``float16`` or ``bfloat16``
+    those of ``_keep_in_fp32_modules_strict`` (T5's ``wo``), each a regex (``*`` as ``.*``) searched
+    in every state-dict key; a tied tensor is float32 if any of its names matches. Empty for
+    ``dtype`` ``None`` (weights counted as they are) or a model without those attributes."""
+    patterns: list[str] = []
+    if dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if not patterns:
+        return set()
+    keep = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    loaded = set(model.state_dict())
+    return {id(t) for n, t in named if n in loaded and t.is_floating_point() and keep.search(n)}
+
+
 def blocks_of(model: nn.Module, no_split: Sequence[str], dtype: torch.dtype | None = None) -> list[Block]:
     """The blocks of ``model`` in registration order (see the module docstring).
 
     A module is a block if its class name is in ``no_split``, or it has no children, or it is a
     child without parameters or buffers of its own below it (nothing to place). A module that is
     expanded may still hold tensors directly (``nn.Parameter`` attributes): those become a block
-    of their own at the module's path with ``cls`` ``"<direct>"``.
+    of their own at the module's path with ``cls`` ``"<direct>"``. Bytes are those of the tensors
+    in ``dtype`` (``None``: as they are), float32 for those :func:`kept_in_fp32`.
     """
     out: list[Block] = []
     counted: set[int] = set()  # a tied tensor's bytes count once, on the first block holding it
+    fp32 = kept_in_fp32(model, dtype)
 
     def nbytes(tensors: Sequence[torch.Tensor]) -> int:
         new = [t for t in _unique(tensors) if id(t) not in counted]
         counted.update(id(t) for t in new)
-        return sum(_tensor_bytes(t, dtype) for t in new)
+        return sum(_tensor_bytes(t, torch.float32 if id(t) in fp32 else dtype) for t in new)
 
     def visit(path: str, m: nn.Module) -> None:
         children = list(m.named_children())
@@ -203,26 +228,48 @@ def _quiet_fake_tensors() -> Iterator[None]:
         log.setLevel(level)
 
 
-_PROBE_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
+_FAKE_ERRORS = (RuntimeError, NotImplementedError)
+"""What a kernel that cannot run on fake tensors raises (``DataDependentOutputException`` and
+``UnsupportedOperatorException`` are ``RuntimeError`` s)."""
+_INPUT_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError)
+"""What a model's Python code raises for inputs it does not take (a missing ``input_ids``, a
+keyword the model does not know, an index beyond its positions)."""
+
+
+def _bad_inputs(model: nn.Module, e: BaseException) -> UsageError:
+    return UsageError(f"{type(model).__name__} failed on its example inputs ({type(e).__name__}: {e}): pass "
+                      "example_inputs / example_kwargs of one forward call the model takes")
 
 
 def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
                    repeats: int) -> tuple[_Probe | None, float]:
-    """:func:`_probe`, and the factor its bytes take to the model's own dtype. A meta model that
-    fails is probed again on bfloat16 fake tensors (grouped expert matmuls' fake kernel takes
-    nothing else), and if that fails too there is no probe (data-dependent control flow on meta
-    tensors: :func:`_structural` costs it from its parameters). A real model's failure is raised."""
+    """:func:`_probe`, and the factor its bytes take to the model's own dtype. A meta model whose
+    kernels fail on fake tensors (:data:`_FAKE_ERRORS`) is probed again on bfloat16 fake tensors
+    (grouped expert matmuls' fake kernel takes nothing else), and if that fails too there is no
+    probe (data-dependent control flow on meta tensors: :func:`_structural` costs it from its
+    parameters).
+
+    Raises:
+        UsageError: the forward pass fails on a real model, or on a meta model with an error of
+            the model's own code (:data:`_INPUT_ERRORS`): the inputs are not ones it takes, and a
+            structural guess would hide it.
+    """
+    meta = any(p.is_meta for p in model.parameters())
     try:
         return _probe(model, blocks, kwargs, repeats), 1.0
-    except _PROBE_ERRORS:
-        if not any(p.is_meta for p in model.parameters()):
-            raise
+    except _INPUT_ERRORS as e:
+        raise _bad_inputs(model, e) from e
+    except _FAKE_ERRORS as e:
+        if not meta:
+            raise _bad_inputs(model, e) from e
     if _own_dtype(model) in (None, torch.bfloat16):  # nothing another dtype would change
         return None, 1.0
     try:
         back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
         return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
-    except _PROBE_ERRORS:
+    except _INPUT_ERRORS as e:
+        raise _bad_inputs(model, e) from e
+    except _FAKE_ERRORS:
         return None, 1.0
 
 

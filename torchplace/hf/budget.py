@@ -3,12 +3,13 @@
 accelerate names devices ``0, 1, ...`` (GPU ids), ``"cpu"`` and ``"disk"``; torchplace names them
 ``"cuda:0"``, ``"cuda:1"``, ``"cpu"`` and ``"disk"`` and converts back in the map it returns. Under
 :func:`accelerate.dispatch_model` a module mapped to ``"cpu"`` (when a GPU is in the map) or to
-``"disk"`` does not compute there: its weights are streamed to the *main device* (the first GPU,
-else the CPU) before each call. Those devices therefore get kinds ``"cpu-offload"`` /
-``"disk-offload"`` whose time per block is the main device's time plus the block's weight bytes over
-the host link (the cluster's ``bandwidth``) or the disk (``disk_bandwidth``), and whose activations
-move as the main device's do (:func:`hf_cluster`'s links): one cost model, with the times the
-runtime really pays put on the graph (:func:`offload_times`).
+``"disk"`` does not compute there: its weights are streamed to the *main device*
+(:func:`main_device`: the lowest GPU id, else the CPU) before each call. Those devices therefore
+get kinds ``"cpu-offload"`` / ``"disk-offload"`` whose time per block is the main device's time
+plus the block's weight bytes over the host link (the cluster's ``bandwidth``) or the disk
+(``disk_bandwidth``), and whose activations move as the main device's do (:func:`hf_cluster`'s
+links): one cost model, with the times the runtime really pays put on the graph
+(:func:`offload_times`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from torchplace.errors import UsageError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.units import parse_memory
 
-__all__ = ["DISK_BANDWIDTH", "OFFLOAD_KINDS", "accelerate_name", "hf_cluster", "kv_cache_bytes", "offload_times"]
+__all__ = ["DISK_BANDWIDTH", "OFFLOAD_KINDS", "accelerate_name", "hf_cluster", "kv_cache_bytes", "main_device",
+           "offload_times"]
 
 OFFLOAD_KINDS = ("cpu-offload", "disk-offload")
 """Kinds of devices that only store weights: their blocks compute on the main device."""
@@ -131,18 +133,35 @@ def hf_cluster(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | No
                                   links=links, pair_bandwidth=pairs))
 
 
+def main_device(cluster: Cluster) -> str | None:
+    """The device that computes the blocks mapped to ``"cpu"`` / ``"disk"``: the cluster's first device
+    that computes (:func:`hf_cluster` lists GPUs in id order, so the lowest GPU id of ``max_memory``;
+    the CPU without a GPU); ``None`` when only ``"disk"`` is given (accelerate then computes on the CPU).
+
+    accelerate 1.15's ``dispatch_model`` (and ``from_pretrained``, which calls it without
+    ``main_device``) picks ``list(set(device_map.values()) - {"cpu", "disk"})[0]``. That set of ints
+    is built afresh, and an int hashes to itself, so CPython iterates it in ascending order when
+    every id has its own slot: ids below 8 when the map names at most four GPUs, below 32 when it
+    names five to nine (checked over every hash seed tried). So accelerate picks the lowest GPU id
+    the map names, and :func:`torchplace.hf.maps.to_device_map` names this device in every map that
+    offloads. (Beyond that its pick follows CPython's set layout, not the lowest id: pass
+    ``main_device=`` to ``dispatch_model`` there.)
+    """
+    return next((d.name for d in cluster.devices if d.kind not in OFFLOAD_KINDS), None)
+
+
 def _offload_links(cluster: Cluster) -> Cluster:
     """``cluster`` with the links activations really take to and from offload devices.
 
-    An offloaded block computes on the main device (``cluster.devices[0]``, as in
+    An offloaded block computes on the main device (:func:`main_device`, as in
     :func:`offload_times`), so its inputs and outputs never leave it: between the main device and
     an offload device, or two offload devices, nothing moves (an infinitely fast link); between
     an offload device and another GPU, they take that GPU's link with the main device. (Its
     weights' trip to the main device is in the block's time.)
     """
-    main = cluster.devices[0].name
+    main = main_device(cluster)
     offload = [d.name for d in cluster.devices if d.kind in OFFLOAD_KINDS]
-    if not offload:
+    if not offload or main is None:
         return cluster
     free = Link(math.inf, 0.0)
     links = {pair: link for pair, link in cluster.links.items() if not set(pair) & set(offload)}
@@ -161,13 +180,13 @@ def _offload_links(cluster: Cluster) -> Cluster:
 
 def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK_BANDWIDTH,
                   host_bandwidth: float | None = None) -> OpGraph:
-    """``graph`` with times for the offload kinds of ``cluster``: the main device's time plus the
-    block's weights over the host link (``"cpu-offload"``: ``host_bandwidth``, else the cluster's
-    default link) or from disk (``"disk-offload"``)."""
+    """``graph`` with times for the offload kinds of ``cluster``: the time on the kind of
+    :func:`main_device` (the CPU's when it is ``None``) plus the block's weights over the host link
+    (``"cpu-offload"``: ``host_bandwidth``, else the cluster's default link) or from disk
+    (``"disk-offload"``)."""
     kinds = {d.kind for d in cluster.devices}
-    main = cluster.devices[0].kind
-    if main in ("cpu-offload", "disk-offload"):
-        main = "cpu"
+    name = main_device(cluster)
+    main = "cpu" if name is None else cluster.device(name).kind
     host = host_bandwidth or cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
 
     def offloaded(v: str, r: NodeRecord) -> NodeRecord:

@@ -13,11 +13,14 @@ def meta_model(config_path: str | Path) -> Any:
     """The model a ``config.json`` describes, built on the meta device (nothing allocated).
 
     The class is the config's first ``architectures`` entry when transformers has it, else the
-    first of ``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``, ``AutoModel`` that takes the config.
+    first of ``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``, ``AutoModel`` whose mapping has
+    the config's class.
 
     Raises:
         MissingDependencyError: transformers is not installed.
-        UsageError: the file is not a config transformers can read, or no model class takes it.
+        UsageError: the file is not a config transformers can read, no model class takes it, or
+            the classes that take it cannot build a model from it (transformers' own error, e.g.
+            a hidden size its head count does not divide).
     """
     try:
         import torch
@@ -29,13 +32,19 @@ def meta_model(config_path: str | Path) -> Any:
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"{config_path}: not a Hugging Face config.json transformers can read ({e})") from None
     named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-    factories = [c.from_config if hasattr(c, "from_config") else c._from_config for c in named if c is not None]
-    factories += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModelForSeq2SeqLM.from_config,
-                  transformers.AutoModel.from_config]
-    for make in factories:
+    factories = [(c.__name__, c.from_config if hasattr(c, "from_config") else c._from_config)
+                 for c in named if c is not None]
+    autos = (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel)
+    factories += [(auto.__name__, auto.from_config) for auto in autos
+                  if type(config) in getattr(auto, "_model_mapping", {type(config)})]
+    failed: list[str] = []
+    for name, make in factories:
         try:
             with torch.device("meta"):
                 return make(config).eval()
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    if failed:
+        raise UsageError(f"{config_path}: transformers cannot build a model from this {type(config).__name__} "
+                         f"({failed[0]}): fix the config")
     raise UsageError(f"{config_path}: no transformers model class takes a {type(config).__name__}")

@@ -21,6 +21,7 @@ Every plan is validated by the solver; the map is checked by accelerate's own
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import time
 from collections.abc import Iterable, Mapping
@@ -45,6 +46,7 @@ from torchplace.hf.budget import (
     kv_cache_bytes,
     offload_times,
 )
+from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.maps import (
     dispatched_memory,
     main_device,
@@ -111,11 +113,13 @@ def _gib(n: int | float | None) -> str:
 
 
 def _dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """The floating dtype ``dtype`` names (``from_pretrained`` loads weights in a floating dtype)."""
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
-    raise UsageError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {brief(dtype)}")
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    raise UsageError(f"dtype must be a floating torch.dtype (the weights' dtype, as from_pretrained(dtype=) takes it) "
+                     f"or one of {sorted(_DTYPES)}, got {brief(dtype)}; for a quantized model give its compute dtype")
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -130,11 +134,21 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
     encoder-decoder models), with ``use_cache`` off where the model takes it (the KV cache is sized separately) and, for a model that generates,
     ``logits_to_keep=1`` as ``generate()`` passes it (logits of the last token only)."""
     kwargs = dict(example_kwargs or {})
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in kwargs if k not in params and not takes_any]
+    if unknown:
+        raise UsageError(f"example_kwargs names {unknown[0]!r}, which {type(model).__name__}.forward does not take; "
+                         f"it takes {list(params)}")
     if example_inputs is not None and example_inputs != ():
         args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        names = [n for n in inspect.signature(model.forward).parameters if n not in kwargs]
+        names = [n for n in params if n not in kwargs]
         kwargs.update(dict(zip(names, args)))
     if not kwargs:
+        if "input_ids" not in params:
+            raise UsageError(f"{type(model).__name__}.forward takes no input_ids, so no example inputs can be made "
+                             "for it: pass example_inputs= or example_kwargs= (one forward call, e.g. "
+                             "{'pixel_values': ...} for a vision model)")
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
         ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
         kwargs["input_ids"] = ids.to(_device_of(model))
@@ -142,7 +156,6 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = kwargs["input_ids"]
-    params = inspect.signature(model.forward).parameters
     if "use_cache" in params:
         kwargs.setdefault("use_cache", False)
     can = getattr(model, "can_generate", None)
@@ -152,11 +165,39 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
 
 
 def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
+    """Class names of the modules never split: ``classes`` (each a module class or its name, and
+    each a class of some module of ``model``), else the model's ``_no_split_modules``."""
     if classes is None:
         return list(getattr(model, "_no_split_modules", None) or [])
     if isinstance(classes, (str, type)):
         classes = [classes]
-    return [c if isinstance(c, str) else c.__name__ for c in classes]
+    items = list(classes) if isinstance(classes, Iterable) else [classes]
+    bad = [c for c in items if not isinstance(c, (str, type))]
+    if bad:
+        raise UsageError(f"no_split_module_classes takes module classes or their names, got {brief(bad[0])}")
+    names = [c if isinstance(c, str) else c.__name__ for c in items]
+    present = sorted({type(m).__name__ for m in model.modules()})
+    for name in names:
+        if name not in present:
+            near = difflib.get_close_matches(name, present, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise UsageError(f"no_split_module_classes names {name!r}, but {type(model).__name__} has no module of "
+                             f"that class: {hint}its classes are {present}")
+    return names
+
+
+def _check_positions(model: nn.Module, sequence_length: int) -> None:
+    """Raise if ``sequence_length`` is beyond the positions the model's config gives
+    (``n_positions`` / ``max_position_embeddings``): the model cannot run, or generate, that far."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("n_positions", "max_position_embeddings"):
+        limit = getattr(text, attr, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            if sequence_length > limit:
+                raise UsageError(f"sequence_length {sequence_length} is beyond the {limit} positions of "
+                                 f"{type(model).__name__} (config.{attr}): lower sequence_length to at most {limit}")
+            return
 
 
 def _load_cluster(cluster: Cluster | str | Path | None) -> Cluster | None:
@@ -196,6 +237,7 @@ def build_problem(
                          "model (whose encoder does not run per token) use phase='prefill'")
     batch_size = positive_int(batch_size, "batch_size")
     sequence_length = positive_int(sequence_length, "sequence_length")
+    _check_positions(model, sequence_length)
     torch_dtype = _dtype(dtype)
     hw = hf_cluster(max_memory, _load_cluster(cluster))
     kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
@@ -231,7 +273,8 @@ def _host_bandwidth(model: nn.Module, hw: Cluster) -> float | None:
     """Bytes/s of accelerate's offload (each forward copies a CPU-mapped block's weights from
     pageable memory to the main GPU), measured when that GPU is attached and the model has real
     weights; else None (the cluster's default link)."""
-    main = hw.devices[0]
+    name = budget_main(hw)
+    main = hw.devices[0] if name is None else hw.device(name)
     offload = any(d.kind == "cpu-offload" for d in hw.devices)
     if not offload or _device_of(model).type == "meta" or not main.torch_device.startswith("cuda") \
             or not torch.cuda.is_available() or torch.device(main.torch_device).index >= torch.cuda.device_count():
@@ -362,7 +405,7 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
     _check_fits(problem)
     plan = _solve_dispatched(problem, time_limit)
     kv = problem.graph.meta["hf"].get("kv_cache", {})
-    main = main_device(problem, plan.stages)
+    main = main_device(problem)
     held: dict[int | str, int] = {}
     for s in plan.stages:
         where = main if main is not None and problem.cluster.device(s.device).kind in OFFLOAD_KINDS else s.device
@@ -386,10 +429,9 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     plan's problem charges less than the truth, so its bound holds; when that plan overfills the main
     device, the problem is solved again with that device's budget lowered by what the last plan
     put there (a restriction: its plans fit where the charge does not grow); if that does not
-    settle it, the better of two last resorts: no offloading at all, and every GPU's budget
+    settle it, the better of two last resorts: no offloading at all, and the main device's budget
     lowered by the most any map can put there (every block's KV cache and the largest block's
-    weights), after which every plan fits whichever GPU the map names first. A plan of a
-    restriction keeps the first plan's bound.
+    weights), after which every plan fits. A plan of a restriction keeps the first plan's bound.
 
     Raises:
         InfeasibleError: if neither last resort has a plan that fits.
@@ -431,13 +473,14 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
         if fits(found):
             return found
         plan = found
-    # last: no offload at all, or room on every computing device for the most any map offloads there
+    # last: no offload at all, or room on the main device for the most any map offloads there
     g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
     most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
-    gpus = [d.name for d in problem.cluster.devices if d.kind not in OFFLOAD_KINDS and d.name in caps]
+    main = main_device(problem)
     offload = [d.name for d in problem.cluster.devices if d.kind in OFFLOAD_KINDS]
     found_plans = [p for p in (restricted(dict.fromkeys(offload, 0), "none") if offload else None,
-                               restricted({d: caps[d] - most for d in gpus}, f"room kept: {_gib(most)} per GPU"))
+                               restricted({main: caps[main] - most}, f"room kept: {_gib(most)} on {main}")
+                               if main is not None and main in caps else None)
                    if p is not None and fits(p)]
     if not found_plans:
         raise InfeasibleError(f"every map that fits the weights overfills the device that computes the offloaded blocks "

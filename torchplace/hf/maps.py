@@ -16,11 +16,12 @@ from torch import nn
 from torchplace.costmodel import device_memory, evaluate_stages
 from torchplace.errors import InfeasibleError, UsageError
 from torchplace.hf.budget import OFFLOAD_KINDS, accelerate_name
+from torchplace.hf.budget import main_device as budget_main
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "collapse", "dispatched_memory", "evaluate_device_map", "main_device", "offload_charge",
-           "to_device_map", "with_reserve", "within_budgets"]
+__all__ = ["MapCost", "accelerate_main", "collapse", "dispatched_memory", "evaluate_device_map", "main_device",
+           "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -46,38 +47,48 @@ def with_reserve(problem: Problem, memory: Mapping[str, int]) -> dict[int | str,
             for d, b in memory.items()}
 
 
-def main_device(problem: Problem, stages: Sequence[Stage]) -> str | None:
-    """The device accelerate's ``dispatch_model`` computes offloaded blocks on: the first device in
-    the map (blocks in order) that is not an offload device; when every block is offloaded, the
-    cluster's first device that computes, which :func:`to_device_map` then names in the map
-    (``None`` if the cluster has none)."""
-    for s in stages:
-        if problem.cluster.device(s.device).kind not in OFFLOAD_KINDS:
-            return s.device
-    return next((d.name for d in problem.cluster.devices if d.kind not in OFFLOAD_KINDS), None)
+def main_device(problem: Problem) -> str | None:
+    """The device the blocks torchplace maps to ``"cpu"`` / ``"disk"`` compute on:
+    :func:`torchplace.hf.budget.main_device` of the problem's cluster (the lowest GPU id of
+    ``max_memory``, which :func:`to_device_map` names in every map that offloads, so that accelerate
+    picks it too; the CPU without a GPU; ``None`` with ``"disk"`` alone)."""
+    return budget_main(problem.cluster)
 
 
-def offload_charge(problem: Problem, stages: Sequence[Stage]) -> tuple[str | None, int]:
-    """The main device and the bytes the blocks offloaded to ``"cpu"`` / ``"disk"`` put on it.
+def accelerate_main(problem: Problem, device_map: Mapping[str, Any]) -> str | None:
+    """The device (torchplace name) accelerate's ``dispatch_model`` computes ``device_map``'s
+    offloaded blocks on: the lowest GPU id among its values (``list(set(values) - {"cpu", "disk"})[0]``
+    for small ids, :func:`torchplace.hf.budget.main_device`), else the CPU."""
+    ids = (str(v).removeprefix("cuda:") for v in device_map.values())
+    gpus = sorted({int(i) for i in ids if i.isdigit()})
+    name = f"cuda:{gpus[0]}" if gpus else "cpu"
+    return name if any(d.name == name for d in problem.cluster.devices) else None
+
+
+def offload_charge(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> tuple[str | None, int]:
+    """The main device (``main``, default :func:`main_device`) and the bytes the blocks offloaded to
+    ``"cpu"`` / ``"disk"`` put on it.
 
     Measured on an H100 (GPT-2 small, half its weights on cuda:0, the rest offloaded): an offloaded
     block computes on the main device, so its KV cache is made and kept there, and its weights are
     copied there while it runs (one block at a time). So the main device holds, beyond its own
     blocks, the KV cache of every offloaded block and the largest offloaded block's weights. The
     offload devices are still charged their blocks' KV cache (room that stays unused: safe)."""
-    main = main_device(problem, stages)
+    main = main_device(problem) if main is None else main
     g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
-    away = [v for s in stages if problem.cluster.device(s.device).kind in OFFLOAD_KINDS for v in s.nodes]
+    away = [v for s in stages if problem.cluster.device(s.device).kind in OFFLOAD_KINDS and s.device != main
+            for v in s.nodes]
     if main is None or not away:
         return main, 0
     return main, sum(kv.get(v, 0) for v in away) + max(g.record(v).param_bytes for v in away)
 
 
-def dispatched_memory(problem: Problem, stages: Sequence[Stage]) -> dict[str, int]:
+def dispatched_memory(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> dict[str, int]:
     """Bytes per device (torchplace names) of the map of ``stages`` run by ``dispatch_model``:
-    :func:`~torchplace.costmodel.device_memory` plus :func:`offload_charge` on the main device."""
+    :func:`~torchplace.costmodel.device_memory` plus :func:`offload_charge` on the main device
+    (``main``, default :func:`main_device`)."""
     memory = dict(device_memory(problem, stages))
-    main, extra = offload_charge(problem, stages)
+    main, extra = offload_charge(problem, stages, main)
     if main is not None and extra:
         memory[main] = memory.get(main, 0) + extra
     return memory
@@ -97,15 +108,21 @@ def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, i
     Blocks without parameters or buffers (dropout, activations) are left out: they hold nothing to
     place and run where their input is (the problem colocates them with the block before them). A
     block whose only tensors are non-persistent buffers (a rotary embedding's ``inv_freq``) is
-    listed, but on the main device rather than ``"disk"``: accelerate offloads a module to disk
-    from the state dict, which lacks such buffers."""
+    listed, but on the main device rather than an offload device: accelerate offloads a module to
+    disk from the state dict, which lacks such buffers, and moves the buffers of a ``"cpu"`` one to
+    the main device anyway. A map that offloads names the main device (:func:`main_device`), through
+    a module without weights when no block is there, so that accelerate computes the offloaded
+    blocks where they were priced. A map that sends everything to ``"disk"`` lists the model's
+    top-level modules: accelerate's ``dispatch_model`` cannot offload ``{"": "disk"}``."""
     paths = problem.graph.meta["hf"]["modules"]
     holders = _owners(n for n, _ in [*model.named_parameters(remove_duplicate=False),
                                      *model.named_buffers(remove_duplicate=False)])
     persistent = _owners(model.state_dict())
-    main = accelerate_name(problem.cluster.devices[0].name)
+    computing = main_device(problem)
+    main = "cpu" if computing is None else accelerate_name(computing)
     leaves: dict[str, int | str] = {}
     for s in plan.stages:
+        offloaded = problem.cluster.device(s.device).kind in OFFLOAD_KINDS
         for v in s.nodes:
             r, path = problem.graph.record(v), paths[v]
             if r.op == "block:<direct>":
@@ -114,24 +131,29 @@ def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, i
                 names = (path,)
             else:
                 continue
-            device = accelerate_name(s.device)
-            if device == "disk" and not _holds(persistent, path) and r.op != "block:<direct>":
-                device = main if main != "disk" else "cpu"
-            leaves.update(dict.fromkeys(names, device))
+            buffers_only = r.op != "block:<direct>" and not _holds(persistent, path)
+            leaves.update(dict.fromkeys(names, main if offloaded and buffers_only else accelerate_name(s.device)))
     if not leaves:
         return {"": accelerate_name(plan.stages[0].device)}
-    computing = main_device(problem, plan.stages)
-    if computing is not None and all(problem.cluster.device(s.device).kind in OFFLOAD_KINDS for s in plan.stages):
-        leaves = {_weightless(model, leaves, computing): accelerate_name(computing), **leaves}
-    return collapse(leaves)
+    if computing is not None and isinstance(main, int) and main not in leaves.values() \
+            and {"cpu", "disk"} & set(leaves.values()):
+        leaves = {_weightless(model, leaves, computing): main, **leaves}
+    out = collapse(leaves)
+    return _top_level(model, leaves) if out == {"": "disk"} else out
+
+
+def _top_level(model: nn.Module, leaves: Mapping[str, int | str]) -> dict[str, int | str]:
+    """``leaves`` (all on one device) as the model's top-level modules and direct tensors."""
+    names = [n for k in leaves for n in (_direct_names(model, "") if not k else (k.partition(".")[0],))]
+    return {n: leaves[next(iter(leaves))] for n in dict.fromkeys(names)}
 
 
 def _weightless(model: nn.Module, leaves: Mapping[str, Any], device: str) -> str:
     """A module without weights outside every entry of ``leaves``, to name ``device`` in the map.
 
-    accelerate computes offloaded blocks on the first GPU its map names, and on the CPU when it
-    names none; a plan that offloads every block was priced computing on ``device``, so the map
-    must name it: a weightless module (a dropout) mapped there does, and holds nothing.
+    accelerate computes offloaded blocks on the lowest GPU id its map names, and on the CPU when it
+    names none; a plan that offloads was priced computing them on ``device``, so the map must name
+    it: a weightless module (a dropout) mapped there does, and holds nothing.
 
     Raises:
         InfeasibleError: if the model has no such module.
@@ -140,9 +162,10 @@ def _weightless(model: nn.Module, leaves: Mapping[str, Any], device: str) -> str
         if path and not any(True for _ in m.parameters()) and not any(True for _ in m.buffers()) and not any(
                 path == k or path.startswith(f"{k}.") or not k for k in leaves):
             return path
-    raise InfeasibleError(f"every block is offloaded and computes on {device}, but accelerate would compute them on "
-                          f"the CPU: the map cannot name {device} without a module to put there; raise its max_memory "
-                          "so that a block fits there, or lower batch_size or sequence_length")
+    raise InfeasibleError(f"the plan offloads blocks that compute on {device} but puts no block there, and the model "
+                          f"has no module without weights to name {device} in the map (accelerate would compute them "
+                          f"elsewhere): raise the max_memory of {device} so that a block fits there, or lower "
+                          "batch_size or sequence_length")
 
 
 def _direct_names(model: nn.Module, path: str) -> tuple[str, ...]:
@@ -181,6 +204,8 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     key covers (a module without weights) runs where the block before it runs. The plan is
     evaluated by :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map
     that breaks a budget (or splits tied weights) is still timed and reported as not fitting.
+    Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
+    their time is that of :func:`main_device`'s kind, the same GPU for any map that names it.
     """
     paths = problem.graph.meta["hf"]["modules"]
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
@@ -201,7 +226,7 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
         else:
             stages.append(Stage(prev, (v,)))
     seconds, _ = evaluate_stages(problem, stages)
-    memory = dispatched_memory(problem, stages)
+    memory = dispatched_memory(problem, stages, accelerate_main(problem, device_map))
     return MapCost(seconds, within_budgets(problem, memory), with_reserve(problem, memory))
 
 
