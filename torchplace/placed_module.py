@@ -405,8 +405,8 @@ def _shape_error(error: StageError) -> UsageError | None:
             f"the placed model was traced for inputs with {guard}, which this call breaks: the export found that the "
             "model runs only within that range (a table of that many positions, say); call it within the range")
     named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
-    name, dim = (named.group(1), int(named.group(2))) if named else ("input_ids", 1)
+    example = f"dynamic_dims={{{named.group(1)!r}: [{named.group(2)}]}}" if named else "dynamic_dims={input: [dims]}"
     return UsageError(
         f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
-        f"vary when placing (place(..., dynamic_dims={{{name!r}: [{dim}]}}) or dynamic_dims='auto'), or place the "
-        "model again with an example of this shape")
+        f"vary when placing (place(..., {example}) or dynamic_dims='auto'), or place the model again with an "
+        "example of this shape")

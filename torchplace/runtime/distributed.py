@@ -238,14 +238,15 @@ class EngineStage(nn.Module):
         batch norm's statistics, which garbage made NaN) are put back before the first micro-batch
         runs (:meth:`settle`; not at once: the engine's backward shape inference still reads what
         this forward saved), the random numbers it draws are drawn again, and its inputs are
-        zeros (token ids of garbage failed an embedding)."""
+        zeros, and ones for integers and booleans (token ids of garbage failed an embedding; an
+        integer count of zero would fail a division)."""
         from torchplace.profiling.effects import StateSnapshot
 
         if self.slot.index > 0:  # the first stage's are the caller's own tensors
             with torch.no_grad():
                 for t in flat:
-                    if isinstance(t, torch.Tensor):
-                        t.zero_()
+                    if isinstance(t, torch.Tensor):  # ones where a count or an index may divide
+                        t.fill_(0 if t.is_floating_point() or t.is_complex() else 1)
         cuda = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
         if self._written is None:
             self._written = StateSnapshot(self)
@@ -479,9 +480,10 @@ class DistributedPipeline:
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
         """One training step: forward and backward of every micro-batch by the schedule. The
-        parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (the engine
-        scales by ``1 / microbatches``; with ``replicas``, averaged over the copies: the mean over
-        the whole batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
+        parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (this step's
+        gradients are scaled by ``1 / microbatches`` here, once per parameter, then added to what
+        earlier steps left; with ``replicas``, averaged over the copies: the mean over the whole
+        batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
         last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
         rank's ``optimizer.step()`` after it."""
         if not isinstance(target, torch.Tensor):
@@ -492,18 +494,24 @@ class DistributedPipeline:
         target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
         params = self.parameters()
-        before = [None if p.grad is None else p.grad.clone() for p in params]  # what earlier steps accumulated
-        self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
-        for p, had in zip(params, before):  # this step's sum over micro-batches alone
-            if p.grad is not None and had is not None:
-                p.grad.sub_(had)
-        if self._shared:
-            self._guard(self._sync_shared_grads)
+        before = [p.grad for p in params]  # what earlier steps accumulated, set aside: this step's alone
+        for p in params:
+            p.grad = None
+        try:
+            self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
+            if self._shared:
+                self._guard(self._sync_shared_grads)
+        except BaseException:
+            for p, had in zip(params, before):  # a failed step adds nothing
+                p.grad = had
+            raise
         for p, had in zip(params, before):  # the mean micro-batch loss's, added to what was there
-            if p.grad is not None:
+            if p.grad is None:
+                p.grad = had
+            elif had is not None:
+                p.grad = had.add_(p.grad.div_(self.microbatches))
+            else:
                 p.grad.div_(self.microbatches)
-                if had is not None:
-                    p.grad.add_(had)
         replicas = self.replicas
         if replicas is None:
             return [loss.detach() for loss in losses]
