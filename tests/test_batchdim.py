@@ -46,6 +46,15 @@ class BatchSum(nn.Module):
         return {"h": h, "total": h.sum()}
 
 
+class ReturnsItsBatchSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.a(x), x.shape[0]
+
+
 def _sequence_first() -> nn.Module:
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False: (sequence, batch, features)
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
@@ -67,6 +76,8 @@ def test_outputs_that_read_no_batch_come_back_once(trace_method: str) -> None:
     (BatchMax(), r"model output \[1\] has shape \(8,\) for 2 samples and \(8,\) for 1: its dim 0 is not the batch"),
     (BatchSum(), r"model output \['total'\] is a scalar computed from the batch"),
     (_sequence_first(), r"the model.s output for the example.s last 1 sample alone differs .* batch_first=True"),
+    # a number was taken from the first micro-batch: 4 where the model returns 8 (found by fuzzing)
+    (ReturnsItsBatchSize(), r"model output \[1\] is a Python int that depends on the batch \(2 on 2 samples, 1 on 1\)"),
 ])
 def test_an_output_that_mixes_the_batch_is_refused(model: nn.Module, match: str) -> None:
     """Joining micro-batches would silently give another output: a reduction over the batch, a

@@ -164,6 +164,28 @@ def test_a_python_number_crossing_engine_stages_is_computed_from_the_tensors_rec
         assert len(got) == 2 and all(torch.equal(g, e) for g, e in zip(got, expected))
 
 
+def test_a_python_number_the_model_returns_is_refused_before_communication():
+    """The engine returns only tensors: it failed in the last stage's forward, telling to keep the
+    value inside a stage, which cannot be done with an output (found by fuzzing)."""
+    from torchplace.profiling import trace
+    from torchplace.runtime import GraphIO
+    from torchplace.runtime.distributed import computed_numbers
+    from torchplace.runtime.split import compute_nodes
+
+    class ReturnsItsLength(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x), x.shape[1]
+
+    traced = trace(ReturnsItsLength(), (torch.randn(4, 6),), {}, method="export", dynamic_dims={"x": [1]})
+    names = [n.name for n in compute_nodes(traced.gm.graph)]
+    stages = split_stages(traced.gm, {n: int(i >= len(names) // 2) for i, n in enumerate(names)}, 2)
+    io = GraphIO(traced.gm)
+    slots = live_values(engine_layout([0, 1], 2), stages, io.placeholder_names, io.output_names,
+                        [n.name for n in traced.gm.graph.nodes])
+    with pytest.raises(UnsupportedError, match=r"the model returns .*, a Python number.*return it as a tensor"):
+        computed_numbers(slots, stages, {n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
+
+
 def test_a_python_number_no_received_tensor_determines_is_refused_by_name():
     """Split before ``expand``: its stage receives the column sums, of shape (12,), and ``n``,
     which no size it receives holds."""

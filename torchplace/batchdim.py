@@ -142,16 +142,29 @@ def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
     random = any(draws_random_numbers(gm, n) for n in gm.graph.nodes)
     joined = []
     for (path, both), single, read in zip(pair, alone, reads):
+        what = f"model output {pytree.keystr(path)}" if path else "the model's output"
         if not isinstance(both, torch.Tensor):
+            if not _same_value(both, single):  # a batch size the model returns, say
+                raise MicrobatchError(
+                    f"{what} is a Python {type(both).__name__} that depends on the batch ({both!r} on {2 * one} samples, "
+                    f"{single!r} on {one}): micro-batches would return one micro-batch's; return it as a tensor "
+                    "with a batch dimension or compute it outside the model, or place it with microbatches=1")
             joined.append(True)  # gather takes it from the first micro-batch anyway
             continue
         if not read:
             joined.append(False)
             continue
-        what = f"model output {pytree.keystr(path)}" if path else "the model's output"
         _check_output(what, both, single, one, values=not random)
         joined.append(True)
     return tuple(joined)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two non-tensor outputs are the same value (not comparable: taken as the same)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a usable ==
+        return True
 
 
 def joined_outputs(runs: Runs, m: int) -> tuple[bool, ...] | MicrobatchError | None:

@@ -173,13 +173,13 @@ def computed_numbers(slots: Sequence[EngineSlot], stages: Sequence[StageModule],
     """``slots`` with the Python numbers that cross between them computed by their readers.
 
     A number (``examples[name]``, a node's ``meta["val"]``, is a symbolic or plain ``int``,
-    ``float`` or ``bool``) leaves no engine stage but the last; each engine stage computes the
-    numbers its pieces read, and that it does not make itself, from the sizes of the tensors it
-    receives (:mod:`torchplace.runtime.dist_numbers`). The first stage receives the model inputs
-    as they are.
+    ``float`` or ``bool``) leaves no engine stage; each engine stage computes the numbers its
+    pieces read, and that it does not make itself, from the sizes of the tensors it receives
+    (:mod:`torchplace.runtime.dist_numbers`). The first stage receives the model inputs as they are.
 
     Raises:
-        UnsupportedError: a number no received tensor's shape determines (before any communication).
+        UnsupportedError: a number no received tensor's shape determines, or one the model returns
+            (the engine returns only tensors); before any communication.
     """
     numbers = {n for n, v in examples.items() if is_number(v)}
     out = []
@@ -191,11 +191,16 @@ def computed_numbers(slots: Sequence[EngineSlot], stages: Sequence[StageModule],
         for piece in slot.pieces:
             needed += [n for n in stages[piece].inputs if n in numbers and n not in have and n not in needed]
             have.update(stages[piece].outputs)
-        if last:
-            needed += [n for n in outputs if n in numbers and n not in have and n not in needed]
+        if last and numbers.intersection(outputs):
+            raise UnsupportedError(_returned_number(sorted(numbers.intersection(outputs))[0]))
         rules = tuple(number_rule(n, examples[n], inputs, examples, slot.index) for n in needed)
         out.append(EngineSlot(slot.index, slot.rank, slot.pieces, inputs, outputs, rules))
     return out
+
+
+def _returned_number(name: str) -> str:
+    return (f"the model returns {name!r}, a Python number, but torch.distributed.pipelining returns only tensors: "
+            "return it as a tensor (torch.tensor(...)), or compute it outside the model")
 
 
 def _crossing(made: Mapping[str, int], last: Mapping[str, int], k: int, rank: Mapping[str, int]) -> tuple[str, ...]:
@@ -296,7 +301,8 @@ def _sendable(name: str, value: Any, slot: EngineSlot, copy: bool) -> torch.Tens
         raise UnsupportedError(
             f"value {name!r} leaves engine stage {slot.index} but is a {type(value).__name__}, not a tensor: "
             "torch.distributed.pipelining sends only tensors between stages; place so that this value does not "
-            "cross a stage boundary (e.g. keep its producer and readers in one module with leaf_modules=...)"
+            "cross a stage boundary (e.g. keep its producer and readers in one module with leaf_modules=...). "
+            "If the model returns it, return it as a tensor: the engine returns only tensors"
         )
     if copy or value._is_view():
         return value.clone(memory_format=torch.contiguous_format)
