@@ -706,6 +706,13 @@ def test_a_checkpoint_of_other_shapes_is_refused_and_unsaved_buffers_are_not_ask
     assert torch.equal(model.bias, checkpoint["bias"]) and torch.equal(model.scale, torch.ones(8))
     with pytest.raises(UsageError, match=r"state_dict\['bias'\] has shape \(1,\), but the model's 'bias' has \(8,\)"):
         placed._load(model, {**checkpoint, "bias": torch.ones(1)})
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))  # a checkpoint saving a tied weight once
+    tied[1].weight = tied[0].weight
+    placed.pipeline = _Rank(tied)
+    placed._load(tied, {"0.weight": torch.ones(10, 4)})
+    assert torch.equal(tied[1].weight, torch.ones(10, 4))
+    with pytest.raises(UsageError, match=r"state_dict has no '0.weight'"):
+        placed._load(tied, {})
 
 
 def test_a_meta_model_keeps_its_tied_weights_and_refuses_buffers_no_checkpoint_holds():
@@ -722,6 +729,19 @@ def test_a_meta_model_keeps_its_tied_weights_and_refuses_buffers_no_checkpoint_h
     model.register_buffer("inv_freq", torch.ones(2, device="meta"), persistent=False)
     with pytest.raises(UsageError, match=r"buffer 'inv_freq' .* not saved in a state_dict"):
         _materialize_lazily(model, state_dict={})
+
+
+def test_placing_a_model_again_after_its_other_ranks_tensors_were_freed_says_so():
+    """It blamed the meta device and asked for state_dict= (found by fuzzing)."""
+    from torchplace.distributed import _FREED, _materialize_lazily
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = nn.Parameter(model[1].weight.to("meta"))  # as the first placement left it
+    _FREED.add(model)
+    with pytest.raises(UsageError, match=r"placed before in this process.*copy.deepcopy\(model\)"):
+        _materialize_lazily(model, state_dict=None)
+    _materialize_lazily(model, state_dict={})  # with a checkpoint it is loaded again
+    assert not model[1].weight.is_meta
 
 
 def test_a_model_input_without_the_batch_rows_is_refused_by_name():

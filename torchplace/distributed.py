@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,10 @@ def place(
         raise
 
 
+_FREED: weakref.WeakSet = weakref.WeakSet()
+"""Models whose other ranks' tensors a placement in this process moved to the meta device."""
+
+
 def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
     """Give a model built on the meta device CPU memory that is never written before this rank
     loads its own slice of ``state_dict`` into it.
@@ -205,6 +210,10 @@ def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
     """
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return
+    if model in _FREED and state_dict is None:
+        raise UsageError("this model was placed before in this process, and that placement freed the tensors of the "
+                         "other ranks' stages (they are on the meta device now): place a copy made before the first "
+                         "placement (copy.deepcopy(model)), or pass state_dict= to load them again")
     if state_dict is None:
         raise UsageError("the model is on the meta device: pass state_dict= (a checkpoint, mapping or torch.save file), "
                          "from which each rank loads its own stages' tensors")
@@ -387,6 +396,8 @@ class DistributedPlaced:
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
             if id(t) in self.pipeline.freed:
                 getattr(owner, kind)[slot] = self.pipeline.freed[id(t)]
+        if self.pipeline.freed:
+            _FREED.add(traced.model)
         if state_dict is not None:
             self._load(traced.model, state_dict)
 
@@ -433,12 +444,17 @@ class DistributedPlaced:
         source = torch.load(state_dict, mmap=True, weights_only=True) if isinstance(state_dict, (str, Path)) else state_dict
         mine = {id(t) for m in self.pipeline.modules for t in [*m.parameters(), *m.buffers()]}
         saved = set(model.state_dict(keep_vars=True))  # not the buffers registered with persistent=False
-        named = [(n, t) for n, t in [*model.named_parameters(remove_duplicate=False),
-                                     *model.named_buffers(remove_duplicate=False)] if id(t) in mine and n in saved]
-        missing = [n for n, _ in named if n not in source]
+        names: dict[int, list[str]] = {}  # a tied tensor's names: any one of them will do (save_pretrained keeps one)
+        tensors: dict[int, torch.Tensor] = {}
+        for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            if id(t) in mine and n in saved:
+                names.setdefault(id(t), []).append(n)
+                tensors[id(t)] = t
+        missing = [held[0] for held in names.values() if not any(n in source for n in held)]
         if missing:
             raise UsageError(f"state_dict has no {missing[0]!r} (and {len(missing) - 1} more of this rank's tensors): "
                              "pass a checkpoint of this model (model.state_dict())")
+        named = [(next(n for n in held if n in source), tensors[key]) for key, held in names.items()]
         for n, t in named:
             if tuple(source[n].shape) != tuple(t.shape):
                 raise UsageError(f"state_dict[{n!r}] has shape {tuple(source[n].shape)}, but the model's {n!r} has "
