@@ -165,3 +165,18 @@ def test_a_size_of_one_the_trace_does_not_compute_as_the_model_is_refused():
             assert torch.equal(placed(x), torch.cat([model(c) for c in x.tensor_split(2)])), n
         with pytest.raises(UsageError, match=r"dim 1 of 'x' has size one"):
             placed(torch.randn(4, 1, 8))
+
+
+def test_a_training_placement_serves_every_declared_length_in_eval_mode_too():
+    """Its eval-mode graph was traced again without the declared dims, and a call at another
+    length was refused, asking to declare them (found by fuzzing)."""
+    model = _gpt2()
+    config = model.config
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    model = transformers.GPT2LMHeadModel(config).train()
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=_call(16), mode="training",
+                              dynamic_dims={"input_ids": [1], "attention_mask": [1]}, allow_single_device=False, **QUICK)
+    placed.eval()
+    with torch.no_grad():
+        for n in (5, 16):
+            assert _equal_split(placed(**_call(n)), model, _call(n), "logits"), n

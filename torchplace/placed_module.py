@@ -217,7 +217,7 @@ class PlacedModule(nn.Module):
             args, kwargs = self._example
             with torch.no_grad():
                 other = trace(model, args, kwargs, granularity=traced.granularity, leaf_modules=traced.leaf_types,
-                              method=traced.method)
+                              method=traced.method, dynamic_dims=traced.dynamic_dims)
             known = {f: i for i, stage in enumerate(self._stages) for f in _fx_names(stage)}
             stage_of = stage_assignment(other.gm.graph, other.effects, known, self._workers)
             stages = split_stages(other.gm, stage_of, len(self._stages), other.effects)

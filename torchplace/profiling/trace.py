@@ -59,7 +59,7 @@ class Traced:
         effects: the graph's in-place writes and what they force on a placement
             (:mod:`torchplace.profiling.effects`).
         model: the traced model (whose parameters and buffers ``gm`` shares).
-        granularity, leaf_types: how it was traced (to trace it again alike).
+        granularity, leaf_types, dynamic_dims: how it was traced (to trace it again alike).
     """
 
     gm: fx.GraphModule
@@ -69,6 +69,7 @@ class Traced:
     model: nn.Module | None = None
     granularity: str = "operator"
     leaf_types: tuple[type, ...] = ()
+    dynamic_dims: DynamicDims = None
 
     def flat_inputs(self, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
         """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
@@ -397,4 +398,4 @@ def trace(
     grouping = replace(effects, merged=effects.merged + effects.colocated, colocated=()) if training else effects
     graph = build_opgraph(gm, model, leaf_types=leaf_types, module_level=module_level, method=used, effects=grouping)
     return Traced(gm=gm, graph=graph, method=used, effects=effects, model=model, granularity=granularity,
-                  leaf_types=leaf_types)
+                  leaf_types=leaf_types, dynamic_dims=dynamic_dims)
