@@ -180,3 +180,28 @@ def test_a_training_placement_serves_every_declared_length_in_eval_mode_too():
     with torch.no_grad():
         for n in (5, 16):
             assert _equal_split(placed(**_call(n)), model, _call(n), "logits"), n
+
+
+def test_a_training_step_at_a_length_the_trace_fixed_is_a_usage_error_naming_the_fix():
+    """The step raised the graph's raw guard failure inside a StageError (found by fuzzing)."""
+    model = _gpt2().train()
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], example_kwargs=_call(16), mode="training",
+                              allow_single_device=False, **QUICK)
+    loss_fn = lambda out, target: out["logits"].float().pow(2).mean()  # noqa: E731
+    with pytest.raises(UsageError, match=r"size\(\)\[1\] == 16.*dynamic_dims=\{'input_ids': \[1\]\}"):
+        placed.step(**_call(8), target=torch.zeros(2), loss_fn=loss_fn)
+
+
+def test_the_sizes_a_trace_fixed_are_checked_before_a_runtime_that_runs_no_guard():
+    """torch.distributed ranks met the guard inside the engine's forward, after communicating
+    (found by fuzzing): CallSizes.check_fixed refuses such a call first, with the same message."""
+    from torchplace.batchdim import CallSizes
+    from torchplace.profiling import trace
+
+    traced = trace(_gpt2(), (), _call(16), method="export")
+    sizes = CallSizes(gm=traced.gm)
+    sizes.check_fixed((), _call(16))
+    with pytest.raises(UsageError, match=r"input_ids.size\(\)\[1\] == 16.*dynamic_dims=\{'input_ids': \[1\]\}"):
+        sizes.check_fixed((), _call(8))
+    dynamic = trace(_gpt2(), (), _call(16), method="export", dynamic_dims={"input_ids": [1], "attention_mask": [1]})
+    CallSizes(gm=dynamic.gm).check_fixed((), _call(8))

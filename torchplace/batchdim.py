@@ -28,6 +28,7 @@ on a size of one does (``if x.shape[1] == 1:``, ``L - 1 if L > 1 else 1``). For 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,32 @@ def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
         _check_output(what, both, single, one, values=not random)
         joined.append(True)
     return tuple(joined)
+
+
+def guard_error(guard: str) -> UsageError:
+    """The :class:`UsageError` for a call that breaks ``guard``, a guard of the exported graph
+    (``input_ids.size()[1] == 16``), saying what to do."""
+    # dim 0 is asked dynamic: only the model fixes it to a number (not two inputs' batches compared)
+    if "==" in guard and re.search(r"size\(\)\[0\]", guard) and guard.count("size()") == 1:
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the model fixes its batch "
+            "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
+            "size, or take the size from the input (x.view(x.shape[0], ...)) and place it again")
+    if "size()" not in guard and "stride()" not in guard:  # a value: a Python number the export baked in
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
+            "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
+            "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
+    if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, say)
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the export found that the "
+            "model runs only within that range (a table of that many positions, say); call it within the range")
+    named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
+    example = f"dynamic_dims={{{named.group(1)!r}: [{named.group(2)}]}}" if named else "dynamic_dims={input: [dims]}"
+    return UsageError(
+        f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
+        f"vary when placing (place(..., {example}) or dynamic_dims='auto'), or place the model again with an "
+        "example of this shape")
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -293,6 +320,32 @@ class CallSizes:
         if not self.ones or self.gm is None:
             return
         bound = bind_placeholders(self.gm, args, kwargs)
+        self._check_ones(bound)
+
+    def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse a call whose inputs break a size the exported graph fixed (a sequence length
+        not declared dynamic), as its guard would, for runtimes that run no guard before they
+        communicate (``torch.distributed.pipelining``).
+
+        Raises:
+            UsageError: naming the size and what to do (:func:`guard_error`).
+        """
+        if self.gm is None:
+            return
+        bound = bind_placeholders(self.gm, args, kwargs)
+        for node in self.gm.graph.find_nodes(op="placeholder"):
+            example, value = node.meta.get("val"), bound.get(node.name)
+            if not isinstance(example, torch.Tensor) or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != example.dim():
+                raise UsageError(f"input {node.name!r} has {value.dim()} dims, but the placed model was traced with "
+                                 f"{example.dim()}: call it with inputs shaped as the example")
+            for dim, size in enumerate(example.shape):
+                if isinstance(size, int) and value.shape[dim] != size:
+                    raise guard_error(f"{node.name}.size()[{dim}] == {size}")
+
+    def _check_ones(self, bound: Mapping[str, Any]) -> None:
+        """Refuse a size of one in a dim of ``ones`` (``bound``: the call by placeholder)."""
         for name, dim in self.ones:
             value = bound.get(name)
             if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == 1:

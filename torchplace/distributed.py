@@ -405,6 +405,7 @@ class DistributedPlaced:
         """The model's output for this batch on the last rank; ``None`` on the others (see
         :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
         self._sizes.check(args, kwargs, self._microbatches)
+        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
@@ -420,6 +421,7 @@ class DistributedPlaced:
             raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
                                    "with mode='training' to train it")
         self._sizes.check(args, kwargs, self._microbatches)
+        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:

@@ -203,8 +203,11 @@ class PlacedModule(nn.Module):
             raise UsageError("step() needs a loss: pass loss_fn=f (f(output, target) -> scalar tensor), or give it "
                              "to place(..., loss_fn=f)")
         self._sizes.check(args, kwargs, self.microbatches)
-        return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
-                                  schedule or self.problem.pipeline.schedule)
+        try:
+            return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
+                                      schedule or self.problem.pipeline.schedule)
+        except StageError as e:
+            raise _shape_error(e) or e
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph
@@ -388,25 +391,4 @@ def _shape_error(error: StageError) -> UsageError | None:
     text = str(cause).strip() if cause is not None else ""
     if not (isinstance(cause, AssertionError) and "Guard failed" in text):
         return None
-    guard = text.split("Guard failed:", 1)[1].strip().splitlines()[0]
-    # dim 0 is asked dynamic: only the model fixes it to a number (not two inputs' batches compared)
-    if "==" in guard and re.search(r"size\(\)\[0\]", guard) and guard.count("size()") == 1:
-        return UsageError(
-            f"the placed model was traced for inputs with {guard}, which this call breaks: the model fixes its batch "
-            "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
-            "size, or take the size from the input (x.view(x.shape[0], ...)) and place it again")
-    if "size()" not in guard and "stride()" not in guard:  # a value: a Python number the export baked in
-        return UsageError(
-            f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
-            "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
-            "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
-    if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, say)
-        return UsageError(
-            f"the placed model was traced for inputs with {guard}, which this call breaks: the export found that the "
-            "model runs only within that range (a table of that many positions, say); call it within the range")
-    named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
-    example = f"dynamic_dims={{{named.group(1)!r}: [{named.group(2)}]}}" if named else "dynamic_dims={input: [dims]}"
-    return UsageError(
-        f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
-        f"vary when placing (place(..., {example}) or dynamic_dims='auto'), or place the model again with an "
-        "example of this shape")
+    return batchdim.guard_error(text.split("Guard failed:", 1)[1].strip().splitlines()[0])
