@@ -270,3 +270,32 @@ def test_shape_only_and_dead_end_nodes_are_folded() -> None:
     assert names.count("transformer.h.0") == names.count("transformer.h.1") == 1
     assert not any("assert" in r.op or "arange" in r.op for _, r in traced.graph.records())
     assert len(traced.graph) <= 12
+
+
+class TakesKeywords(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        return self.b(self.a(x)) * kwargs.get("scale", 1.0)
+
+
+@pytest.mark.parametrize("extra", [{}, {"scale": 2.0}])
+def test_a_forward_with_var_keywords_is_traced_by_fx(extra):
+    """fx binds `**kwargs` to a placeholder its Interpreter fed a list: place() failed with an
+    untyped AttributeError ('list' object has no attribute 'get'), keywords or not (found by fuzzing)."""
+    model, x = TakesKeywords().eval(), torch.randn(4, 8)
+    import torchplace
+
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), example_kwargs=extra, microbatches=1,
+                              allow_single_device=False, progress=False, warmup=0, repeats=1, time_limit=2)
+    with torch.no_grad():
+        assert torch.equal(placed(x, **extra), model(x, **extra))
+
+
+def test_keywords_export_cannot_trace_through_var_keywords_are_named_with_the_fix():
+    from torchplace.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"through \*\*kwargs \('scale'\).*set them in the model"):
+        trace(TakesKeywords().eval(), (torch.randn(4, 8),), {"scale": 2.0}, method="export")

@@ -139,11 +139,21 @@ def symbolic_sizes(gm: fx.GraphModule) -> tuple[set[Any], dict[Any, list[tuple[s
     return batch, {s: where for s, where in others.items() if s not in batch}
 
 
+class Interpreter(fx.Interpreter):
+    """:class:`torch.fx.Interpreter` that also binds a ``**kwargs`` placeholder (an fx trace of
+    ``forward(self, x, **kwargs)``) to its dict; fx's binds it like ``*args``, to a list."""
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if str(target).startswith("**"):
+            return next(self.args_iter)
+        return super().placeholder(target, args, kwargs)
+
+
 def run_graph(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
     """The output of ``gm`` run on ``flat`` (:func:`flat_inputs`: one value per placeholder) by an
-    :class:`torch.fx.Interpreter`: ``gm.forward`` of an exported graph takes the model's own
-    arguments (keywords included), not its placeholders."""
-    return fx.Interpreter(gm).run(*flat)
+    :class:`Interpreter`: ``gm.forward`` of an exported graph takes the model's own arguments
+    (keywords included), not its placeholders."""
+    return Interpreter(gm).run(*flat)
 
 
 def is_compute(node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchplace.fxutil import is_compute, tensor_bytes
+from torchplace.fxutil import Interpreter, is_compute, tensor_bytes
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.trace import Traced
 
@@ -60,7 +60,7 @@ class NodeCost:
     bytes: int
 
 
-class _CostCounter(fx.Interpreter):
+class _CostCounter(Interpreter):
     """Runs the graph once, counting FLOPs and bytes of every compute node."""
 
     def __init__(self, gm: fx.GraphModule) -> None:

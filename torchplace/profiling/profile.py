@@ -35,7 +35,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from torchplace.fxutil import is_compute, pin_arguments
+from torchplace.fxutil import Interpreter, is_compute, pin_arguments
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
@@ -90,7 +90,7 @@ class _CudaTimer:
         return {n: max(s.elapsed_time(e) * 1e-3, host * 1e-9) for n, (s, e, host) in self._events.items()}
 
 
-class _TimingInterpreter(fx.Interpreter):
+class _TimingInterpreter(Interpreter):
     """Runs the graph, timing each compute node with ``timer``.
 
     With ``device`` (a kind other than the CPU) the model stays where it is and each node runs on

@@ -24,6 +24,7 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,15 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchplace.errors import TraceError, UsageError
-from torchplace.fxutil import TensorInfo, flat_inputs, is_compute, relax_views, symbolic_sizes, tensor_bytes
+from torchplace.fxutil import (
+    Interpreter,
+    TensorInfo,
+    flat_inputs,
+    is_compute,
+    relax_views,
+    symbolic_sizes,
+    tensor_bytes,
+)
 from torchplace.graph import OpGraph
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
@@ -178,8 +187,9 @@ def _returns_a_cache(failures: list[_CaptureFailure]) -> str | None:
     return None
 
 
-def _trace_error(model: nn.Module, failures: list[_CaptureFailure]) -> TraceError:
-    """A :class:`TraceError` naming the failing module, the errors, and what to try."""
+def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords: Sequence[str] = ()) -> TraceError:
+    """A :class:`TraceError` naming the failing module, the errors, and what to try
+    (``var_keywords``: the example's keywords ``forward`` takes through ``**kwargs``)."""
     cache = _returns_a_cache(failures)
     if cache is not None:
         return TraceError(
@@ -191,6 +201,11 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure]) -> TraceErro
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
     hints = [f"pass leaf_modules=({first.cls},) to keep that module whole"] if first.path else []
+    if var_keywords and any("tree_name" in str(f) for f in failures):
+        hints.insert(0, f"torch.export cannot give keywords that forward takes through **kwargs "
+                        f"({', '.join(map(repr, var_keywords))}) their dynamic batch: leave them out of "
+                        "example_kwargs and set them in the model instead (a Hugging Face model's config, e.g. "
+                        "config.output_hidden_states = True), or make them named parameters of forward")
     if all(f.method != "export" for f in failures):
         hints.append("use trace_method='export'")
     hints.append("for Hugging Face models, build the model with use_cache=False")
@@ -221,11 +236,22 @@ def _capture(
             return _export_capture(model, example_inputs, example_kwargs, dims), "export"
         except _CaptureFailure as f:
             failures.append(f)
-    raise _trace_error(model, failures) from failures[-1].error
+    raise _trace_error(model, failures, _through_var_keyword(model, example_kwargs)) from failures[-1].error
+
+
+def _through_var_keyword(model: nn.Module, example_kwargs: Mapping[str, Any]) -> list[str]:
+    """The example's keywords that ``model.forward`` takes through ``**kwargs``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [k for k in example_kwargs if k not in parameters]
 
 
 # -- shapes and in-place writes ------------------------------------------------------------------
-class _Recorder(fx.Interpreter):
+class _Recorder(Interpreter):
     """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]``, and what
     each node reads and writes in an :class:`AccessLog`."""
 

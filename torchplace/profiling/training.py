@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from torchplace.errors import UsageError
-from torchplace.fxutil import is_compute, pin_arguments
+from torchplace.fxutil import Interpreter, is_compute, pin_arguments
 from torchplace.graph import NodeRecord, OpGraph, saved_key, union_of_saved
 from torchplace.profiling.effects import StateSnapshot, named_state, storage_address
 from torchplace.profiling.trace import Traced
@@ -87,7 +87,7 @@ def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-class _Probe(fx.Interpreter):
+class _Probe(Interpreter):
     """Runs the graph (no grad, for the values) and probes each compute node's backward.
 
     With ``parts`` (a device other than the CPU) the model stays where it is, as in forward
