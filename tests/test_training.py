@@ -405,3 +405,29 @@ def test_a_trace_that_fails_backward_where_the_model_does_not_is_refused():
         torchplace.place(WritesInANoGradBlock(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training",
                          microbatches=2, trace_method="export", progress=False, allow_single_device=False, warmup=0,
                          repeats=1)
+
+
+class CountsItsRoutes(nn.Module):
+    """Counts the samples routed to each of 4 experts, as transformers' mixture-of-experts layers do
+    (histc of the float of an argmax, then an integer cumsum): values that take no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.out = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x):
+        counts = torch.histc(self.router(x).argmax(-1).float(), bins=4, min=0, max=3)
+        return self.out(x) * (counts.cumsum(0, dtype=torch.int32)[-1] > 0)
+
+
+def test_values_that_take_no_gradient_are_probed_without_one():
+    """The backward probe made every floating input require grad: the integer cumsum of Mixtral's
+    and Qwen2-MoE's routing then failed ('Autograd not support dtype: Int'), untyped (found by fuzzing)."""
+    torch.manual_seed(0)
+    model, x = CountsItsRoutes().train(), torch.randn(8, 8)
+    reference = copy.deepcopy(model)
+    placed = _place(model, (x,), 2, loss_fn=lambda out, _: out.pow(2).mean(), example_target=torch.zeros(8),
+                    allow_single_device=False)
+    placed.step(x, target=torch.zeros(8))
+    _reference_step(reference, (x,), torch.zeros(8), lambda out, _: out.pow(2).mean(), 4)
+    _close_grads(model, reference)

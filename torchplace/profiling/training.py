@@ -113,8 +113,22 @@ class _Probe(Interpreter):
         # looked up only while the value is in the environment (read by the node running), so a
         # freed address that a later tensor reuses is never mistaken for it
         self.keys: dict[str, dict[int, str]] = {}
+        # the fx nodes whose values require grad in the training forward: a trainable parameter
+        # or an input that does flows into them (an argmax's index, and its float, do not)
+        self.requiring: set[str] = set()
 
     def run_node(self, n: fx.Node) -> Any:
+        value = self._run_node(n)
+        reads = any(a.name in self.requiring for a in n.all_input_nodes)
+        if n.op == "call_module":
+            reads = reads or any(p.requires_grad for p in self.module.get_submodule(str(n.target)).parameters())
+        if n.op in ("placeholder", "get_attr"):
+            reads = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+        if reads and any(_floating(t) for t in pytree.tree_leaves(value)):
+            self.requiring.add(n.name)
+        return value
+
+    def _run_node(self, n: fx.Node) -> Any:
         if self.parts and n.op == "get_attr":
             value = super().run_node(n)
             if isinstance(value, torch.Tensor):
@@ -193,9 +207,14 @@ class _Probe(Interpreter):
             clones[storage_address(t)] = storage_address(original)
             return t
 
+        grads = {id(t) for a in n.all_input_nodes if a.name in self.requiring
+                 for t in pytree.tree_leaves(self.env.get(a)) if isinstance(t, torch.Tensor)}
+
         def leaf(t: Any) -> Any:
             nonlocal activations
-            if not _floating(t) or storage_address(t) in self.frozen:  # the model's own stays as it is
+            key = storage_address(t) if isinstance(t, torch.Tensor) else None
+            trainable = key in self.params and key not in self.frozen
+            if not _floating(t) or not (trainable or id(t) in grads):  # as it is in the forward: no gradient
                 return copied(t.clone(), t) if writes and isinstance(t, torch.Tensor) else t
             x = t.detach().requires_grad_(True)
             leaves.append(x)
