@@ -757,6 +757,11 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
     pipeline.graph_io = GraphIO(torch.fx.symbolic_trace(AddsABias()))
     with pytest.raises(UnsupportedError, match=r"model input 'bias' is a tensor of 1 rows where 'x' has 8"):
         pipeline._inputs((torch.zeros(8, 8), torch.zeros(1, 8)), {})
+    # a target of other rows failed inside the loss, labelled as the forward pass
+    pipeline.replicas, pipeline.microbatches, pipeline._shape = None, 2, None
+    pipeline.slots, pipeline.rank, pipeline.device = [EngineSlot(0, 1, (), ("x", "bias"), ())], 0, torch.device("cpu")
+    with pytest.raises(UsageError, match=r"target has 4 rows where the inputs have 8"):
+        pipeline.step(torch.zeros(8, 8), torch.zeros(8, 8), target=torch.zeros(4), loss_fn=nn.functional.mse_loss)
 
 
 class SplitsInTwo(nn.Module):

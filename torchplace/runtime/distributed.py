@@ -495,6 +495,11 @@ class DistributedPipeline:
         if not isinstance(target, torch.Tensor):
             raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got {type(target).__name__}")
         flat = self._inputs(args, kwargs)
+        rows = self._shape[0][0] if self._shape else None
+        if rows is not None and (target.dim() == 0 or target.shape[0] != rows):
+            have = target.shape[0] if target.dim() else "no"
+            raise UsageError(f"target has {have} rows where the inputs have {rows}: the engine splits the target "
+                             "along dim 0 as it splits the batch; pass one row per sample")
         schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
         target = self._share_of(target)
@@ -586,7 +591,8 @@ class DistributedPipeline:
         except (ValueError, RuntimeError) as e:
             raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
-                                   f"micro-batches: {str(e).rstrip('.')}; pick another schedule or micro-batch count") from e
+                                   f"micro-batches: {str(e).rstrip('.')}; pick another schedule or micro-batch "
+                                   "count") from e
 
     def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
         """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
