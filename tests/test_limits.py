@@ -263,6 +263,24 @@ def test_slicegraph_without_a_split_in_time_raises():
     assert time.perf_counter() - t0 < _bound(1.0)
 
 
+def test_auto_still_slices_when_the_dp_used_up_the_time(monkeypatch):
+    """The DP's share went to enumerating ideals, SliceGraph and BRKGA were skipped for want of
+    time, and a 2-layer Llama's place(time_limit=2) raised SolverLimitError (found by fuzzing).
+    SliceGraph now gets a last-resort quarter second: a plan a little late, within the bound."""
+    from torchplace.solvers.auto import LAST_RESORT_SECONDS
+
+    def used_up(problem, *, time_limit, **options):
+        time.sleep(time_limit * 1.2)
+        raise SolverLimitError("ideals DP: the time limit passed while enumerating ideals", time_limit)
+
+    monkeypatch.setattr(dp, "solve", used_up)
+    t0 = time.perf_counter()
+    plan = solve(_chain(30), method="auto", time_limit=0.5)
+    assert plan.objective > 0 and plan.meta["auto"]["dp"].startswith("stopped")
+    assert isinstance(plan.meta["auto"]["slicegraph"], float)  # the plan is SliceGraph's
+    assert time.perf_counter() - t0 < _bound(0.5) and LAST_RESORT_SECONDS <= 0.5
+
+
 def test_a_search_cut_short_returns_its_best_plan_as_time_limit():
     problem = _layered(400)
     plan = solve(problem, method="brkga", time_limit=1.0, population=50, generations=10**6)
