@@ -235,3 +235,33 @@ def test_a_model_that_branches_on_a_batch_of_one_never_runs_one():
     latency = torchplace.place(model, DEVICES, (x,), objective="latency", **OPTIONS)  # splits nothing: placed
     with torch.no_grad():
         assert torch.allclose(latency(x), model(x), atol=1e-6)
+
+
+class TimesAMatrix(nn.Module):
+    """Takes, beside the batch, a matrix without the batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) @ w)
+
+
+def test_an_input_without_the_batchs_rows_runs_unsplit_and_micro_batches_are_refused() -> None:
+    """Placed with microbatches=1, the placed model raised ValueError on its own example, since the
+    runtime looked for a common batch before it saw nothing was to be split (found by fuzzing)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    model = TimesAMatrix().eval()
+    with torch.no_grad():
+        expected = model(x, w)
+        placed = torchplace.place(model, DEVICES, (x, w), microbatches=1, **OPTIONS)
+        assert torch.equal(placed(x, w), expected)
+        placed.microbatches = 2
+        with pytest.raises(MicrobatchError, match="use microbatches=1"):
+            placed(x, w)
+    assert torchplace.place(TimesAMatrix().eval(), DEVICES, (x, w), microbatches="auto", **OPTIONS).microbatches == 1
+    for mode in ("inference", "training"):
+        with pytest.raises(MicrobatchError, match=r"microbatches=2: tensor inputs have different sizes along dim 0"):
+            torchplace.place(TimesAMatrix(), DEVICES, (x, w), microbatches=2, mode=mode, **OPTIONS)

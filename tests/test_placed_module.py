@@ -562,3 +562,50 @@ def test_a_profile_cache_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch):
     model, inputs = build("mlp", batch=8)
     with pytest.raises(UsageError, match="is a file"):
         torchplace.place(model, DEVICES, inputs, profile_cache=tmp_path / "f")
+
+
+class OptionalScale(nn.Module):
+    """Scales by ``scale`` when given, and by ``k`` (a number): fx traces an omitted ``scale`` as if
+    given, unless it is traced with the example's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, scale=None, k=2.0):
+        h = torch.tanh(self.a(x)) * k
+        if scale is not None:
+            h = h * scale
+        return self.b(h)
+
+
+def test_fx_traces_the_branch_of_an_input_the_example_leaves_out():
+    """fx traced ``if scale is not None:`` as taken when the example left ``scale`` out, and
+    place() failed with a bare TypeError in its own run of the graph (found by fuzzing)."""
+    torch.manual_seed(0)
+    model, x = OptionalScale().eval(), torch.randn(4, 8)
+    expected = model(x)
+    placed = _place(model, (x,), trace_method="fx", microbatches=1, allow_single_device=False)
+    assert placed._traced.method == "fx"
+    with torch.no_grad():
+        assert torch.equal(placed(x), expected)
+        assert torch.equal(placed(x, None, 2.0), expected)  # the example's values, given
+        assert torch.equal(placed(x, k=3.0), model(x, k=3.0))  # a number is traced as an input
+        with pytest.raises(UsageError, match=r"'scale' is a tensor of shape \(4, 8\), but .* traced with None"):
+            placed(x, scale=torch.full((4, 8), 3.0))
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_a_tensor_input_left_out_of_a_call_is_refused(trace_method):
+    """Given a tensor in the example, an fx trace reads it as one: a call that left it out ran the
+    graph with None, without the branch the model takes for None (found by fuzzing)."""
+    torch.manual_seed(0)
+    model, x = OptionalScale().eval(), torch.randn(4, 8)
+    scale, expected = torch.rand(4, 8), model(x, scale=torch.rand(4, 8), k=3.0)
+    placed = _place(model, (x,), example_kwargs={"scale": scale, "k": 3.0}, trace_method=trace_method,
+                    microbatches=2, allow_single_device=False)
+    with torch.no_grad():
+        expected = torch.cat([model(x[:2], scale=scale[:2], k=3.0), model(x[2:], scale=scale[2:], k=3.0)])
+        assert torch.equal(placed(x, scale=scale, k=3.0), expected)
+        with pytest.raises(UsageError, match="input 'scale' is None, but the example gave a tensor|called as"):
+            placed(x, k=3.0)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import CallSizes, Runs, check_rows, dims_of_one, joined_outputs, rows_needed
+from torchplace.batchdim import CallSizes, Runs, call_sizes, check_rows, dims_of_one, joined_outputs, rows_needed
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -421,6 +421,8 @@ def prepare(
     exhaustive = profiling == "exhaustive"
     cache_dir = _cache_dir(profile_cache)
     args, kwargs = example_call(example_inputs, example_kwargs)
+    if microbatches != 1 and parallelism != "piper" and (objective == "throughput" or mode == "training"):
+        _check_splittable(args, kwargs, microbatches)
     if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
@@ -556,7 +558,21 @@ def prepare(
             solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
     ones = () if runs is None else dims_of_one(runs)
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined,
-                     CallSizes(rows, ones, traced.gm))
+                     call_sizes(rows, ones, traced.gm, args, kwargs))
+
+
+def _check_splittable(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int | str) -> None:
+    """Refuse micro-batches of an example whose tensor inputs disagree on dim 0 (an input without
+    the batch's rows), before anything is traced or timed; ``"auto"`` then keeps one micro-batch.
+
+    Raises:
+        MicrobatchError: for a number of micro-batches above one.
+    """
+    try:
+        batch_size(args, kwargs)
+    except MicrobatchError as error:
+        if microbatches != "auto":
+            raise MicrobatchError(f"microbatches={microbatches}: {error}") from None
 
 
 def _rows_needed(runs: Runs, microbatches: int | str) -> int:

@@ -37,8 +37,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from torchplace.checks import brief
 from torchplace.errors import MicrobatchError, TraceError, UsageError
-from torchplace.fxutil import bind_placeholders, draws_random_numbers, flat_inputs, run_graph, symbolic_sizes
+from torchplace.fxutil import bind_call, bind_placeholders, draws_random_numbers, flat_inputs, run_graph, symbolic_sizes
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
@@ -300,39 +301,47 @@ def dims_of_one(runs: Runs) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True)
 class CallSizes:
-    """What a call's sizes must be for the trace to compute the model's outputs: at least ``rows``
-    samples per call and micro-batch (:func:`rows_needed`), and none of the ``(input, dim)`` of
-    ``ones`` of size one (:func:`dims_of_one`; inputs are placeholders of ``gm``)."""
+    """What a call must be for the trace to compute the model's outputs: at least ``rows``
+    samples per call and micro-batch (:func:`rows_needed`), none of the ``(input, dim)`` of
+    ``ones`` of size one (:func:`dims_of_one`), a tensor for each input in ``tensors``, and
+    ``None`` for each input in ``nones`` (an fx trace takes the branches of ``None`` there:
+    :func:`~torchplace.profiling.trace.example_nones`). Inputs are placeholders of ``gm``;
+    :func:`call_sizes` reads the last two from the example."""
 
     rows: int = 1
     ones: tuple[tuple[str, int], ...] = ()
     gm: fx.GraphModule | None = field(default=None, compare=False, repr=False)
+    tensors: tuple[str, ...] = ()
+    nones: tuple[str, ...] = ()
 
     def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int, *,
               fix: str = "placed.microbatches") -> None:
-        """Refuse a call whose sizes the trace does not compute as the model does.
+        """Refuse a call whose inputs the trace does not compute as the model does.
 
         Raises:
-            UsageError: the batch is smaller than ``rows``, or a dim of ``ones`` has size one.
+            UsageError: the batch is smaller than ``rows``, a dim of ``ones`` has size one, or an
+                input is not a tensor where the example's was, or not ``None`` where the example's was.
             MicrobatchError: the micro-batches hold fewer than ``rows`` samples.
         """
         check_rows(args, kwargs, microbatches, self.rows, fix=fix)
-        if not self.ones or self.gm is None:
+        if self.gm is None or not (self.ones or self.tensors or self.nones):
             return
-        bound = bind_placeholders(self.gm, args, kwargs)
+        bound = bind_call(self.gm, args, kwargs)
+        self._check_kinds(bound)
         self._check_ones(bound)
 
     def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a call whose inputs break a size the exported graph fixed (a sequence length
-        not declared dynamic), as its guard would, for runtimes that run no guard before they
-        communicate (``torch.distributed.pipelining``).
+        not declared dynamic), as its guard would, or a kind or constant :meth:`check` refuses,
+        for runtimes that run no guard before they communicate (``torch.distributed.pipelining``).
 
         Raises:
-            UsageError: naming the size and what to do (:func:`guard_error`).
+            UsageError: naming the input and what to do (:func:`guard_error` for a size).
         """
         if self.gm is None:
             return
-        bound = bind_placeholders(self.gm, args, kwargs)
+        bound = bind_call(self.gm, args, kwargs)
+        self._check_kinds(bound)
         for node in self.gm.graph.find_nodes(op="placeholder"):
             example, value = node.meta.get("val"), bound.get(node.name)
             if not isinstance(example, torch.Tensor) or not isinstance(value, torch.Tensor):
@@ -344,6 +353,25 @@ class CallSizes:
                 if isinstance(size, int) and value.shape[dim] != size:
                     raise guard_error(f"{node.name}.size()[{dim}] == {size}")
 
+    def _check_kinds(self, bound: Mapping[str, Any]) -> None:
+        """Refuse a non-tensor for an input of ``tensors``, and a value for one of ``nones``."""
+        names = {n.name: str(n.target) for n in self.gm.graph.find_nodes(op="placeholder")}  # type: ignore[union-attr]
+        for name in self.tensors:
+            value = bound.get(name)
+            if name in bound and not isinstance(value, torch.Tensor):
+                raise UsageError(
+                    f"input {names.get(name, name)!r} is {brief(value)}, but the example gave a tensor and the placed "
+                    "model's trace reads one (a model that branches on `is None` traced only the example's branch): "
+                    "call it with a tensor there, or place the model again with an example that leaves it out")
+        for name in self.nones:
+            value = bound.get(name)
+            if name in bound and value is not None:
+                what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else brief(value)
+                raise UsageError(
+                    f"input {names.get(name, name)!r} is {what}, but the placed model was traced with None there (the "
+                    "example's value, or the default it left), and holds only the code the model runs without it: "
+                    "leave it out, or place the model again with an example that gives it")
+
     def _check_ones(self, bound: Mapping[str, Any]) -> None:
         """Refuse a size of one in a dim of ``ones`` (``bound``: the call by placeholder)."""
         for name, dim in self.ones:
@@ -354,6 +382,16 @@ class CallSizes:
                     "(torch.export traces dynamic sizes as 2 or more and drops what `if x.shape[1] == 1:` guards): "
                     f"call it with a size of 2 or more there, or place another model for size one (an example of "
                     "that size, without that dim in dynamic_dims)")
+
+
+def call_sizes(rows: int, ones: tuple[tuple[str, int], ...], gm: fx.GraphModule, args: tuple[Any, ...],
+               kwargs: Mapping[str, Any]) -> CallSizes:
+    """The :class:`CallSizes` of a trace ``gm`` of the example ``(args, kwargs)``: its inputs that
+    were tensors, and those that were ``None`` (an fx trace takes the branches of ``None`` there;
+    an exported graph has no placeholder for one)."""
+    bound = bind_placeholders(gm, args, kwargs)
+    tensors = tuple(name for name, value in bound.items() if isinstance(value, torch.Tensor))
+    return CallSizes(rows, ones, gm, tensors, tuple(name for name, value in bound.items() if value is None))
 
 
 def _difference(theirs: Any, mine: Any) -> str | None:

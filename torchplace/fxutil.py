@@ -13,6 +13,8 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
+from torchplace.errors import UsageError
+
 __all__ = [
     "COMPUTE_OPS",
     "TensorInfo",
@@ -75,6 +77,18 @@ def bind_placeholders(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[s
         flat = _flatten_pytree_inputs(codegen, values)
         return {n.name: v for n, v in zip(placeholders, flat)}
     return {n.name: _placeholder_value(n, values) for n in placeholders}
+
+
+def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`bind_placeholders` for a user's call of a placed model.
+
+    Raises:
+        UsageError: if the arguments do not match the signature (naming it).
+    """
+    try:
+        return bind_placeholders(gm, args, kwargs)
+    except TypeError as e:
+        raise UsageError(f"the placed model is called as {type(gm).__name__}{inspect.signature(gm.forward)}: {e}") from e
 
 
 def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:

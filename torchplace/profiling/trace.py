@@ -111,8 +111,50 @@ class _LeafTracer(fx.Tracer):
             raise
 
 
-def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bool) -> fx.GraphModule:
-    """``symbolic_trace`` with :class:`_LeafTracer`; failures re-raised as :class:`_CaptureFailure`.
+def example_nones(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``forward``'s named parameters that the example leaves ``None`` (given so, or by default).
+
+    fx traces every parameter as a proxy, and a proxy is never ``None``: ``if mask is None:`` would
+    take the branch of a given mask, silently. Traced with these as ``None``, the graph follows the
+    example's branches, as an export does. Other values stay proxies: arithmetic on a number is
+    traced for any number, and a branch on one (``if flag:``) fails the trace loudly.
+    """
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}  # the example call's own check names the mismatch
+    bound.apply_defaults()
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {name: None for name, value in bound.arguments.items()
+            if signature.parameters[name].kind not in variadic and value is None}
+
+
+def _keep_none_placeholders(graph: fx.Graph, nones: Mapping[str, Any]) -> None:
+    """Undo what ``concrete_args`` does to the signature: fx names each such placeholder
+    ``<name>_1`` (a call by keyword would no longer bind) and asserts its value in the graph,
+    where a stage on another device would run the assertion. The names are put back and the
+    assertions removed: the placed model checks these values before a call
+    (:class:`torchplace.batchdim.CallSizes`)."""
+    for node in list(graph.find_nodes(op="placeholder")):
+        name = str(node.target).removesuffix("_1")
+        if name not in nones or str(node.target) != f"{name}_1":
+            continue
+        chain, frontier = set(), list(node.users)  # the assertion (``_assert_is_none``) and any user of it
+        while frontier:
+            user = frontier.pop()
+            if user not in chain:
+                chain.add(user)
+                frontier.extend(user.users)
+        for user in reversed([n for n in graph.nodes if n in chain]):
+            graph.erase_node(user)
+        node.target = name
+
+
+def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bool,
+                nones: Mapping[str, Any]) -> fx.GraphModule:
+    """``symbolic_trace`` with :class:`_LeafTracer` and ``nones`` (:func:`example_nones`) as
+    concrete arguments; failures re-raised as :class:`_CaptureFailure`.
 
     Symbolic tracing runs the model's Python code once, and an in-place update of a parameter or
     buffer (``self.n += 1``) then happens on the real tensor, at trace time, and never again: the
@@ -122,7 +164,8 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
     tracer = _LeafTracer(leaf_types, module_level)
     snapshot = StateSnapshot(model)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=dict(nones) or None)
+        _keep_none_placeholders(graph, nones)
     except Exception as e:
         snapshot.restore()
         path, cls = tracer.failed_in or ("", type(model).__qualname__)
@@ -232,7 +275,8 @@ def _capture(
     for m in order:
         try:
             if m == "fx":
-                return _fx_capture(model, leaf_types, module_level), "fx"
+                nones = example_nones(model, example_inputs, example_kwargs)
+                return _fx_capture(model, leaf_types, module_level, nones), "fx"
             return _export_capture(model, example_inputs, example_kwargs, dims), "export"
         except _CaptureFailure as f:
             failures.append(f)

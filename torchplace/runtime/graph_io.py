@@ -8,14 +8,12 @@ nested arguments and whose output spec unflattens the result; both are honoured 
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
 
-from torchplace.errors import UsageError
-from torchplace.fxutil import bind_placeholders, fetch_attr
+from torchplace.fxutil import bind_call, fetch_attr
 
 __all__ = ["GraphIO"]
 
@@ -50,7 +48,6 @@ class GraphIO:
         self._constants = {n.name: fetch_attr(gm, str(n.target)) for n in used if n.op == "get_attr"}
         self._codegen = graph._codegen
         self._gm = gm
-        self._signature = inspect.signature(gm.forward)
 
     def bind_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map the caller's arguments to placeholder names, as ``gm(*args, **kwargs)`` would.
@@ -58,10 +55,7 @@ class GraphIO:
         Raises:
             UsageError: if the arguments do not match the model's signature.
         """
-        try:
-            return bind_placeholders(self._gm, args, kwargs)
-        except TypeError as e:
-            raise UsageError(f"the placed model is called as {self._gm.__class__.__name__}{self._signature}: {e}") from e
+        return bind_call(self._gm, args, kwargs)
 
     def __call__(self, env: Mapping[str, Any]) -> Any:
         """Rebuild the model output from computed values.

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from torchplace.errors import MicrobatchError
+
 __all__ = ["batch_size", "gather", "last_rows", "scatter"]
 
 
@@ -30,13 +32,14 @@ def _batch_size(leaves: Sequence[Any]) -> int | None:
     """The common dim-0 size of the batched tensor leaves, or None when there is none.
 
     Raises:
-        ValueError: if batched tensors disagree on their dim-0 size.
+        MicrobatchError: if batched tensors disagree on their dim-0 size (a ``ValueError`` too).
     """
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if len(sizes) > 1:
-        raise ValueError(
-            f"tensor inputs have different sizes along dim 0 ({sorted(sizes)}); micro-batching "
-            "splits every tensor input along dim 0 as the batch dimension; use microbatches=1"
+        raise MicrobatchError(
+            f"tensor inputs have different sizes along dim 0 ({sorted(sizes)}): micro-batches split every tensor "
+            "input with dimensions along dim 0, so each must hold the batch's rows; use microbatches=1, or make the "
+            "input without a batch dimension a buffer of the model"
         )
     return sizes.pop() if sizes else None
 
@@ -46,7 +49,7 @@ def batch_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     without a batched tensor).
 
     Raises:
-        ValueError: if batched tensors disagree on their dim-0 size.
+        MicrobatchError: if batched tensors disagree on their dim-0 size.
     """
     return _batch_size(tree_flatten((tuple(args), dict(kwargs)))[0])
 
@@ -65,13 +68,16 @@ def scatter(
         ``[(args_i, kwargs_i), ...]``, one pair per micro-batch, in batch order.
 
     Raises:
-        ValueError: if ``microbatches < 1`` or batched tensors disagree on dim 0.
+        ValueError: if ``microbatches < 1``.
+        MicrobatchError: if there are several micro-batches and batched tensors disagree on dim 0.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be at least 1 (got {microbatches})")
+    if microbatches == 1:  # nothing is split: inputs without the batch's rows are fine
+        return [(tuple(args), dict(kwargs))]
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     batch = _batch_size(leaves)
-    if batch is None or batch == 0 or microbatches == 1:
+    if batch is None or batch == 0:
         return [(tuple(args), dict(kwargs))]
     if microbatches > batch:
         warnings.warn(
