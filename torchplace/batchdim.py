@@ -469,12 +469,12 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
 
 def reads_batch(gm: fx.GraphModule, flat: Sequence[Any], batch: int, count: int) -> list[bool]:
     """Per output leaf (``count`` of them, ``tree_flatten`` order of the graph's output), whether
-    it reads a batched input (a placeholder with ``batch`` rows): its values, or its size along
-    dim 0 (``torch.zeros(x.shape[0])`` has the batch's rows); reading another dimension's size
-    does not count (:func:`_size_query`). All ``True`` where the graph's output does not flatten
-    to ``count``."""
-    batched = {n for n, v in zip(gm.graph.find_nodes(op="placeholder"), flat)
-               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch}
+    it reads a batched input (a placeholder with ``batch`` rows, or an fx placeholder holding a
+    tensor with them): its values, or its size along dim 0 (``torch.zeros(x.shape[0])`` has the
+    batch's rows); reading another dimension's size does not count (:func:`_size_query`). All
+    ``True`` where the graph's output does not flatten to ``count``."""
+    batched = {n for n, v in zip(gm.graph.find_nodes(op="placeholder"), flat)  # an fx placeholder may be a dict
+               if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in pytree.tree_leaves(v))}
     reads: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n in batched or (not _size_query(n) and any(a in reads for a in n.all_input_nodes)):
