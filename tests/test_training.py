@@ -178,6 +178,35 @@ def test_one_placed_module_trains_and_evaluates():
     _close_grads(model, reference)
 
 
+class ReadsItsMode(nn.Module):
+    """Its root's forward reads ``self.training``, as functional dropout and auxiliary terms do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.relu(self.a(x)), 0.5, training=self.training)
+        return self.b(h + 1.0 if self.training else h)
+
+
+def test_eval_reaches_the_model_s_own_forward():
+    """placed.eval() set the placed module and the model's children to eval mode, not the model's
+    root: its eval graph was traced with dropout on, silently (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = ReadsItsMode().train()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    placed = _place(model, (x,), 2, microbatches=1, loss_fn=nn.functional.mse_loss, example_target=y,
+                    allow_single_device=False)
+    placed.eval()
+    assert not model.training
+    with torch.no_grad():
+        assert torch.equal(placed(x), reference.eval()(x))
+    placed.train()
+    assert model.training
+
+
 def test_a_model_placed_for_inference_does_not_train():
     model = _model("mlp")
     inputs, target, loss_fn = _data("mlp")

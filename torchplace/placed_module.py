@@ -345,6 +345,9 @@ class PlacedModule(nn.Module):
                 "BatchNorm on running statistics): calling train() would change nothing and silently; train "
                 "the unplaced model, or place it for training when torchplace supports it"
             )
+        model = self._traced.model
+        if model is not None:  # the model's root is no child: its own forward may read self.training
+            model.train(mode)
         return super().train(mode)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PlacedModule:
