@@ -15,7 +15,7 @@ from torch import nn
 
 import torchplace
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, TraceError, UnsupportedError
+from torchplace.errors import InfeasibleError, TraceError, UnsupportedError, UsageError
 from torchplace.models import MLP, ResidualCNN
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -205,6 +205,26 @@ def test_eval_reaches_the_model_s_own_forward():
         assert torch.equal(placed(x), reference.eval()(x))
     placed.train()
     assert model.training
+
+
+def test_a_target_tensor_without_the_batch_s_rows_is_refused_for_micro_batches():
+    """step() cut every tensor of the target along dim 0: per-output weights of shape (4,) became
+    pieces of one that broadcast, and the loss matched no unsplit one, silently (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y, weights = torch.randn(8, 16), torch.randn(8, 4), torch.rand(4)
+
+    def weighted(out, target):
+        y, w = target
+        return ((out - y) ** 2 * w).mean()
+
+    placed = _place(model, (x,), 2, microbatches=4, loss_fn=weighted, example_target=(y, weights),
+                    allow_single_device=False)
+    with pytest.raises(UsageError, match="a tensor of the target has 4 rows where the inputs have 8"):
+        placed.step(x, target=(y, weights))
+    assert all(p.grad is None for p in model.parameters())
+    placed.microbatches = 1
+    placed.step(x, target=(y, weights))  # nothing is split
 
 
 def test_a_model_placed_for_inference_does_not_train():

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
-from torchplace.errors import StageError, UnsupportedError
+from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import version_of
 from torchplace.runtime.devices import as_stage_error, normalize_device
-from torchplace.runtime.microbatch import scatter
+from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
 from torchplace.runtime.spans import StageSpan
@@ -176,7 +176,7 @@ class TrainingExecutor:
         """
         with self._lock:
             chunks = scatter(args, kwargs, microbatches)
-            targets = _split_target(target, len(chunks))
+            targets = _split_target(target, len(chunks), batch_size(args, kwargs))
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
             self.last_spans = state.spans  # filled by the workers as the step runs
@@ -471,8 +471,19 @@ def _with_grads(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[torch.Tensor], l
     return tensors, grads
 
 
-def _split_target(target: Any, chunks: int) -> list[Any]:
-    """The target split along dim 0 like the inputs (:func:`~torchplace.runtime.microbatch.scatter`)."""
+def _split_target(target: Any, chunks: int, batch: int | None) -> list[Any]:
+    """The target split along dim 0 like the inputs (:func:`~torchplace.runtime.microbatch.scatter`).
+
+    Raises:
+        UsageError: a tensor of the target has other rows than the inputs' ``batch`` while there
+            are several micro-batches (it would be cut into pieces that match no sample).
+    """
     leaves, spec = tree_flatten(target)
+    for leaf in leaves if chunks > 1 else ():
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
+            raise UsageError(
+                f"a tensor of the target has {leaf.shape[0]} rows where the inputs have {batch}: step() splits every "
+                "tensor of the target along dim 0 as it splits the batch; pass one row per sample, and give what is "
+                "not per sample (class weights, say) to the loss function instead (a closure or functools.partial)")
     columns = [t.tensor_split(chunks) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks for t in leaves]
     return [tree_unflatten([c[i] for c in columns], spec) for i in range(chunks)]
