@@ -41,6 +41,15 @@ def test_a_losses_bytes_are_what_it_and_its_backward_hold_beyond_the_outputs():
     assert out.grad is None  # measured on copies
 
 
+def test_measuring_a_loss_leaves_the_gradients_of_what_it_reads():
+    """The loss's backward accumulated into a parameter the loss reads (a learned temperature,
+    weight decay written in the loss): the first step after place() applied it twice (found by fuzzing)."""
+    temperature = nn.Parameter(torch.tensor(2.0))
+    out = torch.randn(16, 512)
+    bytes_ = measure_loss_bytes(out, lambda o, t: (o / temperature).pow(2).mean(), None)
+    assert temperature.grad is None and bytes_ >= OUT  # the outputs' gradient was still taken
+
+
 def test_place_measures_the_given_loss_and_assumes_one_without_it():
     placed = _place(loss_fn=_mean_square, example_target=torch.zeros(16))
     assert placed.problem.graph.meta["loss_bytes"] == measure_loss_bytes(torch.randn(16, 512), _mean_square, None)

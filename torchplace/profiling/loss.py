@@ -39,7 +39,8 @@ ASSUMED_LOSS_FACTOR = 3
 def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
     """The most bytes ``loss_fn(output, target)`` and its backward hold at once beyond ``output``
     (the gradient of ``output`` included), measured on copies of ``output``'s floating tensors as
-    autograd leaves; ``output`` itself is left as it was.
+    autograd leaves; ``output`` itself, and the ``.grad`` of any parameter the loss reads, are left
+    as they were.
 
     Raises:
         UsageError: ``loss_fn`` fails on the example outputs or does not return a scalar tensor.
@@ -56,8 +57,10 @@ def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 kind = type(loss).__name__ + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 raise TypeError(f"loss_fn must return a scalar tensor, got {kind}")
-            if loss.requires_grad:
-                loss.backward()
+            wanted = [t for t in pytree.tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if loss.requires_grad and wanted:  # not backward(): a parameter the loss reads keeps its .grad
+                grads = [g.contiguous() for g in torch.autograd.grad(loss, wanted, allow_unused=True)  # noqa: F841
+                         if g is not None]  # held for the peak, and as .grad would hold them (a sum's is an expand)
             peak = live.peak
     except Exception as e:  # the user's function: any failure is theirs to fix
         first = (str(e).strip().splitlines() or [""])[0]
