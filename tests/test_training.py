@@ -15,7 +15,7 @@ from torch import nn
 
 import torchplace
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, TraceError, UnsupportedError, UsageError
+from torchplace.errors import InfeasibleError, MicrobatchError, TraceError, UnsupportedError, UsageError
 from torchplace.models import MLP, ResidualCNN
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -225,6 +225,59 @@ def test_a_target_tensor_without_the_batch_s_rows_is_refused_for_micro_batches()
     assert all(p.grad is None for p in model.parameters())
     placed.microbatches = 1
     placed.step(x, target=(y, weights))  # nothing is split
+
+
+class Router(nn.Module):
+    """Returns, beside its per-sample output, a router's load over the batch and a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.g, self.b = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 3)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.a(x))
+        return self.b(h), torch.softmax(self.g(h), -1).mean(0), self.temperature * 2
+
+
+def _routed_loss(out, target):
+    logits, load, temperature = out
+    return nn.functional.cross_entropy(logits / temperature, target) + 0.01 * load.pow(2).sum()
+
+
+def test_a_training_call_joins_only_what_micro_batches_can_join():
+    """A training placement's call joined every output: the router's load came back as m loads
+    end to end, the parameter m times (found by fuzzing). step() gives each micro-batch's outputs
+    to the loss, as the model on the same micro-batches."""
+    torch.manual_seed(0)
+    model = Router()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    placed = _place(model, (x,), 2, microbatches=2, loss_fn=_routed_loss, example_target=y,
+                    allow_single_device=False)
+    placed.step(x, target=y)
+    _reference_step(reference, (x,), y, _routed_loss, 2)
+    _close_grads(model, reference)
+    with pytest.raises(MicrobatchError, match=r"model output \[1\] has shape \(4,\).*dim 0 is not the batch"):
+        placed(x)
+    placed.microbatches = 1
+    assert [o.shape for o in placed(x)] == [o.shape for o in reference(x)]
+
+
+def test_a_batch_norm_that_refuses_one_sample_is_not_trained_on_one():
+    """Batch norm in training refuses a batch of one; its trace computed one with a variance of 0, so
+    micro-batches of one sample trained where the model raises (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(6, 8), torch.randn(6, 3)
+    placed = _place(model, (x,), 2, microbatches=3, loss_fn=nn.functional.mse_loss, example_target=y,
+                    allow_single_device=False)
+    placed.step(x, target=y)  # micro-batches of two
+    placed.microbatches = 4
+    with pytest.raises(MicrobatchError, match="refuses one, as batch norm in training mode does"):
+        placed.step(x, target=y)
+    with pytest.raises(UsageError, match="call it with 2 or more samples"):
+        placed.step(x[:1], target=y[:1])
 
 
 def test_a_model_placed_for_inference_does_not_train():

@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import CallSizes, Runs, call_sizes, check_rows, dims_of_one, joined_outputs, rows_needed
+from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_split, dims_of_one, joined_outputs,
+                                 rows_needed)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -474,9 +475,14 @@ def prepare(
         _warn_of_fast_path(model)
     runs = None if shapes_only else Runs(model, traced.gm, traced.flat_inputs, args, kwargs)  # shared by the checks
     rows = 1 if runs is None else _rows_needed(runs, microbatches if objective == "throughput" or training else 1)
-    joined = None  # which outputs an inference pipeline's micro-batches join, or why they cannot be split
+    joined = None  # which outputs a pipeline's micro-batches join, or why they cannot be split
     if runs is not None and objective == "throughput" and not training:
         joined = joined_outputs(runs, microbatches if isinstance(microbatches, int) else 1)
+    elif runs is not None and training:  # step() gives each micro-batch's outputs to the loss; a call joins them
+        try:
+            joined = check_split(runs, max(microbatches, 2), values=False)  # type: ignore[call-overload]
+        except MicrobatchError as error:
+            joined = error  # a call split into micro-batches raises it
     kinds = sorted({d.kind for d in cluster.devices})
     threads = kind_threads(cluster)
     settings = {"threads": threads, "optimizer": optimizer if training else None}

@@ -105,12 +105,14 @@ class Runs:
         return out
 
 
-def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
+def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] | None:
     """Check that micro-batches of the example give the model's outputs (module docstring).
 
     Args:
         runs: the graph's runs on the example (:class:`Runs`).
         m: the micro-batches (at least 2 to check anything).
+        values: check values too, not only shapes (a training graph computes each micro-batch
+            with its own batch statistics by design).
 
     Returns:
         Per output leaf (``tree_flatten`` order), ``False`` for a tensor that reads no batched input
@@ -156,7 +158,7 @@ def check_split(runs: Runs, m: int) -> tuple[bool, ...] | None:
         if not read:
             joined.append(False)
             continue
-        _check_output(what, both, single, one, values=not random)
+        _check_output(what, both, single, one, values=values and not random)
         joined.append(True)
     return tuple(joined)
 
@@ -216,7 +218,9 @@ def rows_needed(runs: Runs) -> int:
     does something else for a single sample than its trace does. ``torch.export`` traces the batch
     as 2 or more (it specializes sizes 0 and 1) and drops what ``if x.shape[0] == 1:`` guards,
     without a guard: the graph then runs on one sample and silently computes the other branch.
-    Checked by running both on the example's last sample, and where they differ, on its last two.
+    And a model may refuse one sample where its trace computes (batch norm in training mode, whose
+    check a trace does not keep). Checked by running both on the example's last sample, and where
+    they differ, on its last two.
 
     Raises:
         TraceError: they differ on two samples too: the trace is not the model, whatever the batch.
@@ -224,9 +228,13 @@ def rows_needed(runs: Runs) -> int:
     if not runs.batch:
         return 1
     try:
-        differs = _difference(runs.eager(1), runs.graph(1))
-    except Exception:  # noqa: BLE001 - a model that does not run on one sample: the micro-batch checks say so
+        graph = runs.graph(1)
+    except Exception:  # noqa: BLE001 - a trace that does not run on one sample: the micro-batch checks say so
         return 1
+    try:
+        differs = _difference(runs.eager(1), graph)
+    except Exception:  # noqa: BLE001 - the model refuses one sample: so must the placed model
+        return 2
     if differs is None:
         return 1
     if runs.batch < 2:
@@ -262,8 +270,9 @@ def check_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: i
         return
     if not batch or batch // min(microbatches, batch) >= rows:
         return
-    why = ("the model computes other outputs for a single sample than its trace does (torch.export traces the batch "
-           "as 2 or more and drops what `if x.shape[0] == 1:` guards)")
+    why = ("the model does not compute for a single sample what its trace does (it refuses one, as batch norm in "
+           "training mode does, or torch.export traced the batch as 2 or more and dropped what `if x.shape[0] == 1:` "
+           "guards)")
     if batch < rows:
         raise UsageError(f"{why}: call it with {rows} or more samples (and place it with an example of {rows} or more)")
     most = batch // rows
@@ -448,18 +457,19 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
                               f"{advice}, or return the batch first")
     if not values or both.numel() == 0 or single.dtype != both.dtype:
         return
-    if not both.is_floating_point():  # exact: nothing to round
+    if not (both.is_floating_point() or both.is_complex()):  # exact: nothing to round
         if not torch.equal(both[single.shape[0]:], single):
             raise MicrobatchError(
                 f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
                 f"rows computed beside {rows} more: the model mixes the samples of a batch; {advice}")
         return
-    tail = both[single.shape[0]:].to(torch.float64)
+    wide = torch.complex128 if both.is_complex() else torch.float64
+    tail = both[single.shape[0]:].to(wide)
     scale = float(tail.abs().max()) or 1.0
-    diff = float((tail - single.to(torch.float64)).abs().max())
+    diff = float((tail - single.to(wide)).abs().max())
     if not math.isfinite(diff) and torch.equal(tail.isfinite(), single.isfinite()):
         return  # inf and nan where the pair has them too
-    if diff > TOLERANCE.get(both.dtype, HALF_TOLERANCE) * scale:
+    if diff > TOLERANCE.get(both.real.dtype if both.is_complex() else both.dtype, HALF_TOLERANCE) * scale:
         raise MicrobatchError(
             f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
             f"rows computed beside {rows} more by {diff:.3g} (values up to {scale:.3g}): the model mixes the samples "
