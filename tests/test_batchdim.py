@@ -307,3 +307,30 @@ def test_a_complex_output_is_compared_to_rounding_not_exactly() -> None:
     placed = torchplace.place(model, DEVICES, (x,), microbatches=2, **OPTIONS)
     with torch.no_grad():
         assert torch.equal(placed(x), torch.cat([model(x[:3]), model(x[3:])]))
+
+
+class ReturnsItsLargest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        y = self.b(torch.relu(self.a(x)))
+        return y, y.max().item()
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_a_number_read_from_the_batch_s_values_is_refused_for_micro_batches(trace_method: str) -> None:
+    """The check compared the number on the last two samples and the last alone, which agree when
+    the largest value is in the last sample: each call then returned the first micro-batch's
+    largest value, silently (found by fuzzing)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    x[-1] = x[-1] * 10 + 5  # the largest output is in the last sample
+    with pytest.raises(MicrobatchError, match=r"model output \[1\] is a Python float read from the values"):
+        torchplace.place(ReturnsItsLargest().eval(), DEVICES, (x,), microbatches=2, trace_method=trace_method,
+                         **OPTIONS)
+    model = ReturnsItsLargest().eval()
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=1, trace_method=trace_method, **OPTIONS)
+    with torch.no_grad():
+        assert placed(x)[1] == model(x)[1]

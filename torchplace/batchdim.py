@@ -145,9 +145,14 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
     reads = reads_batch(gm, flat_inputs(gm, runs.args, runs.kwargs), batch, len(pair))  # no copies: shapes only
     random = any(draws_random_numbers(gm, n) for n in gm.graph.nodes)
     joined = []
-    for (path, both), single, read in zip(pair, alone, reads):
+    for index, ((path, both), single, read) in enumerate(zip(pair, alone, reads)):
         what = f"model output {pytree.keystr(path)}" if path else "the model's output"
         if not isinstance(both, torch.Tensor):
+            if read and _scalar_of_values(gm, index):  # y.max().item(): equal on two probes by chance
+                raise MicrobatchError(
+                    f"{what} is a Python {type(both).__name__} read from the values of the batch (.item() or "
+                    ".tolist()): micro-batches would return one micro-batch's; return it as a tensor with a batch "
+                    "dimension, or place it with microbatches=1")
             if not _same_value(both, single):  # a batch size the model returns, say
                 raise MicrobatchError(
                     f"{what} is a Python {type(both).__name__} that depends on the batch ({both!r} on {2 * one} samples, "
@@ -493,6 +498,32 @@ def reads_batch(gm: fx.GraphModule, flat: Sequence[Any], batch: int, count: int)
     if len(leaves) != count:
         return [True] * count
     return [isinstance(leaf, fx.Node) and leaf in reads for leaf in leaves]
+
+
+_SCALAR_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "_local_scalar_dense"}
+
+
+def _scalar_of_values(gm: fx.GraphModule, index: int) -> bool:
+    """Whether output leaf ``index`` (a non-tensor; the leaf order :func:`reads_batch` checked) is,
+    or is computed from, a number read out of a tensor's values (``.item()``, ``.tolist()``,
+    ``aten._local_scalar_dense``)."""
+    node = pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args[0])[index]
+    if not isinstance(node, fx.Node):
+        return False
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+        if name.split(".")[0] in _SCALAR_READS:
+            return True
+        info = n.meta.get("torchplace")  # an fx node's outputs (an exported one has meta["val"])
+        if isinstance(n.meta.get("val"), torch.Tensor) or (info is not None and info.shapes):
+            continue  # a tensor: the scalar read is below it, not past it
+        frontier.extend(n.all_input_nodes)
+    return False
 
 
 def _size_query(n: fx.Node) -> bool:
