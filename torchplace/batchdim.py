@@ -507,7 +507,8 @@ def _scalar_of_values(gm: fx.GraphModule, index: int) -> bool:
     """Whether output leaf ``index`` (a non-tensor; the leaf order :func:`reads_batch` checked) is,
     or is computed from, a number read out of a tensor's values (``.item()``, ``.tolist()``,
     ``aten._local_scalar_dense``)."""
-    node = pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args[0])[index]
+    leaves = pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args[0])
+    node = leaves[index] if index < len(leaves) else None
     if not isinstance(node, fx.Node):
         return False
     seen, frontier = set(), [node]
