@@ -609,3 +609,27 @@ def test_a_tensor_input_left_out_of_a_call_is_refused(trace_method):
         assert torch.equal(placed(x, scale=scale, k=3.0), expected)
         with pytest.raises(UsageError, match="input 'scale' is None, but the example gave a tensor|called as"):
             placed(x, k=3.0)
+
+
+@pytest.mark.parametrize("change", ["parameter", "buffer", "module", "hook"])
+def test_a_model_changed_by_assignment_after_placing_is_refused(change):
+    """An assignment after placing changed the model and its state_dict, but the stages kept
+    running what was placed, silently; an in-place write is followed (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(4, 32)
+    placed = _place(model, (x,), microbatches=1, allow_single_device=False)
+    with torch.no_grad():
+        first = model.net[0]
+        first.weight.mul_(2)  # in place: followed
+        assert torch.equal(placed(x), copy.deepcopy(model)(x))
+        if change == "parameter":
+            first.weight = nn.Parameter(first.weight * 2)
+        elif change == "buffer":
+            model.register_buffer("extra", torch.zeros(1))
+        elif change == "module":
+            model.net[0] = nn.Linear(first.in_features, first.out_features)
+        else:
+            first.register_forward_hook(lambda module, args, out: out * 0)
+        with pytest.raises(UnsupportedError, match="after placing"):
+            placed(x)

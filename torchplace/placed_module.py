@@ -29,6 +29,7 @@ from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, Stage
 from torchplace.runtime.devices import normalize_device
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
+from torchplace.runtime.structure import Structure
 from torchplace.runtime.training import TrainingExecutor
 
 __all__ = ["PlacedModule"]
@@ -129,6 +130,9 @@ class PlacedModule(nn.Module):
         if traced.model is not None:
             _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)
+        self._structure = Structure.of([*self.named_modules(remove_duplicate=False),
+                                        *([("", traced.model)] if traced.model is not None else [])],
+                                       without_hooks=[self])
 
     def _adopt(self, model: nn.Module) -> None:
         """Take the model's children, parameters and buffers as this module's own (same objects)."""
@@ -152,6 +156,7 @@ class PlacedModule(nn.Module):
                 executor.stage_params.refresh()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._structure.check()
         training = {m.training for m in self.modules()}
         if len(training) > 1:
             raise UnsupportedError("some modules of the placed model are in training mode and some in eval mode; "
@@ -194,6 +199,7 @@ class PlacedModule(nn.Module):
         """
         if self._trainer is None or self.problem.pipeline is None:
             raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
+        self._structure.check()
         if not all(m.training for m in self.modules()):
             raise UnsupportedError("step() trains: call placed.train() first (it is in eval mode)")
         if schedule not in (None, "1f1b", "gpipe"):
