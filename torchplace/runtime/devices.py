@@ -9,7 +9,7 @@ and its thread synchronizes on the event otherwise.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -148,10 +148,27 @@ def stream_context(stream: Any) -> AbstractContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
+def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """The caller's ``torch.autocast`` settings (thread-local, like the grad mode: a worker thread
+    must enter them again, or it computes in the default precision)."""
+    return tuple((kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+                 for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+
+
 @contextmanager
-def autograd_mode(grad_enabled: bool, inference_mode: bool) -> Iterator[None]:
-    """Apply the caller's thread-local autograd modes in a worker thread."""
-    with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
+def autocast_of(settings: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
+    """Enter the autocast settings :func:`caller_autocast` took."""
+    with ExitStack() as stack:
+        for kind, dtype, cache in settings:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+@contextmanager
+def autograd_mode(grad_enabled: bool, inference_mode: bool,
+                  autocast: Sequence[tuple[str, torch.dtype, bool]] = ()) -> Iterator[None]:
+    """Apply the caller's thread-local autograd and autocast modes in a worker thread."""
+    with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled), autocast_of(autocast):
         yield
 
 

@@ -43,6 +43,7 @@ from torchplace.machine import intra_op_threads
 from torchplace.runtime.devices import (
     as_stage_error,
     autograd_mode,
+    caller_autocast,
     normalize_device,
     stream_context,
     wait_for_producers,
@@ -205,7 +206,7 @@ class LatencyExecutor:
             bound = self.graph_io.bind_inputs(args, kwargs)
             board = _Board(Values(bound, bound, self.isolate, self._written_inputs), dict(self._readers),
                            frozenset(self.graph_io.output_names))
-            mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), caller_autocast())
             first, *others = self._order
             try:
                 for worker in others:

@@ -49,6 +49,7 @@ from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import (
     as_stage_error,
     autograd_mode,
+    caller_autocast,
     normalize_device,
     stream_context,
     wait_for_producers,
@@ -91,6 +92,7 @@ class _RunState:
     queues: list[queue.Queue]
     grad_enabled: bool
     inference_mode: bool
+    autocast: tuple = ()  # the caller's torch.autocast settings (devices.caller_autocast)
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     trace: list[tuple[str, int, int]] = field(default_factory=list)
@@ -255,7 +257,7 @@ class PipelineExecutor:
         """Create the run's queues and put every micro-batch into the first one."""
         inner: list[queue.Queue] = [queue.Queue(maxsize=self.queue_size) for _ in self._segments[1:]]
         queues: list[queue.Queue] = [queue.Queue(), *inner, queue.Queue()]
-        state = _RunState(queues, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        state = _RunState(queues, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), caller_autocast())
         bound = [self.assemble_output.bind_inputs(args, kwargs) for args, kwargs in chunks]
         _check_written_inputs_split(bound, self._written_inputs)
         for index, values in enumerate(bound):
@@ -283,7 +285,7 @@ class PipelineExecutor:
     def _work(self, state: _RunState, worker: str, order: Sequence[tuple[int, int]]) -> None:
         """A worker thread: run ``order``'s (micro-batch, segment) pairs, then end."""
         try:
-            with autograd_mode(state.grad_enabled, state.inference_mode):
+            with autograd_mode(state.grad_enabled, state.inference_mode, state.autocast):
                 for microbatch, segment in order:
                     message = _get(state.queues[segment], state.stop)
                     if message.microbatch != microbatch:

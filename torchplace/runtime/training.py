@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import version_of
-from torchplace.runtime.devices import as_stage_error, normalize_device
+from torchplace.runtime.devices import as_stage_error, autocast_of, caller_autocast, normalize_device
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.schedule import Action, per_worker, training_schedule
@@ -180,7 +180,8 @@ class TrainingExecutor:
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
             self.last_spans = state.spans  # filled by the workers as the step runs
-            threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, len(chunks))
+            amp = caller_autocast()  # thread-local: the workers enter it again
+            threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, len(chunks), amp)
                        for w, order in per_worker(actions, self.workers).items() if order]
             try:
                 for t in threads:
@@ -225,9 +226,9 @@ class TrainingExecutor:
         return _Step(values, pending, inputs)
 
     def _work(self, state: _Step, worker: str, order: Sequence[Action], targets: Sequence[Any],
-              loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
+              loss_fn: Callable[[Any, Any], torch.Tensor], m: int, amp: tuple = ()) -> None:
         try:
-            with torch.enable_grad(), self._saved_tracking(worker):
+            with torch.enable_grad(), autocast_of(amp), self._saved_tracking(worker):
                 for action in order:
                     if action.kind == "F":
                         self._forward(state, action, worker)
