@@ -280,6 +280,33 @@ def test_a_batch_norm_that_refuses_one_sample_is_not_trained_on_one():
         placed.step(x[:1], target=y[:1])
 
 
+def test_a_frozen_batch_norm_stays_frozen():
+    """place(mode='training') set every module to training mode: a batch norm the user froze in
+    eval mode used the batch's statistics and updated its running ones, silently (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)).train()
+    for _ in range(3):
+        model(torch.randn(8, 8))  # running statistics of their own
+    model[1].eval()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 3)
+    placed = _place(model, (x,), 2, microbatches=2, loss_fn=nn.functional.mse_loss, example_target=y,
+                    allow_single_device=False)
+    assert not model[1].training and model[0].training
+    placed.step(x, target=y)
+    _reference_step(reference, (x,), y, nn.functional.mse_loss, 2)
+    _close_grads(model, reference)
+    assert torch.equal(model[1].running_mean, reference[1].running_mean)
+    placed.eval()
+    with torch.no_grad():
+        assert torch.equal(placed(x), copy.deepcopy(reference).eval()(x))
+    placed.train()
+    assert not model[1].training and model[0].training  # put back as placed
+    model[1].train()
+    with pytest.raises(UnsupportedError, match="modules '1' are not in the training modes the model was placed"):
+        placed.step(x, target=y)
+
+
 def test_a_model_placed_for_inference_does_not_train():
     model = _model("mlp")
     inputs, target, loss_fn = _data("mlp")

@@ -443,7 +443,8 @@ def prepare(
     if training:
         optimizer_state_factor(optimizer)
     modes = {m: m.training for m in model.modules()}
-    model.train(training)
+    if not (training and model.training and not all(modes.values())):  # frozen parts (a batch norm in eval) stay
+        model.train(training)
     measured_loss = None  # bytes of the training loss on the example outputs (loss_fn given)
     # The model runs on the whole example eagerly only where its output is needed (the loss's
     # bytes), or when tracing fails, to say whether the inputs were the cause (a full forward:

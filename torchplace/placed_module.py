@@ -130,6 +130,7 @@ class PlacedModule(nn.Module):
         if traced.model is not None:
             _home_unread_tensors(traced.model, problem, plan)
             self._adopt(traced.model)
+        self._train_modes = self._modes() if self._for_training else ()  # frozen modules (a batch norm) in eval mode
         self._structure = Structure.of([*self.named_modules(remove_duplicate=False),
                                         *([("", traced.model)] if traced.model is not None else [])],
                                        without_hooks=[self])
@@ -157,17 +158,19 @@ class PlacedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._structure.check()
-        training = {m.training for m in self.modules()}
-        if len(training) > 1:
-            raise UnsupportedError("some modules of the placed model are in training mode and some in eval mode; "
-                                   "call placed.train() or placed.eval() so that all agree")
-        if training == {True} and not self._for_training:
+        modes = self._modes()
+        if self._for_training and modes == self._train_modes:
+            executor = self._executor
+        elif not any(modes):
+            executor = self._eval_executor() if self._for_training else self._executor
+        elif not self._for_training:
             raise UnsupportedError(
                 "a module of the placed model is in training mode (model.train() was called after placing?): this "
                 "placement runs the graph traced in eval mode; call placed.eval() (or model.eval()), or place the "
                 "model for training (mode='training')"
             )
-        executor = self._eval_executor() if self._for_training and training == {False} else self._executor
+        else:
+            raise UnsupportedError(self._modes_message())
         self._sizes.check(args, kwargs, self.microbatches if isinstance(executor, PipelineExecutor) else 1)
         try:
             if isinstance(executor, LatencyExecutor):
@@ -200,8 +203,8 @@ class PlacedModule(nn.Module):
         if self._trainer is None or self.problem.pipeline is None:
             raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
         self._structure.check()
-        if not all(m.training for m in self.modules()):
-            raise UnsupportedError("step() trains: call placed.train() first (it is in eval mode)")
+        if self._modes() != self._train_modes:
+            raise UnsupportedError(f"step() trains: {self._modes_message()}")
         if schedule not in (None, "1f1b", "gpipe"):
             raise UsageError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
         loss_fn = self.loss_fn if loss_fn is None else loss_fn
@@ -354,7 +357,24 @@ class PlacedModule(nn.Module):
         model = self._traced.model
         if model is not None:  # the model's root is no child: its own forward may read self.training
             model.train(mode)
-        return super().train(mode)
+        super().train(mode)
+        if mode:  # the modes the training graph was traced with: frozen modules stay in eval mode
+            for module, flag in zip(self.modules(), self._train_modes):
+                module.training = flag
+        return self
+
+    def _modes(self) -> tuple[bool, ...]:
+        """Each module's ``training`` flag, in ``modules()`` order."""
+        return tuple(m.training for m in self.modules())
+
+    def _modes_message(self) -> str:
+        """Which modules are not in the mode the training graph was traced with (a training
+        placement's graphs run in those modes, or all in eval mode), and what to do."""
+        odd = [repr(name) if name else "the model" for (name, module), flag in
+               zip(self.named_modules(), self._train_modes) if module.training != flag]
+        return (f"modules {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} are not in the training modes the model "
+                "was placed with (its graphs run in those modes, or all in eval mode): call placed.train(), which "
+                "puts them back, or placed.eval()")
 
     def _apply(self, fn: Any, recurse: bool = True) -> PlacedModule:
         raise UnsupportedError(
