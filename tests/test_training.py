@@ -307,6 +307,19 @@ def test_a_frozen_batch_norm_stays_frozen():
         placed.step(x, target=y)
 
 
+def test_a_model_whose_dim_0_is_not_the_batch_is_not_trained_in_micro_batches():
+    """A training graph's samples may mix (batch statistics), so only shapes were checked: a
+    sequence-first transformer was split along its sequence, with gradients 2e-2 off (found by fuzzing)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False: (sequence, batch, features)
+    x, y = torch.randn(6, 4, 16), torch.randn(6, 4, 16)
+    with pytest.raises(MicrobatchError, match="in eval mode, the model's output .* mixes the samples"):
+        _place(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (x,), 2, microbatches=2,
+               loss_fn=nn.functional.mse_loss, example_target=y)
+    _place(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (x,), 2, microbatches=1,
+           loss_fn=nn.functional.mse_loss, example_target=y)
+
+
 def test_a_model_placed_for_inference_does_not_train():
     model = _model("mlp")
     inputs, target, loss_fn = _data("mlp")

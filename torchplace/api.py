@@ -20,8 +20,8 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_split, dims_of_one, joined_outputs,
-                                 rows_needed)
+from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_rows_apart, check_split, dims_of_one,
+                                 joined_outputs, rows_needed)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -480,6 +480,8 @@ def prepare(
     if runs is not None and objective == "throughput" and not training:
         joined = joined_outputs(runs, microbatches if isinstance(microbatches, int) else 1)
     elif runs is not None and training:  # step() gives each micro-batch's outputs to the loss; a call joins them
+        if microbatches != 1:
+            check_rows_apart(Runs(model, traced.gm, traced.flat_inputs, args, kwargs))  # own runs: in eval mode
         try:
             joined = check_split(runs, max(microbatches, 2), values=False)  # type: ignore[call-overload]
         except MicrobatchError as error:

@@ -202,6 +202,40 @@ def _same_value(a: Any, b: Any) -> bool:
         return True
 
 
+def check_rows_apart(runs: Runs) -> None:
+    """For training with micro-batches: refuse a model whose rows along dim 0 are not samples. A
+    training graph mixes the samples of a micro-batch by design (batch statistics), so
+    :func:`check_split` checks it by shape only; in eval mode (running statistics, no dropout) the
+    model itself must compute the example's last sample alone as beside the one before it, or dim 0
+    is not its batch (a sequence first, as ``nn.TransformerEncoder`` keeps by default) and
+    micro-batches would cut something else than samples.
+
+    Raises:
+        MicrobatchError: naming the output and what to do.
+    """
+    model = runs.model
+    if model is None or not runs.batch or runs.batch < 2:
+        return
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        both, single = runs.eager(2), runs.eager(1)
+    except Exception:  # noqa: BLE001 - the eval-mode model needs more rows: the training checks say what it needs
+        return
+    finally:
+        for m, was in modes.items():
+            m.training = was
+    pairs, _ = pytree.tree_flatten_with_path(both)
+    alone = pytree.tree_leaves(single)
+    if len(pairs) != len(alone):
+        return
+    for (path, pair), one in zip(pairs, alone):
+        if (isinstance(pair, torch.Tensor) and isinstance(one, torch.Tensor) and pair.dim() > 0 and one.dim() > 0
+                and pair.shape[0] == 2 * one.shape[0] and pair.shape[1:] == one.shape[1:]):
+            what = f"in eval mode, model output {pytree.keystr(path)}" if path else "in eval mode, the model's output"
+            _check_output(what, pair, one, 1, values=True)
+
+
 def joined_outputs(runs: Runs, m: int) -> tuple[bool, ...] | MicrobatchError | None:
     """:func:`check_split` for a pipeline that runs ``m`` micro-batches, or two where it runs one
     (its ``microbatches`` may be raised later): then a refusal is returned, not raised, for the
