@@ -360,14 +360,15 @@ def test_place_runs_the_model_on_the_example_batch_only_for_the_loss():
     """Checking the example call eagerly cost a full forward of every place() (2.7 s of GPT-2
     small's 16 s): an inference place() runs the model's own forward on one sample only (whether
     it branches on a batch of one); a training one also on two (whether the trace differentiates
-    as it does) and, with a loss, once on the example, to measure the loss's memory."""
+    as it does), on one and two in eval mode (whether dim 0 is the batch) and, with a loss, once on
+    the example, to measure the loss's memory."""
     model = _CountsEagerCalls()
     torchplace.place(model, DEVICES, torch.randn(4, 8), trace_method="export", **QUICK)
     assert model.calls == [1]
     model.calls.clear()
     torchplace.place(model, DEVICES, torch.randn(4, 8), trace_method="export", mode="training",
                      loss_fn=lambda out, target: out.pow(2).mean(), example_target=torch.zeros(4), **QUICK)
-    assert sorted(model.calls) == [1, 2, 4]
+    assert sorted(model.calls) == [1, 1, 2, 2, 4]
 
 
 def test_a_model_left_on_several_devices_is_named_as_the_cause():
@@ -633,3 +634,42 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
             first.register_forward_hook(lambda module, args, out: out * 0)
         with pytest.raises(UnsupportedError, match="after placing"):
             placed(x)
+
+
+class CountsItsCalls(nn.Module):
+    """Counts its calls in a buffer (so "auto" exports it) and takes a mask of any dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, mask):
+        self.n += 1
+        return self.b(torch.relu(self.a(x))) * mask.to(torch.float32)
+
+
+def test_an_input_of_another_dtype_than_the_export_s_is_refused_before_any_stage_runs():
+    """torch.export asserts each input's dtype inside the graph: a bool mask where the example's was
+    int64 failed mid-call as a StageError, after earlier stages had counted the call (found by fuzzing)."""
+    x, mask = torch.randn(4, 8), torch.ones(4, 1, dtype=torch.long)
+    model = CountsItsCalls().eval()
+    placed = _place(model, (x, mask), microbatches=1)
+    assert placed._traced.method == "export"
+    with torch.no_grad(), pytest.raises(UsageError, match=r"input 'mask' is torch.bool, but .* torch.int64"):
+        placed(x, mask.bool())
+    assert model.n.item() == 0
+
+
+def test_an_example_input_that_is_a_view_is_exported_as_a_dense_tensor():
+    """torch.export turned a sliced example's base and strides into guards that the recording run's
+    copies failed: place() raised an AttributeError (found by fuzzing)."""
+    torch.manual_seed(0)
+    big, mask = torch.randn(4, 16), torch.ones(4, 1, dtype=torch.long)
+    model = CountsItsCalls().eval()
+    reference = copy.deepcopy(model)
+    placed = _place(model, (big[:, :8], mask), trace_method="export", microbatches=2)
+    with torch.no_grad():
+        out = placed(big[:, 8:], mask)
+        expected = torch.cat([reference(big[:2, 8:], mask[:2]), reference(big[2:, 8:], mask[2:])])
+    assert torch.equal(out, expected)

@@ -411,6 +411,13 @@ class CallSizes:
                     f"input {names.get(name, name)!r} is {brief(value)}, but the example gave a tensor and the placed "
                     "model's trace reads one (a model that branches on `is None` traced only the example's branch): "
                     "call it with a tensor there, or place the model again with an example that leaves it out")
+        for node in self.gm.graph.find_nodes(op="placeholder"):  # type: ignore[union-attr]
+            example, value = node.meta.get("val"), bound.get(node.name)
+            if isinstance(example, torch.Tensor) and isinstance(value, torch.Tensor) and value.dtype != example.dtype:
+                raise UsageError(  # torch.export asserts its inputs' dtypes inside the graph, mid-call
+                    f"input {names.get(node.name, node.name)!r} is {value.dtype}, but the placed model was traced with "
+                    f"{example.dtype} there (torch.export fixes the dtype of every input): convert it "
+                    f"(.to({example.dtype})), or place the model again with an example of that dtype")
         for name in self.nones:
             value = bound.get(name)
             if name in bound and value is not None:

@@ -200,6 +200,12 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
     batch of two copies; the graph then runs on one sample as well.
     """
     args, kwargs = _at_least_two(tuple(args)), _at_least_two(dict(kwargs))
+    # a view's base and strides become guards (`x._base.size()`, `x.stride()[0] == 8`) that every other
+    # tensor fails, the recording run's copies included: export on dense copies
+    def dense(t: torch.Tensor) -> torch.Tensor:
+        return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
     snapshot = StateSnapshot(model)
     try:
         ep = torch.export.export(model, args, kwargs=kwargs or None,
