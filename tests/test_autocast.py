@@ -49,3 +49,36 @@ def test_a_training_step_under_autocast_gives_the_model_s_loss_and_gradients(tra
     assert torch.equal(loss, expected.detach())
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class AutocastInside(nn.Module):
+    """Runs its middle layer under autocast, as mixed-precision code written into a model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(self.b(h))
+        return self.c(h.float())
+
+
+def test_an_autocast_region_in_forward_is_traced_by_export():
+    """fx runs a `with torch.autocast` block at trace time and records nothing of it: "auto" kept
+    the fx trace, whose region ran in float32, and the checks refused the model with a TraceError
+    that blamed hooks (found by fuzzing). Such a forward is now an fx failure, and export traces it."""
+    torch.manual_seed(0)
+    model = AutocastInside()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=1,
+                              loss_fn=nn.functional.mse_loss, example_target=y, **OPTIONS)
+    assert placed._traced.method == "export"
+    (loss,) = placed.step(x, target=y)
+    expected = nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    assert torch.equal(loss, expected.detach())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)

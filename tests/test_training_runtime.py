@@ -334,3 +334,37 @@ def test_a_recomputed_stage_sends_what_needs_no_gradient_without_one(m):
     """A recomputing stage marked every output as needing a gradient: the average of one took
     autograd history, and the next micro-batch's (or step's) backward ran into a freed graph."""
     _recomputing_steps(AveragesWhatItIsSent, "mul_", m, "1f1b")  # tanh(h.detach()) is sent to cpu:1
+
+
+class FourierMixer(nn.Module):
+    """An FFT mixing layer (FNet): a complex value between its linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        z = torch.fft.fft(torch.view_as_complex(h.reshape(h.shape[0], 16, 2)), dim=-1)
+        h = torch.view_as_real(torch.fft.ifft(z * z.conj().tanh(), dim=-1)).reshape(h.shape[0], 32)
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_a_complex_value_between_stages_carries_its_gradient():
+    """A stage boundary kept requires_grad for floating-point values only: with the FFT's complex
+    output sent across, every parameter before it got no gradient, silently (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = FourierMixer()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    gm = fx.symbolic_trace(model)
+    nodes = [n.name for n in compute_nodes(gm.graph)]
+    cut = nodes.index("fft_fft")
+    stages = split_stages(gm, {n: 0 if i <= cut else 1 for i, n in enumerate(nodes)}, 2)
+    executor = TrainingExecutor(stages, ["cpu", "cpu"], ["cpu:0", "cpu:1"], GraphIO(gm), isolate=True)
+    executor.step((x,), {}, y, nn.functional.mse_loss, 2, "1f1b")
+    for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+        (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)

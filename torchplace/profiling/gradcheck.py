@@ -82,6 +82,8 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple
     for (name, _), a, b in zip(params, theirs, mine if mine is not None else [None] * len(params)):
         if a is None and b is None:
             continue
+        a = a.to_dense() if a is not None and a.layout != torch.strided else a  # nn.Embedding(sparse=True)
+        b = b.to_dense() if b is not None and b.layout != torch.strided else b
         a = torch.zeros_like(b) if a is None else a  # type: ignore[arg-type]
         b = torch.zeros_like(a) if b is None else b
         scale = float(a.abs().max()) if a.numel() else 0.0
@@ -120,7 +122,16 @@ def _gradients(model: nn.Module, params: Sequence[tuple[str, nn.Parameter]], run
         loss = terms[0]
         for term in terms[1:]:
             loss = loss + term.to(loss.device)
-        return list(torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)), draws
+        # backward, not autograd.grad: reentrant checkpointing (use_reentrant=True) supports only the former
+        kept = [p.grad for _, p in params]
+        try:
+            for _, p in params:
+                p.grad = None
+            loss.backward()
+            return [p.grad for _, p in params], draws
+        finally:
+            for (_, p), grad in zip(params, kept):
+                p.grad = grad
     finally:
         snapshot.restore()
 

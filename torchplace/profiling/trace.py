@@ -24,9 +24,10 @@ bitwise, but not the fast path.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -151,6 +152,25 @@ def _keep_none_placeholders(graph: fx.Graph, nones: Mapping[str, Any]) -> None:
         node.target = name
 
 
+@contextlib.contextmanager
+def _noting_autocast() -> Iterator[list[Any]]:
+    """A list that gets each ``torch.autocast`` region entered within (fx runs a ``with`` block at
+    trace time and records nothing of it: the region's operators would run in full precision)."""
+    entered: list[Any] = []
+    autocast = torch.amp.autocast_mode.autocast
+    enter = autocast.__enter__
+
+    def noting(self: Any) -> Any:
+        entered.append(self)
+        return enter(self)
+
+    autocast.__enter__ = noting  # type: ignore[method-assign]
+    try:
+        yield entered
+    finally:
+        autocast.__enter__ = enter  # type: ignore[method-assign]
+
+
 def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bool,
                 nones: Mapping[str, Any]) -> fx.GraphModule:
     """``symbolic_trace`` with :class:`_LeafTracer` and ``nones`` (:func:`example_nones`) as
@@ -164,7 +184,10 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
     tracer = _LeafTracer(leaf_types, module_level)
     snapshot = StateSnapshot(model)
     try:
-        graph = tracer.trace(model, concrete_args=dict(nones) or None)
+        with _noting_autocast() as entered:
+            graph = tracer.trace(model, concrete_args=dict(nones) or None)
+        if entered:
+            raise RuntimeError("the forward enters torch.autocast, which fx does not record (export does)")
         _keep_none_placeholders(graph, nones)
     except Exception as e:
         snapshot.restore()

@@ -71,11 +71,11 @@ def _beside(target: Any, output: Any) -> Any:
 
 def _leaf(value: Any) -> Any:
     """A stage-boundary copy of ``value``: same memory, no history, requiring grad where the value
-    is a floating-point tensor that does. Values that hold several tensors (the list ``split``
+    is a floating-point or complex tensor that does. Values that hold several tensors (the list ``split``
     returns) are copied tensor by tensor: a consumer's backward must never reach into the
     producer's graph, or the producer's own backward finds it freed."""
-    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad and t.is_floating_point()),
-                         value)
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(
+        t.requires_grad and (t.is_floating_point() or t.is_complex())), value)
 
 
 @dataclass
