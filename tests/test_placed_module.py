@@ -612,7 +612,7 @@ def test_a_tensor_input_left_out_of_a_call_is_refused(trace_method):
             placed(x, k=3.0)
 
 
-@pytest.mark.parametrize("change", ["parameter", "buffer", "module", "hook"])
+@pytest.mark.parametrize("change", ["parameter", "buffer", "module", "hook", "attribute"])
 def test_a_model_changed_by_assignment_after_placing_is_refused(change):
     """An assignment after placing changed the model and its state_dict, but the stages kept
     running what was placed, silently; an in-place write is followed (found by fuzzing)."""
@@ -630,8 +630,10 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
             model.register_buffer("extra", torch.zeros(1))
         elif change == "module":
             model.net[0] = nn.Linear(first.in_features, first.out_features)
-        else:
+        elif change == "hook":
             first.register_forward_hook(lambda module, args, out: out * 0)
+        else:
+            model.net[1].inplace = True  # a plain attribute the trace took as a constant
         with pytest.raises(UnsupportedError, match="after placing"):
             placed(x)
 

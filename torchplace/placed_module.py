@@ -133,7 +133,7 @@ class PlacedModule(nn.Module):
         self._train_modes = self._modes() if self._for_training else ()  # frozen modules (a batch norm) in eval mode
         self._structure = Structure.of([*self.named_modules(remove_duplicate=False),
                                         *([("", traced.model)] if traced.model is not None else [])],
-                                       without_hooks=[self])
+                                       own=[self])
 
     def _adopt(self, model: nn.Module) -> None:
         """Take the model's children, parameters and buffers as this module's own (same objects)."""
