@@ -383,6 +383,41 @@ def test_reentrant_checkpointing_passes_the_gradient_check():
     _close_grads(model, reference)
 
 
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(ids)))
+
+
+def test_a_gradient_hook_on_a_weight_several_stages_read_is_refused_by_step():
+    """step() back-propagates stage by stage: a hook on a tied weight ran once per stage on that
+    stage's part of the gradient (a clamp clamped parts), silently (found by fuzzing). The autograd
+    path runs one backward, and the hook once on the whole gradient."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 40, (4, 6))
+    placed = _place(model, (ids,), 2, microbatches=1, loss_fn=_token_loss_40, example_target=ids,
+                    allow_single_device=False)
+    for m in (model, reference):
+        m.emb.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    with pytest.raises(UnsupportedError, match="emb.weight has a gradient hook, and several stages"):
+        placed.step(ids, target=ids)
+    _token_loss_40(placed(ids), ids).backward()
+    _token_loss_40(reference(ids), ids).backward()
+    _close_grads(model, reference)
+
+
+def _token_loss_40(out, target):
+    return nn.functional.cross_entropy(out.reshape(-1, 40), target.reshape(-1))
+
+
 def test_a_model_placed_for_inference_does_not_train():
     model = _model("mlp")
     inputs, target, loss_fn = _data("mlp")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,23 @@ def _home_unread_tensors(model: nn.Module, problem: Problem, plan: Plan) -> None
     for name, entry in state.items():
         if not entry.get("readers") and entry.get("owner") in device_of and name in tensors:
             move_in_place(tensors[name], normalize_device(device_of[entry["owner"]]), name)
+
+
+def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a step when a parameter several stages read has a gradient hook: each stage's
+    backward adds its part of the gradient, so the hook would run once per stage on a part
+    (a clamp would clamp parts; an optimizer step in backward would step on each).
+
+    Raises:
+        UnsupportedError: naming the parameter and what to do instead.
+    """
+    hooked = {id(t) for t in shared if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)}
+    if hooked:
+        name = next((n for n, p in named if id(p) in hooked), "a parameter")
+        raise UnsupportedError(
+            f"{name} has a gradient hook, and several stages of the plan read it: step() back-propagates each stage "
+            "on its own, so the hook would run once per stage on that stage's part of the gradient; train through "
+            "autograd instead (loss_fn(placed(x), y).backward(), one backward over the whole graph), or remove the hook")
 
 
 class PlacedModule(nn.Module):
@@ -203,6 +220,7 @@ class PlacedModule(nn.Module):
         if self._trainer is None or self.problem.pipeline is None:
             raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
         self._structure.check()
+        _check_gradient_hooks(self._executor.stage_params.shared, self.named_parameters())
         if self._modes() != self._train_modes:
             raise UnsupportedError(f"step() trains: {self._modes_message()}")
         if schedule not in (None, "1f1b", "gpipe"):

@@ -137,13 +137,18 @@ class StageParameters:
         self.home: dict[int, str] = dict(homes.home) if homes else {}
         self.home_device: dict[int, torch.device] = dict(homes.home_device) if homes else {}
         home_device = self.home_device
-        for stage, device, place in zip(stages, devices, places):
+        readers: dict[int, set[int]] = {}
+        for index, (stage, device, place) in enumerate(zip(stages, devices, places)):
             if isinstance(stage, fx.GraphModule):
                 pin_devices(stage, device)
             for path, _, _, slot, tensor in _slots(stage):
+                readers.setdefault(id(tensor), set()).add(index)
                 if id(tensor) not in self.home:
                     self.home[id(tensor)], home_device[id(tensor)] = place, device
                     move_in_place(tensor, device, f"{path}.{slot}".lstrip("."), stage)
+        tensors = {id(t): t for stage in stages for *_, t in _slots(stage)}
+        self.shared: list[torch.Tensor] = [tensors[i] for i, read in readers.items() if len(read) > 1]
+        """The tensors several stages read (each stage's backward adds its part of their gradients)."""
         replicas: dict[tuple[int, str], _Replica] = {}
         self._by_stage: dict[int, list[_Replica]] = {}
         owned: set[int] = set()
