@@ -333,6 +333,25 @@ def test_report_cli_errors_are_one_line(tmp_path, capsys, workload_plan):
     assert capsys.readouterr().err.count("torchplace: error:") == 2
 
 
+def test_report_rebuilds_the_problem_the_plan_was_solved_for(tmp_path, capsys):
+    """report --workload rebuilt every problem contiguous with the file's device counts: plans of
+    `solve --noncontiguous` or `--accelerators 8` were refused, and a throughput plan reported with
+    --objective latency printed its throughput value as its latency (found by fuzzing)."""
+    bert = str(LAYERS / "bert24_inference.json")
+    for name, options in (("pieces", ["--noncontiguous", "--method", "slicegraph", "--time-limit", "2"]),
+                          ("eight", ["--accelerators", "8", "--method", "dp"])):
+        plan = str(tmp_path / f"{name}.json")
+        assert main(["solve", bert, *options, "-o", plan]) == 0
+        assert main(["report", plan, "--workload", bert, "-o", str(tmp_path / f"{name}.html")]) == 0
+    capsys.readouterr()
+    plan = str(tmp_path / "eight.json")
+    assert main(["report", plan, "--workload", bert, "--objective", "latency", "-o", str(tmp_path / "l.html")]) == 2
+    assert "is not its latency on" in capsys.readouterr().err
+    piper = str(WORKLOADS / "piper" / "bert32a100.json")
+    assert main(["report", plan, "--workload", piper, "-o", str(tmp_path / "p.html")]) == 2
+    assert "is a Piper workload" in capsys.readouterr().err
+
+
 def test_latency_report_draws_transfers_on_links(tmp_path):
     problem = read_moirai_csv(MOIRAI)
     plan = solve(problem, method="moirai", time_limit=60)  # ~2 s; its optimum needs no limit (a loaded machine)

@@ -187,6 +187,9 @@ def _solve(args: argparse.Namespace) -> int:
         problem = _read_workload(args.workload, args.objective, args.noncontiguous, args.accelerators, args.cpus)
         opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
     plan = solvers.solve(problem, method=args.method, time_limit=args.time_limit, **opts)
+    for name in ("accelerators", "cpus"):  # for `report --workload` to rebuild the same problem
+        if getattr(args, name, None) is not None:
+            plan.meta[name] = getattr(args, name)
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -362,14 +365,30 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    import math
+
+    from torchplace import costmodel
     from torchplace.plan import Plan
     from torchplace.report.html import write_report
 
     plan = Plan.load(args.plan)
     problem = None
     if args.workload:
-        problem = _read_workload(args.workload, args.objective, noncontiguous=False)
+        if _is_piper(args.workload):
+            raise UsageError(f"{args.workload} is a Piper workload: `report --workload` draws dnn-partitioning and MOIRAI "
+                             "workloads; report the Piper plan without --workload")
+        noncontiguous = args.noncontiguous or plan.meta.get("contiguous") is False
+        recorded = {name: plan.meta.get(name) for name in ("accelerators", "cpus")}  # as `solve` recorded them
+        counts = {name: getattr(args, name) if getattr(args, name) is not None else
+                  (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None)
+                  for name, value in recorded.items()}
+        problem = _read_workload(args.workload, args.objective, noncontiguous=noncontiguous, **counts)
         plan.validate(problem)  # a plan of another graph would draw nonsense
+        value = costmodel.evaluate(problem, plan)
+        if not math.isclose(value, plan.objective, rel_tol=1e-6, abs_tol=1e-12):
+            raise UsageError(f"{args.plan}: its objective {plan.objective:.6g} is not its {problem.objective} on "
+                             f"{args.workload} ({value:.6g}): give the --objective, --accelerators and --cpus it was "
+                             "solved with")
     write_report(args.output, plan, problem, title=args.title or f"torchplace plan: {os.path.basename(args.plan)}",
                  microbatches=args.microbatches)
     print(f"wrote {args.output}")
@@ -472,6 +491,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--workload", type=_input_file, help="the workload file the plan was solved for (adds the graph, "
                    "memory by kind and the simulated schedule)")
     r.add_argument("--objective", choices=["throughput", "latency"], default=None, help="the workload's objective")
+    r.add_argument("--noncontiguous", action="store_true", help="the plan was solved with --noncontiguous")
+    r.add_argument("--accelerators", type=_count_or_zero, default=None, metavar="K",
+                   help="the --accelerators the plan was solved with")
+    r.add_argument("--cpus", type=_count_or_zero, default=None, metavar="L", help="the --cpus the plan was solved with")
     r.add_argument("--microbatches", type=_count, default=None, help="micro-batches of the drawn pipeline (default 4)")
     r.add_argument("--title", default=None)
     r.set_defaults(func=_report)
