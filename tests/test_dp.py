@@ -196,3 +196,45 @@ def test_auto_falls_back_to_slicegraph_past_the_ideal_limit():
     assert (plan.status == "optimal") == (plan.lower_bound >= plan.objective)
     assert plan.meta["auto"]["dp"] == "skipped: more than 1000 ideals"
     assert plan.objective == costmodel.evaluate(problem, plan) <= sum(range(1, 17))
+
+
+def test_a_contiguous_optimum_of_a_problem_that_allows_any_split_is_not_called_optimal():
+    """The DP's plan of a non-contiguous problem said status 'optimal' in its JSON and plan file,
+    where auto found a better split (found by fuzzing): it is optimal among contiguous splits only."""
+    import dataclasses
+
+    from torchplace.solvers import solve
+    from torchplace.workloads import read_dnn_partitioning
+
+    from .conftest import DNN
+
+    problem = read_dnn_partitioning(DNN / "LayerGraphs" / "bert24_inference.json")
+    pieces = dataclasses.replace(problem, contiguous=False)
+    assert solve(problem, "dp").status == "optimal"
+    plan = solve(pieces, "dp")
+    assert plan.status == "feasible" and plan.lower_bound < plan.objective
+    assert "feasible; proven optimal among contiguous splits" in str(plan)
+    assert plan.to_json()["status"] == "feasible"
+
+
+def test_times_beyond_float_precision_are_a_typed_error_not_an_assertion(tmp_path):
+    """A time of 1e18 (meant as "cannot run here") made the DP's prefix sums lose every small time,
+    and solve failed with a bare AssertionError (found by fuzzing)."""
+    import json
+
+    from torchplace.errors import SolverError
+    from torchplace.solvers import solve
+    from torchplace.workloads import read_dnn_partitioning
+
+    from .conftest import DNN
+
+    data = json.loads((DNN / "LayerGraphs" / "bert24_inference.json").read_text())
+    for node in data["nodes"][3:5]:
+        node["cpuLatency"] = 1e18
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(data))
+    problem = read_dnn_partitioning(path)
+    with pytest.raises(SolverError, match="lost precision.*supported devices"):
+        solve(problem, "dp")
+    plan = solve(problem, "auto", time_limit=5)
+    assert plan.status != "optimal" and plan.meta["auto"]["dp"].startswith("failed")

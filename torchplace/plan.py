@@ -198,6 +198,8 @@ class Plan:
         status = self.status
         if status == "optimal" and self.meta.get("contiguous"):
             status = "proven optimal among contiguous splits"
+        elif self.meta.get("optimal_among"):
+            status = f"{status}; proven optimal among {self.meta['optimal_among']}"
         head = (
             f"Plan by {self.solver} ({status}) in {self.seconds:.3g} s: objective {self.objective:.6g}; "
             f"lower bound for any split {self.lower_bound:.6g}, gap {100 * self.gap:.2f}%"

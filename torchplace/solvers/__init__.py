@@ -107,6 +107,17 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     return fn(problem, **given)
 
 
+def _claim_no_more(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` with status ``"feasible"`` where it says ``"optimal"`` only among contiguous splits
+    (``meta["contiguous"]``: the DP, MTPP) of a problem that allows any split, and no proven bound
+    meets it; ``meta["optimal_among"]`` keeps what was proven."""
+    if (plan.status == "optimal" and plan.meta.get("contiguous") and not problem.contiguous
+            and plan.lower_bound < plan.objective * (1 - 1e-9)):
+        plan.status = "feasible"
+        plan.meta["optimal_among"] = "contiguous splits"
+    return plan
+
+
 def check_method(method: str, objective: str) -> None:
     """Raise :class:`~torchplace.errors.UsageError` unless ``method`` is ``"auto"`` or a method
     of :data:`METHODS` that optimises ``objective`` (the message lists the ones that do)."""
@@ -146,8 +157,8 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":
-            return solve_auto(p, time_limit=time_limit, **o)
-        return call_method(method, p, time_limit=time_limit, **o)
+            return _claim_no_more(p, solve_auto(p, time_limit=time_limit, **o))
+        return _claim_no_more(p, call_method(method, p, time_limit=time_limit, **o))
 
     if uses_liveness(problem):
         from torchplace.solvers.liveness import solve_live

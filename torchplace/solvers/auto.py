@@ -198,6 +198,8 @@ def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dic
         tried["dp"] = f"skipped: more than {e.limit} ideals"
     except SolverLimitError as e:
         tried["dp"] = f"stopped: {e}"
+    except SolverError as e:  # the DP's sums lost precision: the searches do not claim an optimum
+        tried["dp"] = f"failed: {e}"
     plans = []
     for name, share in (("slicegraph", 0.5), ("brkga", 1.0)):
         last_resort = name == "slicegraph" and "dp" in tried  # the DP ran out of time: a plan a little late beats none

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from torchplace.errors import InfeasibleError, ModelTooLargeError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError
 
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
@@ -412,7 +412,11 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
               "supernodes_before": len(run.source.nodes)},
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
-        raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
+        times = [t for _, r in problem.graph.records() for t in r.times.values() if t > 0]
+        raise SolverError(f"the DP's sums lost precision (its optimum {best:.6g} is {plan.objective:.6g} in the cost "
+                          f"model): the graph's times span {min(times, default=0):.3g} to {max(times, default=0):.3g} "
+                          "s, beyond what float sums keep; leave a device a node cannot run out of its supported "
+                          "devices instead of giving it a huge time, or use method 'slicegraph'")
     plan.seconds = budget.elapsed()
     return plan
 
