@@ -158,3 +158,23 @@ def test_run_compares_every_output_of_a_model_output_object_with_the_joined_micr
     changed[3, 1] += 1e-6
     assert not _equals_joined({"logits": logits, "hidden": changed}, parts)
     assert not _equals_joined({"logits": logits}, parts)  # an output missing
+
+
+def test_plan_options_of_the_other_path_are_refused_not_ignored(capsys, tmp_path):
+    """plan MODEL --max-memory ... planned without the cap, and --hf ignored --devices, silently
+    (found by fuzzing)."""
+    assert main(["plan", "mlp", "--max-memory", "cpu=1KiB"]) == 2
+    assert "--max-memory apply with --hf only" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    assert main(["plan", "--hf", str(config), "--devices", "cpu:0", "cpu:1", "cpu:2", "--mode", "training"]) == 2
+    assert "--devices, --mode apply to a built-in MODEL, not with --hf" in capsys.readouterr().err
+
+
+def test_output_piped_into_a_reader_that_leaves_ends_quietly(workloads_dir):
+    """`torchplace solve W --json | head -1` printed 'error: [Errno 32] Broken pipe' (found by fuzzing)."""
+    process = subprocess.Popen([sys.executable, "-m", "torchplace", "solve", BERT24, "--method", "dp", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader left before the solve ended
+    _, err = process.communicate(timeout=120)
+    assert b"error" not in err and process.returncode == 141

@@ -260,11 +260,28 @@ def _plan_piper(args: argparse.Namespace, model: Any, inputs: Any) -> int:
     return 0
 
 
+_PLAN_ONLY = {  # `plan` options of one path (True: --hf; False: a built-in MODEL), as (flag, dest, default)
+    True: (("--max-memory", "max_memory", None), ("--sequence-length", "sequence_length", 128),
+           ("--phase", "phase", "prefill"), ("--dtype", "dtype", None), ("--cluster", "cluster", None),
+           ("--json", "json", False)),
+    False: (("--devices", "devices", ["cpu:0", "cpu:1"]), ("--microbatches", "microbatches", 4),
+            ("--keep-split", "keep_split", False), ("--granularity", "granularity", "module"),
+            ("--mode", "mode", "inference"), ("--parallelism", "parallelism", "pipeline"), ("--method", "method", "auto"),
+            ("--objective", "objective", None), ("--noncontiguous", "noncontiguous", False)),
+}
+"""Given on the other path, an option would be ignored: it is refused instead (found by fuzzing)."""
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torchplace
     from torchplace.models import build, leaf_modules_for
 
-    if args.hf is not None:
+    hf = args.hf is not None
+    given = [flag for flag, dest, default in _PLAN_ONLY[not hf] if getattr(args, dest) != default]
+    if given and (hf or args.model is not None):
+        raise UsageError(f"{', '.join(given)} apply {'to a built-in MODEL, not with --hf' if hf else 'with --hf only'}"
+                         f"{'' if hf else '; a built-in MODEL is planned on --devices (place(..., max_memory=) caps them)'}")
+    if hf:
         return _plan_hf(args)
     if args.model is None:
         raise UsageError("plan needs a built-in MODEL or --hf CONFIG.json")
@@ -520,6 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else int(e.code is not None) * 2
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `torchplace solve W --json | head`: the reader left; end quietly
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not raise again
+        except OSError:
+            pass
+        return 141
     except (TorchplaceError, ValueError) as e:
         return _fail(str(e))
     except OSError as e:  # a file that vanished or cannot be written after the options were checked
