@@ -155,8 +155,29 @@ def test_a_saved_plan_for_another_trace_is_refused(tmp_path, change):
         options["mode"] = "training"
     else:
         options["leaf_modules"] = [nn.Linear]
-    with pytest.raises(InvalidPlanError, match=r"plan file .*plan\.json.* was made for another graph .*leave out plan="):
+    expected = "was solved for mode='inference', not 'training'" if change == "mode" else (
+        "was made for another graph .*leave out plan=")
+    with pytest.raises(InvalidPlanError, match=rf"plan file .*plan\.json.* {expected}"):
         _place(model, inputs, **options)
+
+
+def test_a_latency_plan_is_not_run_as_a_pipeline(tmp_path):
+    """Plan files did not say their objective: a latency plan given to place() without
+    objective='latency' was refused for contiguity, or with contiguous=False run as a pipeline of
+    4 micro-batches, and reports drew it as one (found by fuzzing)."""
+    model, inputs = build("mlp", batch=4)
+    plan = _place(model, inputs, objective="latency", allow_single_device=False).plan
+    assert (plan.meta["objective"], plan.meta["mode"]) == ("latency", "inference")
+    plan.save(tmp_path / "plan.json")
+    for options in ({}, {"contiguous": False}):
+        with pytest.raises(InvalidPlanError, match="was solved for objective='latency', not 'throughput'"):
+            _place(model, inputs, plan=tmp_path / "plan.json", **options)
+    placed = _place(model, inputs, plan=tmp_path / "plan.json", objective="latency")
+    assert placed.microbatches == 1
+    from torchplace.cli import main
+
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "plan.html")]) == 0
+    assert "s (latency of one call)" in (tmp_path / "plan.html").read_text()
 
 
 @pytest.mark.parametrize("saved", [None, "torchplace.fingerprint/1"])

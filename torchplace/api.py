@@ -439,6 +439,8 @@ def prepare(
         if not shapes_only:  # the host <-> GPU links as the runtime pays them (a given Cluster keeps its own)
             cluster = with_measured_host_links(cluster)
     given = _load_plan(plan) if plan is not None else None
+    if given is not None:
+        _check_given_kind(given, plan, objective=objective, mode=mode)  # type: ignore[arg-type]
     training = mode == "training"
     if training:
         optimizer_state_factor(optimizer)
@@ -670,6 +672,20 @@ def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches:
     if not batch:
         return 1
     return batch // -(-batch // min(microbatches, batch))
+
+
+def _check_given_kind(given: Plan, plan: Plan | str | Path, **asked: str) -> None:
+    """Refuse a given plan made for another objective or mode than this placement (a latency plan
+    run as a pipeline would run, with another objective than the one it was solved for).
+
+    Raises:
+        InvalidPlanError: naming the option to give.
+    """
+    for option, value in asked.items():
+        recorded = given.meta.get(option)
+        if recorded is not None and recorded != value:
+            raise InvalidPlanError(f"{_source(plan)} was solved for {option}={recorded!r}, not {value!r}: place it "
+                                   f"with {option}={recorded!r}, or solve anew without the plan")
 
 
 def _source(plan: Plan | str | Path) -> str:

@@ -98,7 +98,8 @@ class Plan:
             raise InvalidPlanError(f"the plan places stages on {', '.join(map(repr, unknown))}, which is not among the "
                                    f"devices {names}: place on the plan's devices, or solve anew without the plan")
         objective, costs = costmodel.evaluate_stages(problem, stages)
-        plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs, dict(meta or {}))
+        plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs,
+                   {"objective": problem.objective, "mode": problem.mode, **(meta or {})})  # what a plan file is for
         plan.validate(problem)  # first: a bound holds for feasible plans only (an infeasible one may beat it)
         if lower_bound > objective * (1 + 1e-9) + 1e-12:
             raise AssertionError(f"{solver}: lower bound {lower_bound} exceeds the objective {objective} of its own plan")

@@ -50,7 +50,8 @@ def _figure(picture: Any, caption: str) -> str:
 
 
 def _summary(plan: Plan, problem: Problem | None) -> str:
-    unit = "s per sample" if problem is not None and problem.objective == "latency" else "s (max device load)"
+    kind = problem.objective if problem is not None else plan.meta.get("objective")
+    unit = "s (latency of one call)" if kind == "latency" else "s (max device load)"
     rows = [("solver", _e(plan.solver)), ("status", _e(plan.status)), ("objective", f"{plan.objective:.6g} {unit}"),
             ("proven lower bound", f"{plan.lower_bound:.6g}"), ("gap", f"{100 * plan.gap:.2f}%"),
             ("solve time", f"{plan.seconds:.3g} s"), ("stages", str(len(plan.stages))),
