@@ -233,6 +233,13 @@ def _plan_json() -> dict:
     (lambda d: d["costs"][0].update(memory=1.5), r"costs\[0\]\.memory"),
     (lambda d: d.pop("objective"), "missing field 'objective'"),
     (lambda d: d.update(meta=[]), "meta: expected an object"),
+    # found by fuzzing: a degree of 0 asked torchrun for 0 processes, a partial cost table was shown
+    # against other devices' stages, and a malformed meta.call made `show` fail with a traceback
+    (lambda d: d["stages"][0].update(data_parallel=0), r"stages\[0\]\.data_parallel"),
+    (lambda d: d["costs"].pop(), "costs: no row for device"),
+    (lambda d: d.update(meta={"call": "fast"}), "meta.call: expected an object"),
+    (lambda d: d.update(meta={"call": {"seconds": 1.0}}), "meta.call: missing field"),
+    (lambda d: d.update(meta={"single_device": {"device": "acc0"}}), "meta.single_device"),
 ])
 def test_plan_files_are_checked_on_load(tmp_path, mutate, fragment):
     data = _plan_json()
@@ -306,3 +313,9 @@ def test_written_files_have_the_usual_permissions(tmp_path):
 def test_writing_to_a_directory_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="is a directory; give a file name"):
         files.write_json(tmp_path, [1])
+
+
+def test_writing_into_a_missing_directory_is_a_usage_error(tmp_path):
+    """It raised FileNotFoundError naming a temporary file the user never gave (found by fuzzing)."""
+    with pytest.raises(UsageError, match="does not exist; create it first"):
+        files.write_text(tmp_path / "missing" / "plan.json", "{}")

@@ -100,6 +100,8 @@ def write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"cannot write {path}: it is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {path}: directory {str(path.parent)!r} does not exist; create it first")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:

@@ -370,7 +370,7 @@ class PlacedModule(nn.Module):
             raise UnsupportedError(
                 "this model was placed for inference, and its traced graph runs in eval mode (dropout off, "
                 "BatchNorm on running statistics): calling train() would change nothing and silently; train "
-                "the unplaced model, or place it for training when torchplace supports it"
+                "the unplaced model, or place it for training (torchplace.place(..., mode='training'))"
             )
         model = self._traced.model
         if model is not None:  # the model's root is no child: its own forward may read self.training

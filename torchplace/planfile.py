@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from torchplace.checks import brief, non_negative_float, non_negative_int
+from torchplace.checks import brief, non_negative_float, non_negative_int, positive_int
 from torchplace.costmodel import StageCost
 from torchplace.errors import WorkloadFormatError
 from torchplace.plan import _FORMAT, Plan, Stage
@@ -83,8 +83,8 @@ def _stages(items: Any, source: str) -> list[Stage]:
             raise WorkloadFormatError(f"{where}.recompute: expected true or false, got {brief(recompute)}")
         parallel = {}
         for key in ("data_parallel", "tensor_parallel"):
-            if key in s:
-                parallel[key] = _count(s[key], f"{where}.{key}")
+            if key in s:  # a degree of 0 would ask torchrun for 0 processes
+                parallel[key] = positive_int(s[key], f"{where}.{key}", error=WorkloadFormatError)
         if "tmpcs" in s:
             tmpcs = s["tmpcs"]
             if not isinstance(tmpcs, Mapping) or not all(isinstance(v, str) for v in tmpcs.values()):
@@ -108,7 +108,40 @@ def _costs(items: Any, devices: set[str], source: str) -> list[StageCost]:
         if cost.device not in devices or any(o.device == cost.device for o in out):
             raise WorkloadFormatError(f"{where}.device: {cost.device!r} is not a device of the stages, or repeated")
         out.append(cost)
+    if out and {c.device for c in out} != devices:  # the table pairs every stage with its device's row
+        missing = sorted(devices - {c.device for c in out})
+        raise WorkloadFormatError(f"{source}: costs: no row for device(s) {missing}; give one per device of the "
+                                  "stages, or none")
     return out
+
+
+_CALL_NUMBERS = ("seconds", "makespan", "overhead", "fill", "steady", "drain", "per_sample", "microbatches", "batch")
+
+
+def _meta(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``meta`` with the parts a plan prints checked (``call``, ``single_device``: callmodel.describe)."""
+    call = meta.get("call")
+    if call is not None:
+        if not isinstance(call, Mapping):
+            raise WorkloadFormatError(f"{source}: meta.call: expected an object, got {brief(call)}")
+        need = ("seconds", "microbatches", "fill", "steady", "drain", "overhead") if "fill" in call else \
+            ("seconds", "makespan", "overhead") if call else ()
+        for key in need:
+            if key not in call:
+                raise WorkloadFormatError(f"{source}: meta.call: missing field {key!r}")
+        for key in _CALL_NUMBERS:
+            if key in call:
+                _seconds(call[key], f"{source}: meta.call.{key}")
+        if not isinstance(call.get("notes", []), list):
+            raise WorkloadFormatError(f"{source}: meta.call.notes: expected a list, got {brief(call['notes'])}")
+    single = meta.get("single_device")
+    if single is not None:
+        if not isinstance(single, Mapping):
+            raise WorkloadFormatError(f"{source}: meta.single_device: expected an object, got {brief(single)}")
+        if single.get("device"):
+            for key in ("seconds", "plan_seconds"):
+                _seconds(_required(single, key, f"{source}: meta.single_device"), f"{source}: meta.single_device.{key}")
+    return dict(meta)
 
 
 def _check_bound(objective: float, bound: float, data: Mapping[str, Any], source: str) -> None:
@@ -161,7 +194,7 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
         seconds=_seconds(_required(data, "seconds", source), f"{source}: seconds"),
         status=status,
         costs=_costs(data.get("costs", []), {s.device for s in stages}, source),
-        meta=dict(meta),
+        meta=_meta(meta, source),
     )
     if "assignment" in data and data["assignment"] != plan.assignment:
         raise WorkloadFormatError(f"{source}: assignment: does not match the stages (node -> device of each stage)")

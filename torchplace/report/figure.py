@@ -78,6 +78,8 @@ class Picture:
         suffix = path.suffix.lower()
         if suffix not in (".png", ".svg", ".pdf"):
             raise UsageError(f"cannot save a picture as {path.name!r}: use a .png, .svg or .pdf file name")
+        if path.is_dir() or not path.parent.is_dir():
+            raise UsageError(f"cannot save a picture as {str(path)!r}: give a file name in an existing directory")
         self.figure.savefig(path, format=suffix[1:])
         return path
 
