@@ -380,3 +380,21 @@ def test_report_renders_in_headless_chromium(pipelined, tmp_path):
     assert non_white > 0.05 * image.width * image.height  # figures, not a blank page
     first_device = (0x4E, 0x79, 0xA7)  # the first device's colour fills schedule bars
     assert any(sum(abs(a - b) for a, b in zip(c, first_device)) < 12 and n > 500 for n, c in colors)
+
+
+def test_bad_counts_for_measure_and_the_pictures_are_usage_errors(pipelined, workload_plan, tmp_path, capsys):
+    """measure(runs=2.5) and plot_graph(None) raised TypeError and AttributeError, plot_schedule(problem, 0)
+    drew 4 micro-batches, and report --microbatches 1e6 ran for minutes (found by fuzzing)."""
+    placed, inputs = pipelined
+    for runs in (2.5, float("nan"), "3", 0):
+        with pytest.raises(UsageError, match="runs"):
+            placed.measure(inputs, runs=runs)
+    for m in (-1, 0, 2.5):
+        with pytest.raises(UsageError, match="microbatches"):
+            placed.plan.plot_schedule(placed.problem, m)
+    with pytest.raises(UsageError, match="plot_graph needs the Problem"):
+        placed.plan.plot_graph(None)
+    problem, plan = workload_plan
+    plan.save(tmp_path / "plan.json")
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "r.html"), "--microbatches", "100000"]) == 2
+    assert "is not readable" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchplace import batchdim
+from torchplace.checks import non_negative_int, positive_int
 from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
@@ -315,8 +316,7 @@ class PlacedModule(nn.Module):
         """
         from torchplace.report.fidelity import compare
 
-        if runs < 1 or warmup < 0:
-            raise UsageError(f"measure needs runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
+        runs, warmup = positive_int(runs, "runs"), non_negative_int(warmup, "warmup")
         for _ in range(warmup):
             self._run_recorded(inputs, kwargs, target, loss_fn)
         recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]

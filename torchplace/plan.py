@@ -17,8 +17,9 @@ import networkx as nx
 
 from torchplace import costmodel
 from torchplace.callmodel import describe as describe_call
+from torchplace.checks import brief
 from torchplace.costmodel import StageCost
-from torchplace.errors import InvalidPlanError
+from torchplace.errors import InvalidPlanError, UsageError
 from torchplace.files import read_json, write_json
 from torchplace.problem import Problem
 
@@ -144,6 +145,9 @@ class Plan:
         """The graph coloured by device (:func:`torchplace.report.plot_graph`)."""
         from torchplace.report import plot_graph
 
+        if not isinstance(problem, Problem):
+            raise UsageError(f"plot_graph needs the Problem the plan was solved for (placed.problem), got "
+                             f"{brief(problem)}")
         return plot_graph(self, problem, level)
 
     def report(self, path: str | Path, problem: Problem | None = None, **options: Any) -> Path:

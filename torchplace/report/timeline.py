@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchplace import costmodel
+from torchplace.checks import positive_int
+from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
@@ -60,6 +62,10 @@ def stage_times(plan: Plan, problem: Problem | None) -> list[tuple[str, float]]:
     return [(s.device, load.get(s.device, 0.0) / count[s.device]) for s in plan.stages]
 
 
+MOST_MICROBATCHES = 256
+"""The most micro-batches a predicted timeline draws (100000 took 48 s and 61 MB of HTML)."""
+
+
 def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches: int | None = None) -> list[Bar]:
     """The bars of the plan's predicted run (see the module docstring).
 
@@ -67,8 +73,17 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
         plan: the plan.
         problem: the problem it was solved for; without it, inference pipelines only (from the
             plan's costs), and a latency plan is drawn as its stages one after another.
-        microbatches: for throughput plans; default the problem's training pipeline's, else 4.
+        microbatches: for throughput plans; default the problem's training pipeline's, else 4;
+            at most :data:`MOST_MICROBATCHES` (a picture of more is not readable).
+
+    Raises:
+        UsageError: ``microbatches`` is not a whole number from 1 to :data:`MOST_MICROBATCHES`.
     """
+    if microbatches is not None:
+        microbatches = positive_int(microbatches, "microbatches")
+        if microbatches > MOST_MICROBATCHES:
+            raise UsageError(f"microbatches: a timeline of {microbatches} micro-batches is not readable; draw at "
+                             f"most {MOST_MICROBATCHES}")
     if problem is not None and problem.objective == "latency":
         return _latency(problem, plan)
     if problem is not None and problem.mode == "training" and problem.pipeline is not None:
