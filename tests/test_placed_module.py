@@ -3,6 +3,7 @@ model's; what it cannot do exactly it refuses with a typed error; bad place() ar
 before anything is traced (issue 9, items 4-6)."""
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import io
@@ -696,3 +697,40 @@ def test_an_example_input_that_is_a_view_is_exported_as_a_dense_tensor():
         out = placed(big[:, 8:], mask)
         expected = torch.cat([reference(big[:2, 8:], mask[:2]), reference(big[2:, 8:], mask[2:])])
     assert torch.equal(out, expected)
+
+
+class ReturnsOrderedDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return collections.OrderedDict(logits=self.b(h), hidden=h)
+
+
+def test_an_fx_trace_returns_the_model_s_own_output_containers():
+    """fx returns a plain dict for an OrderedDict or a transformers ModelOutput: `out.logits` and
+    `out[0]` failed on the placed model's output (found by fuzzing)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = ReturnsOrderedDict().eval()
+    placed = _place(model, (x,), microbatches=2, trace_method="fx", allow_single_device=False)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    assert type(out) is collections.OrderedDict and list(out) == ["logits", "hidden"]
+    assert torch.allclose(out["logits"], expected["logits"], atol=1e-6)
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class ReturnsModelOutput(ReturnsOrderedDict):
+        def forward(self, x):
+            out = super().forward(x)
+            return BaseModelOutput(last_hidden_state=out["logits"], hidden_states=(out["hidden"],))
+
+    model = ReturnsModelOutput().eval()
+    placed = _place(model, (x,), microbatches=1, trace_method="fx", allow_single_device=False)
+    with torch.no_grad():
+        out = placed(x)
+        assert isinstance(out, BaseModelOutput) and torch.equal(out.last_hidden_state, model(x).last_hidden_state)
+        assert torch.equal(out[0], model(x)[0])

@@ -21,7 +21,7 @@ from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_rows_apart, check_split, dims_of_one,
-                                 joined_outputs, rows_needed)
+                                 joined_outputs, output_spec, rows_needed)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -477,6 +477,8 @@ def prepare(
     if not training:
         _warn_of_fast_path(model)
     runs = None if shapes_only else Runs(model, traced.gm, traced.flat_inputs, args, kwargs)  # shared by the checks
+    if runs is not None and (spec := output_spec(runs)) is not None:  # the model's ModelOutput, not fx's dict
+        traced = dataclasses.replace(traced, output_spec=spec)
     rows = 1 if runs is None else _rows_needed(runs, microbatches if objective == "throughput" or training else 1)
     joined = None  # which outputs a pipeline's micro-batches join, or why they cannot be split
     if runs is not None and objective == "throughput" and not training:

@@ -202,6 +202,22 @@ def _same_value(a: Any, b: Any) -> bool:
         return True
 
 
+def output_spec(runs: Runs) -> pytree.TreeSpec | None:
+    """The model's output structure where its trace returns the same leaves under the same keys in
+    other containers (fx returns a ``dict`` for a ``ModelOutput`` or an ``OrderedDict``), for the
+    placed model to return the model's; ``None`` where they agree or cannot be compared."""
+    if runs.model is None:
+        return None
+    try:
+        eager, graph = runs.eager(1), runs.graph(1)
+    except Exception:  # noqa: BLE001 - the checks that need these runs say why
+        return None
+    (mine, spec), (theirs, graph_spec) = pytree.tree_flatten_with_path(eager), pytree.tree_flatten_with_path(graph)
+    if spec == graph_spec or [pytree.keystr(p) for p, _ in mine] != [pytree.keystr(p) for p, _ in theirs]:
+        return None
+    return spec
+
+
 def check_rows_apart(runs: Runs) -> None:
     """For training with micro-batches: refuse a model whose rows along dim 0 are not samples. A
     training graph mixes the samples of a micro-batch by design (batch statistics), so

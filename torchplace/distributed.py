@@ -386,7 +386,7 @@ class DistributedPlaced:
                                                         datetime.timedelta(seconds=timeout))
         self.replica = replicas.index if replicas is not None else 0
         self.pipeline = DistributedPipeline(
-            stages, [index[s.device] for s in run], GraphIO(traced.gm), [n.name for n in traced.gm.graph.nodes],
+            stages, [index[s.device] for s in run], GraphIO(traced.gm, traced.output_spec), [n.name for n in traced.gm.graph.nodes],
             rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
             replicas=replicas, tensor_group=tensor_group,

@@ -133,15 +133,15 @@ class PlacedModule(nn.Module):
         self._trainer: TrainingExecutor | None = None
         if problem.objective == "latency":
             self.microbatches = 1
-            self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+            self._executor = LatencyExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm, traced.output_spec),
                                              isolate=self._isolate, stage_threads=self._threads)
         else:
-            self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+            self._executor = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm, traced.output_spec),
                                               isolate=self._isolate, stage_threads=self._threads,
                                               joined_outputs=joined_outputs)
         if self._for_training:
             recomputing = {s.device for s in plan.stages if s.recompute}
-            self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm),
+            self._trainer = TrainingExecutor(stages, self._torch_devices, self._workers, GraphIO(traced.gm, traced.output_spec),
                                              stage_params=self._executor.stage_params, isolate=self._isolate,
                                              recompute=[w in recomputing for w in self._workers],
                                              stage_threads=self._threads)
@@ -256,7 +256,7 @@ class PlacedModule(nn.Module):
                                      self._isolate, homes=self._executor.stage_params)
             joined = batchdim.joined_outputs(batchdim.Runs(None, other.gm, other.flat_inputs, args, kwargs),
                                              self.microbatches)
-            self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm),
+            self._eval = PipelineExecutor(stages, self._torch_devices, self._workers, GraphIO(other.gm, self._traced.output_spec),
                                           isolate=self._isolate, stage_params=params, stage_threads=self._threads,
                                           joined_outputs=joined)
         return self._eval

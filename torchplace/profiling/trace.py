@@ -70,6 +70,10 @@ class Traced:
             (:mod:`torchplace.profiling.effects`).
         model: the traced model (whose parameters and buffers ``gm`` shares).
         granularity, leaf_types, dynamic_dims: how it was traced (to trace it again alike).
+        output_spec: the model's own output structure where the graph's differs from it in
+            container types only (fx returns a ``dict`` for a ``ModelOutput`` or an
+            ``OrderedDict``); set by ``place()``, which runs both
+            (:func:`torchplace.batchdim.output_spec`). ``None``: the graph's is the model's.
     """
 
     gm: fx.GraphModule
@@ -80,6 +84,7 @@ class Traced:
     granularity: str = "operator"
     leaf_types: tuple[type, ...] = ()
     dynamic_dims: DynamicDims = None
+    output_spec: Any = None
 
     def flat_inputs(self, example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
         """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from torchplace.fxutil import bind_call, fetch_attr
 
@@ -30,12 +31,15 @@ class GraphIO:
             reads, in graph order.
     """
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, output_spec: TreeSpec | None = None) -> None:
         """Record the signature, placeholders, output structure and codegen of ``gm``.
 
         Args:
             gm: the traced or exported model.
+            output_spec: the model's own output structure, where the graph's differs from it in
+                container types only (:attr:`torchplace.profiling.Traced.output_spec`).
         """
+        self._output_spec = output_spec
         graph = gm.graph
         self._placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.placeholder_names: tuple[str, ...] = tuple(n.name for n in self._placeholders)
@@ -71,7 +75,8 @@ class GraphIO:
             KeyError: if a name in :attr:`output_names` is missing from ``env``.
         """
         values = {**self._constants, **env}
-        return self._codegen.process_outputs(_rebuild(self._structure, values))
+        out = self._codegen.process_outputs(_rebuild(self._structure, values))
+        return out if self._output_spec is None else tree_unflatten(tree_leaves(out), self._output_spec)
 
 
 def _rebuild(structure: Any, values: Mapping[str, Any]) -> Any:
