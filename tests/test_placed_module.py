@@ -734,3 +734,13 @@ def test_an_fx_trace_returns_the_model_s_own_output_containers():
         out = placed(x)
         assert isinstance(out, BaseModelOutput) and torch.equal(out.last_hidden_state, model(x).last_hidden_state)
         assert torch.equal(out[0], model(x)[0])
+
+
+def test_forward_hooks_that_ran_only_while_tracing_are_named():
+    """A hook that stores a feature (for a perceptual loss, say) ran only at place() time: the
+    placed model's calls never refreshed it, silently (found by fuzzing)."""
+    model = MLP().eval()
+    features = {}
+    model.net[0].register_forward_hook(lambda module, args, out: features.update(first=out))
+    with pytest.warns(PlacementWarning, match=r"forward hooks of 1 module\(s\) \(net\.0\) ran while tracing"):
+        _place(model, (torch.randn(4, 32),), microbatches=1)

@@ -476,6 +476,7 @@ def prepare(
         raise
     if not training:
         _warn_of_fast_path(model)
+    _warn_of_hooks(model)
     runs = None if shapes_only else Runs(model, traced.gm, traced.flat_inputs, args, kwargs)  # shared by the checks
     if runs is not None and (spec := output_spec(runs)) is not None:  # the model's ModelOutput, not fx's dict
         traced = dataclasses.replace(traced, output_spec=spec)
@@ -756,6 +757,21 @@ def _warn_of_fast_path(model: nn.Module) -> None:
                       "contain: there the placed model equals the model to float rounding, not bitwise. Call "
                       "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too",
                       PlacementWarning, stacklevel=4)
+
+
+def _warn_of_hooks(model: nn.Module) -> None:
+    """Warn that the forward hooks of ``model``'s modules ran while tracing only: what they put into
+    the outputs is in the trace, their other effects (storing activations, logging) are not."""
+    hooked = [name or type(model).__name__ for name, m in model.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        import warnings
+
+        more = ", ..." if len(hooked) > 3 else ""
+        warnings.warn(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
+                      "what they compute into the outputs is in the placed graph, but their other effects (storing "
+                      "activations, logging) will not happen on calls of the placed model; compute such values as "
+                      "outputs of the model instead", PlacementWarning, stacklevel=4)
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:
