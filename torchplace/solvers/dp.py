@@ -413,6 +413,8 @@ def solve(problem: Problem, *, ideal_limit: int = DEFAULT_IDEAL_LIMIT, linearize
     )
     if not math.isclose(plan.objective, best, rel_tol=1e-9, abs_tol=1e-12):
         times = [t for _, r in problem.graph.records() for t in r.times.values() if t > 0]
+        if not times or max(times) < 1e12 * min(times):  # not a matter of precision: a bug of ours
+            raise AssertionError(f"DP value {best} differs from the cost model's {plan.objective}")
         raise SolverError(f"the DP's sums lost precision (its optimum {best:.6g} is {plan.objective:.6g} in the cost "
                           f"model): the graph's times span {min(times, default=0):.3g} to {max(times, default=0):.3g} "
                           "s, beyond what float sums keep; leave a device a node cannot run out of its supported "
