@@ -744,3 +744,13 @@ def test_forward_hooks_that_ran_only_while_tracing_are_named():
     model.net[0].register_forward_hook(lambda module, args, out: features.update(first=out))
     with pytest.warns(PlacementWarning, match=r"forward hooks of 1 module\(s\) \(net\.0\) ran while tracing"):
         _place(model, (torch.randn(4, 32),), microbatches=1)
+
+
+def test_a_keyword_the_export_did_not_see_is_refused_with_the_reason():
+    """An exported placed model takes the example's arguments only; the refusal said
+    'unexpected keyword argument' without why (found by fuzzing)."""
+    model = Scaled().eval()
+    x = torch.randn(4, 8)
+    placed = _place(model, (x,), trace_method="export", microbatches=1)
+    with torch.no_grad(), pytest.raises(UsageError, match="traced with the others at their defaults"):
+        placed(x, scale=1.0)

@@ -88,7 +88,11 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
     try:
         return bind_placeholders(gm, args, kwargs)
     except TypeError as e:
-        raise UsageError(f"the placed model is called as {type(gm).__name__}{inspect.signature(gm.forward)}: {e}") from e
+        hint = ("; it takes the arguments its example gave when it was placed, and was traced with the others at their "
+                "defaults: leave the argument out, or place the model with it in example_kwargs"
+                if "unexpected keyword" in str(e) else "")
+        raise UsageError(f"the placed model is called as {type(gm).__name__}{inspect.signature(gm.forward)}: {e}"
+                         f"{hint}") from e
 
 
 def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:
