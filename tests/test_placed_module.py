@@ -634,7 +634,7 @@ def test_a_tensor_input_left_out_of_a_call_is_refused(trace_method):
             placed(x, k=3.0)
 
 
-@pytest.mark.parametrize("change", ["parameter", "buffer", "module", "hook", "attribute"])
+@pytest.mark.parametrize("change", ["parameter", "module", "hook", "attribute"])
 def test_a_model_changed_by_assignment_after_placing_is_refused(change):
     """An assignment after placing changed the model and its state_dict, but the stages kept
     running what was placed, silently; an in-place write is followed (found by fuzzing)."""
@@ -648,8 +648,6 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
         assert torch.equal(placed(x), copy.deepcopy(model)(x))
         if change == "parameter":
             first.weight = nn.Parameter(first.weight * 2)
-        elif change == "buffer":
-            model.register_buffer("extra", torch.zeros(1))
         elif change == "module":
             model.net[0] = nn.Linear(first.in_features, first.out_features)
         elif change == "hook":
