@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
+from torchplace.plan import Plan
 from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
 from torchplace.runtime.distributed import EngineSlot, EngineStage, engine_layout, live_values
 from torchplace.runtime.split import split_stages
@@ -418,6 +419,12 @@ def test_grid_launch_checks_come_before_communication(monkeypatch, grid_plans):
     _env(monkeypatch, 0, 4)
     with pytest.raises(UsageError, match="3 micro-batches do not split among the plan's 2 data-parallel copies"):
         tpd.place(model, (x,), plan=dp, microbatches=3)
+    made_for_3 = Plan.load(dp)
+    made_for_3.meta["call"] = {"microbatches": 3}
+    with pytest.raises(UsageError, match="3 micro-batches do not split"):  # no microbatches=: the plan's
+        tpd.place(model, (x,), plan=made_for_3)
+    with pytest.raises(UsageError, match="microbatches: expected a positive whole number, got .8."):
+        tpd.place(model, (x,), plan=dp, microbatches="8")
     with pytest.raises(UnsupportedError, match=r"degrees differ between devices \(\{'cpu:0': \(1, 1\), 'cpu:1': \(2, 1\)\}\)"
                                                ".*data_parallel=2, tensor_parallel=1 on every stage"):
         tpd.place(model, (x,), plan=_changed(dp, data_parallel=1))

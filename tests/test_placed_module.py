@@ -136,6 +136,33 @@ def test_a_saved_plan_of_the_same_model_is_run_without_profiling(tmp_path, monke
             assert torch.equal(again(x), torch.cat([fresh(x[:2]), fresh(x[2:])]))
 
 
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_saved_plan_runs_with_the_micro_batches_it_was_made_for(tmp_path, mode):
+    model, inputs = build("mlp", batch=8)
+    placed = _place(model, inputs, microbatches=8, mode=mode, allow_single_device=False)
+    placed.plan.save(tmp_path / "plan.json")
+    fresh, _ = build("mlp", batch=8, seed=3)
+    again = _place(fresh, inputs, mode=mode, plan=tmp_path / "plan.json")  # no microbatches=: the plan's 8
+    assert again.microbatches == 8 and again.plan.meta["call"]["microbatches"] == 8
+    assert again.problem.pipeline.microbatches == 8  # its memory is counted for 8 micro-batches, as when solved
+    other = _place(copy.deepcopy(fresh), inputs, mode=mode, plan=tmp_path / "plan.json", microbatches=2)
+    assert other.microbatches == 2  # asked for: run (and its memory checked) with 2
+    if mode == "inference":
+        (x,) = inputs
+        with torch.no_grad():
+            assert torch.equal(again(x), torch.cat([fresh(c) for c in x.tensor_split(8)]))
+
+
+def test_microbatches_auto_is_remembered_by_the_plan_it_chose(tmp_path):
+    model, inputs = build("mlp", batch=8)
+    placed = _place(model, inputs, microbatches="auto", allow_single_device=False)
+    placed.plan.save(tmp_path / "plan.json")
+    again = _place(build("mlp", batch=8, seed=3)[0], inputs, plan=tmp_path / "plan.json")
+    assert again.microbatches == placed.microbatches
+    assert "tried" not in again.plan.meta["call"]  # the plan's m is run, not searched for again
+    assert Plan([], 0.0, 0.0, "manual", 0.0).microbatches == torchplace.plan.DEFAULT_MICROBATCHES == 4
+
+
 def test_a_saved_plan_profiled_with_other_threads_is_profiled_again(tmp_path, monkeypatch):
     model, inputs = build("mlp", batch=4)
     _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")

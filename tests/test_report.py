@@ -25,6 +25,7 @@ from torchplace.cli import main
 from torchplace.errors import MissingDependencyError, UsageError
 from torchplace.models import build
 from torchplace.report import Picture, plot_graph, plot_memory, plot_schedule, predicted_timeline
+from torchplace.report.timeline import MOST_MICROBATCHES
 from torchplace.report import fidelity
 from torchplace.report.html import render
 from torchplace.report.trace import chrome_trace
@@ -106,6 +107,10 @@ def test_fill_drain_timeline_of_two_equal_stages():
     assert len(bars) == 8
     _no_overlap(bars)
     assert max(b.finish for b in bars) == pytest.approx((4 + 2 - 1) * 2.0 / 4)  # (m + S - 1) ticks of load / m
+    plan.meta["call"] = {"microbatches": 8}  # place() ran it with 8: a plan file alone draws its 8
+    assert len(predicted_timeline(plan)) == 16 and "8 micro-batches" in plot_schedule(plan).figure.axes[0].get_title()
+    plan.meta["call"] = {"microbatches": 1000}
+    assert len(predicted_timeline(plan)) == 2 * MOST_MICROBATCHES  # at most what a picture can show
 
 
 def test_training_timeline_runs_every_action_once_in_dependency_order(training):

@@ -36,7 +36,7 @@ from torchplace.fxutil import draws_random_numbers, run_graph
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
-from torchplace.plan import Plan, Stage
+from torchplace.plan import DEFAULT_MICROBATCHES, Plan, Stage
 from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import Traced, present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
@@ -68,7 +68,7 @@ def place(
     recompute: bool = True,
     contiguous: bool = True,
     time_limit: float | None = None,
-    microbatches: int | str = 4,
+    microbatches: int | str | None = None,
     granularity: str = "operator",
     leaf_modules: Iterable[type | str] = (),
     max_memory: Mapping[str, int | str] | None = None,
@@ -138,8 +138,8 @@ def place(
         contiguous: whether each device must hold one contiguous piece (throughput only; with
             ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
-        microbatches: micro-batches each call's batch is split into (throughput only), or
-            ``"auto"`` (inference): every ``m`` dividing the example batch up to
+        microbatches: micro-batches each call's batch is split into (throughput only; default
+            the given ``plan``'s, else :data:`~torchplace.plan.DEFAULT_MICROBATCHES`), or ``"auto"`` (inference): every ``m`` dividing the example batch up to
             :data:`~torchplace.callplan.AUTO_MAX_MICROBATCHES` is predicted and the one with the
             shortest predicted call is kept. The prediction (:mod:`torchplace.callmodel`) runs the
             executor's schedule with each stage timed on one micro-batch (the graph is profiled
@@ -197,7 +197,8 @@ def place(
             arguments the costs are reused and nothing is timed again (with other threads, another
             optimizer or a device kind it has no times for, the model is profiled anew); a plan
             made for another graph is refused. Other plans are checked against the traced model
-            and evaluated on new timings.
+            and evaluated on new timings. The plan runs with the micro-batches it was made for
+            unless ``microbatches=`` says otherwise (then its memory is checked for that ``m``).
         refine: close the loop (:mod:`torchplace.refine`): run the plan on the example inputs,
             re-time each stage as measured, solve again on those costs, run that plan too if it
             differs, and keep the one whose calls measure faster; ``placed.refinement`` (and the
@@ -347,7 +348,7 @@ def prepare(
     recompute: bool = True,
     contiguous: bool = True,
     time_limit: float | None = None,
-    microbatches: int | str = 4,
+    microbatches: int | str | None = None,
     granularity: str = "operator",
     leaf_modules: Iterable[type | str] = (),
     max_memory: Mapping[str, int | str] | None = None,
@@ -404,6 +405,9 @@ def prepare(
             raise UsageError(f"{name} must be True or False, got {brief(flag)}")
     if fuse is not None and not isinstance(fuse, bool):
         raise UsageError(f"fuse must be True, False or None (fuse only big graphs), got {brief(fuse)}")
+    given = _load_plan(plan) if plan is not None else None
+    if microbatches is None:
+        microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
     if microbatches == "auto":
         if mode == "training":
             raise UsageError("microbatches='auto' is for inference (a training plan's memory depends on m, so the "
@@ -438,7 +442,6 @@ def prepare(
         cluster = make_cluster(devices, max_memory, share_cores=share_cores)
         if not shapes_only:  # the host <-> GPU links as the runtime pays them (a given Cluster keeps its own)
             cluster = with_measured_host_links(cluster)
-    given = _load_plan(plan) if plan is not None else None
     if given is not None:
         _check_given_kind(given, plan, objective=objective, mode=mode)  # type: ignore[arg-type]
     training = mode == "training"

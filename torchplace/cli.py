@@ -312,11 +312,12 @@ def _run(args: argparse.Namespace) -> int:
 
     import torchplace.distributed as tpd
     from torchplace.models import build, leaf_modules_for
+    from torchplace.plan import Plan
 
     torch.manual_seed(0)  # the same dropout masks everywhere, and the same model on every rank
     torch.backends.mha.set_fastpath_enabled(False)  # the unsplit model on the path its trace has (not a fused one)
     model, inputs = build(args.model, batch=args.batch)
-    m = args.microbatches
+    m = args.microbatches or Plan.load(args.plan).microbatches
     options = dict(plan=args.plan, mode=args.mode, microbatches=m, granularity=args.granularity,
                    leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
                    schedule=args.schedule, timeout=args.timeout, progress=False)
@@ -490,7 +491,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--model", choices=list(NAMES), required=True, help="the built-in model the plan was made for")
     u.add_argument("--mode", choices=["inference", "training"], default="inference")
     u.add_argument("--batch", type=_count, default=8)
-    u.add_argument("--microbatches", type=_count, default=4)
+    u.add_argument("--microbatches", type=_count, default=None,
+                   help="micro-batches per batch (default: the plan's, else 4)")
     u.add_argument("--granularity", choices=["operator", "module"], default="module",
                    help="as when the plan was made (torchplace plan's default: module)")
     u.add_argument("--schedule", choices=["gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble"],
@@ -512,7 +514,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--accelerators", type=_count_or_zero, default=None, metavar="K",
                    help="the --accelerators the plan was solved with")
     r.add_argument("--cpus", type=_count_or_zero, default=None, metavar="L", help="the --cpus the plan was solved with")
-    r.add_argument("--microbatches", type=_count, default=None, help="micro-batches of the drawn pipeline (default 4)")
+    r.add_argument("--microbatches", type=_count, default=None, help="micro-batches of the drawn pipeline (default: the plan's, else 4)")
     r.add_argument("--title", default=None)
     r.set_defaults(func=_report)
     d = sub.add_parser("demo", help="place GPT-2 and a residual CNN, check outputs, compare throughput")

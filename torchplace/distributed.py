@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchplace.checks import positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
-from torchplace.plan import Plan
+from torchplace.plan import DEFAULT_MICROBATCHES, Plan
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
 
@@ -66,7 +67,7 @@ def place(
     devices: Sequence[str | Device] | Cluster | None = None,
     plan: Plan | str | Path | None = None,
     mode: str = "inference",
-    microbatches: int = 4,
+    microbatches: int | None = None,
     schedule: str | None = None,
     timeout: float = 60.0,
     plan_timeout: float = 1800.0,
@@ -106,8 +107,9 @@ def place(
         plan: a :class:`Plan` or plan file to run instead of solving (checked on every rank).
         mode: ``"inference"`` or ``"training"`` (solved for the training pipeline, as
             :func:`torchplace.place` does).
-        microbatches: micro-batches per batch (the engine's ``n_microbatches``); with ``d`` copies,
-            a multiple of ``d``, and each copy runs ``microbatches / d``.
+        microbatches: micro-batches per batch (the engine's ``n_microbatches``; default the given
+            plan's, else 4); with ``d`` copies, a multiple of ``d``, and each copy runs
+            ``microbatches / d``.
         schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
             training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
             the cost model counted, looped where a rank holds several stages.
@@ -150,6 +152,9 @@ def place(
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
+    if microbatches is None:
+        microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
+    microbatches = positive_int(microbatches, "microbatches")
     degrees = _degrees(given) if given is not None else (1, 1)
     copies = degrees[0]
     rank_devices = _rank_devices(devices, given, world, degrees)

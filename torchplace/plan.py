@@ -49,6 +49,10 @@ class Stage:
     tmpcs: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
+DEFAULT_MICROBATCHES = 4
+"""Micro-batches per call where neither ``place(microbatches=)`` nor a given plan says."""
+
+
 @dataclass
 class Plan:
     """A placement and its certificate.
@@ -118,6 +122,15 @@ class Plan:
         if self.objective == 0:
             return 0.0
         return max(0.0, (self.objective - self.lower_bound) / self.objective)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per call this plan runs with: the ``m`` ``place()`` predicted its call for
+        (which ``microbatches="auto"`` or the one-device fallback may have chosen), else
+        :data:`DEFAULT_MICROBATCHES` (a solver's plan, a hand-made one)."""
+        recorded = self.meta.get("call", {}).get("microbatches") if isinstance(self.meta.get("call"), dict) else None
+        return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 \
+            else DEFAULT_MICROBATCHES
 
     def device_map(self, problem: Problem) -> dict[str, str]:
         """Where each module's weights live, in accelerate's ``device_map`` form

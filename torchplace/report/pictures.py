@@ -18,7 +18,7 @@ from torchplace import costmodel
 from torchplace.plan import Plan, _fmt_bytes
 from torchplace.problem import Problem
 from torchplace.report.figure import Picture, device_colors, new_figure
-from torchplace.report.timeline import Bar, predicted_timeline
+from torchplace.report.timeline import Bar, drawn_microbatches, predicted_timeline
 
 __all__ = ["graph_groups", "plot_graph", "plot_memory", "plot_schedule", "plot_timeline"]
 
@@ -74,9 +74,9 @@ def plot_schedule(plan: Plan, problem: Problem | None = None, microbatches: int 
     if problem is not None and problem.objective == "latency":
         what = f"latency simulation: {plan.objective:.4g} s per sample"
     elif problem is not None and problem.mode == "training" and problem.pipeline is not None:
-        what = f"training, {problem.pipeline.schedule}, {microbatches or problem.pipeline.microbatches} micro-batches"
+        what = f"training, {problem.pipeline.schedule}, {drawn_microbatches(plan, problem, microbatches)} micro-batches"
     else:
-        what = f"fill-drain pipeline, {microbatches or 4} micro-batches"
+        what = f"fill-drain pipeline, {drawn_microbatches(plan, problem, microbatches)} micro-batches"
     return plot_timeline(bars, device_colors(_devices(plan)), f"Predicted schedule ({what}; {end:.4g} s)",
                          _devices(plan))
 

@@ -24,7 +24,7 @@ from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["Bar", "predicted_timeline", "stage_times"]
+__all__ = ["Bar", "drawn_microbatches", "predicted_timeline", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
         plan: the plan.
         problem: the problem it was solved for; without it, inference pipelines only (from the
             plan's costs), and a latency plan is drawn as its stages one after another.
-        microbatches: for throughput plans; default the problem's training pipeline's, else 4;
+        microbatches: for throughput plans; default the problem's training pipeline's, else the
+            plan's (:attr:`Plan.microbatches`);
             at most :data:`MOST_MICROBATCHES` (a picture of more is not readable).
 
     Raises:
@@ -87,10 +88,20 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
     if problem is not None and problem.objective == "latency":
         return _latency(problem, plan)
     if problem is not None and problem.mode == "training" and problem.pipeline is not None:
-        return _training(problem, plan, microbatches or problem.pipeline.microbatches)
+        return _training(problem, plan, drawn_microbatches(plan, problem, microbatches))
     if (problem is None and plan.meta.get("objective") == "latency") or (problem is None and microbatches == 1):
         return _pipeline(stage_times(plan, None), 1)
-    return _pipeline(stage_times(plan, problem), microbatches or 4, problem)
+    return _pipeline(stage_times(plan, problem), drawn_microbatches(plan, problem, microbatches), problem)
+
+
+def drawn_microbatches(plan: Plan, problem: Problem | None, microbatches: int | None) -> int:
+    """The micro-batches a pipeline picture draws: those asked for, else the training pipeline's,
+    else the plan's (:attr:`Plan.microbatches`), at most :data:`MOST_MICROBATCHES`."""
+    if microbatches:
+        return microbatches
+    if problem is not None and problem.mode == "training" and problem.pipeline is not None:
+        return problem.pipeline.microbatches
+    return min(plan.microbatches, MOST_MICROBATCHES)
 
 
 def _pools(problem: Problem | None) -> dict[str, str] | None:
