@@ -278,6 +278,27 @@ def test_piper_plan_file_round_trip(tmp_path, capsys):
     assert "TPS" in capsys.readouterr().out
 
 
+def test_report_of_a_piper_plan_shows_its_degrees_and_draws_no_made_up_schedule(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(BERT), "--devices", "16", "--memory-gb", "8", "--microbatches", "16", "-o", str(out)]) == 0
+    from torchplace.errors import UnsupportedError
+    from torchplace.plan import Plan
+    from torchplace.report import plot_schedule
+
+    plan = Plan.load(out)
+    with pytest.raises(UnsupportedError, match="Piper plan's schedule is not drawn"):
+        plot_schedule(plan)  # an inference fill-drain of its TPS would be a made-up picture
+    assert main(["report", str(out), "-o", str(tmp_path / "plan.html")]) == 0
+    page = (tmp_path / "plan.html").read_text()
+    assert "Piper plan&#x27;s schedule is not drawn" in page and "Predicted schedule (" not in page
+    for column in ("<th>d</th>", "<th>t</th>", "<th>all-reduce s</th>", "<th>TPS s</th>", "<th>recomputed nodes</th>"):
+        assert column in page
+    for s, c in zip(plan.stages, plan.costs):  # each stage's degrees, recomputed nodes and TPS as the plan has them
+        cells = f"<td>{s.data_parallel}</td><td>{s.tensor_parallel}</td><td>{len(s.nodes)}</td>" \
+                f"<td>{sum('recomp' in x for x in s.tmpcs.values())}/{len(s.nodes)}</td>"
+        assert cells in page and f"<td>{c.allreduce:.4g}</td><td>{c.load:.4g}</td>" in page
+
+
 def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
     cost = np.array([[[1.0], [5.0]], [[1.0], [5.0]]])
     a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])

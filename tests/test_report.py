@@ -22,8 +22,9 @@ import torchplace
 from torchplace import callmodel, costmodel
 from torchplace.callmodel import Overheads
 from torchplace.cli import main
-from torchplace.errors import MissingDependencyError, UsageError
+from torchplace.errors import MissingDependencyError, UnsupportedError, UsageError
 from torchplace.models import build
+from torchplace.plan import Plan
 from torchplace.report import Picture, plot_graph, plot_memory, plot_schedule, predicted_timeline
 from torchplace.report.timeline import MOST_MICROBATCHES
 from torchplace.report import fidelity
@@ -126,6 +127,28 @@ def test_training_timeline_runs_every_action_once_in_dependency_order(training):
         if kind == "B":
             dep = ("B", i, s + 1) if s < n - 1 else ("F", i, n - 1)
             assert finish[dep].finish <= b.start + 1e-12
+
+
+def test_a_training_plan_file_draws_the_training_step_place_predicted(training, tmp_path):
+    placed, _ = training
+    placed.plan.save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")  # no problem: the step place() predicted, as the plan records it
+    assert plan.meta["schedule"] == "1f1b" and plan.microbatches == 4
+    bars = predicted_timeline(plan)
+    p, n = placed.problem.pipeline, len(plan.stages)
+    assert sorted((b.kind, b.microbatch, b.stage) for b in bars) == sorted(
+        (a.kind, a.microbatch, a.stage) for a in training_schedule(p.schedule, p.microbatches, n))
+    _no_overlap(bars)
+    recorded = {(i, kind): t for i, kind, t in plan.meta["call"]["stage_seconds"]}
+    for (i, kind), t in recorded.items():  # each pass's bars add up to the predicted step's time of that pass
+        assert sum(b.finish - b.start for b in bars if (b.stage, b.kind) == (i, kind)) == pytest.approx(t)
+    assert "training, 1f1b, 4 micro-batches" in plot_schedule(plan).figure.axes[0].get_title()
+    del plan.meta["call"]  # a training plan no place() made: nothing says what its passes take
+    with pytest.raises(UnsupportedError, match="records no predicted step"):
+        predicted_timeline(plan)
+    plan.save(tmp_path / "bare.json")
+    assert main(["report", str(tmp_path / "bare.json"), "-o", str(tmp_path / "bare.html")]) == 0
+    assert "records no predicted step" in (tmp_path / "bare.html").read_text()
 
 
 def test_latency_timeline_is_the_simulation(latency):

@@ -104,7 +104,7 @@ class Plan:
                                    f"devices {names}: place on the plan's devices, or solve anew without the plan")
         objective, costs = costmodel.evaluate_stages(problem, stages)
         plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs,
-                   {"objective": problem.objective, "mode": problem.mode, **(meta or {})})  # what a plan file is for
+                   {"objective": problem.objective, "mode": problem.mode, **_schedule_of(problem), **(meta or {})})
         plan.validate(problem)  # first: a bound holds for feasible plans only (an infeasible one may beat it)
         if lower_bound > objective * (1 + 1e-9) + 1e-12:
             raise AssertionError(f"{solver}: lower bound {lower_bound} exceeds the objective {objective} of its own plan")
@@ -306,13 +306,24 @@ def stages_from_order(problem: Problem, order: Sequence[str], assignment: Mappin
     return [Stage(dev, tuple(nodes)) for dev, nodes in stages]
 
 
+def _schedule_of(problem: Problem) -> dict[str, str]:
+    """What a plan file records of how its training step runs (its pictures draw it)."""
+    if problem.mode == "training" and problem.pipeline is not None and problem.parallel is None:
+        return {"schedule": problem.pipeline.schedule}
+    return {}
+
+
+def recomputed_nodes(stage: Stage) -> int:
+    """How many of a Piper stage's nodes recompute their activations (their TMPC is a recomputing one)."""
+    return sum("recomp" in x for x in stage.tmpcs.values())
+
+
 def _parallel_rows(plan: Plan) -> list[str]:
     """The table of a Piper plan: one row per stage with its degrees and TMPC choices."""
     rows = [("stage", "devices", "d", "t", "#nodes", "recompute", "compute", "edges", "allreduce", "memory", "TPS")]
     for i, (s, c) in enumerate(zip(plan.stages, plan.costs)):
-        recomputes = sum("recomp" in x for x in s.tmpcs.values())
         rows.append((str(i), s.device, str(s.data_parallel), str(s.tensor_parallel), str(len(s.nodes)),
-                     f"{recomputes}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in + c.transfer_out:.4g}",
+                     f"{recomputed_nodes(s)}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in + c.transfer_out:.4g}",
                      f"{c.allreduce:.4g}", _fmt_bytes(c.memory), f"{c.load:.6g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from torchplace import costmodel
+from torchplace.errors import UnsupportedError
 from torchplace.files import write_text
-from torchplace.plan import Plan, _fmt_bytes
+from torchplace.plan import Plan, _fmt_bytes, recomputed_nodes
 from torchplace.problem import Problem
 from torchplace.report.figure import device_colors
 from torchplace.report.fidelity import Measurement
@@ -72,15 +73,36 @@ def _stage_table(plan: Plan, problem: Problem | None) -> str:
         costs = [by_device[s.device] for s in plan.stages if s.device in by_device]
         memory = {c.device: c.memory for c in plan.costs}
     rows = []
+    piper = any(s.tmpcs for s in plan.stages)
     for i, (s, c) in enumerate(zip(plan.stages, costs)):
         swatch = f"<span class=swatch style='background:{colors[s.device]}'></span>"
+        if piper:  # Piper: a stage is d x t devices; its load is the time per sample (Sec. 4), all-reduce included
+            rows.append((str(i), swatch + _e(s.device), s.data_parallel, s.tensor_parallel, len(s.nodes),
+                         f"{recomputed_nodes(s)}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in:.4g}",
+                         f"{c.transfer_out:.4g}", f"{c.allreduce:.4g}", f"{c.load:.4g}", _e(_fmt_bytes(c.memory))))
+            continue
         rows.append((str(i), swatch + _e(s.device), len(s.nodes), f"{c.compute:.4g}", f"{c.transfer_in:.4g}",
                      f"{c.transfer_out:.4g}", f"{c.load:.4g}", _e(_fmt_bytes(memory.get(s.device, 0))),
                      "yes" if s.recompute else ""))
+    if piper:
+        head = ("stage", "devices", "d", "t", "#nodes", "recomputed nodes", "compute s", "xfer in s", "xfer out s",
+                "all-reduce s", "TPS s", "memory per device")
+        return _table(head, rows, left=2) + ("<p class=note>Piper: each stage runs on d x t devices; TPS is its time "
+                                             "per sample, the sum of the columns before it.</p>")
     note = "" if problem is not None else ("<p class=note>From the plan file: a device with several stages shows "
                                            "its whole cost on each.</p>")
     head = ("stage", "device", "#nodes", "compute s", "xfer in s", "xfer out s", "load s", "device memory", "recompute")
     return _table(head, rows, left=2) + note
+
+
+def _schedule(plan: Plan, problem: Problem | None, microbatches: int | None) -> str:
+    """The predicted schedule's figure, or a note saying why it is not drawn."""
+    try:
+        picture = plot_schedule(plan, problem, microbatches)
+    except UnsupportedError as why:
+        return f"<p class=note>{_e(why)}.</p>"
+    return _figure(picture, "Bars: a stage on a micro-batch (hatched: backward); rows: devices (and links in latency "
+                            "mode). Times from the cost model.")
 
 
 def _device_map(device_map: Mapping[str, str] | None) -> str:
@@ -135,9 +157,7 @@ def render(plan: Plan, problem: Problem | None = None, *, title: str = "torchpla
              f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>",
              "<h2 id=summary>Plan</h2>", _summary(plan, problem),
              "<h2 id=stages>Stages</h2>", _stage_table(plan, problem),
-             "<h2 id=schedule>Predicted schedule</h2>",
-             _figure(plot_schedule(plan, problem, microbatches), "Bars: a stage on a micro-batch (hatched: backward); "
-                     "rows: devices (and links in latency mode). Times from the cost model."),
+             "<h2 id=schedule>Predicted schedule</h2>", _schedule(plan, problem, microbatches),
              "<h2 id=memory>Memory</h2>",
              _figure(plot_memory(plan, problem), "Per device, by kind, from the cost model; dashed: the device's cap.")]
     parts.append("<h2 id=graph>Graph</h2>")

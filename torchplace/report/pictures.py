@@ -18,7 +18,7 @@ from torchplace import costmodel
 from torchplace.plan import Plan, _fmt_bytes
 from torchplace.problem import Problem
 from torchplace.report.figure import Picture, device_colors, new_figure
-from torchplace.report.timeline import Bar, drawn_microbatches, predicted_timeline
+from torchplace.report.timeline import Bar, drawn_microbatches, drawn_schedule, predicted_timeline
 
 __all__ = ["graph_groups", "plot_graph", "plot_memory", "plot_schedule", "plot_timeline"]
 
@@ -68,13 +68,20 @@ def plot_schedule(plan: Plan, problem: Problem | None = None, microbatches: int 
     """The plan's predicted run as a Gantt chart per device (:func:`predicted_timeline`): the
     fill-drain pipeline of inference, GPipe / 1F1B forward and (hatched) backward passes of
     training, or the latency simulation with every node on its device and every transfer on its
-    link."""
+    link.
+
+    Raises:
+        UnsupportedError: a Piper plan, or a training plan file without the step ``place()``
+            predicted (:func:`predicted_timeline`).
+    """
     bars = predicted_timeline(plan, problem, microbatches)
     end = max((b.finish for b in bars), default=0.0)
     if problem is not None and problem.objective == "latency":
         what = f"latency simulation: {plan.objective:.4g} s per sample"
-    elif problem is not None and problem.mode == "training" and problem.pipeline is not None:
-        what = f"training, {problem.pipeline.schedule}, {drawn_microbatches(plan, problem, microbatches)} micro-batches"
+    elif problem is None and plan.meta.get("objective") == "latency":
+        what = "a latency plan's stages one after another (a plan file holds no graph)"
+    elif (schedule := drawn_schedule(plan, problem)) is not None:
+        what = f"training, {schedule}, {drawn_microbatches(plan, problem, microbatches)} micro-batches"
     else:
         what = f"fill-drain pipeline, {drawn_microbatches(plan, problem, microbatches)} micro-batches"
     return plot_timeline(bars, device_colors(_devices(plan)), f"Predicted schedule ({what}; {end:.4g} s)",

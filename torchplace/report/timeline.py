@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from torchplace import costmodel
 from torchplace.checks import positive_int
-from torchplace.errors import UsageError
+from torchplace.errors import UnsupportedError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["Bar", "drawn_microbatches", "predicted_timeline", "stage_times"]
+__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "predicted_timeline", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -71,24 +71,32 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
 
     Args:
         plan: the plan.
-        problem: the problem it was solved for; without it, inference pipelines only (from the
-            plan's costs), and a latency plan is drawn as its stages one after another.
+        problem: the problem it was solved for; without it, an inference pipeline is drawn from
+            the plan's costs, a training step from the step ``place()`` predicted (its
+            ``meta["call"]``), and a latency plan as its stages one after another.
         microbatches: for throughput plans; default the problem's training pipeline's, else the
             plan's (:attr:`Plan.microbatches`);
             at most :data:`MOST_MICROBATCHES` (a picture of more is not readable).
 
     Raises:
         UsageError: ``microbatches`` is not a whole number from 1 to :data:`MOST_MICROBATCHES`.
+        UnsupportedError: a Piper plan, or a training plan file without a predicted step.
     """
     if microbatches is not None:
         microbatches = positive_int(microbatches, "microbatches")
         if microbatches > MOST_MICROBATCHES:
             raise UsageError(f"microbatches: a timeline of {microbatches} micro-batches is not readable; draw at "
                              f"most {MOST_MICROBATCHES}")
+    if any(s.tmpcs for s in plan.stages) or (problem is not None and problem.parallel is not None):
+        raise UnsupportedError("a Piper plan's schedule is not drawn (its stages run d data-parallel copies and "
+                               "recompute per node, which no timeline here lays out): its stage table gives each "
+                               "stage's time per sample (TPS)")
     if problem is not None and problem.objective == "latency":
         return _latency(problem, plan)
     if problem is not None and problem.mode == "training" and problem.pipeline is not None:
         return _training(problem, plan, drawn_microbatches(plan, problem, microbatches))
+    if problem is None and plan.meta.get("mode") == "training":
+        return _training_from_call(plan, drawn_microbatches(plan, problem, microbatches))
     if (problem is None and plan.meta.get("objective") == "latency") or (problem is None and microbatches == 1):
         return _pipeline(stage_times(plan, None), 1)
     return _pipeline(stage_times(plan, problem), drawn_microbatches(plan, problem, microbatches), problem)
@@ -102,6 +110,14 @@ def drawn_microbatches(plan: Plan, problem: Problem | None, microbatches: int | 
     if problem is not None and problem.mode == "training" and problem.pipeline is not None:
         return problem.pipeline.microbatches
     return min(plan.microbatches, MOST_MICROBATCHES)
+
+
+def drawn_schedule(plan: Plan, problem: Problem | None) -> str | None:
+    """The training schedule a pipeline picture draws (``"gpipe"``, ``"1f1b"``), or ``None`` for
+    an inference pipeline."""
+    if problem is not None:
+        return problem.pipeline.schedule if problem.mode == "training" and problem.pipeline is not None else None
+    return plan.meta.get("schedule") if plan.meta.get("mode") == "training" else None
 
 
 def _pools(problem: Problem | None) -> dict[str, str] | None:
@@ -131,6 +147,32 @@ def _training(problem: Problem, plan: Plan, m: int) -> list[Bar]:
     names = {"F": "forward", "B": "backward"}
     return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, t.kind,
                 f"{names[t.kind]} of stage {t.stage}, micro-batch {t.microbatch}") for t in call.tasks]
+
+
+def _training_from_call(plan: Plan, m: int) -> list[Bar]:
+    """The training clock of a plan file: each stage's forward and backward time per micro-batch
+    from the step ``place()`` predicted (``plan.meta["call"]["stage_seconds"]``, summed over its
+    micro-batches) under the plan's schedule (``plan.meta["schedule"]``); devices that share cores
+    are not known without the problem, so each runs alone.
+
+    Raises:
+        UnsupportedError: the plan records no predicted step (a plan no ``place()`` made).
+    """
+    from torchplace.callmodel import simulate_training
+
+    call, schedule = plan.meta.get("call"), plan.meta.get("schedule")
+    seconds = call.get("stage_seconds") if isinstance(call, dict) else None
+    if not seconds or schedule not in ("gpipe", "1f1b"):
+        raise UnsupportedError("this training plan records no predicted step (place() records one with the plan it "
+                               "makes): draw its schedule with its problem, plan.plot_schedule(problem), or from the "
+                               "placed model, placed.plot_schedule()")
+    made_for = plan.microbatches
+    per_pass = {(int(i), kind): float(t) / made_for for i, kind, t in seconds}
+    times = [(s.device, per_pass.get((i, "F"), 0.0), per_pass.get((i, "B"), 0.0)) for i, s in enumerate(plan.stages)]
+    call_of = simulate_training(times, m, schedule)
+    names = {"F": "forward", "B": "backward"}
+    return [Bar(t.worker, t.start, t.finish, t.stage, t.microbatch, t.kind,
+                f"{names[t.kind]} of stage {t.stage}, micro-batch {t.microbatch}") for t in call_of.tasks]
 
 
 def _latency(problem: Problem, plan: Plan) -> list[Bar]:
