@@ -149,6 +149,26 @@ def test_plan_model_plans_gpt2_and_place_refuses_to_run_it():
     assert e.value.plan.stages and e.value.problem.parallel is not None
 
 
+def test_a_piper_plan_given_to_run_is_refused_as_what_it_is(tmp_path, monkeypatch):
+    import torchplace.distributed as tpd
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x, devices = torch.randn(4, 8), ["cpu:0", "cpu:1"]
+    plan, _ = torchplace.plan_model(model, devices, (x,), mode="training", parallelism="piper", microbatches=2, **FAST)
+    assert plan.meta["mode"] == "training"  # Piper plans training, whatever the layer graph's problem says
+    plan.save(tmp_path / "piper.json")
+    for mode in ("training", "inference"):  # not "solved for mode='inference'", nor "does not fit this graph"
+        with pytest.raises(UnsupportedError, match=r"piper.json' is a Piper plan .*no runtime here runs Piper plans"):
+            torchplace.place(model, devices, (x,), mode=mode, plan=tmp_path / "piper.json", **FAST)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(UnsupportedError, match="is a Piper plan"):  # before any process group
+        tpd.place(model, (x,), plan=tmp_path / "piper.json", mode="training")
+    with pytest.raises(UsageError, match="leave out plan="):
+        torchplace.place(model, devices, (x,), mode="training", parallelism="piper", plan=plan, **FAST)
+
+
 def test_bert_plans_with_piper():
     torch.manual_seed(0)
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,

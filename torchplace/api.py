@@ -443,6 +443,7 @@ def prepare(
         if not shapes_only:  # the host <-> GPU links as the runtime pays them (a given Cluster keeps its own)
             cluster = with_measured_host_links(cluster)
     if given is not None:
+        check_runnable(given, plan)  # type: ignore[arg-type]
         _check_given_kind(given, plan, objective=objective, mode=mode)  # type: ignore[arg-type]
     training = mode == "training"
     if training:
@@ -678,6 +679,21 @@ def _split_count(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches:
     if not batch:
         return 1
     return batch // -(-batch // min(microbatches, batch))
+
+
+def check_runnable(given: Plan, plan: Plan | str | Path) -> None:
+    """Refuse a Piper plan given to run (``place(plan=)``, ``torchplace.distributed.place(plan=)``):
+    its stages are layer groups over device ranges with per-node TMPCs, which no runtime here runs.
+
+    Raises:
+        UnsupportedError: saying what runs instead.
+    """
+    if any(s.tmpcs for s in given.stages):
+        raise UnsupportedError(
+            f"{_source(plan)} is a Piper plan (stages over device ranges such as {given.stages[0].device!r}, with "
+            "data- and tensor-parallel degrees and a TMPC per layer): no runtime here runs Piper plans yet. "
+            "torchplace.distributed.place runs operator-level plans, with one (data_parallel, tensor_parallel) "
+            "for every stage; place() without plan= solves a pipeline it runs here")
 
 
 def _check_given_kind(given: Plan, plan: Plan | str | Path, **asked: str) -> None:

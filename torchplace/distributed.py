@@ -152,6 +152,8 @@ def place(
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
+    if given is not None:
+        api.check_runnable(given, plan)  # type: ignore[arg-type]
     if microbatches is None:
         microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
     microbatches = positive_int(microbatches, "microbatches")

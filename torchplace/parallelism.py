@@ -57,8 +57,8 @@ def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguou
     if not contiguous:
         raise UsageError("Piper's stages are contiguous (Sec. 3.2): leave contiguous=True with parallelism='piper'")
     if plan is not None:
-        raise UsageError("plan= re-runs a pipeline plan; a Piper plan is not run in this process "
-                         "(see torchplace.distributed.place)")
+        raise UsageError("plan= runs a given pipeline plan, and parallelism='piper' solves for a Piper plan, which "
+                         "no runtime here runs yet: leave out plan= (or parallelism='piper')")
     for name, value in (("allreduce_bandwidth", allreduce_bandwidth), ("tensor_bandwidth", tensor_bandwidth)):
         if value is not None:
             parse_bandwidth(value)

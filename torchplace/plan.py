@@ -104,7 +104,8 @@ class Plan:
                                    f"devices {names}: place on the plan's devices, or solve anew without the plan")
         objective, costs = costmodel.evaluate_stages(problem, stages)
         plan = cls(list(stages), objective, lower_bound, solver, seconds, status, costs,
-                   {"objective": problem.objective, "mode": problem.mode, **_schedule_of(problem), **(meta or {})})
+                   {"objective": problem.objective, "mode": "training" if problem.parallel is not None else problem.mode,
+                    **_schedule_of(problem), **(meta or {})})  # what a plan file is for (Piper plans training)
         plan.validate(problem)  # first: a bound holds for feasible plans only (an infeasible one may beat it)
         if lower_bound > objective * (1 + 1e-9) + 1e-12:
             raise AssertionError(f"{solver}: lower bound {lower_bound} exceeds the objective {objective} of its own plan")
