@@ -258,7 +258,8 @@ def test_slicegraph_without_a_split_in_time_raises():
     """A 20,000-node chain cannot be sliced once in a second: no plan, a SolverLimitError."""
     problem = _chain(20_000)
     t0 = time.perf_counter()
-    with pytest.raises(SolverLimitError, match="slicing the first topological order"):
+    # on a loaded machine the time may pass while the graph is prepared, before any slicing
+    with pytest.raises(SolverLimitError, match="slicing the first topological order|while preparing the graph"):
         solve(problem, method="slicegraph", time_limit=1.0)
     assert time.perf_counter() - t0 < _bound(1.0)
 
