@@ -178,10 +178,26 @@ class RunningMean(nn.Module):
         return self.b(h - self.mean)
 
 
+class Accumulates(nn.Module):
+    """A buffer updated with ``+=`` from an activation: fx tracing assigns its Proxy to the buffer's
+    slot (found by fuzzing: the Proxy stayed in the user's model, and place() failed inside fx)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _lin(), _lin()
+        self.register_buffer("acc", torch.zeros(16))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        self.acc += h.sum(0).detach()
+        return self.b(h)
+
+
 MODELS = [ReluAfterRead, AddInPlace, CopyInto, IndexPut, SetItem, ViewWrite, InputWrite, ResidualInPlace, Counter,
-          RunningMean]
-STATEFUL = {Counter, RunningMean}
-EXPORT_ONLY = {Counter: "'n' in place", RunningMean: "'mean' in place", SetItem: "item assignment"}
+          RunningMean, Accumulates]
+STATEFUL = {Counter, RunningMean, Accumulates}
+EXPORT_ONLY = {Counter: "'n' in place", RunningMean: "'mean' in place", SetItem: "item assignment",
+               Accumulates: "'acc' in place"}
 """Models fx refuses to trace, with the words of the refusal (test_fx_refuses_what_it_cannot_trace)."""
 TRACEABLE = [pytest.param(cls, method, id=f"{cls.__name__}-{method}")
              for cls in MODELS for method in ("fx", "export") if not (method == "fx" and cls in EXPORT_ONLY)]
@@ -319,8 +335,10 @@ def test_written_state_is_one_placement_node():
 @pytest.mark.parametrize("cls", list(EXPORT_ONLY), ids=lambda c: c.__name__)
 def test_fx_refuses_what_it_cannot_trace(cls):
     model = cls().eval()
+    buffers = dict(model.named_buffers())
     with pytest.raises(TraceError, match=EXPORT_ONLY[cls]):
         trace(model, (torch.randn(4, 16),), method="fx")
+    assert all(b is buffers[n] for n, b in model.named_buffers())  # the model's own tensors, not fx's proxies
     assert trace(model, (torch.randn(4, 16),)).method == "export"  # what auto falls back to
 
 

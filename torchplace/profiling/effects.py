@@ -356,15 +356,20 @@ class StateSnapshot:
         with torch.no_grad():
             self._saved = {name: t.detach().clone() for name, t in self._tensors.items() if id(t) not in params}
         self._versions = {name: _identity(t) for name, t in self._tensors.items()}
+        # What each module's parameter and buffer slots hold: a forward that assigns one (fx tracing
+        # ``self.acc += h`` stores a Proxy there) is undone by putting the object back.
+        self._slots = [(f"{prefix}.{key}" if prefix else key, slots, key, value)
+                       for prefix, module in model.named_modules(remove_duplicate=False)
+                       for slots in (module._parameters, module._buffers) for key, value in slots.items()]
 
     def changed(self) -> list[str]:
         """Names of the tensors written since the snapshot (moved version counter, new memory, or
-        for a buffer a new value)."""
-        out = []
+        for a buffer a new value), and of the parameter and buffer slots assigned another object."""
+        out = [name for name, slots, key, value in self._slots if slots.get(key, _GONE) is not value]
         for name, t in self._tensors.items():
             before = self._versions[name]
             saved = self._saved.get(name)
-            if _identity(t) != before or (saved is not None and not _same(t, saved)):
+            if name not in out and (_identity(t) != before or (saved is not None and not _same(t, saved))):
                 out.append(name)
         return out
 
@@ -374,6 +379,9 @@ class StateSnapshot:
         Raises:
             UnsupportedError: if a parameter was written (it was not copied, so it cannot be).
         """
+        for _, slots, key, value in self._slots:  # first the objects, then their values
+            if slots.get(key, _GONE) is not value:
+                slots[key] = value
         changed = self.changed()
         lost = [n for n in changed if n not in self._saved]
         if lost:
@@ -385,6 +393,10 @@ class StateSnapshot:
             for name in changed:
                 self._tensors[name].copy_(self._saved[name])
         self._versions = {name: _identity(t) for name, t in self._tensors.items()}
+
+
+_GONE = object()
+"""A slot deleted since the snapshot."""
 
 
 def _identity(t: torch.Tensor) -> tuple[int | None, int]:
