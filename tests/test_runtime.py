@@ -586,6 +586,11 @@ def test_a_parameter_replica_requires_grad_as_its_home_does(monkeypatch: pytest.
     with torch.no_grad():
         out, expected = placed(x), model(x)
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    placed.requires_grad_(False)  # frozen after a call: the replica is frozen too (found by fuzzing)
+    out, expected = placed(x), model(x)
+    assert not out[1].requires_grad and torch.equal(out[1], expected[1])
+    placed.requires_grad_(True)
+    assert placed(x)[1].requires_grad
 
 
 def test_a_copy_of_a_sparse_view_is_dense():

@@ -46,7 +46,7 @@ class _Replica:
     device: torch.device
     clone: bool  # a copy even on the home's torch device (isolated logical devices)
     slots: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (owner, "_parameters"/"_buffers", name)
-    seen: tuple[int, int | None, torch.device] | None = None
+    seen: tuple[int, int | None, torch.device, bool] | None = None
 
     def install(self, value: torch.Tensor) -> None:
         """Put ``value`` in the slots; a detached copy of a parameter becomes a parameter that
@@ -62,8 +62,8 @@ class _Replica:
             self.install(self.home.clone() if self.clone else self.home.to(self.device))
             self.seen = None
             return
-        state = (self.home.data_ptr(), version_of(self.home), self.home.device)
-        if state != self.seen or state[1] is None:
+        state = (self.home.data_ptr(), version_of(self.home), self.home.device, self.home.requires_grad)
+        if state != self.seen or state[1] is None:  # requires_grad too: a frozen weight's replica is frozen
             with torch.no_grad():
                 value = self.home.detach().to(self.device)
                 value = value.clone() if self.clone else value
