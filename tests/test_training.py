@@ -207,6 +207,25 @@ def test_eval_reaches_the_model_s_own_forward():
     assert model.training
 
 
+def test_a_loss_module_is_not_part_of_the_placed_model():
+    """place(loss_fn=nn.CrossEntropyLoss(weight=w)) made the loss a child of the placed module: its
+    state_dict gained loss_fn.weight, a strict load of the model's state failed, and changing the
+    loss's settings was refused as a change of the model (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss = nn.CrossEntropyLoss(weight=torch.rand(4))
+    placed = _place(model, (x,), 2, microbatches=2, loss_fn=loss, example_target=y, allow_single_device=False)
+    assert placed.loss_fn is loss and "loss_fn" not in dict(placed.named_children())
+    assert list(placed.state_dict()) == list(model.state_dict())
+    placed.load_state_dict(reference.state_dict())  # strict: the model's keys, nothing else
+    loss.label_smoothing = 0.1  # the loss's own setting: step() uses it as it is
+    losses = placed.step(x, target=y)
+    expected = [loss(reference(c), t) for c, t in zip(x.tensor_split(2), y.tensor_split(2))]
+    assert torch.equal(torch.stack(losses), torch.stack(expected).detach())
+
+
 def test_a_target_tensor_without_the_batch_s_rows_is_refused_for_micro_batches():
     """step() cut every tensor of the target along dim 0: per-output weights of shape (4,) became
     pieces of one that broadcast, and the loss matched no unsplit one, silently (found by fuzzing)."""

@@ -153,6 +153,12 @@ class PlacedModule(nn.Module):
                                         *([("", traced.model)] if traced.model is not None else [])],
                                        own=[self])
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "loss_fn":  # step()'s default loss, not a part of the model: never a child module, so
+            self.__dict__[name] = value  # state_dict(), parameters() and the structure check stay the model's
+            return
+        super().__setattr__(name, value)
+
     def _adopt(self, model: nn.Module) -> None:
         """Take the model's children, parameters and buffers as this module's own (same objects)."""
         self._modules.update(model._modules)
