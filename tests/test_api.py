@@ -141,7 +141,7 @@ def test_placed_decorator_places_on_first_call():
 
     Placed = torchplace.placed(devices=["cpu:0", "cpu:1"], microbatches=2, progress=False)(MLP)
     net = Placed()
-    with pytest.raises(RuntimeError, match="first call"):
+    with pytest.raises(torchplace.UsageError, match="first call"):
         _ = net.plan
     x = torch.randn(4, 32)
     with torch.no_grad():

@@ -527,6 +527,37 @@ def test_the_decorator_refuses_train_mode():
         net.train()
 
 
+def test_the_decorator_refuses_conversions_once_placed_and_plan_before():
+    """(found by fuzzing) .double() after the first call converted the placed weights in place, and
+    the next call failed with a misleading error; .plan before the first call was a RuntimeError."""
+    net = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(MLP)()
+    with pytest.raises(UsageError, match="placed on its first call"):
+        net.plan
+    net.double()  # before placing: converts the model, which is then placed as float64
+    x = torch.randn(4, 32, dtype=torch.float64)
+    net(x)
+    for convert in (lambda: net.float(), lambda: net.to(torch.float16), lambda: net.half()):
+        with pytest.raises(UnsupportedError, match="would undo the placement"):
+            convert()
+    assert all(p.dtype == torch.float64 for p in net.parameters())
+    with torch.no_grad():
+        assert torch.equal(net(x), net.module(x))
+
+
+def test_a_placed_model_is_not_placed_again():
+    """Placing a placed module (or a model holding one) failed inside fx with a message about
+    control flow or about `is None` branches (found by fuzzing)."""
+    model, inputs = build("mlp", batch=4)
+    placed = _place(model, inputs, microbatches=1)
+    with pytest.raises(UsageError, match="the model is already placed by torchplace"):
+        _place(placed, inputs)
+    with pytest.raises(UsageError, match="submodule '1' is already placed"):
+        _place(nn.Sequential(nn.Identity(), placed), inputs)
+    lazy = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(MLP)()
+    with pytest.raises(UsageError, match="already placed"):
+        _place(lazy, inputs)
+
+
 class SparseBuffer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -866,10 +866,17 @@ class _LazyPlaced(nn.Module):
                                    "eval mode: train() would change nothing; decorate with mode='training' to train it")
         return super().train(mode)
 
+    _torchplace_placed = True  # torchplace.arguments.check_model refuses to place it (it places itself)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _LazyPlaced:
+        if self.placed is not None:  # refused as for any placed model: the tensors live on their devices
+            self.placed._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
     @property
     def plan(self) -> Plan:
         if self.placed is None:
-            raise RuntimeError("the model is placed on its first call; call it once before reading .plan")
+            raise UsageError("the model is placed on its first call; call it once before reading .plan")
         return self.placed.plan
 
 

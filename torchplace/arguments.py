@@ -29,6 +29,12 @@ def check_model(model: Any, allow_meta: bool = False) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {brief(model)}; wrap a function in an nn.Module")
+    placed = [name for name, m in model.named_modules() if getattr(type(m), "_torchplace_placed", False)]
+    if placed:
+        where = "the model" if placed[0] == "" else f"the model's submodule {placed[0]!r}"
+        raise UsageError(f"{where} is already placed by torchplace (its stages run on their devices, and its graph "
+                         "cannot be traced again): place the original model, e.g. placed.module of a @placed "
+                         "class, or the model you passed to place()")
     state = named_state(model)
     on_meta = [name for name, t in state.items() if t.device.type == "meta"]
     if on_meta and allow_meta and len(on_meta) == len(state):

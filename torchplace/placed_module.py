@@ -153,6 +153,8 @@ class PlacedModule(nn.Module):
                                         *([("", traced.model)] if traced.model is not None else [])],
                                        own=[self])
 
+    _torchplace_placed = True  # torchplace.arguments.check_model refuses to place it again
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "loss_fn":  # step()'s default loss, not a part of the model: never a child module, so
             self.__dict__[name] = value  # state_dict(), parameters() and the structure check stay the model's
