@@ -692,7 +692,7 @@ def test_a_tensor_input_left_out_of_a_call_is_refused(trace_method):
             placed(x, k=3.0)
 
 
-@pytest.mark.parametrize("change", ["parameter", "module", "hook", "attribute"])
+@pytest.mark.parametrize("change", ["parameter", "module", "hook", "backward hook", "attribute"])
 def test_a_model_changed_by_assignment_after_placing_is_refused(change):
     """An assignment after placing changed the model and its state_dict, but the stages kept
     running what was placed, silently; an in-place write is followed (found by fuzzing)."""
@@ -710,6 +710,8 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
             model.net[0] = nn.Linear(first.in_features, first.out_features)
         elif change == "hook":
             first.register_forward_hook(lambda module, args, out: out * 0)
+        elif change == "backward hook":  # never runs on the traced graph: the gradients would differ silently
+            first.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0 for g in grad_in))
         else:
             model.net[1].inplace = True  # a plain attribute the trace took as a constant
         with pytest.raises(UnsupportedError, match="after placing"):
@@ -799,6 +801,10 @@ def test_forward_hooks_that_ran_only_while_tracing_are_named():
     features = {}
     model.net[0].register_forward_hook(lambda module, args, out: features.update(first=out))
     with pytest.warns(PlacementWarning, match=r"forward hooks of 1 module\(s\) \(net\.0\) ran while tracing"):
+        _place(model, (torch.randn(4, 32),), microbatches=1)
+    model = MLP().eval()
+    model.net[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.warns(PlacementWarning, match=r"backward hooks of 1 module\(s\) \(net\.2\) will not run"):
         _place(model, (torch.randn(4, 32),), microbatches=1)
 
 

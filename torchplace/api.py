@@ -780,17 +780,26 @@ def _warn_of_fast_path(model: nn.Module) -> None:
 
 def _warn_of_hooks(model: nn.Module) -> None:
     """Warn that the forward hooks of ``model``'s modules ran while tracing only: what they put into
-    the outputs is in the trace, their other effects (storing activations, logging) are not."""
+    the outputs is in the trace, their other effects (storing activations, logging) are not; and
+    that its modules' backward hooks never run on the placed graph."""
+    import warnings
+
     hooked = [name or type(model).__name__ for name, m in model.named_modules()
               if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
-        import warnings
-
         more = ", ..." if len(hooked) > 3 else ""
         warnings.warn(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
                       "what they compute into the outputs is in the placed graph, but their other effects (storing "
                       "activations, logging) will not happen on calls of the placed model; compute such values as "
                       "outputs of the model instead", PlacementWarning, stacklevel=4)
+    backward = [name or type(model).__name__ for name, m in model.named_modules()
+                if m._backward_hooks or m._backward_pre_hooks]
+    if backward:
+        more = ", ..." if len(backward) > 3 else ""
+        warnings.warn(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
+                      "the placed model: its traced graph makes no module calls, so a backward through it never "
+                      "reaches them; register tensor hooks on the parameters (p.register_hook) instead",
+                      PlacementWarning, stacklevel=4)
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:

@@ -23,7 +23,7 @@ from torchplace.errors import UnsupportedError
 __all__ = ["Structure"]
 
 _HELD = ("_modules", "_parameters", "_buffers")  # what a module holds, compared by identity
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _PLAIN = (bool, int, float, str, type(None))
 _MISSING = object()
 
@@ -67,7 +67,7 @@ class Structure:
 
     def check(self) -> None:
         """Refuse a call after a module, parameter or buffer was replaced, a plain attribute changed,
-        or a forward hook added or removed since placing.
+        or a module hook (forward or backward) added or removed since placing.
 
         Raises:
             UnsupportedError: naming what changed and what to do instead.
@@ -87,10 +87,12 @@ class Structure:
                     "attribute is a constant in a trace); set it before placing, or place the model again")
         for path, part, hooks, keys in self.hooks:
             if len(hooks) != len(keys) or (keys and tuple(hooks) != keys):
+                kind = part.strip("_").replace("_", " ").removesuffix("s")  # "forward pre hook", "backward hook"
                 raise UnsupportedError(
-                    f"a forward hook of {path or 'the model'} was added or removed after placing: the placed model "
-                    "runs the graph traced with the hooks it had then; register hooks before placing (they are "
-                    "traced), or place the model again")
+                    f"a {kind} of {path or 'the model'} was added or removed after placing: the placed model "
+                    "runs the graph traced with the hooks it had then (a traced graph makes no module calls, so a "
+                    "backward hook never runs on it); register forward hooks before placing (they are traced), "
+                    "use tensor hooks (p.register_hook) for gradients, or place the model again")
 
 
 def _where(path: str, key: Any) -> str:
