@@ -280,6 +280,44 @@ def test_every_valid_split_writes_in_place_as_eagerly(cls, objective, trace_meth
         _assert_same_calls(placed, reference, model, x, calls=2)
 
 
+class ScalesItsInput(nn.Module):
+    """Writes its input in place after reading it (x + 0: the write needs no saved x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _lin(), _lin()
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x + 0)))
+        x.mul_(2)
+        return h + x
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+def test_autograd_sees_a_written_input_as_eagerly(objective):
+    """The write went into a copy on the writer's device and was copied back under no_grad: a later
+    use of the caller's tensor back-propagated as if unwritten (w.grad 3.1 off), and a leaf that
+    requires grad was written where eager refuses (found by fuzzing)."""
+    model, reference = _pair(ScalesItsInput)
+    inp = torch.randn(6, 16)
+    traced = trace(model, (inp.clone(),))
+    problem = Problem(profile(traced, (inp.clone(),), progress=False, repeats=1, warmup=0), make_cluster(DEVICES[3]),
+                      objective=objective, contiguous=False)
+
+    def grad_of_w(module):
+        w = torch.ones(6, 16, requires_grad=True)
+        x = w * inp  # not a leaf: eager records the write
+        (module(x).sum() + x.sum()).backward()
+        return w.grad
+
+    expected = grad_of_w(reference)
+    for plan in _random_plans(problem, 6, seed=3):
+        placed = PlacedModule(traced, problem, plan, microbatches=2 if objective == "throughput" else 1)
+        assert torch.equal(grad_of_w(placed), expected)
+        with pytest.raises(Exception, match="leaf Variable that requires grad"):  # eager's refusal
+            placed(inp.clone().requires_grad_())
+
+
 def test_ignoring_the_writes_gives_a_wrong_result():
     """The checks above can fail: the issue's repro, split as its data edges alone allow, is wrong."""
     model, reference = _pair(ReluAfterRead)

@@ -108,10 +108,13 @@ class Values:
         self._forget_copies(names)
 
     def finish(self) -> None:
-        """Copy the value of every written model input back into the caller's tensor."""
-        with torch.no_grad():
-            for name, caller in self._caller.items():
-                tree_map(_copy_into, caller, self.originals[name])
+        """Copy the value of every written model input back into the caller's tensor, under the
+        caller's autograd mode (the executors run this in it): autograd records the copy as it
+        records the model's own write (a later use of a caller's tensor that requires grad back-
+        propagates through the write), and refuses it where eager refuses the write (a leaf that
+        requires grad)."""
+        for name, caller in self._caller.items():
+            tree_map(_copy_into, caller, self.originals[name])
 
     def _forget_copies(self, names: Collection[str]) -> None:
         for key in [k for k in list(self._copies) if k[0] in names]:
