@@ -134,9 +134,19 @@ def test_a_model_that_cannot_be_built_in_time_is_refused(workloads_dir):
     is refused before anything is built."""
     problem = _read("LayerGraphs/bert24_inference.json", "latency")
     t0 = time.perf_counter()
-    with pytest.raises(ModelTooLargeError, match=r"97,89\d rows.*s left of the 2 s time limit"):
+    with pytest.raises(ModelTooLargeError, match=r"97,89\d rows.*s left of the 2 s time limit; coarsen") as e:
         moirai.solve(problem, time_limit=2)
     assert time.perf_counter() - t0 < 2.0
+    assert "raise the time limit" not in str(e.value)  # seconds to build: a longer limit is no way out
+
+
+def test_a_small_model_refused_by_a_tiny_time_limit_says_to_raise_the_limit():
+    """With time_limit=1e-9 a 30-column IP was refused with advice to coarsen the graph, when the
+    limit was what to change (found by fuzzing)."""
+    problem = _read("LayerGraphs/resnet50_inference.json", "throughput")
+    with pytest.raises(ModelTooLargeError, match=r"time limit; raise the time limit \(time_limit=, --time-limit\) "
+                                                 r"to a second or more, or coarsen"):
+        maxload.solve(problem, time_limit=1e-9)
 
 
 def test_a_model_over_the_memory_budget_is_refused(workloads_dir, monkeypatch):

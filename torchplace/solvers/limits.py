@@ -177,11 +177,14 @@ class Budget:
         """
         need, seconds, left = size.memory_bytes, size.build_seconds, self.remaining()
         cost = f"about {need / 2**30:.1f} GiB and {seconds:.0f} s to build"
+        way_out = self.way_out
         if need > self.memory_bytes:
             broken = f"more than {self._budget_text()}"
         elif left is not None and seconds > left:
-            broken = f"more than the {left:.1f} s left of the {self.time_limit:g} s time limit"
+            broken = f"more than the {left:.2g} s left of the {self.time_limit:g} s time limit"
+            if seconds <= 1.0:  # a small model and a tiny limit: the limit is what to change
+                way_out = f"raise the time limit (time_limit=, --time-limit) to a second or more, or {way_out}"
         else:
             return
-        raise ModelTooLargeError(f"{self.what}: the model would have {size} ({cost}), {broken}; {self.way_out}",
+        raise ModelTooLargeError(f"{self.what}: the model would have {size} ({cost}), {broken}; {way_out}",
                                  self.time_limit, need)
