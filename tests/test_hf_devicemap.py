@@ -510,3 +510,49 @@ def test_cli_refuses_a_device_named_twice_and_shows_why_a_config_cannot_be_built
     transformers.GPT2Config(n_layer=1, n_embd=66, n_head=4, vocab_size=VOCAB).to_json_file(bad)
     assert main(["plan", "--hf", str(bad), "--max-memory", "cpu=1GiB"]) == 2
     assert "divisible" in capsys.readouterr().err  # transformers' own reason
+
+
+# -- the KV cache, as a real forward pass makes it ------------------------------------------------------
+def real_cache_bytes(model, batch: int, seq: int) -> int:
+    """Bytes of the cache ``model`` (real weights) keeps after a forward pass of ``batch x seq`` tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": ids, "use_cache": True}
+    if model.config.is_encoder_decoder:
+        kwargs["decoder_input_ids"] = ids
+    with torch.no_grad():
+        cache = model(**kwargs).past_key_values
+    caches = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "cross_attention_cache") \
+        else [cache]
+    return sum(t.numel() * t.element_size() for c in caches for layer in c.layers for t in (layer.keys, layer.values))
+
+
+def bart_config(layers: int = 1, vocab: int = VOCAB):
+    return transformers.BartConfig(encoder_layers=layers, decoder_layers=layers, d_model=64, encoder_ffn_dim=128,
+                                   decoder_ffn_dim=128, encoder_attention_heads=2, decoder_attention_heads=2,
+                                   vocab_size=vocab, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("no_split", [None, [], ["LlamaMLP"]], ids=["default", "none", "mlp-only"])
+def test_kv_cache_is_counted_when_no_split_classes_split_the_attention_module(no_split):
+    """A split attention module's cache is made by its key and value projections: it is charged
+    there, never dropped."""
+    model = build(llama_config(2))
+    batch, seq = 2, 16
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0,
+                            no_split_module_classes=no_split)
+    kv, paths = problem.graph.meta["hf"]["kv_cache"], problem.graph.meta["hf"]["modules"]
+    assert sum(kv.values()) == real_cache_bytes(model, batch, seq)
+    holders = sorted(paths[v].rpartition(".")[2] for v in kv)
+    assert holders == (["0", "1"] if no_split is None else ["k_proj", "k_proj", "v_proj", "v_proj"])
+
+
+def test_an_encoder_decoder_models_cache_is_not_put_on_its_root_tensors():
+    """BART's ``final_logits_bias`` is a block at path "" holding only that tensor: the decoder's
+    self- and cross-attention caches go to the attention modules' projections, not to it."""
+    model = transformers.BartForConditionalGeneration(bart_config()).eval()
+    batch, seq = 2, 16
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0,
+                            no_split_module_classes=[])
+    kv, paths = problem.graph.meta["hf"]["kv_cache"], problem.graph.meta["hf"]["modules"]
+    assert sum(kv.values()) == real_cache_bytes(model, batch, seq)
+    assert all(paths[v].startswith("model.decoder.layers.") and paths[v].endswith(("k_proj", "v_proj")) for v in kv)

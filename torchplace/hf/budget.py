@@ -228,11 +228,37 @@ def _attention_paths(model: Any) -> list[str]:
     return found
 
 
+_KV_PROJECTION = re.compile(r"(?:k|v|key|value|kv)(?:_proj|_lin)?")
+"""Last name of a module that makes an attention layer's keys or values (``k_proj``, ``v_proj``,
+T5's ``k`` / ``v``, BERT's ``key`` / ``value``): under accelerate its output, which the cache keeps,
+is made on that module's device."""
+
+
+def _cache_holders(attention: str, block_paths: list[str]) -> list[str]:
+    """The blocks an attention layer's cache is made on: the innermost block holding the whole
+    attention module; when no block holds it (``no_split_module_classes`` splits it), the blocks
+    inside it that make its keys and values (:data:`_KV_PROJECTION`), else the first block inside it
+    (a fused query-key-value projection, GPT-2's ``c_attn``)."""
+    outer = [p for p in block_paths if p == "" or attention == p or attention.startswith(f"{p}.")]
+    if outer:
+        return [max(outer, key=len)]
+    inner = [p for p in block_paths if p.startswith(f"{attention}.")]
+    made = [p for p in inner if _KV_PROJECTION.fullmatch(p.rpartition(".")[2])]
+    return made or inner[:1]
+
+
 def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence_length: int,
                    itemsize: int) -> dict[str, int]:
     """Bytes of the KV cache each block holds while generating ``batch_size`` sequences of
     ``sequence_length`` tokens: ``2 x batch x seq x kv_heads x head_dim x itemsize`` per attention
-    layer, on the block that holds that layer. Empty for models that do not generate."""
+    layer, on the block that holds that layer (:func:`_cache_holders`; split evenly between its key
+    and value projections when the attention module is split). Empty for models that do not generate.
+
+    Args:
+        block_paths: module paths of the blocks that hold a whole module (not ``"<direct>"``
+            blocks, which hold only their module's own tensors: the root's ``""`` would hold every
+            layer's cache).
+    """
     can = getattr(model, "can_generate", None)
     if not (callable(can) and can()):
         return {}
@@ -240,7 +266,8 @@ def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence
     per_layer = 2 * batch_size * sequence_length * kv * dim * itemsize
     out: dict[str, int] = {}
     for att in _attention_paths(model):
-        owner = max((p for p in block_paths if p == "" or att == p or att.startswith(f"{p}.")), key=len, default=None)
-        if owner is not None:
-            out[owner] = out.get(owner, 0) + per_layer
+        holders = _cache_holders(att, block_paths)
+        for i, p in enumerate(holders):
+            share = per_layer // len(holders) + (per_layer % len(holders) if i == 0 else 0)
+            out[p] = out.get(p, 0) + share
     return out

@@ -312,7 +312,8 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     prompt's, when the graph is one decoding step)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
-    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize) if kv_cache else {}
+    whole = [p for v, p in paths.items() if graph.record(v).op != "block:<direct>"]
+    cache = kv_cache_bytes(model, whole, batch, seq, itemsize) if kv_cache else {}
     graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
     graph.meta["hf"]["activations"] = max([least_peak, *(r.temp_bytes for _, r in graph.records())])
     for v, path in paths.items():
