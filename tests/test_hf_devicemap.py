@@ -556,3 +556,22 @@ def test_an_encoder_decoder_models_cache_is_not_put_on_its_root_tensors():
     kv, paths = problem.graph.meta["hf"]["kv_cache"], problem.graph.meta["hf"]["modules"]
     assert sum(kv.values()) == real_cache_bytes(model, batch, seq)
     assert all(paths[v].startswith("model.decoder.layers.") and paths[v].endswith(("k_proj", "v_proj")) for v in kv)
+
+
+def test_an_offload_device_holds_only_the_weights_of_its_blocks():
+    """A block mapped to "cpu" computes on GPU 0, where its KV cache is made: "cpu" needs room for
+    its weights only, so a budget of exactly those weights fits (and a map is found for it)."""
+    model = build(gpt2_config(2), "meta")
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": 0, "transformer.h": "cpu", "transformer.ln_f": 0,
+                  "lm_head": "cpu"}
+    on_cpu = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if owner(device_map, n) == "cpu")
+    budget = {0: "700KiB", "cpu": on_cpu}
+    problem = build_problem(model, budget, batch_size=2, sequence_length=32, repeats=0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) > 0
+    cost = evaluate_device_map(problem, device_map)
+    assert cost.memory["cpu"] == on_cpu and cost.fits
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=32, repeats=0, time_limit=2)
+    check_device_map(model, plan.device_map)
+    assert "cpu" not in plan.kv_cache and plan.memory.get("cpu", 0) <= on_cpu
+    assert evaluate_device_map(plan.problem, plan.device_map).fits

@@ -48,6 +48,7 @@ from torchplace.hf.budget import (
 )
 from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.maps import (
+    budgets,
     dispatched_memory,
     main_device,
     offload_charge,
@@ -335,24 +336,30 @@ def _kv_reads(graph: OpGraph, specs: Mapping[str, DeviceSpec]) -> OpGraph:
 
 
 def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
-    """``cluster`` with the activation peak taken off the budget of every device that computes
-    (offload devices only store weights: their blocks compute on the main device); the original
-    budgets are kept in ``graph.meta["hf"]["budgets"]``."""
+    """``cluster`` as the solver sees it: the activation peak taken off the budget of every device
+    that computes, and the whole KV cache added to the budget of every offload device (which stores
+    weights only: the cost model charges an offloaded block's cache where the block is mapped, but
+    it is made on the main device, :func:`~torchplace.hf.maps.dispatched_memory`; so every map that
+    fits passes, and :func:`_solve_dispatched` checks the solver's maps against the true
+    :func:`~torchplace.hf.maps.budgets`). The original budgets are kept in
+    ``graph.meta["hf"]["budgets"]``."""
     peak = graph.meta["hf"]["activations"]
+    cache = sum(graph.meta["hf"].get("kv_cache", {}).values())
     graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
-    devices = tuple(d if d.kind in OFFLOAD_KINDS or d.memory_bytes is None
+    devices = tuple(d if d.memory_bytes is None
+                    else replace(d, memory_bytes=d.memory_bytes + cache) if d.kind in OFFLOAD_KINDS
                     else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
     return replace(cluster, devices=devices)
 
 
 def _check_fits(problem: Problem) -> None:
     """Raise InfeasibleError naming what is needed when the budgets cannot hold the model."""
-    g, cluster = problem.graph, problem.cluster
+    g, caps = problem.graph, budgets(problem)
     need = {v: r.param_bytes + r.temp_bytes for v, r in g.records()}
     peak = g.meta["hf"]["activations"]
     kv = g.meta["hf"].get("kv_cache", {})
     largest = max(need, key=need.__getitem__)
-    biggest = max(d.memory_bytes if d.memory_bytes is not None else float("inf") for d in cluster.devices)
+    biggest = max(b if b is not None else float("inf") for b in caps.values())
     if need[largest] > biggest:
         r = g.record(largest)
         raise InfeasibleError(
@@ -361,8 +368,8 @@ def _check_fits(problem: Problem) -> None:
             f"activations of the batch, but the largest budget leaves {_gib(biggest)}: raise max_memory "
             f"(to at least {_gib(need[largest] + peak)}), lower batch_size or sequence_length, or allow 'disk'",
             min_memory_bytes=need[largest] + peak)
-    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
-    if not any(d.memory_bytes is None for d in cluster.devices) and total > room:
+    total, room = sum(need.values()), sum(b or 0 for b in caps.values())
+    if None not in caps.values() and total > room:
         raise InfeasibleError(
             f"the model needs {_gib(total)} (weights and a KV cache of {_gib(sum(kv.values()))}) plus "
             f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
@@ -418,21 +425,24 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
 
 
 OFFLOAD_ROUNDS = 2
-"""Re-solves with room kept on the GPU the last plan overfilled, before the last resorts."""
+"""Re-solves with room kept on the devices the last plan overfilled, before the last resorts."""
 
 
 def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
-    """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory`.
+    """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory` and the
+    true :func:`~torchplace.hf.maps.budgets`.
 
     The cost model charges a block's KV cache where the block is mapped, but an offloaded block
-    computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), which the solver
-    cannot see (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the first
-    plan's problem charges less than the truth, so its bound holds; when that plan overfills the main
+    computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), so its cache and its
+    streamed weights are on the main device and only its weights on the offload device; the solver
+    cannot see that (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the
+    first plan's problem charges the main device less than the truth, and gives each offload device
+    room for the whole KV cache (:func:`_reserve`), so its bound holds; when that plan overfills a
     device, the problem is solved again with that device's budget lowered by what the last plan
-    put there (a restriction: its plans fit where the charge does not grow); if that does not
-    settle it, the better of two last resorts: no offloading at all, and the main device's budget
-    lowered by the most any map can put there (every block's KV cache and the largest block's
-    weights), after which every plan fits. A plan of a restriction keeps the first plan's bound.
+    overfilled it with (a restriction); if that does not settle it, the better of two last resorts:
+    no offloading at all, and the main device's budget lowered by the most any map can put there
+    (every block's KV cache and the largest block's weights) with the offload devices at their own
+    budgets, after which every plan fits. A plan of a restriction keeps the first plan's bound.
 
     Raises:
         InfeasibleError: if neither last resort has a plan that fits.
@@ -462,12 +472,16 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     if fits(plan):
         return plan
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices if d.memory_bytes is not None}
+    true = budgets(problem)
     reserves: dict[str, int] = {}
-    for _ in range(OFFLOAD_ROUNDS):  # room on the GPU the last plan overfilled for what it offloaded there
+    for _ in range(OFFLOAD_ROUNDS):  # room kept on the devices the last plan overfilled
         main, extra = offload_charge(problem, plan.stages)
-        if main is None or main not in caps:
+        memory = dispatched_memory(problem, plan.stages)
+        over = {d: b - t for d, b in memory.items() if (t := true.get(d)) is not None and b > t}
+        if not over:
             break
-        reserves[main] = max(reserves.get(main, 0) + 1, extra)
+        for d, excess in over.items():  # the main device: what the plan offloaded there; else the excess
+            reserves[d] = max(reserves.get(d, 0) + 1, extra) if d == main else reserves.get(d, 0) + excess
         found = restricted({d: caps[d] - b for d, b in reserves.items()}, f"room kept: {reserves}")
         if found is None:
             break
@@ -479,9 +493,11 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
     main = main_device(problem)
     offload = [d.name for d in problem.cluster.devices if d.kind in OFFLOAD_KINDS]
+    tight = {d: b for d in offload if (b := true[d]) is not None}
+    if main is not None and main in caps:
+        tight[main] = caps[main] - most
     found_plans = [p for p in (restricted(dict.fromkeys(offload, 0), "none") if offload else None,
-                               restricted({main: caps[main] - most}, f"room kept: {_gib(most)} on {main}")
-                               if main is not None and main in caps else None)
+                               restricted(tight, f"room kept: {_gib(most)} on {main}"))
                    if p is not None and fits(p)]
     if not found_plans:
         raise InfeasibleError(f"every map that fits the weights overfills the device that computes the offloaded blocks "

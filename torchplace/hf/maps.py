@@ -20,8 +20,8 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "accelerate_main", "collapse", "dispatched_memory", "evaluate_device_map", "main_device",
-           "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
+__all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "dispatched_memory", "evaluate_device_map",
+           "main_device", "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ def offload_charge(problem: Problem, stages: Sequence[Stage], main: str | None =
     Measured on an H100 (GPT-2 small, half its weights on cuda:0, the rest offloaded): an offloaded
     block computes on the main device, so its KV cache is made and kept there, and its weights are
     copied there while it runs (one block at a time). So the main device holds, beyond its own
-    blocks, the KV cache of every offloaded block and the largest offloaded block's weights. The
-    offload devices are still charged their blocks' KV cache (room that stays unused: safe)."""
+    blocks, the KV cache of every offloaded block and the largest offloaded block's weights; the
+    offload devices hold only the weights (:func:`dispatched_memory`)."""
     main = main_device(problem) if main is None else main
     g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
     away = [v for s in stages if problem.cluster.device(s.device).kind in OFFLOAD_KINDS and s.device != main
@@ -85,9 +85,16 @@ def offload_charge(problem: Problem, stages: Sequence[Stage], main: str | None =
 
 def dispatched_memory(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> dict[str, int]:
     """Bytes per device (torchplace names) of the map of ``stages`` run by ``dispatch_model``:
-    :func:`~torchplace.costmodel.device_memory` plus :func:`offload_charge` on the main device
-    (``main``, default :func:`main_device`)."""
+    :func:`~torchplace.costmodel.device_memory`, less the KV cache of the blocks on offload devices
+    (the cost model charges a block's cache where the block is mapped, but an offloaded block's is
+    made where it computes), plus :func:`offload_charge` on the main device (``main``, default
+    :func:`main_device`)."""
     memory = dict(device_memory(problem, stages))
+    main = main_device(problem) if main is None else main
+    kv = problem.graph.meta["hf"].get("kv_cache", {})
+    for s in stages:
+        if problem.cluster.device(s.device).kind in OFFLOAD_KINDS and s.device != main:
+            memory[s.device] -= sum(kv.get(v, 0) for v in s.nodes)
     main, extra = offload_charge(problem, stages, main)
     if main is not None and extra:
         memory[main] = memory.get(main, 0) + extra
@@ -230,7 +237,19 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     return MapCost(seconds, within_budgets(problem, memory), with_reserve(problem, memory))
 
 
+def budgets(problem: Problem) -> dict[str, int | None]:
+    """Bytes each device may hold (torchplace names; ``None``: unlimited): its ``max_memory``, less
+    the activation peak on devices that compute. (The problem's own cluster gives the offload
+    devices more, for the KV cache its cost model charges there: :func:`torchplace.hf.infer._reserve`.)"""
+    peak = problem.graph.meta["hf"]["activations"]
+    given = problem.graph.meta["hf"]["budgets"]
+    return {d.name: None if given[d.name] is None
+            else given[d.name] if d.kind in OFFLOAD_KINDS else max(0, given[d.name] - peak)
+            for d in problem.cluster.devices}
+
+
 def within_budgets(problem: Problem, memory: Mapping[str, int]) -> bool:
-    """Whether ``memory`` (bytes per device, torchplace names) is within every device's budget."""
-    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    """Whether ``memory`` (bytes per device, torchplace names; :func:`dispatched_memory`) is within
+    every device's :func:`budgets`."""
+    caps = budgets(problem)
     return all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
