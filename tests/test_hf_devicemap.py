@@ -575,3 +575,36 @@ def test_an_offload_device_holds_only_the_weights_of_its_blocks():
     check_device_map(model, plan.device_map)
     assert "cpu" not in plan.kv_cache and plan.memory.get("cpu", 0) <= on_cpu
     assert evaluate_device_map(plan.problem, plan.device_map).fits
+
+
+# -- pricing anyone's map ----------------------------------------------------------------------------
+def test_a_key_naming_a_tensor_prices_that_tensor_on_its_device():
+    """accelerate's keys may name a module's own tensors (BART's "final_logits_bias", which
+    torchplace's own maps name too): the tensor is charged where its key sends it."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForSeq2SeqLM.from_config(bart_config(vocab=4096)).eval()
+    problem = build_problem(model, {0: "64MiB", 1: "64MiB"}, batch_size=1, sequence_length=16, repeats=0)
+    peak = problem.graph.meta["hf"]["activations"]
+    cost = evaluate_device_map(problem, {"final_logits_bias": 1, "model": 0, "lm_head": 0})
+    assert cost.memory[1] - peak == model.final_logits_bias.numel() * model.final_logits_bias.element_size()
+
+
+def test_a_map_splitting_tied_weights_is_charged_a_copy_and_does_not_fit():
+    model = build(gpt2_config(2), "meta")
+    problem = build_problem(model, {0: "10MiB", 1: "10MiB"}, batch_size=2, sequence_length=32, repeats=0)
+    peak = problem.graph.meta["hf"]["activations"]
+    device_map = {"transformer": 0, "lm_head": 1}
+    assert any(len({owner(device_map, n) for n in group}) > 1 for group in find_tied_parameters(model))
+    cost = evaluate_device_map(problem, device_map)
+    assert not cost.fits
+    assert cost.memory[1] - peak == model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+
+def test_a_map_leaving_weights_without_a_device_is_refused_as_accelerate_refuses_it():
+    model = build(gpt2_config(2), "meta")
+    problem = build_problem(model, {0: "10MiB", 1: "10MiB"}, batch_size=2, sequence_length=32, repeats=0)
+    device_map = {"transformer.h": 1}
+    with pytest.raises(ValueError, match="transformer.wte.weight"):
+        check_device_map(model, device_map)
+    with pytest.raises(UsageError, match="no device for transformer.wte.weight"):
+        evaluate_device_map(problem, device_map)

@@ -74,6 +74,7 @@ class Block:
     param_bytes: int
     tensors: tuple[int, ...]  # ids of the parameters and buffers it holds (tied ones included)
     names: tuple[str, ...] = ()  # "<direct>" blocks: the full names of the tensors it holds
+    shared_bytes: int = 0  # bytes of the tensors it holds that an earlier block counted (tied weights)
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -115,23 +116,30 @@ def blocks_of(model: nn.Module, no_split: Sequence[str], dtype: torch.dtype | No
     counted: set[int] = set()  # a tied tensor's bytes count once, on the first block holding it
     fp32 = kept_in_fp32(model, dtype)
 
-    def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-        new = [t for t in _unique(tensors) if id(t) not in counted]
-        counted.update(id(t) for t in new)
-        return sum(_tensor_bytes(t, torch.float32 if id(t) in fp32 else dtype) for t in new)
+    def size(t: torch.Tensor) -> int:
+        return _tensor_bytes(t, torch.float32 if id(t) in fp32 else dtype)
+
+    def nbytes(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """(bytes of the tensors no earlier block counted, bytes of those one did)."""
+        unique = _unique(tensors)
+        seen = [id(t) in counted for t in unique]
+        counted.update(id(t) for t in unique)
+        return (sum(size(t) for t, s in zip(unique, seen) if not s),
+                sum(size(t) for t, s in zip(unique, seen) if s))
 
     def visit(path: str, m: nn.Module) -> None:
         children = list(m.named_children())
         if type(m).__name__ in no_split or not children:
             tensors = [*m.parameters(), *m.buffers()]
-            out.append(Block(path, type(m).__name__, nbytes(tensors),
-                             tuple(id(t) for t in tensors)))
+            own, shared = nbytes(tensors)
+            out.append(Block(path, type(m).__name__, own, tuple(id(t) for t in tensors), shared_bytes=shared))
             return
         direct = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
         if direct:
             prefix = f"{path}." if path else ""
-            out.append(Block(path, "<direct>", nbytes([t for _, t in direct]), tuple(id(t) for _, t in direct),
-                             tuple(prefix + n for n, _ in direct)))
+            own, shared = nbytes([t for _, t in direct])
+            out.append(Block(path, "<direct>", own, tuple(id(t) for _, t in direct),
+                             tuple(prefix + n for n, _ in direct), shared))
         for name, child in children:
             visit(f"{path}.{name}" if path else name, child)
 
@@ -356,7 +364,10 @@ def block_graph(
         specs: roofline specs by kind (default :data:`HF_DEVICE_SPECS`).
 
     Returns:
-        The graph; ``graph.meta["hf"]`` holds each node's module path and how it was costed.
+        The graph; ``graph.meta["hf"]`` holds each node's module path (``"modules"``), the
+        state-dict names of the tensors it holds (``"tensors"``, what a ``device_map`` must cover),
+        the bytes of the tied tensors it holds that an earlier block counted (``"shared"``) and how
+        it was costed (``"costs"``).
 
     Raises:
         UsageError: for a kind with no spec to estimate with (the message lists the known kinds).
@@ -371,7 +382,8 @@ def block_graph(
         raise UsageError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
                          f"{sorted(specs)} (name one of them in the cluster file, or pass "
                          "specs={kind: DeviceSpec(...)})")
-    g = OpGraph(meta={"hf": {"costs": costs, "modules": {}}})
+    g = OpGraph(meta={"hf": {"costs": costs, "modules": {}, "tensors": {}, "shared": {}}})
+    saved = _saved_names(model, [b for b, _ in records])
     prev = None
     for i, (b, r) in enumerate(records):
         times = {k: _roofline(r.flops, b.param_bytes + r.in_bytes + r.out_bytes, specs[k]) for k in kinds
@@ -384,10 +396,31 @@ def block_graph(
                                     param_bytes=b.param_bytes, output_bytes=r.out_bytes, temp_bytes=work,
                                     times=times))
         g.meta["hf"]["modules"][node] = b.path
+        g.meta["hf"]["tensors"][node] = saved[b.path, b.cls == "<direct>"]
+        if b.shared_bytes:
+            g.meta["hf"]["shared"][node] = b.shared_bytes
         if prev is not None:
             g.add_edge(prev, node)
         prev = node
     return _tie(g, [b for b, _ in records])
+
+
+def _saved_names(model: nn.Module, blocks: Sequence[Block]) -> dict[tuple[str, bool], tuple[str, ...]]:
+    """The state-dict names each block holds, by (path, is a ``"<direct>"`` block): a whole block
+    holds every name below its path, a ``"<direct>"`` block its own tensors' names."""
+    direct = {n: b.path for b in blocks if b.cls == "<direct>" for n in b.names}
+    whole = {b.path for b in blocks if b.cls != "<direct>"}
+    out: dict[tuple[str, bool], list[str]] = {(b.path, b.cls == "<direct>"): [] for b in blocks}
+    for name in model.state_dict():
+        if name in direct:
+            out[direct[name], True].append(name)
+            continue
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:i]) in whole:
+                out[".".join(parts[:i]), False].append(name)
+                break
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def _timed(probe: _Probe) -> bool:

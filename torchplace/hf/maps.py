@@ -207,20 +207,31 @@ def collapse(leaves: Mapping[str, int | str]) -> dict[str, int | str]:
 def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapCost:
     """What ``device_map`` (e.g. accelerate's) costs on ``problem`` (from :func:`build_problem`).
 
-    Each block goes where the longest key of the map covering its module path sends it; a block no
-    key covers (a module without weights) runs where the block before it runs. The plan is
-    evaluated by :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map
-    that breaks a budget (or splits tied weights) is still timed and reported as not fitting.
+    Each block goes where the longest key of the map covering it sends it: its module path or a
+    module above it, or one of its tensors' names (accelerate's keys for a module's own tensors,
+    e.g. BART's ``"final_logits_bias"``); a block holding no state-dict tensor (a module without
+    weights) that no key covers runs where the block before it runs. The plan is evaluated by
+    :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map that breaks
+    a budget, or splits tied weights (charged a copy of them on each device whose blocks read
+    them, as accelerate keeps one there), is still timed and reported as not fitting.
     Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
     their time is that of :func:`main_device`'s kind, the same GPU for any map that names it.
+
+    Raises:
+        UsageError: the map sends a block to a device not in ``max_memory``, or gives no device to
+            some of the model's tensors (accelerate's ``check_device_map`` refuses such a map).
     """
-    paths = problem.graph.meta["hf"]["modules"]
+    meta = problem.graph.meta["hf"]
+    paths, held = meta["modules"], meta.get("tensors", {})
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
     stages: list[Stage] = []
+    where: dict[str, str] = {}
+    uncovered: list[str] = []
     prev = problem.cluster.devices[0].name
     for v in problem.graph.topological_order():
-        path = paths[v]
-        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")]
+        path, tensors = paths[v], held.get(v, ())
+        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")
+                or any(t == k or t.startswith(f"{k}.") for t in tensors)]
         if keys:
             value = str(device_map[max(keys, key=len)])
             if value.startswith("cuda:"):
@@ -228,13 +239,46 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
             if value not in names:
                 raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}")
             prev = names[value]
+        elif tensors:
+            uncovered.extend(tensors)
+        where[v] = prev
         if stages and stages[-1].device == prev:
             stages[-1] = Stage(prev, (*stages[-1].nodes, v))
         else:
             stages.append(Stage(prev, (v,)))
+    if uncovered:
+        more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
+        raise UsageError(f"device_map gives no device for {', '.join(uncovered[:5])}{more} (accelerate's "
+                         "check_device_map refuses it): add a key for each module or tensor, or \"\" for the rest")
     seconds, _ = evaluate_stages(problem, stages)
     memory = dispatched_memory(problem, stages, accelerate_main(problem, device_map))
-    return MapCost(seconds, within_budgets(problem, memory), with_reserve(problem, memory))
+    split, copies = _tied_copies(problem, where)
+    for device, nbytes in copies.items():
+        memory[device] = memory.get(device, 0) + nbytes
+    return MapCost(seconds, not split and within_budgets(problem, memory), with_reserve(problem, memory))
+
+
+def _tied_copies(problem: Problem, where: Mapping[str, str]) -> tuple[bool, dict[str, int]]:
+    """Whether ``where`` (block -> device) splits a group of blocks sharing tensors (tied
+    weights), and the bytes of those tensors each device must then hold a copy of. A block's
+    ``meta["hf"]["shared"]`` are the bytes of tensors an earlier block counted: its device needs a
+    copy unless a block of its group that counted its own tensors is there."""
+    g, meta = problem.graph, problem.graph.meta["hf"]
+    shared, held = meta.get("shared", {}), meta.get("tensors", {})
+    groups: dict[str, list[str]] = {}
+    for v, r in g.records():
+        if r.colocation and r.colocation.startswith("tied:") and held.get(v):
+            groups.setdefault(r.colocation, []).append(v)
+    split, copies = False, {}
+    for members in groups.values():
+        if len({where[v] for v in members}) < 2:
+            continue
+        split = True
+        home = {where[v] for v in members if not shared.get(v)}
+        for v in members:
+            if shared.get(v) and where[v] not in home:
+                copies[where[v]] = max(copies.get(where[v], 0), shared[v])
+    return split, copies
 
 
 def budgets(problem: Problem) -> dict[str, int | None]:
