@@ -608,3 +608,43 @@ def test_a_map_leaving_weights_without_a_device_is_refused_as_accelerate_refuses
         check_device_map(model, device_map)
     with pytest.raises(UsageError, match="no device for transformer.wte.weight"):
         evaluate_device_map(problem, device_map)
+
+
+def bart_meta(layers: int = 2, vocab: int = 4096):
+    with torch.device("meta"):
+        return transformers.AutoModelForSeq2SeqLM.from_config(bart_config(layers, vocab)).eval()
+
+
+def test_a_plan_offloading_with_nothing_on_the_main_gpu_moves_a_block_there(monkeypatch):
+    """BART has no module without weights to name GPU 0 in a map: a solved plan that offloads its
+    embeddings and puts everything else on GPU 1 gets a block moved onto GPU 0 (within budget),
+    so accelerate computes the offloaded blocks where they were priced."""
+    import torchplace.hf.infer as infer
+    from torchplace.plan import Plan, Stage
+
+    model = bart_meta()
+    budget = {0: "64MiB", 1: "64MiB", "cpu": "1GiB"}
+    problem = build_problem(model, budget, batch_size=2, sequence_length=16, repeats=0)
+    stages = []
+    for v in problem.graph.topological_order():
+        dev = "cpu" if "embed" in problem.graph.record(v).name or problem.graph.record(v).colocation else "cuda:1"
+        if stages and stages[-1].device == dev:
+            stages[-1] = Stage(dev, (*stages[-1].nodes, v))
+        else:
+            stages.append(Stage(dev, (v,)))
+    offloading = Plan.build(problem, stages, solver="hand", seconds=0.0, lower_bound=0.0)
+    monkeypatch.setattr(infer, "_solve_dispatched", lambda problem, time_limit: offloading)
+    plan = infer.solve_device_map(model, problem)
+    check_device_map(model, plan.device_map)
+    assert "cpu" in plan.device_map.values() and accelerates_main(plan.device_map) == 0
+    cost = evaluate_device_map(problem, plan.device_map)
+    assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+
+
+def test_a_tight_main_gpu_still_gets_a_map_when_the_model_has_no_weightless_module():
+    # the fuzzer's case: the solver's plan offloaded the embeddings with nothing on GPU 0
+    model = bart_meta()
+    budget = {0: 2117580, 1: 2117580, "cpu": "1GiB"}
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=16, repeats=0, time_limit=None)
+    check_device_map(model, plan.device_map)
+    assert evaluate_device_map(plan.problem, plan.device_map).fits

@@ -35,7 +35,7 @@ from torch import nn
 from torchplace import solvers
 from torchplace.checks import brief, positive_int
 from torchplace.devices import Cluster
-from torchplace.errors import InfeasibleError, UsageError
+from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError
 from torchplace.graph import OpGraph
 from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
 from torchplace.hf.budget import (
@@ -56,7 +56,7 @@ from torchplace.hf.maps import (
     with_reserve,
     within_budgets,
 )
-from torchplace.plan import Plan
+from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
 from torchplace.profiling.links import measure_host_links
@@ -420,8 +420,51 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
         for v in s.nodes:
             if kv.get(v):  # an offloaded block's cache is made on the main device, where it computes
                 held[accelerate_name(where)] = held.get(accelerate_name(where), 0) + kv[v]
+    device_map, plan = _write_map(model, problem, plan)
     memory = with_reserve(problem, dispatched_memory(problem, plan.stages))
-    return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
+    return DeviceMapPlan(device_map, plan, problem, memory, held)
+
+
+def _write_map(model: nn.Module, problem: Problem, plan: Plan) -> tuple[dict[str, int | str], Plan]:
+    """The map of ``plan`` and the plan it writes: ``plan``, or, when ``plan`` offloads with no block
+    on the main device and the model has no module without weights to name it in the map
+    (:func:`~torchplace.hf.maps.to_device_map`), ``plan`` with one block (and the blocks colocated
+    with it) moved onto the main device: of the moves that keep every device within its budget, the
+    fastest.
+
+    Raises:
+        InfeasibleError: no block can move onto the main device within its budget.
+    """
+    try:
+        return to_device_map(model, problem, plan), plan
+    except InfeasibleError as e:
+        failure = e
+    main, g = main_device(problem), problem.graph
+    held = g.meta["hf"].get("tensors", {})
+    where, order = plan.assignment, [v for s in plan.stages for v in s.nodes]
+    groups: dict[str, list[str]] = {}
+    for v, r in g.records():
+        groups.setdefault(r.colocation or v, []).append(v)
+    best = None
+    for members in groups.values():
+        if main is None or not any(held.get(v) for v in members):
+            continue
+        stages = stages_from_order(problem, order, {**where, **dict.fromkeys(members, main)})
+        if not within_budgets(problem, dispatched_memory(problem, stages)):
+            continue
+        try:
+            moved = Plan.build(problem, stages, solver=plan.solver, seconds=plan.seconds,
+                               lower_bound=plan.lower_bound, status="feasible",
+                               meta={**plan.meta, "main": f"{g.record(members[0]).name} moved onto {main}"})
+        except InvalidPlanError:
+            continue
+        if best is None or moved.objective < best.objective:
+            best = moved
+    if best is None:
+        raise failure
+    if best.objective <= best.lower_bound * (1 + 1e-9):
+        best.status = "optimal"
+    return to_device_map(model, problem, best), best
 
 
 OFFLOAD_ROUNDS = 2
