@@ -488,7 +488,17 @@ def bad_input_cases():
         "no-split-not-a-class": (lambda: (build(gpt2_config(1), "meta"), dict(no_split_module_classes=[3])),
                                  "module classes or their names"),
         "integer-dtype": (lambda: (build(gpt2_config(1), "meta"), dict(dtype=torch.int8)), "floating"),
+        # 4 attention heads, 3 KV heads: the model cannot run, with weights or without
+        "heads-do-not-divide-real": (lambda: (build(uneven_heads_config()), {}), "failed on its example inputs"),
+        "heads-do-not-divide-meta": (lambda: (build(uneven_heads_config(), "meta"), {}),
+                                     "failed on its example inputs"),
     }
+
+
+def uneven_heads_config():
+    return transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=3, vocab_size=VOCAB,
+                                    max_position_embeddings=128)
 
 
 @pytest.mark.parametrize("case", list(bad_input_cases()))
@@ -648,3 +658,33 @@ def test_a_tight_main_gpu_still_gets_a_map_when_the_model_has_no_weightless_modu
     plan = plan_device_map(model, budget, batch_size=2, sequence_length=16, repeats=0, time_limit=None)
     check_device_map(model, plan.device_map)
     assert evaluate_device_map(plan.problem, plan.device_map).fits
+
+
+@torch.library.custom_op("torchplace_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class _FakeUnfriendly(torch.nn.Module):
+    """An embedding, then an operator fake tensors cannot run: a custom one with no fake kernel,
+    or one whose output shape depends on the data."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.embed, self.proj, self.op = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 16), op
+
+    def forward(self, input_ids):
+        return self.proj(self.op(self.embed(input_ids)))
+
+
+@pytest.mark.parametrize("op", [torch.ops.torchplace_test.no_fake,
+                                lambda h: h[torch.nonzero(h[..., 0] > 0, as_tuple=True)]],
+                         ids=["no-fake-kernel", "data-dependent"])
+def test_a_meta_model_fake_tensors_cannot_run_is_costed_from_its_parameters(op):
+    from torchplace.hf import blocks
+
+    with torch.device("meta"):
+        model = _FakeUnfriendly(op).eval()
+    kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 8))}
+    graph = blocks.block_graph(model, kwargs, kinds=["cuda"], no_split=[], repeats=0)
+    assert graph.meta["hf"]["costs"] == "structural"

@@ -23,11 +23,13 @@ A model on the meta device runs on fake tensors (no memory). Mixture-of-experts 
 grouped expert matmuls (``aten._grouped_mm``), which the flop counter does not know (counted here,
 :func:`_grouped_mm_flops`) and whose fake kernel takes bfloat16 only: a model in another dtype is
 then run on bfloat16 fake tensors (FLOPs and shapes are the dtype's own; bytes are scaled back to
-the model's dtype). If even that fails (a kernel with no fake implementation), every block is
-costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size output per token
-(a dense upper bound on FLOPs for MoE blocks), and the result says so
+the model's dtype). If even that fails because the tensors are fake (a kernel with no fake
+implementation, data-dependent control flow), every block is costed from its parameters alone:
+``2 x params x tokens`` FLOPs and a hidden-size output per token (a dense upper bound on FLOPs
+for MoE blocks), and the result says so
 (``graph.meta["hf"]["costs"] == "structural"``). An error of the model's own code (inputs it does
-not take) is a :class:`~torchplace.errors.UsageError` instead, never hidden by that fallback.
+not take, a config whose shapes do not agree) is a :class:`~torchplace.errors.UsageError` instead,
+never hidden by that fallback.
 """
 from __future__ import annotations
 
@@ -43,7 +45,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
@@ -237,8 +245,20 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 
 _FAKE_ERRORS = (RuntimeError, NotImplementedError)
-"""What a kernel that cannot run on fake tensors raises (``DataDependentOutputException`` and
-``UnsupportedOperatorException`` are ``RuntimeError`` s)."""
+"""What a forward pass on fake tensors raises besides :data:`_INPUT_ERRORS`: a kernel that cannot
+run on fake tensors (:data:`_FAKE_ONLY`), a fake kernel that takes another dtype (grouped expert
+matmuls: bfloat16 only), or an error of the model itself (shapes its config makes inconsistent)."""
+_FAKE_ONLY = (UnsupportedOperatorException, DataDependentOutputException, DynamicOutputShapeException,
+              UnsupportedFakeTensorException, NotImplementedError)
+"""What only fake tensors raise: an operator with no fake or meta kernel, or one whose output
+depends on the data (``nonzero``, ``.item()``), which real weights would run."""
+_NO_FAKE_KERNEL = re.compile(r"no fake impl|fake kernel|meta kernel|'Meta' backend", re.IGNORECASE)
+"""A custom operator without a fake implementation raises a plain ``RuntimeError`` saying so."""
+
+
+def _fake_only(e: BaseException) -> bool:
+    """Whether ``e`` comes from running on fake tensors rather than from the model (see :data:`_FAKE_ONLY`)."""
+    return isinstance(e, _FAKE_ONLY) or (isinstance(e, RuntimeError) and bool(_NO_FAKE_KERNEL.search(str(e))))
 _INPUT_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError)
 """What a model's Python code raises for inputs it does not take (a missing ``input_ids``, a
 keyword the model does not know, an index beyond its positions)."""
@@ -246,21 +266,24 @@ keyword the model does not know, an index beyond its positions)."""
 
 def _bad_inputs(model: nn.Module, e: BaseException) -> UsageError:
     return UsageError(f"{type(model).__name__} failed on its example inputs ({type(e).__name__}: {e}): pass "
-                      "example_inputs / example_kwargs of one forward call the model takes")
+                      "example_inputs / example_kwargs of one forward call the model takes, or, if it fails on "
+                      "every input, fix the model or its config")
 
 
 def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
                    repeats: int) -> tuple[_Probe | None, float]:
     """:func:`_probe`, and the factor its bytes take to the model's own dtype. A meta model whose
-    kernels fail on fake tensors (:data:`_FAKE_ERRORS`) is probed again on bfloat16 fake tensors
-    (grouped expert matmuls' fake kernel takes nothing else), and if that fails too there is no
-    probe (data-dependent control flow on meta tensors: :func:`_structural` costs it from its
+    forward pass fails on fake tensors (:data:`_FAKE_ERRORS`) is probed again on bfloat16 fake
+    tensors (grouped expert matmuls' fake kernel takes nothing else); if the last try failed only
+    because the tensors are fake (:func:`_fake_only`: a kernel with no fake implementation,
+    data-dependent control flow) there is no probe (:func:`_structural` costs it from its
     parameters).
 
     Raises:
         UsageError: the forward pass fails on a real model, or on a meta model with an error of
-            the model's own code (:data:`_INPUT_ERRORS`): the inputs are not ones it takes, and a
-            structural guess would hide it.
+            the model's own code (:data:`_INPUT_ERRORS`, or any other error not :func:`_fake_only`,
+            e.g. head counts that do not divide): the inputs or the config are not ones it takes,
+            and a structural guess would hide it.
     """
     meta = any(p.is_meta for p in model.parameters())
     try:
@@ -270,15 +293,18 @@ def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[st
     except _FAKE_ERRORS as e:
         if not meta:
             raise _bad_inputs(model, e) from e
-    if _own_dtype(model) in (None, torch.bfloat16):  # nothing another dtype would change
+        failed: BaseException = e
+    if _own_dtype(model) not in (None, torch.bfloat16):  # another dtype may let a fake kernel run
+        try:
+            back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
+            return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
+        except _INPUT_ERRORS as e:
+            raise _bad_inputs(model, e) from e
+        except _FAKE_ERRORS as e:
+            failed = e
+    if _fake_only(failed):
         return None, 1.0
-    try:
-        back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
-        return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
-    except _INPUT_ERRORS as e:
-        raise _bad_inputs(model, e) from e
-    except _FAKE_ERRORS:
-        return None, 1.0
+    raise _bad_inputs(model, failed) from failed
 
 
 def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, out_shape: Sequence[int],
