@@ -688,3 +688,29 @@ def test_a_meta_model_fake_tensors_cannot_run_is_costed_from_its_parameters(op):
     kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 8))}
     graph = blocks.block_graph(model, kwargs, kinds=["cuda"], no_split=[], repeats=0)
     assert graph.meta["hf"]["costs"] == "structural"
+
+
+# -- config files ------------------------------------------------------------------------------------
+def whisper_config():
+    return transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_ffn_dim=128,
+                                      decoder_ffn_dim=128, encoder_attention_heads=2, decoder_attention_heads=2,
+                                      vocab_size=VOCAB, num_mel_bins=16, max_source_positions=32,
+                                      max_target_positions=64, pad_token_id=1, bos_token_id=0, eos_token_id=1,
+                                      decoder_start_token_id=0)
+
+
+@pytest.mark.parametrize("config, auto", [(bart_config, "AutoModelForSeq2SeqLM"),
+                                          (whisper_config, "AutoModelForSpeechSeq2Seq")], ids=["bart", "whisper"])
+def test_an_encoder_decoder_config_without_architectures_is_planned_with_its_encoder(config, auto, tmp_path):
+    import json
+
+    from torchplace.hf.config import meta_model
+
+    cfg = config()
+    data = cfg.to_dict()
+    data.pop("architectures", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model = meta_model(path)
+    assert type(model) is getattr(transformers, auto)._model_mapping[type(cfg)]
+    assert any(n.startswith("model.encoder.") for n, _ in model.named_parameters())

@@ -14,7 +14,9 @@ def meta_model(config_path: str | Path) -> Any:
 
     The class is the config's first ``architectures`` entry when transformers has it, else the
     first of ``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``, ``AutoModel`` whose mapping has
-    the config's class.
+    the config's class; for an encoder-decoder config (``is_encoder_decoder``: BART, T5, Whisper)
+    ``AutoModelForSeq2SeqLM`` and ``AutoModelForSpeechSeq2Seq`` come first (its ``...ForCausalLM``
+    is the decoder alone, without the encoder ``from_pretrained`` loads).
 
     Raises:
         MissingDependencyError: transformers is not installed.
@@ -35,6 +37,9 @@ def meta_model(config_path: str | Path) -> Any:
     factories = [(c.__name__, c.from_config if hasattr(c, "from_config") else c._from_config)
                  for c in named if c is not None]
     autos = (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel)
+    if getattr(config, "is_encoder_decoder", False):
+        autos = (transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForSpeechSeq2Seq,
+                 transformers.AutoModelForCausalLM, transformers.AutoModel)
     factories += [(auto.__name__, auto.from_config) for auto in autos
                   if type(config) in getattr(auto, "_model_mapping", {type(config)})]
     failed: list[str] = []
