@@ -714,3 +714,36 @@ def test_an_encoder_decoder_config_without_architectures_is_planned_with_its_enc
     model = meta_model(path)
     assert type(model) is getattr(transformers, auto)._model_mapping[type(cfg)]
     assert any(n.startswith("model.encoder.") for n, _ in model.named_parameters())
+
+
+def kv_cases():
+    small = dict(max_position_embeddings=128, vocab_size=VOCAB)
+    return {
+        "falcon-multi-query": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, **small),
+        "falcon-multi-head": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, multi_query=False,
+            new_decoder_architecture=False, **small),
+        "falcon-new-architecture": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+            new_decoder_architecture=True, **small),
+        "gpt-bigcode-multi-query": lambda: transformers.GPTBigCodeConfig(
+            n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=VOCAB, multi_query=True),
+        "mistral-sliding-window": lambda: transformers.MistralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=8, **small),
+        "gemma2-alternating-windows": lambda: transformers.Gemma2Config(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=8, **small),
+    }
+
+
+@pytest.mark.parametrize("case", list(kv_cases()))
+def test_the_kv_cache_planned_is_the_one_a_forward_pass_keeps(case):
+    """Multi-query attention caches one key/value head, Falcon-40B's architecture every head, a
+    sliding-window layer its last window - 1 tokens: the plan sizes the cache as the model keeps it."""
+    model = build(kv_cases()[case]())
+    batch, seq = 2, 32
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(model, batch, seq)
