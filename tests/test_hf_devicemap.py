@@ -747,3 +747,26 @@ def test_the_kv_cache_planned_is_the_one_a_forward_pass_keeps(case):
     batch, seq = 2, 32
     problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
     assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(model, batch, seq)
+
+
+def bad_config_cases():
+    whisper = whisper_config().to_dict()
+    whisper.update(pad_token_id=VOCAB + 1)  # transformers asserts padding_idx < num_embeddings
+    gpt2 = gpt2_config(1).to_dict()
+    gpt2.update(n_positions="abc")  # huggingface_hub's strict dataclass refuses the field
+    return {"pad-token-beyond-vocabulary": (whisper, "Padding_idx"),
+            "field-of-the-wrong-type": (gpt2, "n_positions")}
+
+
+@pytest.mark.parametrize("case", list(bad_config_cases()))
+def test_cli_refuses_a_config_transformers_refuses_with_its_reason_and_the_file(case, tmp_path, capsys):
+    import json
+
+    from torchplace.cli import main
+
+    data, reason = bad_config_cases()[case]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--hf", str(path), "--max-memory", "cpu=1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and str(path) in err
