@@ -770,3 +770,19 @@ def test_cli_refuses_a_config_transformers_refuses_with_its_reason_and_the_file(
     assert main(["plan", "--hf", str(path), "--max-memory", "cpu=1GiB"]) == 2
     err = capsys.readouterr().err
     assert reason in err and str(path) in err
+
+
+def test_cli_plans_a_model_without_a_kv_cache_with_no_kv_cache(tmp_path, capsys):
+    """Mamba names no attention heads: the error names the CLI's option, which plans it."""
+    import json
+
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    transformers.MambaConfig(num_hidden_layers=2, hidden_size=64, state_size=4, vocab_size=VOCAB).to_json_file(config)
+    args = ["plan", "--hf", str(config), "--max-memory", "cpu=1GiB", "--sequence-length", "16"]
+    assert main(args) == 2
+    assert "--no-kv-cache" in capsys.readouterr().err
+    assert main([*args, "--no-kv-cache", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_cache"] == {} and out["device_map"]

@@ -208,7 +208,8 @@ def _heads(config: Any) -> tuple[int, int]:
              or getattr(config, "num_heads", None))
     if not heads:
         raise UsageError(f"cannot size the KV cache: {type(config).__name__} names no attention heads "
-                         "(num_attention_heads / n_head / num_heads); pass kv_cache=False")
+                         "(num_attention_heads / n_head / num_heads): if it keeps no KV cache, pass kv_cache=False "
+                         "(torchplace plan --hf: --no-kv-cache)")
     if getattr(config, "new_decoder_architecture", False):  # Falcon-40B's: keys broadcast to every head, then cached
         kv = heads
     elif getattr(config, "multi_query", False):  # Falcon-7B, GPTBigCode: one key/value head
