@@ -786,3 +786,17 @@ def test_cli_plans_a_model_without_a_kv_cache_with_no_kv_cache(tmp_path, capsys)
     assert main([*args, "--no-kv-cache", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_cache"] == {} and out["device_map"]
+
+
+def test_a_disk_only_plan_reports_the_ram_of_the_cpu_that_computes():
+    """With "disk" alone accelerate computes on the CPU: the KV cache, the activations and the
+    block being run are in its RAM (a "cpu" row), the disk holds the weights."""
+    model = build(gpt2_config(2), "meta")
+    plan = plan_device_map(model, {"disk": "1GiB"}, batch_size=2, sequence_length=32, repeats=0, time_limit=2)
+    g = plan.problem.graph
+    kv = sum(g.meta["hf"]["kv_cache"].values())
+    largest = max(r.param_bytes for _, r in g.records())
+    assert kv > 0 and plan.kv_cache == {"cpu": kv}
+    assert plan.memory == {"disk": sum(r.param_bytes for _, r in g.records()),
+                           "cpu": kv + largest + g.meta["hf"]["activations"]}
+    assert "cpu" in str(plan) and evaluate_device_map(plan.problem, plan.device_map).memory == plan.memory

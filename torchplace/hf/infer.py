@@ -50,6 +50,7 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.maps import (
     budgets,
     dispatched_memory,
+    host_memory,
     main_device,
     offload_charge,
     to_device_map,
@@ -80,8 +81,9 @@ class DeviceMapPlan:
             pass, proven lower bound, solver).
         problem: the problem it was solved for (graph of blocks and cluster).
         memory: bytes each device needs (weights + KV cache + the activation peak on devices that
-            compute), by accelerate name.
-        kv_cache: KV cache bytes each device holds, by accelerate name.
+            compute), by accelerate name; with ``"disk"`` alone also ``"cpu"``, the RAM of the CPU
+            that computes (:func:`~torchplace.hf.maps.host_memory`).
+        kv_cache: KV cache bytes each device holds, by accelerate name (``"cpu"`` with ``"disk"`` alone).
     """
 
     device_map: dict[str, int | str]
@@ -421,7 +423,10 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
             if kv.get(v):  # an offloaded block's cache is made on the main device, where it computes
                 held[accelerate_name(where)] = held.get(accelerate_name(where), 0) + kv[v]
     device_map, plan = _write_map(model, problem, plan)
-    memory = with_reserve(problem, dispatched_memory(problem, plan.stages))
+    memory = {**with_reserve(problem, dispatched_memory(problem, plan.stages)),
+              **host_memory(problem, plan.stages, main)}
+    if main is None and held:  # "disk" alone: accelerate computes on the CPU, where the cache is made
+        held = {"cpu": sum(held.values())}
     return DeviceMapPlan(device_map, plan, problem, memory, held)
 
 

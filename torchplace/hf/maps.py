@@ -21,7 +21,7 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
 __all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "dispatched_memory", "evaluate_device_map",
-           "main_device", "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
+           "host_memory", "main_device", "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,20 @@ def dispatched_memory(problem: Problem, stages: Sequence[Stage], main: str | Non
     if main is not None and extra:
         memory[main] = memory.get(main, 0) + extra
     return memory
+
+
+def host_memory(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> dict[int | str, int]:
+    """``{"cpu": bytes}`` when no device of ``max_memory`` computes (``"disk"`` alone, ``main``
+    ``None``): accelerate then computes on the CPU, whose RAM holds what a main device would
+    (:func:`offload_charge`: every block's KV cache, the largest block's weights while it runs)
+    and the activation peak; else empty. (No budget is given for that RAM, so it is reported only.)"""
+    g, meta = problem.graph, problem.graph.meta["hf"]
+    nodes = [v for s in stages for v in s.nodes]
+    if main is not None or not nodes:
+        return {}
+    kv = meta.get("kv_cache", {})
+    weights = max(g.record(v).param_bytes for v in nodes)
+    return {"cpu": sum(kv.get(v, 0) for v in nodes) + weights + meta["activations"]}
 
 
 def _owners(names: Iterable[str]) -> set[str]:
@@ -215,7 +229,8 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     a budget, or splits tied weights (charged a copy of them on each device whose blocks read
     them, as accelerate keeps one there), is still timed and reported as not fitting.
     Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
-    their time is that of :func:`main_device`'s kind, the same GPU for any map that names it.
+    their time is that of :func:`main_device`'s kind, the same GPU for any map that names it. With
+    ``"disk"`` alone the CPU computes them: ``memory`` has a ``"cpu"`` row (:func:`host_memory`).
 
     Raises:
         UsageError: the map sends a block to a device not in ``max_memory``, or gives no device to
@@ -251,11 +266,13 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
         raise UsageError(f"device_map gives no device for {', '.join(uncovered[:5])}{more} (accelerate's "
                          "check_device_map refuses it): add a key for each module or tensor, or \"\" for the rest")
     seconds, _ = evaluate_stages(problem, stages)
-    memory = dispatched_memory(problem, stages, accelerate_main(problem, device_map))
+    main = accelerate_main(problem, device_map)
+    memory = dispatched_memory(problem, stages, main)
     split, copies = _tied_copies(problem, where)
     for device, nbytes in copies.items():
         memory[device] = memory.get(device, 0) + nbytes
-    return MapCost(seconds, not split and within_budgets(problem, memory), with_reserve(problem, memory))
+    return MapCost(seconds, not split and within_budgets(problem, memory),
+                   {**with_reserve(problem, memory), **host_memory(problem, stages, main)})
 
 
 def _tied_copies(problem: Problem, where: Mapping[str, str]) -> tuple[bool, dict[str, int]]:
