@@ -488,7 +488,17 @@ def bad_input_cases():
         "no-split-not-a-class": (lambda: (build(gpt2_config(1), "meta"), dict(no_split_module_classes=[3])),
                                  "module classes or their names"),
         "integer-dtype": (lambda: (build(gpt2_config(1), "meta"), dict(dtype=torch.int8)), "floating"),
+        # 4 attention heads, 3 KV heads: the model cannot run, with weights or without
+        "heads-do-not-divide-real": (lambda: (build(uneven_heads_config()), {}), "failed on its example inputs"),
+        "heads-do-not-divide-meta": (lambda: (build(uneven_heads_config(), "meta"), {}),
+                                     "failed on its example inputs"),
     }
+
+
+def uneven_heads_config():
+    return transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=3, vocab_size=VOCAB,
+                                    max_position_embeddings=128)
 
 
 @pytest.mark.parametrize("case", list(bad_input_cases()))
@@ -510,3 +520,283 @@ def test_cli_refuses_a_device_named_twice_and_shows_why_a_config_cannot_be_built
     transformers.GPT2Config(n_layer=1, n_embd=66, n_head=4, vocab_size=VOCAB).to_json_file(bad)
     assert main(["plan", "--hf", str(bad), "--max-memory", "cpu=1GiB"]) == 2
     assert "divisible" in capsys.readouterr().err  # transformers' own reason
+
+
+# -- the KV cache, as a real forward pass makes it ------------------------------------------------------
+def real_cache_bytes(model, batch: int, seq: int) -> int:
+    """Bytes of the cache ``model`` (real weights) keeps after a forward pass of ``batch x seq`` tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": ids, "use_cache": True}
+    if model.config.is_encoder_decoder:
+        kwargs["decoder_input_ids"] = ids
+    with torch.no_grad():
+        cache = model(**kwargs).past_key_values
+    caches = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "cross_attention_cache") \
+        else [cache]
+    return sum(t.numel() * t.element_size() for c in caches for layer in c.layers for t in (layer.keys, layer.values))
+
+
+def bart_config(layers: int = 1, vocab: int = VOCAB):
+    return transformers.BartConfig(encoder_layers=layers, decoder_layers=layers, d_model=64, encoder_ffn_dim=128,
+                                   decoder_ffn_dim=128, encoder_attention_heads=2, decoder_attention_heads=2,
+                                   vocab_size=vocab, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("no_split", [None, [], ["LlamaMLP"]], ids=["default", "none", "mlp-only"])
+def test_kv_cache_is_counted_when_no_split_classes_split_the_attention_module(no_split):
+    """A split attention module's cache is made by its key and value projections: it is charged
+    there, never dropped."""
+    model = build(llama_config(2))
+    batch, seq = 2, 16
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0,
+                            no_split_module_classes=no_split)
+    kv, paths = problem.graph.meta["hf"]["kv_cache"], problem.graph.meta["hf"]["modules"]
+    assert sum(kv.values()) == real_cache_bytes(model, batch, seq)
+    holders = sorted(paths[v].rpartition(".")[2] for v in kv)
+    assert holders == (["0", "1"] if no_split is None else ["k_proj", "k_proj", "v_proj", "v_proj"])
+
+
+def test_an_encoder_decoder_models_cache_is_not_put_on_its_root_tensors():
+    """BART's ``final_logits_bias`` is a block at path "" holding only that tensor: the decoder's
+    self- and cross-attention caches go to the attention modules' projections, not to it."""
+    model = transformers.BartForConditionalGeneration(bart_config()).eval()
+    batch, seq = 2, 16
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0,
+                            no_split_module_classes=[])
+    kv, paths = problem.graph.meta["hf"]["kv_cache"], problem.graph.meta["hf"]["modules"]
+    assert sum(kv.values()) == real_cache_bytes(model, batch, seq)
+    assert all(paths[v].startswith("model.decoder.layers.") and paths[v].endswith(("k_proj", "v_proj")) for v in kv)
+
+
+def test_an_offload_device_holds_only_the_weights_of_its_blocks():
+    """A block mapped to "cpu" computes on GPU 0, where its KV cache is made: "cpu" needs room for
+    its weights only, so a budget of exactly those weights fits (and a map is found for it)."""
+    model = build(gpt2_config(2), "meta")
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": 0, "transformer.h": "cpu", "transformer.ln_f": 0,
+                  "lm_head": "cpu"}
+    on_cpu = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if owner(device_map, n) == "cpu")
+    budget = {0: "700KiB", "cpu": on_cpu}
+    problem = build_problem(model, budget, batch_size=2, sequence_length=32, repeats=0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) > 0
+    cost = evaluate_device_map(problem, device_map)
+    assert cost.memory["cpu"] == on_cpu and cost.fits
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=32, repeats=0, time_limit=2)
+    check_device_map(model, plan.device_map)
+    assert "cpu" not in plan.kv_cache and plan.memory.get("cpu", 0) <= on_cpu
+    assert evaluate_device_map(plan.problem, plan.device_map).fits
+
+
+# -- pricing anyone's map ----------------------------------------------------------------------------
+def test_a_key_naming_a_tensor_prices_that_tensor_on_its_device():
+    """accelerate's keys may name a module's own tensors (BART's "final_logits_bias", which
+    torchplace's own maps name too): the tensor is charged where its key sends it."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForSeq2SeqLM.from_config(bart_config(vocab=4096)).eval()
+    problem = build_problem(model, {0: "64MiB", 1: "64MiB"}, batch_size=1, sequence_length=16, repeats=0)
+    peak = problem.graph.meta["hf"]["activations"]
+    cost = evaluate_device_map(problem, {"final_logits_bias": 1, "model": 0, "lm_head": 0})
+    assert cost.memory[1] - peak == model.final_logits_bias.numel() * model.final_logits_bias.element_size()
+
+
+def test_a_map_splitting_tied_weights_is_charged_a_copy_and_does_not_fit():
+    model = build(gpt2_config(2), "meta")
+    problem = build_problem(model, {0: "10MiB", 1: "10MiB"}, batch_size=2, sequence_length=32, repeats=0)
+    peak = problem.graph.meta["hf"]["activations"]
+    device_map = {"transformer": 0, "lm_head": 1}
+    assert any(len({owner(device_map, n) for n in group}) > 1 for group in find_tied_parameters(model))
+    cost = evaluate_device_map(problem, device_map)
+    assert not cost.fits
+    assert cost.memory[1] - peak == model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+
+def test_a_map_leaving_weights_without_a_device_is_refused_as_accelerate_refuses_it():
+    model = build(gpt2_config(2), "meta")
+    problem = build_problem(model, {0: "10MiB", 1: "10MiB"}, batch_size=2, sequence_length=32, repeats=0)
+    device_map = {"transformer.h": 1}
+    with pytest.raises(ValueError, match="transformer.wte.weight"):
+        check_device_map(model, device_map)
+    with pytest.raises(UsageError, match="no device for transformer.wte.weight"):
+        evaluate_device_map(problem, device_map)
+
+
+def bart_meta(layers: int = 2, vocab: int = 4096):
+    with torch.device("meta"):
+        return transformers.AutoModelForSeq2SeqLM.from_config(bart_config(layers, vocab)).eval()
+
+
+def test_a_plan_offloading_with_nothing_on_the_main_gpu_moves_a_block_there(monkeypatch):
+    """BART has no module without weights to name GPU 0 in a map: a solved plan that offloads its
+    embeddings and puts everything else on GPU 1 gets a block moved onto GPU 0 (within budget),
+    so accelerate computes the offloaded blocks where they were priced."""
+    import torchplace.hf.infer as infer
+    from torchplace.plan import Plan, Stage
+
+    model = bart_meta()
+    budget = {0: "64MiB", 1: "64MiB", "cpu": "1GiB"}
+    problem = build_problem(model, budget, batch_size=2, sequence_length=16, repeats=0)
+    stages = []
+    for v in problem.graph.topological_order():
+        dev = "cpu" if "embed" in problem.graph.record(v).name or problem.graph.record(v).colocation else "cuda:1"
+        if stages and stages[-1].device == dev:
+            stages[-1] = Stage(dev, (*stages[-1].nodes, v))
+        else:
+            stages.append(Stage(dev, (v,)))
+    offloading = Plan.build(problem, stages, solver="hand", seconds=0.0, lower_bound=0.0)
+    monkeypatch.setattr(infer, "_solve_dispatched", lambda problem, time_limit: offloading)
+    plan = infer.solve_device_map(model, problem)
+    check_device_map(model, plan.device_map)
+    assert "cpu" in plan.device_map.values() and accelerates_main(plan.device_map) == 0
+    cost = evaluate_device_map(problem, plan.device_map)
+    assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+
+
+def test_a_tight_main_gpu_still_gets_a_map_when_the_model_has_no_weightless_module():
+    # the fuzzer's case: the solver's plan offloaded the embeddings with nothing on GPU 0
+    model = bart_meta()
+    budget = {0: 2117580, 1: 2117580, "cpu": "1GiB"}
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=16, repeats=0, time_limit=None)
+    check_device_map(model, plan.device_map)
+    assert evaluate_device_map(plan.problem, plan.device_map).fits
+
+
+@torch.library.custom_op("torchplace_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class _FakeUnfriendly(torch.nn.Module):
+    """An embedding, then an operator fake tensors cannot run: a custom one with no fake kernel,
+    or one whose output shape depends on the data."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.embed, self.proj, self.op = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 16), op
+
+    def forward(self, input_ids):
+        return self.proj(self.op(self.embed(input_ids)))
+
+
+@pytest.mark.parametrize("op", [torch.ops.torchplace_test.no_fake,
+                                lambda h: h[torch.nonzero(h[..., 0] > 0, as_tuple=True)]],
+                         ids=["no-fake-kernel", "data-dependent"])
+def test_a_meta_model_fake_tensors_cannot_run_is_costed_from_its_parameters(op):
+    from torchplace.hf import blocks
+
+    with torch.device("meta"):
+        model = _FakeUnfriendly(op).eval()
+    kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 8))}
+    graph = blocks.block_graph(model, kwargs, kinds=["cuda"], no_split=[], repeats=0)
+    assert graph.meta["hf"]["costs"] == "structural"
+
+
+# -- config files ------------------------------------------------------------------------------------
+def whisper_config():
+    return transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_ffn_dim=128,
+                                      decoder_ffn_dim=128, encoder_attention_heads=2, decoder_attention_heads=2,
+                                      vocab_size=VOCAB, num_mel_bins=16, max_source_positions=32,
+                                      max_target_positions=64, pad_token_id=1, bos_token_id=0, eos_token_id=1,
+                                      decoder_start_token_id=0)
+
+
+@pytest.mark.parametrize("config, auto", [(bart_config, "AutoModelForSeq2SeqLM"),
+                                          (whisper_config, "AutoModelForSpeechSeq2Seq")], ids=["bart", "whisper"])
+def test_an_encoder_decoder_config_without_architectures_is_planned_with_its_encoder(config, auto, tmp_path):
+    import json
+
+    from torchplace.hf.config import meta_model
+
+    cfg = config()
+    data = cfg.to_dict()
+    data.pop("architectures", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model = meta_model(path)
+    assert type(model) is getattr(transformers, auto)._model_mapping[type(cfg)]
+    assert any(n.startswith("model.encoder.") for n, _ in model.named_parameters())
+
+
+def kv_cases():
+    small = dict(max_position_embeddings=128, vocab_size=VOCAB)
+    return {
+        "falcon-multi-query": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, **small),
+        "falcon-multi-head": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, multi_query=False,
+            new_decoder_architecture=False, **small),
+        "falcon-new-architecture": lambda: transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+            new_decoder_architecture=True, **small),
+        "gpt-bigcode-multi-query": lambda: transformers.GPTBigCodeConfig(
+            n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=VOCAB, multi_query=True),
+        "mistral-sliding-window": lambda: transformers.MistralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=8, **small),
+        "gemma2-alternating-windows": lambda: transformers.Gemma2Config(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=8, **small),
+    }
+
+
+@pytest.mark.parametrize("case", list(kv_cases()))
+def test_the_kv_cache_planned_is_the_one_a_forward_pass_keeps(case):
+    """Multi-query attention caches one key/value head, Falcon-40B's architecture every head, a
+    sliding-window layer its last window - 1 tokens: the plan sizes the cache as the model keeps it."""
+    model = build(kv_cases()[case]())
+    batch, seq = 2, 32
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(model, batch, seq)
+
+
+def bad_config_cases():
+    whisper = whisper_config().to_dict()
+    whisper.update(pad_token_id=VOCAB + 1)  # transformers asserts padding_idx < num_embeddings
+    gpt2 = gpt2_config(1).to_dict()
+    gpt2.update(n_positions="abc")  # huggingface_hub's strict dataclass refuses the field
+    return {"pad-token-beyond-vocabulary": (whisper, "Padding_idx"),
+            "field-of-the-wrong-type": (gpt2, "n_positions")}
+
+
+@pytest.mark.parametrize("case", list(bad_config_cases()))
+def test_cli_refuses_a_config_transformers_refuses_with_its_reason_and_the_file(case, tmp_path, capsys):
+    import json
+
+    from torchplace.cli import main
+
+    data, reason = bad_config_cases()[case]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--hf", str(path), "--max-memory", "cpu=1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and str(path) in err
+
+
+def test_cli_plans_a_model_without_a_kv_cache_with_no_kv_cache(tmp_path, capsys):
+    """Mamba names no attention heads: the error names the CLI's option, which plans it."""
+    import json
+
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    transformers.MambaConfig(num_hidden_layers=2, hidden_size=64, state_size=4, vocab_size=VOCAB).to_json_file(config)
+    args = ["plan", "--hf", str(config), "--max-memory", "cpu=1GiB", "--sequence-length", "16"]
+    assert main(args) == 2
+    assert "--no-kv-cache" in capsys.readouterr().err
+    assert main([*args, "--no-kv-cache", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_cache"] == {} and out["device_map"]
+
+
+def test_a_disk_only_plan_reports_the_ram_of_the_cpu_that_computes():
+    """With "disk" alone accelerate computes on the CPU: the KV cache, the activations and the
+    block being run are in its RAM (a "cpu" row), the disk holds the weights."""
+    model = build(gpt2_config(2), "meta")
+    plan = plan_device_map(model, {"disk": "1GiB"}, batch_size=2, sequence_length=32, repeats=0, time_limit=2)
+    g = plan.problem.graph
+    kv = sum(g.meta["hf"]["kv_cache"].values())
+    largest = max(r.param_bytes for _, r in g.records())
+    assert kv > 0 and plan.kv_cache == {"cpu": kv}
+    assert plan.memory == {"disk": sum(r.param_bytes for _, r in g.records()),
+                           "cpu": kv + largest + g.meta["hf"]["activations"]}
+    assert "cpu" in str(plan) and evaluate_device_map(plan.problem, plan.device_map).memory == plan.memory

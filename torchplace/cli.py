@@ -233,7 +233,8 @@ def _plan_hf(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-memory names device {twice!r} twice: give each device one amount")
     result = plan_device_map(meta_model(args.hf), dict(args.max_memory) if args.max_memory else None,
                              batch_size=args.batch or 1, sequence_length=args.sequence_length, dtype=args.dtype,
-                             cluster=args.cluster, time_limit=args.time_limit or 10.0, phase=args.phase)
+                             cluster=args.cluster, time_limit=args.time_limit or 10.0, phase=args.phase,
+                             kv_cache=args.kv_cache)
     if args.json:
         print(json.dumps({"device_map": result.device_map, "seconds": result.plan.objective,
                           "lower_bound": result.plan.lower_bound,
@@ -263,7 +264,7 @@ def _plan_piper(args: argparse.Namespace, model: Any, inputs: Any) -> int:
 _PLAN_ONLY = {  # `plan` options of one path (True: --hf; False: a built-in MODEL), as (flag, dest, default)
     True: (("--max-memory", "max_memory", None), ("--sequence-length", "sequence_length", 128),
            ("--phase", "phase", "prefill"), ("--dtype", "dtype", None), ("--cluster", "cluster", None),
-           ("--json", "json", False)),
+           ("--no-kv-cache", "kv_cache", True), ("--json", "json", False)),
     False: (("--devices", "devices", ["cpu:0", "cpu:1"]), ("--microbatches", "microbatches", 4),
             ("--keep-split", "keep_split", False), ("--granularity", "granularity", "module"),
             ("--mode", "mode", "inference"), ("--parallelism", "parallelism", "pipeline"), ("--method", "method", "auto"),
@@ -469,6 +470,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="with --hf: dtype of the dispatched weights")
     p.add_argument("--cluster", type=_input_file, default=None, help="with --hf: cluster file giving GPU kinds")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="with --hf: leave no room for a KV cache (a model that keeps none, e.g. Mamba)")
     p.add_argument("--json", action="store_true", help="with --hf: print the map, time and memory as JSON")
     p.add_argument("--microbatches", type=_count_or_auto, default=4, metavar="N|auto",
                    help="micro-batches per call, or 'auto': the m with the fastest predicted call")

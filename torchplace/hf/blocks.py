@@ -23,11 +23,13 @@ A model on the meta device runs on fake tensors (no memory). Mixture-of-experts 
 grouped expert matmuls (``aten._grouped_mm``), which the flop counter does not know (counted here,
 :func:`_grouped_mm_flops`) and whose fake kernel takes bfloat16 only: a model in another dtype is
 then run on bfloat16 fake tensors (FLOPs and shapes are the dtype's own; bytes are scaled back to
-the model's dtype). If even that fails (a kernel with no fake implementation), every block is
-costed from its parameters alone: ``2 x params x tokens`` FLOPs and a hidden-size output per token
-(a dense upper bound on FLOPs for MoE blocks), and the result says so
+the model's dtype). If even that fails because the tensors are fake (a kernel with no fake
+implementation, data-dependent control flow), every block is costed from its parameters alone:
+``2 x params x tokens`` FLOPs and a hidden-size output per token (a dense upper bound on FLOPs
+for MoE blocks), and the result says so
 (``graph.meta["hf"]["costs"] == "structural"``). An error of the model's own code (inputs it does
-not take) is a :class:`~torchplace.errors.UsageError` instead, never hidden by that fallback.
+not take, a config whose shapes do not agree) is a :class:`~torchplace.errors.UsageError` instead,
+never hidden by that fallback.
 """
 from __future__ import annotations
 
@@ -43,7 +45,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
@@ -74,6 +82,7 @@ class Block:
     param_bytes: int
     tensors: tuple[int, ...]  # ids of the parameters and buffers it holds (tied ones included)
     names: tuple[str, ...] = ()  # "<direct>" blocks: the full names of the tensors it holds
+    shared_bytes: int = 0  # bytes of the tensors it holds that an earlier block counted (tied weights)
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -115,23 +124,30 @@ def blocks_of(model: nn.Module, no_split: Sequence[str], dtype: torch.dtype | No
     counted: set[int] = set()  # a tied tensor's bytes count once, on the first block holding it
     fp32 = kept_in_fp32(model, dtype)
 
-    def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-        new = [t for t in _unique(tensors) if id(t) not in counted]
-        counted.update(id(t) for t in new)
-        return sum(_tensor_bytes(t, torch.float32 if id(t) in fp32 else dtype) for t in new)
+    def size(t: torch.Tensor) -> int:
+        return _tensor_bytes(t, torch.float32 if id(t) in fp32 else dtype)
+
+    def nbytes(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """(bytes of the tensors no earlier block counted, bytes of those one did)."""
+        unique = _unique(tensors)
+        seen = [id(t) in counted for t in unique]
+        counted.update(id(t) for t in unique)
+        return (sum(size(t) for t, s in zip(unique, seen) if not s),
+                sum(size(t) for t, s in zip(unique, seen) if s))
 
     def visit(path: str, m: nn.Module) -> None:
         children = list(m.named_children())
         if type(m).__name__ in no_split or not children:
             tensors = [*m.parameters(), *m.buffers()]
-            out.append(Block(path, type(m).__name__, nbytes(tensors),
-                             tuple(id(t) for t in tensors)))
+            own, shared = nbytes(tensors)
+            out.append(Block(path, type(m).__name__, own, tuple(id(t) for t in tensors), shared_bytes=shared))
             return
         direct = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
         if direct:
             prefix = f"{path}." if path else ""
-            out.append(Block(path, "<direct>", nbytes([t for _, t in direct]), tuple(id(t) for _, t in direct),
-                             tuple(prefix + n for n, _ in direct)))
+            own, shared = nbytes([t for _, t in direct])
+            out.append(Block(path, "<direct>", own, tuple(id(t) for _, t in direct),
+                             tuple(prefix + n for n, _ in direct), shared))
         for name, child in children:
             visit(f"{path}.{name}" if path else name, child)
 
@@ -229,8 +245,20 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 
 _FAKE_ERRORS = (RuntimeError, NotImplementedError)
-"""What a kernel that cannot run on fake tensors raises (``DataDependentOutputException`` and
-``UnsupportedOperatorException`` are ``RuntimeError`` s)."""
+"""What a forward pass on fake tensors raises besides :data:`_INPUT_ERRORS`: a kernel that cannot
+run on fake tensors (:data:`_FAKE_ONLY`), a fake kernel that takes another dtype (grouped expert
+matmuls: bfloat16 only), or an error of the model itself (shapes its config makes inconsistent)."""
+_FAKE_ONLY = (UnsupportedOperatorException, DataDependentOutputException, DynamicOutputShapeException,
+              UnsupportedFakeTensorException, NotImplementedError)
+"""What only fake tensors raise: an operator with no fake or meta kernel, or one whose output
+depends on the data (``nonzero``, ``.item()``), which real weights would run."""
+_NO_FAKE_KERNEL = re.compile(r"no fake impl|fake kernel|meta kernel|'Meta' backend", re.IGNORECASE)
+"""A custom operator without a fake implementation raises a plain ``RuntimeError`` saying so."""
+
+
+def _fake_only(e: BaseException) -> bool:
+    """Whether ``e`` comes from running on fake tensors rather than from the model (see :data:`_FAKE_ONLY`)."""
+    return isinstance(e, _FAKE_ONLY) or (isinstance(e, RuntimeError) and bool(_NO_FAKE_KERNEL.search(str(e))))
 _INPUT_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError)
 """What a model's Python code raises for inputs it does not take (a missing ``input_ids``, a
 keyword the model does not know, an index beyond its positions)."""
@@ -238,21 +266,24 @@ keyword the model does not know, an index beyond its positions)."""
 
 def _bad_inputs(model: nn.Module, e: BaseException) -> UsageError:
     return UsageError(f"{type(model).__name__} failed on its example inputs ({type(e).__name__}: {e}): pass "
-                      "example_inputs / example_kwargs of one forward call the model takes")
+                      "example_inputs / example_kwargs of one forward call the model takes, or, if it fails on "
+                      "every input, fix the model or its config")
 
 
 def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
                    repeats: int) -> tuple[_Probe | None, float]:
     """:func:`_probe`, and the factor its bytes take to the model's own dtype. A meta model whose
-    kernels fail on fake tensors (:data:`_FAKE_ERRORS`) is probed again on bfloat16 fake tensors
-    (grouped expert matmuls' fake kernel takes nothing else), and if that fails too there is no
-    probe (data-dependent control flow on meta tensors: :func:`_structural` costs it from its
+    forward pass fails on fake tensors (:data:`_FAKE_ERRORS`) is probed again on bfloat16 fake
+    tensors (grouped expert matmuls' fake kernel takes nothing else); if the last try failed only
+    because the tensors are fake (:func:`_fake_only`: a kernel with no fake implementation,
+    data-dependent control flow) there is no probe (:func:`_structural` costs it from its
     parameters).
 
     Raises:
         UsageError: the forward pass fails on a real model, or on a meta model with an error of
-            the model's own code (:data:`_INPUT_ERRORS`): the inputs are not ones it takes, and a
-            structural guess would hide it.
+            the model's own code (:data:`_INPUT_ERRORS`, or any other error not :func:`_fake_only`,
+            e.g. head counts that do not divide): the inputs or the config are not ones it takes,
+            and a structural guess would hide it.
     """
     meta = any(p.is_meta for p in model.parameters())
     try:
@@ -262,15 +293,18 @@ def _probe_or_none(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[st
     except _FAKE_ERRORS as e:
         if not meta:
             raise _bad_inputs(model, e) from e
-    if _own_dtype(model) in (None, torch.bfloat16):  # nothing another dtype would change
+        failed: BaseException = e
+    if _own_dtype(model) not in (None, torch.bfloat16):  # another dtype may let a fake kernel run
+        try:
+            back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
+            return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
+        except _INPUT_ERRORS as e:
+            raise _bad_inputs(model, e) from e
+        except _FAKE_ERRORS as e:
+            failed = e
+    if _fake_only(failed):
         return None, 1.0
-    try:
-        back = 1.0 / _act_scale(model, torch.bfloat16)  # bfloat16 bytes back to the model's dtype
-        return _probe(model, blocks, kwargs, repeats, fake_dtype=torch.bfloat16), back
-    except _INPUT_ERRORS as e:
-        raise _bad_inputs(model, e) from e
-    except _FAKE_ERRORS:
-        return None, 1.0
+    raise _bad_inputs(model, failed) from failed
 
 
 def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, out_shape: Sequence[int],
@@ -356,7 +390,10 @@ def block_graph(
         specs: roofline specs by kind (default :data:`HF_DEVICE_SPECS`).
 
     Returns:
-        The graph; ``graph.meta["hf"]`` holds each node's module path and how it was costed.
+        The graph; ``graph.meta["hf"]`` holds each node's module path (``"modules"``), the
+        state-dict names of the tensors it holds (``"tensors"``, what a ``device_map`` must cover),
+        the bytes of the tied tensors it holds that an earlier block counted (``"shared"``) and how
+        it was costed (``"costs"``).
 
     Raises:
         UsageError: for a kind with no spec to estimate with (the message lists the known kinds).
@@ -371,7 +408,8 @@ def block_graph(
         raise UsageError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
                          f"{sorted(specs)} (name one of them in the cluster file, or pass "
                          "specs={kind: DeviceSpec(...)})")
-    g = OpGraph(meta={"hf": {"costs": costs, "modules": {}}})
+    g = OpGraph(meta={"hf": {"costs": costs, "modules": {}, "tensors": {}, "shared": {}}})
+    saved = _saved_names(model, [b for b, _ in records])
     prev = None
     for i, (b, r) in enumerate(records):
         times = {k: _roofline(r.flops, b.param_bytes + r.in_bytes + r.out_bytes, specs[k]) for k in kinds
@@ -384,10 +422,31 @@ def block_graph(
                                     param_bytes=b.param_bytes, output_bytes=r.out_bytes, temp_bytes=work,
                                     times=times))
         g.meta["hf"]["modules"][node] = b.path
+        g.meta["hf"]["tensors"][node] = saved[b.path, b.cls == "<direct>"]
+        if b.shared_bytes:
+            g.meta["hf"]["shared"][node] = b.shared_bytes
         if prev is not None:
             g.add_edge(prev, node)
         prev = node
     return _tie(g, [b for b, _ in records])
+
+
+def _saved_names(model: nn.Module, blocks: Sequence[Block]) -> dict[tuple[str, bool], tuple[str, ...]]:
+    """The state-dict names each block holds, by (path, is a ``"<direct>"`` block): a whole block
+    holds every name below its path, a ``"<direct>"`` block its own tensors' names."""
+    direct = {n: b.path for b in blocks if b.cls == "<direct>" for n in b.names}
+    whole = {b.path for b in blocks if b.cls != "<direct>"}
+    out: dict[tuple[str, bool], list[str]] = {(b.path, b.cls == "<direct>"): [] for b in blocks}
+    for name in model.state_dict():
+        if name in direct:
+            out[direct[name], True].append(name)
+            continue
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:i]) in whole:
+                out[".".join(parts[:i]), False].append(name)
+                break
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def _timed(probe: _Probe) -> bool:

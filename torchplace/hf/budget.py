@@ -201,13 +201,21 @@ def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK
 
 
 def _heads(config: Any) -> tuple[int, int]:
-    """(key/value heads, head dim) of a transformer config."""
+    """(key/value heads the cache keeps, head dim) of a transformer config: ``num_key_value_heads``
+    (``num_kv_heads``), one for multi-query attention (``multi_query``), every head for Falcon's
+    ``new_decoder_architecture`` (``FalconAttention`` caches its keys broadcast to all heads)."""
     heads = (getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
              or getattr(config, "num_heads", None))
     if not heads:
         raise UsageError(f"cannot size the KV cache: {type(config).__name__} names no attention heads "
-                         "(num_attention_heads / n_head / num_heads); pass kv_cache=False")
-    kv = getattr(config, "num_key_value_heads", None) or heads
+                         "(num_attention_heads / n_head / num_heads): if it keeps no KV cache, pass kv_cache=False "
+                         "(torchplace plan --hf: --no-kv-cache)")
+    if getattr(config, "new_decoder_architecture", False):  # Falcon-40B's: keys broadcast to every head, then cached
+        kv = heads
+    elif getattr(config, "multi_query", False):  # Falcon-7B, GPTBigCode: one key/value head
+        kv = 1
+    else:
+        kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
     dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or hidden // heads
     return int(kv), int(dim)
@@ -228,19 +236,66 @@ def _attention_paths(model: Any) -> list[str]:
     return found
 
 
+_KV_PROJECTION = re.compile(r"(?:k|v|key|value|kv)(?:_proj|_lin)?")
+"""Last name of a module that makes an attention layer's keys or values (``k_proj``, ``v_proj``,
+T5's ``k`` / ``v``, BERT's ``key`` / ``value``): under accelerate its output, which the cache keeps,
+is made on that module's device."""
+
+
+def _cache_holders(attention: str, block_paths: list[str]) -> list[str]:
+    """The blocks an attention layer's cache is made on: the innermost block holding the whole
+    attention module; when no block holds it (``no_split_module_classes`` splits it), the blocks
+    inside it that make its keys and values (:data:`_KV_PROJECTION`), else the first block inside it
+    (a fused query-key-value projection, GPT-2's ``c_attn``)."""
+    outer = [p for p in block_paths if p == "" or attention == p or attention.startswith(f"{p}.")]
+    if outer:
+        return [max(outer, key=len)]
+    inner = [p for p in block_paths if p.startswith(f"{attention}.")]
+    made = [p for p in inner if _KV_PROJECTION.fullmatch(p.rpartition(".")[2])]
+    return made or inner[:1]
+
+
+def _windows(config: Any) -> dict[int, int]:
+    """Layer index -> sliding window of the layers whose cache keeps only the last ``window - 1``
+    tokens, as transformers' own ``DynamicCache(config=config)`` builds them (Mistral's
+    ``sliding_window``, Gemma 2's alternating ``layer_types``); empty where it cannot be built."""
+    try:
+        from transformers import DynamicCache
+
+        layers = DynamicCache(config=config).layers
+    except (ImportError, TypeError, ValueError, AttributeError, KeyError):
+        return {}
+    return {i: w for i, layer in enumerate(layers)
+            if isinstance(w := getattr(layer, "sliding_window", None), int) and w > 0}
+
+
 def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence_length: int,
                    itemsize: int) -> dict[str, int]:
     """Bytes of the KV cache each block holds while generating ``batch_size`` sequences of
     ``sequence_length`` tokens: ``2 x batch x seq x kv_heads x head_dim x itemsize`` per attention
-    layer, on the block that holds that layer. Empty for models that do not generate."""
+    layer (``seq`` at most ``window - 1`` on a sliding-window layer, :func:`_windows`), on the
+    block that holds that layer (:func:`_cache_holders`; split evenly between its key
+    and value projections when the attention module is split). Empty for models that do not generate.
+
+    Args:
+        block_paths: module paths of the blocks that hold a whole module (not ``"<direct>"``
+            blocks, which hold only their module's own tensors: the root's ``""`` would hold every
+            layer's cache).
+    """
     can = getattr(model, "can_generate", None)
     if not (callable(can) and can()):
         return {}
-    kv, dim = _heads(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
-    per_layer = 2 * batch_size * sequence_length * kv * dim * itemsize
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv, dim = _heads(config)
+    per_token = 2 * batch_size * kv * dim * itemsize
+    windows = {} if getattr(model.config, "is_encoder_decoder", False) else _windows(config)
+    modules = dict(model.named_modules())
     out: dict[str, int] = {}
-    for att in _attention_paths(model):
-        owner = max((p for p in block_paths if p == "" or att == p or att.startswith(f"{p}.")), key=len, default=None)
-        if owner is not None:
-            out[owner] = out.get(owner, 0) + per_layer
+    for i, att in enumerate(_attention_paths(model)):
+        window = windows.get(getattr(modules[att], "layer_idx", i))
+        per_layer = per_token * (sequence_length if window is None else min(sequence_length, window - 1))
+        holders = _cache_holders(att, block_paths)
+        for i, p in enumerate(holders):
+            share = per_layer // len(holders) + (per_layer % len(holders) if i == 0 else 0)
+            out[p] = out.get(p, 0) + share
     return out

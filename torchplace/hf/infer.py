@@ -35,7 +35,7 @@ from torch import nn
 from torchplace import solvers
 from torchplace.checks import brief, positive_int
 from torchplace.devices import Cluster
-from torchplace.errors import InfeasibleError, UsageError
+from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError
 from torchplace.graph import OpGraph
 from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
 from torchplace.hf.budget import (
@@ -48,14 +48,16 @@ from torchplace.hf.budget import (
 )
 from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.maps import (
+    budgets,
     dispatched_memory,
+    host_memory,
     main_device,
     offload_charge,
     to_device_map,
     with_reserve,
     within_budgets,
 )
-from torchplace.plan import Plan
+from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
 from torchplace.profiling.links import measure_host_links
@@ -79,8 +81,9 @@ class DeviceMapPlan:
             pass, proven lower bound, solver).
         problem: the problem it was solved for (graph of blocks and cluster).
         memory: bytes each device needs (weights + KV cache + the activation peak on devices that
-            compute), by accelerate name.
-        kv_cache: KV cache bytes each device holds, by accelerate name.
+            compute), by accelerate name; with ``"disk"`` alone also ``"cpu"``, the RAM of the CPU
+            that computes (:func:`~torchplace.hf.maps.host_memory`).
+        kv_cache: KV cache bytes each device holds, by accelerate name (``"cpu"`` with ``"disk"`` alone).
     """
 
     device_map: dict[str, int | str]
@@ -312,7 +315,8 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     prompt's, when the graph is one decoding step)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
-    cache = kv_cache_bytes(model, list(paths.values()), batch, seq, itemsize) if kv_cache else {}
+    whole = [p for v, p in paths.items() if graph.record(v).op != "block:<direct>"]
+    cache = kv_cache_bytes(model, whole, batch, seq, itemsize) if kv_cache else {}
     graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
     graph.meta["hf"]["activations"] = max([least_peak, *(r.temp_bytes for _, r in graph.records())])
     for v, path in paths.items():
@@ -334,24 +338,30 @@ def _kv_reads(graph: OpGraph, specs: Mapping[str, DeviceSpec]) -> OpGraph:
 
 
 def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
-    """``cluster`` with the activation peak taken off the budget of every device that computes
-    (offload devices only store weights: their blocks compute on the main device); the original
-    budgets are kept in ``graph.meta["hf"]["budgets"]``."""
+    """``cluster`` as the solver sees it: the activation peak taken off the budget of every device
+    that computes, and the whole KV cache added to the budget of every offload device (which stores
+    weights only: the cost model charges an offloaded block's cache where the block is mapped, but
+    it is made on the main device, :func:`~torchplace.hf.maps.dispatched_memory`; so every map that
+    fits passes, and :func:`_solve_dispatched` checks the solver's maps against the true
+    :func:`~torchplace.hf.maps.budgets`). The original budgets are kept in
+    ``graph.meta["hf"]["budgets"]``."""
     peak = graph.meta["hf"]["activations"]
+    cache = sum(graph.meta["hf"].get("kv_cache", {}).values())
     graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
-    devices = tuple(d if d.kind in OFFLOAD_KINDS or d.memory_bytes is None
+    devices = tuple(d if d.memory_bytes is None
+                    else replace(d, memory_bytes=d.memory_bytes + cache) if d.kind in OFFLOAD_KINDS
                     else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
     return replace(cluster, devices=devices)
 
 
 def _check_fits(problem: Problem) -> None:
     """Raise InfeasibleError naming what is needed when the budgets cannot hold the model."""
-    g, cluster = problem.graph, problem.cluster
+    g, caps = problem.graph, budgets(problem)
     need = {v: r.param_bytes + r.temp_bytes for v, r in g.records()}
     peak = g.meta["hf"]["activations"]
     kv = g.meta["hf"].get("kv_cache", {})
     largest = max(need, key=need.__getitem__)
-    biggest = max(d.memory_bytes if d.memory_bytes is not None else float("inf") for d in cluster.devices)
+    biggest = max(b if b is not None else float("inf") for b in caps.values())
     if need[largest] > biggest:
         r = g.record(largest)
         raise InfeasibleError(
@@ -360,8 +370,8 @@ def _check_fits(problem: Problem) -> None:
             f"activations of the batch, but the largest budget leaves {_gib(biggest)}: raise max_memory "
             f"(to at least {_gib(need[largest] + peak)}), lower batch_size or sequence_length, or allow 'disk'",
             min_memory_bytes=need[largest] + peak)
-    total, room = sum(need.values()), sum(d.memory_bytes or 0 for d in cluster.devices)
-    if not any(d.memory_bytes is None for d in cluster.devices) and total > room:
+    total, room = sum(need.values()), sum(b or 0 for b in caps.values())
+    if None not in caps.values() and total > room:
         raise InfeasibleError(
             f"the model needs {_gib(total)} (weights and a KV cache of {_gib(sum(kv.values()))}) plus "
             f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
@@ -412,26 +422,75 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
         for v in s.nodes:
             if kv.get(v):  # an offloaded block's cache is made on the main device, where it computes
                 held[accelerate_name(where)] = held.get(accelerate_name(where), 0) + kv[v]
-    memory = with_reserve(problem, dispatched_memory(problem, plan.stages))
-    return DeviceMapPlan(to_device_map(model, problem, plan), plan, problem, memory, held)
+    device_map, plan = _write_map(model, problem, plan)
+    memory = {**with_reserve(problem, dispatched_memory(problem, plan.stages)),
+              **host_memory(problem, plan.stages, main)}
+    if main is None and held:  # "disk" alone: accelerate computes on the CPU, where the cache is made
+        held = {"cpu": sum(held.values())}
+    return DeviceMapPlan(device_map, plan, problem, memory, held)
+
+
+def _write_map(model: nn.Module, problem: Problem, plan: Plan) -> tuple[dict[str, int | str], Plan]:
+    """The map of ``plan`` and the plan it writes: ``plan``, or, when ``plan`` offloads with no block
+    on the main device and the model has no module without weights to name it in the map
+    (:func:`~torchplace.hf.maps.to_device_map`), ``plan`` with one block (and the blocks colocated
+    with it) moved onto the main device: of the moves that keep every device within its budget, the
+    fastest.
+
+    Raises:
+        InfeasibleError: no block can move onto the main device within its budget.
+    """
+    try:
+        return to_device_map(model, problem, plan), plan
+    except InfeasibleError as e:
+        failure = e
+    main, g = main_device(problem), problem.graph
+    held = g.meta["hf"].get("tensors", {})
+    where, order = plan.assignment, [v for s in plan.stages for v in s.nodes]
+    groups: dict[str, list[str]] = {}
+    for v, r in g.records():
+        groups.setdefault(r.colocation or v, []).append(v)
+    best = None
+    for members in groups.values():
+        if main is None or not any(held.get(v) for v in members):
+            continue
+        stages = stages_from_order(problem, order, {**where, **dict.fromkeys(members, main)})
+        if not within_budgets(problem, dispatched_memory(problem, stages)):
+            continue
+        try:
+            moved = Plan.build(problem, stages, solver=plan.solver, seconds=plan.seconds,
+                               lower_bound=plan.lower_bound, status="feasible",
+                               meta={**plan.meta, "main": f"{g.record(members[0]).name} moved onto {main}"})
+        except InvalidPlanError:
+            continue
+        if best is None or moved.objective < best.objective:
+            best = moved
+    if best is None:
+        raise failure
+    if best.objective <= best.lower_bound * (1 + 1e-9):
+        best.status = "optimal"
+    return to_device_map(model, problem, best), best
 
 
 OFFLOAD_ROUNDS = 2
-"""Re-solves with room kept on the GPU the last plan overfilled, before the last resorts."""
+"""Re-solves with room kept on the devices the last plan overfilled, before the last resorts."""
 
 
 def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
-    """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory`.
+    """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory` and the
+    true :func:`~torchplace.hf.maps.budgets`.
 
     The cost model charges a block's KV cache where the block is mapped, but an offloaded block
-    computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), which the solver
-    cannot see (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the first
-    plan's problem charges less than the truth, so its bound holds; when that plan overfills the main
+    computes on the main device (:func:`~torchplace.hf.maps.offload_charge`), so its cache and its
+    streamed weights are on the main device and only its weights on the offload device; the solver
+    cannot see that (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the
+    first plan's problem charges the main device less than the truth, and gives each offload device
+    room for the whole KV cache (:func:`_reserve`), so its bound holds; when that plan overfills a
     device, the problem is solved again with that device's budget lowered by what the last plan
-    put there (a restriction: its plans fit where the charge does not grow); if that does not
-    settle it, the better of two last resorts: no offloading at all, and the main device's budget
-    lowered by the most any map can put there (every block's KV cache and the largest block's
-    weights), after which every plan fits. A plan of a restriction keeps the first plan's bound.
+    overfilled it with (a restriction); if that does not settle it, the better of two last resorts:
+    no offloading at all, and the main device's budget lowered by the most any map can put there
+    (every block's KV cache and the largest block's weights) with the offload devices at their own
+    budgets, after which every plan fits. A plan of a restriction keeps the first plan's bound.
 
     Raises:
         InfeasibleError: if neither last resort has a plan that fits.
@@ -461,12 +520,16 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     if fits(plan):
         return plan
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices if d.memory_bytes is not None}
+    true = budgets(problem)
     reserves: dict[str, int] = {}
-    for _ in range(OFFLOAD_ROUNDS):  # room on the GPU the last plan overfilled for what it offloaded there
+    for _ in range(OFFLOAD_ROUNDS):  # room kept on the devices the last plan overfilled
         main, extra = offload_charge(problem, plan.stages)
-        if main is None or main not in caps:
+        memory = dispatched_memory(problem, plan.stages)
+        over = {d: b - t for d, b in memory.items() if (t := true.get(d)) is not None and b > t}
+        if not over:
             break
-        reserves[main] = max(reserves.get(main, 0) + 1, extra)
+        for d, excess in over.items():  # the main device: what the plan offloaded there; else the excess
+            reserves[d] = max(reserves.get(d, 0) + 1, extra) if d == main else reserves.get(d, 0) + excess
         found = restricted({d: caps[d] - b for d, b in reserves.items()}, f"room kept: {reserves}")
         if found is None:
             break
@@ -478,9 +541,11 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     most = sum(kv.values()) + max((r.param_bytes for _, r in g.records()), default=0)
     main = main_device(problem)
     offload = [d.name for d in problem.cluster.devices if d.kind in OFFLOAD_KINDS]
+    tight = {d: b for d in offload if (b := true[d]) is not None}
+    if main is not None and main in caps:
+        tight[main] = caps[main] - most
     found_plans = [p for p in (restricted(dict.fromkeys(offload, 0), "none") if offload else None,
-                               restricted({main: caps[main] - most}, f"room kept: {_gib(most)} on {main}")
-                               if main is not None and main in caps else None)
+                               restricted(tight, f"room kept: {_gib(most)} on {main}"))
                    if p is not None and fits(p)]
     if not found_plans:
         raise InfeasibleError(f"every map that fits the weights overfills the device that computes the offloaded blocks "

@@ -20,8 +20,8 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "accelerate_main", "collapse", "dispatched_memory", "evaluate_device_map", "main_device",
-           "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
+__all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "dispatched_memory", "evaluate_device_map",
+           "host_memory", "main_device", "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ def offload_charge(problem: Problem, stages: Sequence[Stage], main: str | None =
     Measured on an H100 (GPT-2 small, half its weights on cuda:0, the rest offloaded): an offloaded
     block computes on the main device, so its KV cache is made and kept there, and its weights are
     copied there while it runs (one block at a time). So the main device holds, beyond its own
-    blocks, the KV cache of every offloaded block and the largest offloaded block's weights. The
-    offload devices are still charged their blocks' KV cache (room that stays unused: safe)."""
+    blocks, the KV cache of every offloaded block and the largest offloaded block's weights; the
+    offload devices hold only the weights (:func:`dispatched_memory`)."""
     main = main_device(problem) if main is None else main
     g, kv = problem.graph, problem.graph.meta["hf"].get("kv_cache", {})
     away = [v for s in stages if problem.cluster.device(s.device).kind in OFFLOAD_KINDS and s.device != main
@@ -85,13 +85,34 @@ def offload_charge(problem: Problem, stages: Sequence[Stage], main: str | None =
 
 def dispatched_memory(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> dict[str, int]:
     """Bytes per device (torchplace names) of the map of ``stages`` run by ``dispatch_model``:
-    :func:`~torchplace.costmodel.device_memory` plus :func:`offload_charge` on the main device
-    (``main``, default :func:`main_device`)."""
+    :func:`~torchplace.costmodel.device_memory`, less the KV cache of the blocks on offload devices
+    (the cost model charges a block's cache where the block is mapped, but an offloaded block's is
+    made where it computes), plus :func:`offload_charge` on the main device (``main``, default
+    :func:`main_device`)."""
     memory = dict(device_memory(problem, stages))
+    main = main_device(problem) if main is None else main
+    kv = problem.graph.meta["hf"].get("kv_cache", {})
+    for s in stages:
+        if problem.cluster.device(s.device).kind in OFFLOAD_KINDS and s.device != main:
+            memory[s.device] -= sum(kv.get(v, 0) for v in s.nodes)
     main, extra = offload_charge(problem, stages, main)
     if main is not None and extra:
         memory[main] = memory.get(main, 0) + extra
     return memory
+
+
+def host_memory(problem: Problem, stages: Sequence[Stage], main: str | None = None) -> dict[int | str, int]:
+    """``{"cpu": bytes}`` when no device of ``max_memory`` computes (``"disk"`` alone, ``main``
+    ``None``): accelerate then computes on the CPU, whose RAM holds what a main device would
+    (:func:`offload_charge`: every block's KV cache, the largest block's weights while it runs)
+    and the activation peak; else empty. (No budget is given for that RAM, so it is reported only.)"""
+    g, meta = problem.graph, problem.graph.meta["hf"]
+    nodes = [v for s in stages for v in s.nodes]
+    if main is not None or not nodes:
+        return {}
+    kv = meta.get("kv_cache", {})
+    weights = max(g.record(v).param_bytes for v in nodes)
+    return {"cpu": sum(kv.get(v, 0) for v in nodes) + weights + meta["activations"]}
 
 
 def _owners(names: Iterable[str]) -> set[str]:
@@ -200,20 +221,32 @@ def collapse(leaves: Mapping[str, int | str]) -> dict[str, int | str]:
 def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapCost:
     """What ``device_map`` (e.g. accelerate's) costs on ``problem`` (from :func:`build_problem`).
 
-    Each block goes where the longest key of the map covering its module path sends it; a block no
-    key covers (a module without weights) runs where the block before it runs. The plan is
-    evaluated by :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map
-    that breaks a budget (or splits tied weights) is still timed and reported as not fitting.
+    Each block goes where the longest key of the map covering it sends it: its module path or a
+    module above it, or one of its tensors' names (accelerate's keys for a module's own tensors,
+    e.g. BART's ``"final_logits_bias"``); a block holding no state-dict tensor (a module without
+    weights) that no key covers runs where the block before it runs. The plan is evaluated by
+    :func:`torchplace.costmodel.evaluate_stages` without the solver's checks, so a map that breaks
+    a budget, or splits tied weights (charged a copy of them on each device whose blocks read
+    them, as accelerate keeps one there), is still timed and reported as not fitting.
     Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
-    their time is that of :func:`main_device`'s kind, the same GPU for any map that names it.
+    their time is that of :func:`main_device`'s kind, the same GPU for any map that names it. With
+    ``"disk"`` alone the CPU computes them: ``memory`` has a ``"cpu"`` row (:func:`host_memory`).
+
+    Raises:
+        UsageError: the map sends a block to a device not in ``max_memory``, or gives no device to
+            some of the model's tensors (accelerate's ``check_device_map`` refuses such a map).
     """
-    paths = problem.graph.meta["hf"]["modules"]
+    meta = problem.graph.meta["hf"]
+    paths, held = meta["modules"], meta.get("tensors", {})
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
     stages: list[Stage] = []
+    where: dict[str, str] = {}
+    uncovered: list[str] = []
     prev = problem.cluster.devices[0].name
     for v in problem.graph.topological_order():
-        path = paths[v]
-        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")]
+        path, tensors = paths[v], held.get(v, ())
+        keys = [k for k in device_map if k == "" or path == k or path.startswith(f"{k}.")
+                or any(t == k or t.startswith(f"{k}.") for t in tensors)]
         if keys:
             value = str(device_map[max(keys, key=len)])
             if value.startswith("cuda:"):
@@ -221,16 +254,63 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
             if value not in names:
                 raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}")
             prev = names[value]
+        elif tensors:
+            uncovered.extend(tensors)
+        where[v] = prev
         if stages and stages[-1].device == prev:
             stages[-1] = Stage(prev, (*stages[-1].nodes, v))
         else:
             stages.append(Stage(prev, (v,)))
+    if uncovered:
+        more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
+        raise UsageError(f"device_map gives no device for {', '.join(uncovered[:5])}{more} (accelerate's "
+                         "check_device_map refuses it): add a key for each module or tensor, or \"\" for the rest")
     seconds, _ = evaluate_stages(problem, stages)
-    memory = dispatched_memory(problem, stages, accelerate_main(problem, device_map))
-    return MapCost(seconds, within_budgets(problem, memory), with_reserve(problem, memory))
+    main = accelerate_main(problem, device_map)
+    memory = dispatched_memory(problem, stages, main)
+    split, copies = _tied_copies(problem, where)
+    for device, nbytes in copies.items():
+        memory[device] = memory.get(device, 0) + nbytes
+    return MapCost(seconds, not split and within_budgets(problem, memory),
+                   {**with_reserve(problem, memory), **host_memory(problem, stages, main)})
+
+
+def _tied_copies(problem: Problem, where: Mapping[str, str]) -> tuple[bool, dict[str, int]]:
+    """Whether ``where`` (block -> device) splits a group of blocks sharing tensors (tied
+    weights), and the bytes of those tensors each device must then hold a copy of. A block's
+    ``meta["hf"]["shared"]`` are the bytes of tensors an earlier block counted: its device needs a
+    copy unless a block of its group that counted its own tensors is there."""
+    g, meta = problem.graph, problem.graph.meta["hf"]
+    shared, held = meta.get("shared", {}), meta.get("tensors", {})
+    groups: dict[str, list[str]] = {}
+    for v, r in g.records():
+        if r.colocation and r.colocation.startswith("tied:") and held.get(v):
+            groups.setdefault(r.colocation, []).append(v)
+    split, copies = False, {}
+    for members in groups.values():
+        if len({where[v] for v in members}) < 2:
+            continue
+        split = True
+        home = {where[v] for v in members if not shared.get(v)}
+        for v in members:
+            if shared.get(v) and where[v] not in home:
+                copies[where[v]] = max(copies.get(where[v], 0), shared[v])
+    return split, copies
+
+
+def budgets(problem: Problem) -> dict[str, int | None]:
+    """Bytes each device may hold (torchplace names; ``None``: unlimited): its ``max_memory``, less
+    the activation peak on devices that compute. (The problem's own cluster gives the offload
+    devices more, for the KV cache its cost model charges there: :func:`torchplace.hf.infer._reserve`.)"""
+    peak = problem.graph.meta["hf"]["activations"]
+    given = problem.graph.meta["hf"]["budgets"]
+    return {d.name: None if given[d.name] is None
+            else given[d.name] if d.kind in OFFLOAD_KINDS else max(0, given[d.name] - peak)
+            for d in problem.cluster.devices}
 
 
 def within_budgets(problem: Problem, memory: Mapping[str, int]) -> bool:
-    """Whether ``memory`` (bytes per device, torchplace names) is within every device's budget."""
-    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    """Whether ``memory`` (bytes per device, torchplace names; :func:`dispatched_memory`) is within
+    every device's :func:`budgets`."""
+    caps = budgets(problem)
     return all(caps[d] is None or b <= caps[d] for d, b in memory.items())  # type: ignore[operator]
