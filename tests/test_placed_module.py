@@ -718,6 +718,19 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
             placed(x)
 
 
+def test_functional_call_of_a_placed_model_is_refused_naming_it():
+    """torch.func.functional_call swaps tensors into the placed model, which its stages never see;
+    the refusal spoke of an assignment only (found by fuzzing)."""
+    model = MLP().eval()
+    x = torch.randn(4, 32)
+    placed = _place(model, (x,), microbatches=1, allow_single_device=False)
+    params = {name: p.detach().clone() for name, p in placed.named_parameters()}
+    with pytest.raises(UnsupportedError, match="functional_call and torch.export swap tensors in"):
+        torch.func.functional_call(placed, params, (x,))
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))  # the swap was undone: the placed model runs on
+
+
 class CountsItsCalls(nn.Module):
     """Counts its calls in a buffer (so "auto" exports it) and takes a mask of any dtype."""
 

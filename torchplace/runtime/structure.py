@@ -75,9 +75,11 @@ class Structure:
         for path, part, mapping, key, value in self.held:
             if mapping.get(key, _MISSING) is not value:
                 raise UnsupportedError(
-                    f"{_where(path, key)} was replaced after placing (an assignment, not an in-place write): the placed "
-                    "stages still run what was placed; write into the placed tensors instead (with torch.no_grad(): "
-                    "p.copy_(new), or load_state_dict), or place the model again")
+                    f"{_where(path, key)} was replaced after placing (an assignment, not an in-place write; "
+                    "torch.func.functional_call and torch.export swap tensors in too): the placed stages still run "
+                    "what was placed; write into the placed tensors instead (with torch.no_grad(): p.copy_(new), or "
+                    "load_state_dict), or place the model again (those tools take the original model, not a placed "
+                    "one)")
         for path, attributes, key, value in self.settings:
             now = attributes.get(key, _MISSING)
             if now is not value and now != value:
