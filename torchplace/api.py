@@ -139,7 +139,8 @@ def place(
             ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
         microbatches: micro-batches each call's batch is split into (throughput only; default
-            the given ``plan``'s, else :data:`~torchplace.plan.DEFAULT_MICROBATCHES`), or ``"auto"`` (inference): every ``m`` dividing the example batch up to
+            the given ``plan``'s, else :data:`~torchplace.plan.DEFAULT_MICROBATCHES`), or
+            ``"auto"`` (inference): every ``m`` dividing the example batch up to
             :data:`~torchplace.callplan.AUTO_MAX_MICROBATCHES` is predicted and the one with the
             shortest predicted call is kept. The prediction (:mod:`torchplace.callmodel`) runs the
             executor's schedule with each stage timed on one micro-batch (the graph is profiled
