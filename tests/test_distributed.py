@@ -382,6 +382,9 @@ def grid_plans(tmp_path_factory) -> dict[str, Path]:
         for mode in ("inference", "training"):
             plans[f"{kind}-{mode}"] = tmp / f"{kind}-{mode}.json"
             dist_worker.noncontiguous_plan(str(plans[f"{kind}-{mode}"]), mode, devices=("cpu:0", "cpu:1"), **degrees)
+    plans["dp-normed"] = tmp / "dp-normed.json"
+    dist_worker.noncontiguous_plan(str(plans["dp-normed"]), "training", devices=("cpu:0", "cpu:1"), data_parallel=2,
+                                   normed=True)
     return plans
 
 
@@ -470,8 +473,9 @@ def four_ranks(tmp_path_factory, grid_plans):
     stage of both copies raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("four")
     plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training",
-                                     "dp-inference")]
-    return launch("infer,train,odd-batch,infer-tp,train-tp,raise", 4, tmp, [str(p) for p in plans], timeout_s=60)
+                                     "dp-normed", "dp-inference")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp,dp-buffers,raise", 4, tmp, [str(p) for p in plans],
+                  timeout_s=60)
 
 
 def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
@@ -520,13 +524,28 @@ def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ra
     assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
 
 
+def test_data_parallel_copies_agree_on_their_buffers_after_every_step(four_ranks):
+    """Each copy's batch norms updated their statistics on their own half of the batch, so the
+    copies of a stage held different models after training, and num_batches_tracked was half the
+    unsplit model's (found by fuzzing). Now floating buffers are the copies' mean (allclose to one
+    process's simulation of that) and counters count every micro-batch, as the unsplit model's."""
+    results = [r[1]["5:dp-buffers"] for r in four_ranks]
+    assert all("error" not in r and r["allclose"] for r in results), results
+    assert results[0]["buffers"] == results[1]["buffers"] and results[2]["buffers"] == results[3]["buffers"]
+    held = sorted(n for r in (results[0], results[2]) for n in r["buffers"])
+    assert held == sorted(n for n, _ in dist_worker.Normed().named_buffers())  # each position's, every one once
+    counted = {n: c for r in results for n, c in r["counted"].items()}
+    assert sorted(counted) == ["bn_a.num_batches_tracked", "bn_c.num_batches_tracked"]
+    assert all(mine == unsplit for mine, unsplit in counted.values()), counted
+
+
 def test_a_raise_in_one_copy_ends_every_rank_of_every_copy(four_ranks):
-    messages = [r[1]["5:raise"].get("error", "") for r in four_ranks]
+    messages = [r[1]["6:raise"].get("error", "") for r in four_ranks]
     assert all(r[0] != 0 for r in four_ranks), messages
     assert all(m.startswith("DistributedError: ") and "failed in stage 1" in m for m in messages), messages
     failing = {m.split("DistributedError: rank ")[1].split(" ")[0] for m in messages}
     assert len(failing) == 1 and failing <= {"2", "3"}, messages  # one copy's last rank published first
-    ends = [r[1]["5:raise"]["at"] for r in four_ranks]
+    ends = [r[1]["6:raise"]["at"] for r in four_ranks]
     assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 60 s group timeout
 
 

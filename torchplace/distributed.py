@@ -348,6 +348,16 @@ def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Ma
     return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
 
 
+def _written_buffers(model: nn.Module | None, names: Sequence[str], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The buffers among ``names`` (the state the traced graph writes) that ``modules`` (this
+    rank's engine stages) hold, in the order of ``names``: the same on every data-parallel copy."""
+    if model is None:
+        return []
+    mine = {id(b): b for m in modules for b in m.buffers()}
+    held = dict(model.named_buffers(remove_duplicate=False))
+    return list({id(held[n]): held[n] for n in names if n in held and id(held[n]) in mine}.values())
+
+
 class DistributedPlaced:
     """One rank's part of a placed model, run by ``torch.distributed.pipelining``.
 
@@ -399,6 +409,7 @@ class DistributedPlaced:
             replicas=replicas, tensor_group=tensor_group,
             examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
         self.is_last = self.pipeline.is_last
+        self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
             if id(t) in self.pipeline.freed:

@@ -412,6 +412,9 @@ class DistributedPipeline:
             self.engine_stages.append(stage)
         self._schedules: dict[Any, Any] = {}
         self._shape: tuple[tuple[int, ...], ...] | None = None
+        self.written: list[torch.Tensor] = []
+        """This rank's buffers the forward writes (the same on every copy), which ``replicas``
+        make agree after every call; set by the caller, who knows their names."""
 
     # -- tensors -----------------------------------------------------------------------------------------
     def _place_tensors(self, stages: Sequence[StageModule], free_others: bool) -> None:
@@ -475,12 +478,14 @@ class DistributedPipeline:
         on the last rank of every copy."""
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(None)
+        before = self._counters()
         with torch.no_grad():
             out = self._guard(lambda: schedule.step(*flat))
         replicas = self.replicas
         if replicas is not None and self.is_last:
             values = out if isinstance(out, tuple) else (out,)
             out = tuple(self._guard(lambda: replicas.gather(values, self.slots[-1].outputs), agree=False))
+        self._agree_buffers(before)
         return self._assemble(out) if self.is_last else None
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -505,6 +510,7 @@ class DistributedPipeline:
         target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
         params = self.parameters()
+        counters = self._counters()
         before = [p.grad for p in params]  # what earlier steps accumulated, set aside: this step's alone
         for p in params:
             p.grad = None
@@ -527,10 +533,26 @@ class DistributedPipeline:
         if replicas is None:
             return [loss.detach() for loss in losses]
         self._guard(lambda: replicas.average_grads(self.parameters()))
+        self._agree_buffers(counters)
         if not self.is_last:
             return []
         gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
         return list(gathered[0])
+
+    def _counters(self) -> list[torch.Tensor | None]:
+        """With replicas, the integer buffers of :attr:`written` as they are before a call (a copy;
+        ``None`` for the others): :meth:`Replicas.agree_buffers` adds every copy's increment."""
+        if self.replicas is None:
+            return []
+        return [b.clone() if not (b.is_floating_point() or b.is_complex() or b.dtype == torch.bool) else None
+                for b in self.written]
+
+    def _agree_buffers(self, before: Sequence[torch.Tensor | None]) -> None:
+        """With replicas, make the copies' written buffers agree after a call
+        (:meth:`Replicas.agree_buffers <torchplace.runtime.dist_replicas.Replicas.agree_buffers>`)."""
+        replicas = self.replicas
+        if replicas is not None and self.written:
+            self._guard(lambda: replicas.agree_buffers(self.written, before), agree=False)
 
     def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         bound = self.graph_io.bind_inputs(args, kwargs)
