@@ -97,7 +97,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     scenario, _, schedule = scenario.partition("@")
     linear = scenario.endswith("-tp")  # a plan traced with Linear modules as leaves: tensor parallel stages
     scenario = scenario.removesuffix("-tp")
-    model, x, y = build(tied=scenario.startswith("train-tied"))
+    model, x, y = build(tied=scenario.startswith("train-tied") or scenario == "tied-hook")
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb, nn.Linear] if linear else [Bomb],
                 timeout=float(os.environ.get("TP_TIMEOUT", "30")),
@@ -163,6 +163,27 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["params"] = sorted(mine)
         result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]].grad, atol=1e-6)
                                  for p in placed.parameters())
+    elif scenario == "input-grad":  # an input that requires grad gets the mean micro-batch loss's gradient
+        model.train()
+        reference = copy.deepcopy(model)
+        xr = x.clone().requires_grad_()
+        (sum(nn.functional.mse_loss(reference(c), t) for c, t in zip(xr.tensor_split(m), y.tensor_split(m))) / m
+         ).backward()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        xp = x.clone().requires_grad_()
+        xp.grad = torch.ones_like(x)  # accumulated earlier: kept, this step's added
+        placed.step(xp, target=y, loss_fn=nn.functional.mse_loss)
+        result["has_grad"] = placed.rank == 0 and xp.grad is not None
+        result["allclose"] = placed.rank != 0 or torch.allclose(xp.grad, xr.grad + 1, atol=1e-6)
+        result["params"] = []
+    elif scenario == "tied-hook":  # a gradient hook on a weight two ranks read: refused on every rank
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        model.inp.weight.register_hook(torch.sign)
+        try:
+            placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
     elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
         placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter

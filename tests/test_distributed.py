@@ -261,7 +261,8 @@ def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc
 def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
-    cluster file, and last a stage that raises (every rank then ends with an error)."""
+    cluster file, an input that requires grad, a hook on a tied weight, and last a stage that raises
+    (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -270,10 +271,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
-                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), str(infer)], timeout_s=120)
+                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), str(infer)],
+                  timeout_s=120)
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
@@ -342,6 +344,23 @@ def test_a_weight_two_engine_stages_of_one_rank_read_is_scaled_once(two_ranks):
     assert "inp.weight" in two_ranks[0][1][key]["params"] and "inp.weight" not in two_ranks[1][1][key]["params"]
 
 
+def test_an_input_that_requires_grad_gets_the_mean_micro_batch_losss_gradient(two_ranks):
+    """x.grad was m times the model's: the engine back-propagates each micro-batch's loss unscaled
+    and step() scaled only the parameters (found by fuzzing). A gradient x had is kept."""
+    results = [r[1]["12:input-grad"] for r in two_ranks]
+    assert all("error" not in r and r["allclose"] for r in results), results
+    assert results[0]["has_grad"]  # on the rank of the first stage, which reads x
+
+
+def test_a_gradient_hook_on_a_weight_two_ranks_read_is_refused_on_every_rank(two_ranks):
+    """The hook ran on each rank's part of the tied weight's gradient before the parts were summed
+    (inp.weight.grad 1.5 off with torch.sign; found by fuzzing); torchplace.place refuses it too."""
+    for _, results, err in two_ranks:
+        refused = results["13:tied-hook"].get("refused", "")
+        assert refused.startswith("UnsupportedError: inp.weight has a gradient hook"), (results["13:tied-hook"], err[-2000:])
+        assert "apply what it did to p.grad after step()" in refused
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -368,7 +387,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["12:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["14:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

@@ -411,6 +411,7 @@ class DistributedPlaced:
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
+        self._model = traced.model
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
             if id(t) in self.pipeline.freed:
                 getattr(owner, kind)[slot] = self.pipeline.freed[id(t)]
@@ -433,11 +434,19 @@ class DistributedPlaced:
         """One training step of the batch; the losses of its micro-batches on the last rank.
 
         Raises:
-            UnsupportedError: the model was placed for inference (its eval-mode graph would train).
+            UnsupportedError: the model was placed for inference (its eval-mode graph would train); a
+                parameter several engine stages read (a tied weight) has a gradient hook, which would
+                run on each stage's part of its gradient (the same refusal on every rank, before any
+                communication).
         """
+        from torchplace.placed_module import _check_gradient_hooks
+
         if self.problem.mode != "training":
             raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
                                    "with mode='training' to train it")
+        _check_gradient_hooks(self.pipeline.read_by_several, self._model.named_parameters() if self._model else (),
+                              fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
+                                  "all uses, summed over the ranks)")
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)

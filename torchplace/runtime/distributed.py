@@ -278,6 +278,22 @@ class EngineStage(nn.Module):
         return tuple(_sendable(n, env[n], slot, self.fresh_outputs or id(env[n]) in received) for n in slot.outputs)
 
 
+class _ScaledGrad(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``scale``: a model input that requires
+    grad gets the gradient of the mean micro-batch loss, as the parameters do (the engine
+    back-propagates each micro-batch's loss unscaled). Gradients an input already had are kept:
+    autograd adds this step's to them."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """The identity, whose backward makes the gradient contiguous: a received value's gradient is
     sent back, and gloo sends only contiguous tensors (a transposed view's gradient is not)."""
@@ -402,6 +418,10 @@ class DistributedPipeline:
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
+        self.read_by_several = _read_by_several(self.slots, stages)
+        """The parameters several engine stages read (on any rank; the same objects or meta stand-ins
+        on every rank): each engine stage back-propagates on its own, so a gradient hook on one
+        would run on each stage's part of its gradient."""
         if tensor_group is not None:
             self._shard(stages, tensor_group)
         stage_class = _stage_class()
@@ -494,7 +514,8 @@ class DistributedPipeline:
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (this step's
         gradients are scaled by ``1 / microbatches`` here, once per parameter, then added to what
         earlier steps left; with ``replicas``, averaged over the copies: the mean over the whole
-        batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
+        batch's micro-batches). A model input that requires grad gets the gradient of that mean
+        too, added to what it had. Returns each micro-batch's loss on the last rank (on the
         last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
         rank's ``optimizer.step()`` after it."""
         if not isinstance(target, torch.Tensor):
@@ -505,6 +526,8 @@ class DistributedPipeline:
             have = target.shape[0] if target.dim() else "no"
             raise UsageError(f"target has {have} rows where the inputs have {rows}: the engine splits the target "
                              "along dim 0 as it splits the batch; pass one row per sample")
+        copies = self.replicas.count if self.replicas is not None else 1
+        flat = tuple(_ScaledGrad.apply(t, 1 / (self.microbatches * copies)) if t.requires_grad else t for t in flat)
         schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
         target = self._share_of(target)
@@ -676,3 +699,15 @@ def _shared_across_ranks(slots: Sequence[EngineSlot], stages: Sequence[StageModu
                 ranks.setdefault(id(param), set()).add(s.rank)
                 first.setdefault(id(param), param)
     return [param for pid, param in first.items() if len(ranks[pid]) > 1 and param.requires_grad]
+
+
+def _read_by_several(slots: Sequence[EngineSlot], stages: Sequence[StageModule]) -> list[nn.Parameter]:
+    """The parameters that require grad and are read by several engine stages, in slot order."""
+    readers: dict[int, set[int]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for s in slots:
+        for p in s.pieces:
+            for param in stages[p].parameters():
+                readers.setdefault(id(param), set()).add(s.index)
+                first.setdefault(id(param), param)
+    return [param for pid, param in first.items() if len(readers[pid]) > 1 and param.requires_grad]
