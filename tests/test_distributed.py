@@ -711,6 +711,7 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
 
     placed = DistributedPlaced.__new__(DistributedPlaced)
     placed._sizes, placed._microbatches, placed.pipeline = CallSizes(rows=2), 4, Engine()
+    placed._record_model(None)
     assert placed.run(torch.zeros(8, 3)) == "ran"
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
                                               "placed.microbatches to 2 or fewer"):
@@ -735,6 +736,76 @@ def test_step_on_a_model_placed_for_inference_is_refused():
     object.__setattr__(placed.problem, "mode", "inference")
     with pytest.raises(UnsupportedError, match="placed for inference.*mode='training'"):
         placed.step(torch.zeros(8, 3), target=torch.zeros(8), loss_fn=nn.functional.mse_loss)
+
+
+class _Ran:
+    """A rank's engine stand-in, without a process group: says that it ran."""
+
+    read_by_several: list = []
+
+    def run(self, *args, **kwargs):
+        return "ran"
+
+    step = run
+
+
+def _placed_without_processes(model: nn.Module, mode: str) -> Any:
+    """A :class:`DistributedPlaced` of ``model`` (placed in ``mode``) whose engine only says that it ran."""
+    from torchplace.batchdim import CallSizes
+    from torchplace.distributed import DistributedPlaced
+    from torchplace.problem import Problem
+
+    placed = DistributedPlaced.__new__(DistributedPlaced)
+    placed.problem = Problem.__new__(Problem)
+    object.__setattr__(placed.problem, "mode", mode)
+    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(), 4, _Ran()
+    placed._record_model(model)
+    return placed
+
+
+def test_a_mode_switched_after_placing_is_refused():
+    """A training placement then model.eval() ran the training graph (batch statistics, 0.4 off,
+    running statistics moved); an inference placement then model.train() ran the eval graph,
+    silently (found by fuzzing). The engine runs the graph traced in the modes of placing."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).train()
+    placed = _placed_without_processes(model, "training")
+    x = torch.zeros(8, 3)
+    assert placed.run(x) == "ran"
+    model.eval()
+    with pytest.raises(UnsupportedError, match=r"eval mode \(model.eval\(\) was called after placing\?\).*model.train\(\) "
+                                               r"again, or place the model in eval mode"):
+        placed.run(x)
+    with pytest.raises(UnsupportedError, match="eval mode"):
+        placed.step(x, target=torch.zeros(8, 4), loss_fn=nn.functional.mse_loss)
+    model[1].train()
+    with pytest.raises(UnsupportedError, match=r"modules the model, '0' are not in the training modes"):
+        placed.run(x)
+    model.train()
+    assert placed.step(x, target=torch.zeros(8, 4), loss_fn=nn.functional.mse_loss) == "ran"
+    placed = _placed_without_processes(model.eval(), "inference")
+    model.train()
+    with pytest.raises(UnsupportedError, match=r"in training mode \(model.train\(\) was called after placing\?\).*"
+                                               r"call model.eval\(\)"):
+        placed.run(x)
+
+
+@pytest.mark.parametrize("change", ["parameter", "hook", "attribute"])
+def test_a_model_changed_after_placing_is_refused(change):
+    """A new Parameter assigned, or a forward hook added, after placing was ignored: the stages
+    ran what was placed (outputs 1.2 and 2.2 off; found by fuzzing)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).eval()
+    placed = _placed_without_processes(model, "inference")
+    assert placed.run(torch.zeros(8, 3)) == "ran"
+    if change == "parameter":
+        model[2].weight = nn.Parameter(torch.ones(2, 4))
+    elif change == "hook":
+        model[2].register_forward_hook(lambda module, args, out: out * 2)
+    else:
+        model[1].p = 0.0
+    what = {"parameter": "2.weight was replaced after placing", "hook": "a forward hook of 2 was added or removed",
+            "attribute": r"1.p was changed after placing \(0.5 -> 0.0\)"}[change]
+    with pytest.raises(UnsupportedError, match=what):
+        placed.run(torch.zeros(8, 3))
 
 
 def test_a_checkpoint_of_other_shapes_is_refused_and_unsaved_buffers_are_not_asked_for():

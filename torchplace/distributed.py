@@ -35,6 +35,7 @@ from torchplace.checks import positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
+from torchplace.runtime.structure import Structure
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
 
@@ -419,10 +420,57 @@ class DistributedPlaced:
             _FREED.add(traced.model)
         if state_dict is not None:
             self._load(traced.model, state_dict)
+        self._record_model(traced.model)
+
+    def _record_model(self, model: nn.Module | None) -> None:
+        """Record what :meth:`_check_model` compares: the model's structure and modes as placed."""
+        self._model = model
+        self._structure = Structure.of(model.named_modules(remove_duplicate=False)) if model is not None else None
+        self._modes = tuple(m.training for m in model.modules()) if model is not None else ()
+
+    def _check_model(self) -> None:
+        """Refuse a call after the model changed since placing: a module, parameter or buffer
+        replaced, a hook added or removed, a plain attribute changed
+        (:class:`~torchplace.runtime.structure.Structure`), or a module's training mode switched
+        (the stages run the graph traced in the modes of placing). Every rank holds the whole
+        model (other ranks' tensors on the meta device) and runs the same script, so every rank
+        refuses alike, before any communication.
+
+        Raises:
+            UnsupportedError: naming what changed and what to do.
+        """
+        if self._structure is None or self._model is None:
+            return
+        self._structure.check()
+        modes = tuple(m.training for m in self._model.modules())
+        if modes == self._modes:
+            return
+        if self.problem.mode != "training":
+            raise UnsupportedError(
+                "a module of the placed model is in training mode (model.train() was called after placing?): this "
+                "placement runs the graph traced in eval mode; call model.eval(), or place the model for training "
+                "(tpd.place(model.train(), ..., mode='training'))")
+        if not any(modes):
+            raise UnsupportedError(
+                "the model is in eval mode (model.eval() was called after placing?), but this placement runs the "
+                "graph traced in training mode (batch statistics, dropout), and the torch.distributed runtime has "
+                "no eval-mode graph: call model.train() again, or place the model in eval mode for eval-mode "
+                "outputs (tpd.place(model.eval(), ..., mode='inference'))")
+        odd = [repr(name) if name else "the model" for (name, module), flag in
+               zip(self._model.named_modules(), self._modes) if module.training != flag]
+        raise UnsupportedError(
+            f"modules {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} are not in the training modes the model was "
+            "placed with (its stages run the graph traced in those modes): set them back (module.train() / "
+            "module.eval()), or place the model again in the modes you want")
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for this batch on the last rank; ``None`` on the others (see
-        :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
+        :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`).
+
+        Raises:
+            UnsupportedError: the model changed since placing (:meth:`_check_model`).
+        """
+        self._check_model()
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
@@ -434,7 +482,8 @@ class DistributedPlaced:
         """One training step of the batch; the losses of its micro-batches on the last rank.
 
         Raises:
-            UnsupportedError: the model was placed for inference (its eval-mode graph would train); a
+            UnsupportedError: the model was placed for inference (its eval-mode graph would train), or
+                changed since placing (:meth:`_check_model`); a
                 parameter several engine stages read (a tied weight) has a gradient hook, which would
                 run on each stage's part of its gradient (the same refusal on every rank, before any
                 communication).
@@ -447,6 +496,7 @@ class DistributedPlaced:
         _check_gradient_hooks(self.pipeline.read_by_several, self._model.named_parameters() if self._model else (),
                               fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
                                   "all uses, summed over the ranks)")
+        self._check_model()
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
