@@ -808,6 +808,32 @@ def test_a_model_changed_after_placing_is_refused(change):
         placed.run(torch.zeros(8, 3))
 
 
+def test_a_call_of_other_dtypes_or_autocast_than_the_first_is_refused_before_communication():
+    """The engine sizes its receive buffers on the first call, dtypes included: a bool mask after
+    an int64 one was received as int64 bytes (outputs 9e15 off), a call under autocast after a
+    float32 one received bfloat16 values as float32 (0.35 off; found by fuzzing). Only shapes
+    were compared. A first call under autocast is fine (tests of the engine's own sizes)."""
+    from torchplace.runtime import GraphIO
+    from torchplace.runtime.distributed import DistributedPipeline
+
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+    pipeline = DistributedPipeline.__new__(DistributedPipeline)  # the checks of _inputs, without processes
+    pipeline.graph_io, pipeline.replicas, pipeline.microbatches = GraphIO(torch.fx.symbolic_trace(Masked())), None, 2
+    pipeline._shape, pipeline._first_kinds, pipeline.device, pipeline.rank = None, None, torch.device("cpu"), 0
+    pipeline.slots = [EngineSlot(0, 0, (), ("x", "mask"), ())]
+    x, mask = torch.randn(4, 3), torch.ones(4, 3, dtype=torch.int64)
+    pipeline._inputs((x, mask), {})
+    with pytest.raises(UsageError, match=r"inputs of dtypes \['float32', 'bool'\] without autocast, but this pipeline "
+                                         r"first ran with \['float32', 'int64'\] without autocast.*place the model again"):
+        pipeline._inputs((x, mask.bool()), {})
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UsageError, match="under autocast to bfloat16"):
+        pipeline._inputs((x, mask), {})
+    pipeline._inputs((x, mask), {})  # as the first call: runs
+
+
 def test_a_checkpoint_of_other_shapes_is_refused_and_unsaved_buffers_are_not_asked_for():
     """A (1,) bias was broadcast into an (8,) one; a buffer registered with persistent=False
     (a rotary embedding's inv_freq) was asked for in model.state_dict(), which never holds it."""

@@ -432,6 +432,7 @@ class DistributedPipeline:
             self.engine_stages.append(stage)
         self._schedules: dict[Any, Any] = {}
         self._shape: tuple[tuple[int, ...], ...] | None = None
+        self._first_kinds: tuple[tuple[torch.dtype, ...], torch.dtype | None] | None = None
         self.written: list[torch.Tensor] = []
         """This rank's buffers the forward writes (the same on every copy), which ``replicas``
         make agree after every call; set by the caller, who knows their names."""
@@ -593,6 +594,13 @@ class DistributedPipeline:
         if self._shape is not None and shape != self._shape:
             raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
                              "engine sizes its buffers on the first call; call with the same batch shape")
+        kinds = self._kinds(flat)
+        if self._first_kinds is not None and kinds != self._first_kinds:
+            raise UsageError(f"inputs of dtypes {_kinds_text(kinds)}, but this pipeline first ran with "
+                             f"{_kinds_text(self._first_kinds)}: the engine sizes its buffers, dtypes included, on the "
+                             "first call, and would receive the values of this one into them; call with the first "
+                             "call's dtypes and autocast state, or place the model again for these")
+        self._first_kinds = kinds
         copies = self.replicas.count if self.replicas is not None else 1
         if flat and flat[0].shape[0] % (copies * self.microbatches):
             split = f"{copies} replicas x {self.microbatches}" if copies > 1 else f"{self.microbatches}"
@@ -601,6 +609,14 @@ class DistributedPipeline:
         self._shape = shape
         flat = tuple(self._share_of(t) for t in flat)
         return tuple(t.to(self.device) for t in flat) if self.slots[0].rank == self.rank else flat
+
+    def _kinds(self, flat: Sequence[torch.Tensor]) -> tuple[tuple[torch.dtype, ...], torch.dtype | None]:
+        """What besides shapes fixes the dtypes the stages send: the inputs' dtypes and the autocast
+        dtype on this rank's device type (``None`` when autocast is off). Every rank gets the same
+        inputs under the same autocast (the same script), so every rank decides alike."""
+        kind = self.device.type
+        cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        return tuple(t.dtype for t in flat), cast
 
     def _share_of(self, batch: torch.Tensor) -> torch.Tensor:
         return batch if self.replicas is None else self.replicas.share(batch)
@@ -668,6 +684,12 @@ class _LossOnOutput:
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         return loss
+
+
+def _kinds_text(kinds: tuple[tuple[torch.dtype, ...], torch.dtype | None]) -> str:
+    dtypes, cast = kinds
+    return f"{[str(d).removeprefix('torch.') for d in dtypes]} " + (
+        f"under autocast to {str(cast).removeprefix('torch.')}" if cast is not None else "without autocast")
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
