@@ -184,6 +184,19 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
+    elif scenario == "solve-fails":  # rank 0's solve raises, every rank catches it, then places again
+        solving = {**opts, "plan": None, "contiguous": True}
+        start = time.monotonic()
+        try:
+            tpd.place(model, (x,), **solving, solver="no-such-solver", plan_timeout=120)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["failed"] = f"{type(error).__name__}: {error}"
+        result["took"] = time.monotonic() - start
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **solving)  # the earlier placement's fault is not this one's
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
     elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
         placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter

@@ -261,8 +261,8 @@ def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc
 def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
-    cluster file, an input that requires grad, a hook on a tied weight, and last a stage that raises
-    (every rank then ends with an error)."""
+    cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
+    (then a placement that works), and last a stage that raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -271,10 +271,10 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,input-grad,tied-hook,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
-                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), str(infer)],
+                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", str(infer)],
                   timeout_s=120)
 
 
@@ -361,6 +361,18 @@ def test_a_gradient_hook_on_a_weight_two_ranks_read_is_refused_on_every_rank(two
         assert "apply what it did to p.grad after step()" in refused
 
 
+def test_a_failed_solve_on_rank_0_ends_the_others_wait_and_a_later_placement_works(two_ranks):
+    """Rank 1 waited for the plan for the whole plan_timeout (default 1800 s) while rank 0, whose
+    solve had raised, lived on; and the fault, never cleared, failed every later placement of the
+    launch at once (found by fuzzing)."""
+    results = [r[1]["14:solve-fails"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert results[0]["failed"].startswith("UsageError") and "no-such-solver" in results[0]["failed"], results[0]
+    assert results[1]["failed"].startswith("DistributedError: rank 0 failed while placing: UsageError"), results[1]
+    assert results[1]["took"] < GRACE_S + SETTLE_S + 15, results[1]  # not the plan_timeout of 120 s
+    assert results[1]["equal"] and "equal" not in results[0]
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -387,7 +399,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["14:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["15:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,7 @@ from torchplace.runtime.structure import Structure
 __all__ = ["DistributedPlaced", "launch_env", "place"]
 
 _PLAN_KEY = "torchplace/plan"
+_POLL_S = 0.5  # seconds between the other ranks' looks for a fault while rank 0 solves
 _CALLS = 0  # place() calls in this process
 
 
@@ -181,11 +183,11 @@ def place(
                                 plan=given, **_quick(common))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    from torchplace.runtime.dist_faults import Faults
+    from torchplace.runtime.dist_faults import FAULT, Faults
 
     global _CALLS
-    _CALLS += 1  # every rank places the same models in the same order: one plan key per call
-    faults = Faults(dist.distributed_c10d._get_default_store(), rank, world)
+    _CALLS += 1  # every rank places the same models in the same order: one plan and fault key per call
+    faults = Faults(dist.distributed_c10d._get_default_store(), rank, world, key=f"{FAULT}/{_CALLS}")
     try:
         if placement is None:
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
@@ -329,7 +331,9 @@ def _torch_device(rank_devices: Sequence[str | Device], local_rank: int, backend
 
 def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Mapping[str, Any], faults: Any,
                 plan_timeout: float, key: str) -> Any:
-    """Rank 0 solves and publishes the plan in the store; the others read it and check it."""
+    """Rank 0 solves and publishes the plan in the store; the others read it and check it. They
+    look for the plan and for a fault every :data:`_POLL_S` seconds, so a rank 0 whose
+    solve failed (and which published that) ends their wait at once, not after ``plan_timeout``."""
     from torchplace import api
     from torchplace.planfile import plan_from_json
 
@@ -338,13 +342,20 @@ def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Ma
         placement = api.prepare(model, devices, example_inputs, **options)
         store.set(key, json.dumps(placement.plan.to_json()))
         return placement
-    try:
-        store.wait([key], datetime.timedelta(seconds=plan_timeout))
-    except Exception as error:
-        raise DistributedError(faults.fault() or f"rank 0 published no plan within {plan_timeout:g} s "
-                               f"({type(error).__name__}); raise plan_timeout for long solves") from error
-    if faults.fault():
-        raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+    deadline = time.monotonic() + plan_timeout
+    while True:  # store.check, not store.wait with a short timeout: that logs a warning at every timeout
+        try:
+            if store.check([key]):
+                break
+        except Exception as error:
+            raise DistributedError(f"the rendezvous store failed while rank {faults.rank} waited for rank 0's plan "
+                                   f"({type(error).__name__}: {error}): rank 0 has stopped") from error
+        if faults.fault():
+            raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+        if time.monotonic() >= deadline:
+            raise DistributedError(f"rank 0 published no plan within {plan_timeout:g} s; raise plan_timeout for long "
+                                   "solves")
+        time.sleep(_POLL_S)
     plan = plan_from_json(json.loads(store.get(key).decode()), "the plan of rank 0")
     return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
 

@@ -26,7 +26,7 @@ this module turns them into the engine's stages and schedules
    Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
    over its ranks before the engine's stages are built (:mod:`~torchplace.runtime.dist_tensor`).
 
-Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
+Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault/N``
 (naming the rank, the engine stage and the pass) before it is raised as
 :class:`~torchplace.errors.DistributedError`; a watchdog thread on every rank ends the process
 with that message when another rank reported a fault while this one still waits, and a rank whose
