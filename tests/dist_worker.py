@@ -197,6 +197,18 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
+    elif scenario == "none-input":  # forward(x, mask=None) placed with (x,): the None is not sent
+        torch.manual_seed(0)
+        model = OptionalMask().eval()
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True})
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        try:
+            placed.run(x, torch.ones(8, 16))
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
     elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
         placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter
@@ -276,6 +288,18 @@ def _stateful(result: dict, opts: dict) -> Any:
                              for n, b in model.named_buffers() if id(b) in mine)
     result["params"] = []
     return placed
+
+
+class OptionalMask(nn.Module):
+    """A mask that may be left out (``None``: fx traces its branch only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+        return out if mask is None else out * mask
 
 
 class Normed(nn.Module):

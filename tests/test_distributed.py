@@ -262,7 +262,7 @@ def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
     cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
-    (then a placement that works), and last a stage that raises (every rank then ends with an error)."""
+    (then a placement that works), an optional input left None, and last a stage that raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -271,10 +271,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
-                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", str(infer)],
+                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-",
+                                      str(infer)],
                   timeout_s=120)
 
 
@@ -373,6 +374,15 @@ def test_a_failed_solve_on_rank_0_ends_the_others_wait_and_a_later_placement_wor
     assert results[1]["equal"] and "equal" not in results[0]
 
 
+def test_an_optional_input_left_none_is_not_sent_and_a_call_as_the_example_runs(two_ranks):
+    """forward(x, mask=None) placed with (x,): run(x) was refused as "model input 'mask_1' is
+    NoneType ... pass batched tensors only" (found by fuzzing). A mask given later is refused by name."""
+    assert [r[1]["15:none-input"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
+    for _, results, _ in two_ranks:
+        assert results["15:none-input"]["refused"].startswith("UsageError: input 'mask' is a tensor of shape (8, 16), "
+                                                              "but the placed model was traced with None there")
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -399,7 +409,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["15:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["16:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
@@ -835,6 +845,7 @@ def test_a_call_of_other_dtypes_or_autocast_than_the_first_is_refused_before_com
     pipeline = DistributedPipeline.__new__(DistributedPipeline)  # the checks of _inputs, without processes
     pipeline.graph_io, pipeline.replicas, pipeline.microbatches = GraphIO(torch.fx.symbolic_trace(Masked())), None, 2
     pipeline._shape, pipeline._first_kinds, pipeline.device, pipeline.rank = None, None, torch.device("cpu"), 0
+    pipeline.fed = ("x", "mask")
     pipeline.slots = [EngineSlot(0, 0, (), ("x", "mask"), ())]
     x, mask = torch.randn(4, 3), torch.ones(4, 3, dtype=torch.int64)
     pipeline._inputs((x, mask), {})
@@ -908,7 +919,7 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
             return x + bias
 
     pipeline = DistributedPipeline.__new__(DistributedPipeline)
-    pipeline.graph_io = GraphIO(torch.fx.symbolic_trace(AddsABias()))
+    pipeline.graph_io, pipeline.fed, pipeline._first_kinds = GraphIO(torch.fx.symbolic_trace(AddsABias())), ("x", "bias"), None
     with pytest.raises(UnsupportedError, match=r"model input 'bias' is a tensor of 1 rows where 'x' has 8"):
         pipeline._inputs((torch.zeros(8, 8), torch.zeros(1, 8)), {})
     # a target of other rows failed inside the loss, labelled as the forward pass

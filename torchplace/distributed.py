@@ -419,7 +419,7 @@ class DistributedPlaced:
             rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
             replicas=replicas, tensor_group=tensor_group,
-            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
+            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches

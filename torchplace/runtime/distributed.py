@@ -215,11 +215,14 @@ class EngineStage(nn.Module):
         slot: what it runs and which values enter and leave.
         pieces: the torchplace stages ``slot.pieces`` names (the model's own submodules).
         activity: the rank's :class:`Activity`, told which stage runs.
+        constants: values of model inputs the engine does not send (those traced as ``None``), by name.
     """
 
-    def __init__(self, slot: EngineSlot, pieces: Sequence[StageModule], activity: Activity | None = None) -> None:
+    def __init__(self, slot: EngineSlot, pieces: Sequence[StageModule], activity: Activity | None = None,
+                 constants: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.slot = slot
+        self.constants = dict(constants or {})
         self.pieces = nn.ModuleList(pieces)
         self._activity = activity
         self.inferring = False  # set by the engine stage while the engine infers shapes
@@ -269,7 +272,7 @@ class EngineStage(nn.Module):
         if torch.is_grad_enabled():  # the gradients it sends back are contiguous, as gloo needs
             flat = tuple(_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
                          for t in flat)
-        env = dict(zip(slot.inputs, flat))
+        env = {**self.constants, **dict(zip(slot.inputs, flat))}
         env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
@@ -384,6 +387,8 @@ class DistributedPipeline:
         examples: each value's trace-time example by name (``node.meta["val"]``): the Python numbers
             among them are computed by the engine stages that read them (:func:`computed_numbers`);
             without them, a number that crosses engine stages is refused when it is sent.
+        nones: the model inputs traced as ``None`` (:attr:`torchplace.batchdim.CallSizes.nones`,
+            checked ``None`` before a call): not sent; the stages bind ``None`` to them.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
@@ -395,7 +400,7 @@ class DistributedPipeline:
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
                  schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
                  replicas: Replicas | None = None, tensor_group: Any = None,
-                 examples: Mapping[str, Any] | None = None) -> None:
+                 examples: Mapping[str, Any] | None = None, nones: Sequence[str] = ()) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -407,11 +412,12 @@ class DistributedPipeline:
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
         self.replicas = replicas
+        self.fed = tuple(n for n in graph_io.placeholder_names if n not in set(nones))
         self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
-                                                  graph_io.placeholder_names, graph_io.output_names, order),
+                                                  self.fed, graph_io.output_names, order),
                                       stages, examples or {})
         self.activity = faults.activity if faults is not None else Activity()
-        self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity)
+        self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity, dict.fromkeys(nones))
                         for s in self.slots if s.rank == rank]
         for module in self.modules:
             module.fresh_outputs = schedule == "zero-bubble"
@@ -580,12 +586,12 @@ class DistributedPipeline:
 
     def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         bound = self.graph_io.bind_inputs(args, kwargs)
-        flat = tuple(bound[n] for n in self.graph_io.placeholder_names)
-        for name, value in zip(self.graph_io.placeholder_names, flat):
+        flat = tuple(bound[n] for n in self.fed)
+        for name, value in zip(self.fed, flat):
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != flat[0].shape[0]:
                 what = (type(value).__name__ if not isinstance(value, torch.Tensor) else
                         "a tensor with no batch dimension" if value.dim() == 0 else
-                        f"a tensor of {value.shape[0]} rows where {self.graph_io.placeholder_names[0]!r} has "
+                        f"a tensor of {value.shape[0]} rows where {self.fed[0]!r} has "
                         f"{flat[0].shape[0]}")
                 raise UnsupportedError(f"model input {name!r} is {what}: the engine splits every input along dim 0 "
                                        "into the micro-batches; pass batched tensors only (the same rows each), and "
