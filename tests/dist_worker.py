@@ -209,6 +209,15 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             placed.run(x, torch.ones(8, 16))
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
+    elif scenario == "scalar-output":  # a reduction returned with one micro-batch: not joined with torch.cat
+        torch.manual_seed(0)
+        model = SumsToo().eval()
+        with torch.no_grad():
+            expected = model(x)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True, "microbatches": 1})
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]))
     elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
         placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter
@@ -300,6 +309,18 @@ class OptionalMask(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         out = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
         return out if mask is None else out * mask
+
+
+class SumsToo(nn.Module):
+    """Returns a zero-dimensional reduction beside its output (placed with one micro-batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+        return out.sum(), out
 
 
 class Normed(nn.Module):

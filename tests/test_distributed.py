@@ -262,7 +262,8 @@ def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
     cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
-    (then a placement that works), an optional input left None, and last a stage that raises (every rank then ends with an error)."""
+    (then a placement that works), an optional input left None, a returned reduction with one
+    micro-batch, and last a stage that raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -271,10 +272,10 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
-                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-",
+                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
                                       str(infer)],
                   timeout_s=120)
 
@@ -383,6 +384,12 @@ def test_an_optional_input_left_none_is_not_sent_and_a_call_as_the_example_runs(
                                                               "but the placed model was traced with None there")
 
 
+def test_a_reduction_the_model_returns_runs_with_one_micro_batch(two_ranks):
+    """(out.sum(), out) with microbatches=1 failed in the engine: "zero-dimensional tensor cannot be
+    concatenated", its default joining of the micro-batches' outputs (found by fuzzing)."""
+    assert [r[1]["16:scalar-output"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -409,7 +416,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["16:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["17:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

@@ -654,12 +654,18 @@ class DistributedPipeline:
             # .grad, so a parameter two engine stages of a rank read was scaled twice, and what an
             # earlier step accumulated once more
             return cls(self.engine_stages[0] if single else self.engine_stages, self.microbatches, loss_fn=wrapped,
-                       scale_grads=False)
+                       scale_grads=False, output_merge_spec=self._merge_spec())
         except (ValueError, RuntimeError) as e:
             raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
                                    f"micro-batches: {str(e).rstrip('.')}; pick another schedule or micro-batch "
                                    "count") from e
+
+    def _merge_spec(self) -> tuple[Any, ...] | None:
+        """The engine's ``output_merge_spec``: with one micro-batch, its outputs as they are (the
+        engine's default joins the micro-batches' outputs with ``torch.cat``, which refuses a
+        zero-dimensional one, a reduction the model returns); else the default, dim 0."""
+        return tuple(_AS_IS for _ in self.slots[-1].outputs) if self.microbatches == 1 else None
 
     def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
         """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
@@ -676,6 +682,17 @@ class DistributedPipeline:
         import torch.distributed as dist
 
         dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+
+class _AsIs:
+    """An ``output_merge_spec`` entry that is no chunk spec: the engine takes the first (here the
+    only) micro-batch's value as it is."""
+
+    def __repr__(self) -> str:
+        return "as-is"
+
+
+_AS_IS = _AsIs()
 
 
 class _LossOnOutput:
