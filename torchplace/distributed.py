@@ -494,17 +494,17 @@ class DistributedPlaced:
 
         Raises:
             UnsupportedError: the model was placed for inference (its eval-mode graph would train), or
-                changed since placing (:meth:`_check_model`); a
-                parameter several engine stages read (a tied weight) has a gradient hook, which would
-                run on each stage's part of its gradient (the same refusal on every rank, before any
-                communication).
+                changed since placing (:meth:`_check_model`); a parameter several engine stages read
+                (a tied weight) has a gradient hook, which would run on each stage's part of its
+                gradient (the same refusal on every rank, before any communication).
         """
         from torchplace.placed_module import _check_gradient_hooks
 
         if self.problem.mode != "training":
             raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
                                    "with mode='training' to train it")
-        _check_gradient_hooks(self.pipeline.read_by_several, self._model.named_parameters() if self._model else (),
+        named = self._model.named_parameters() if self._model is not None else ()
+        _check_gradient_hooks(self.pipeline.read_by_several, named,
                               fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
                                   "all uses, summed over the ranks)")
         self._check_model()
