@@ -97,7 +97,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
     scenario, _, schedule = scenario.partition("@")
     linear = scenario.endswith("-tp")  # a plan traced with Linear modules as leaves: tensor parallel stages
     scenario = scenario.removesuffix("-tp")
-    model, x, y = build(tied=scenario.startswith("train-tied"))
+    model, x, y = build(tied=scenario.startswith("train-tied") or scenario == "tied-hook")
     m = 4
     opts = dict(microbatches=m, leaf_modules=[Bomb, nn.Linear] if linear else [Bomb],
                 timeout=float(os.environ.get("TP_TIMEOUT", "30")),
@@ -163,6 +163,63 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         result["params"] = sorted(mine)
         result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]].grad, atol=1e-6)
                                  for p in placed.parameters())
+    elif scenario == "input-grad":  # an input that requires grad gets the mean micro-batch loss's gradient
+        model.train()
+        reference = copy.deepcopy(model)
+        xr = x.clone().requires_grad_()
+        (sum(nn.functional.mse_loss(reference(c), t) for c, t in zip(xr.tensor_split(m), y.tensor_split(m))) / m
+         ).backward()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        xp = x.clone().requires_grad_()
+        xp.grad = torch.ones_like(x)  # accumulated earlier: kept, this step's added
+        placed.step(xp, target=y, loss_fn=nn.functional.mse_loss)
+        result["has_grad"] = placed.rank == 0 and xp.grad is not None
+        result["allclose"] = placed.rank != 0 or torch.allclose(xp.grad, xr.grad + 1, atol=1e-6)
+        result["params"] = []
+    elif scenario == "tied-hook":  # a gradient hook on a weight two ranks read: refused on every rank
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        model.inp.weight.register_hook(torch.sign)
+        try:
+            placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+    elif scenario == "solve-fails":  # rank 0's solve raises, every rank catches it, then places again
+        solving = {**opts, "plan": None, "contiguous": True}
+        start = time.monotonic()
+        try:
+            tpd.place(model, (x,), **solving, solver="no-such-solver", plan_timeout=120)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["failed"] = f"{type(error).__name__}: {error}"
+        result["took"] = time.monotonic() - start
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **solving)  # the earlier placement's fault is not this one's
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+    elif scenario == "none-input":  # forward(x, mask=None) placed with (x,): the None is not sent
+        torch.manual_seed(0)
+        model = OptionalMask().eval()
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True})
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+        try:
+            placed.run(x, torch.ones(8, 16))
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+    elif scenario == "scalar-output":  # a reduction returned with one micro-batch: not joined with torch.cat
+        torch.manual_seed(0)
+        model = SumsToo().eval()
+        with torch.no_grad():
+            expected = model(x)
+        placed = tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True, "microbatches": 1})
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]))
+    elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
+        placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter
         placed = _stateful(result, opts)
     elif scenario == "transposed":  # a value whose gradient comes back transposed (not contiguous)
@@ -238,6 +295,97 @@ def _stateful(result: dict, opts: dict) -> Any:
     result["buffers"] = sorted(n for n, b in model.named_buffers() if id(b) in mine)
     result["allclose"] = all(torch.allclose(b.float(), expected[n].float(), atol=1e-6)
                              for n, b in model.named_buffers() if id(b) in mine)
+    result["params"] = []
+    return placed
+
+
+class OptionalMask(nn.Module):
+    """A mask that may be left out (``None``: fx traces its branch only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+        return out if mask is None else out * mask
+
+
+class SumsToo(nn.Module):
+    """Returns a zero-dimensional reduction beside its output (placed with one micro-batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+        return out.sum(), out
+
+
+class Normed(nn.Module):
+    """A batch norm in each half (the plan files of :func:`noncontiguous_plan` cut it in two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn_a, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 16)
+        self.c, self.bn_c, self.d = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.relu(self.bn_a(self.a(x)))))
+        return self.d(torch.relu(self.bn_c(self.c(h))))
+
+
+def build_normed() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Normed().train()
+    return model, torch.randn(8, 8), torch.randn(8, 4)
+
+
+def _dp_buffers(result: dict, opts: dict) -> Any:
+    """Two SGD steps of :class:`Normed` in 2 data-parallel copies: each rank's buffers, and one
+    process's simulation of what the copies should hold: per step, each copy's micro-batches run
+    from the same buffers, then floating buffers are the copies' mean and integer ones the start
+    plus every copy's increment (the parameters move on the whole batch's gradient)."""
+    import torchplace.distributed as tpd
+
+    model, x, y = build_normed()
+    m, copies = opts["microbatches"], 2
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    parts = list(zip(x.tensor_split(m), y.tensor_split(m)))
+    for _ in range(2):
+        opt.zero_grad()
+        start = {n: b.clone() for n, b in reference.named_buffers()}
+        ends = []
+        for j in range(copies):
+            with torch.no_grad():
+                for n, b in reference.named_buffers():
+                    b.copy_(start[n])
+            for c, t in parts[j * m // copies:(j + 1) * m // copies]:
+                (nn.functional.mse_loss(reference(c), t) / m).backward()
+            ends.append({n: b.clone() for n, b in reference.named_buffers()})
+        with torch.no_grad():
+            for n, b in reference.named_buffers():
+                b.copy_(sum(e[n] for e in ends) / copies if b.is_floating_point()
+                        else start[n] + sum(e[n] - start[n] for e in ends))
+        opt.step()
+    unsplit = copy.deepcopy(model)  # one pipeline on the whole batch: the counters' relation
+    for _ in range(2):
+        for c in x.tensor_split(m):
+            unsplit(c)
+    placed = tpd.place(model, (x,), mode="training", **opts)
+    opt = torch.optim.SGD(placed.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        opt.step()
+    mine = {id(t) for module in placed.pipeline.modules for t in module.buffers()}
+    held = {n: b for n, b in model.named_buffers() if id(b) in mine}
+    expected, counted = dict(reference.named_buffers()), dict(unsplit.named_buffers())
+    result["buffers"] = {n: b.tolist() for n, b in held.items()}
+    result["allclose"] = all(torch.allclose(b.float(), expected[n].float(), atol=1e-6) for n, b in held.items())
+    result["counted"] = {n: [int(b), int(counted[n])] for n, b in held.items() if not b.is_floating_point()}
     result["params"] = []
     return placed
 
@@ -386,15 +534,15 @@ if __name__ == "__main__":
 
 def noncontiguous_plan(path: str, mode: str, tied: bool = False,
                        devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1"), data_parallel: int = 1,
-                       tensor_parallel: int = 1) -> list[str]:
-    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`) in pieces of equal length on
+                       tensor_parallel: int = 1, normed: bool = False) -> list[str]:
+    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`, or :class:`Normed`) in pieces of equal length on
     ``devices`` (a training plan has the backward of each piece on its device, in reverse order),
     every stage with ``data_parallel`` and ``tensor_parallel`` (traced with Linear modules as leaves
     when it is above 1); return the stage devices."""
     from torchplace import api
     from torchplace.plan import Plan, Stage
 
-    model, x, _ = build(tied=tied)
+    model, x, _ = build_normed() if normed else build(tied=tied)
     model.train(mode == "training")
     leaves = [Bomb, nn.Linear] if tensor_parallel > 1 else [Bomb]
     placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=leaves,

@@ -261,7 +261,9 @@ def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc
 def two_ranks(tmp_path_factory, nc_plans):
     """One launch of 2 ranks: a plan solved on rank 0 (inference, training), then a non-contiguous
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
-    cluster file, and last a stage that raises (every rank then ends with an error)."""
+    cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
+    (then a placement that works), an optional input left None, a returned reduction with one
+    micro-batch, and last a stage that raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -270,10 +272,12 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
-                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), str(infer)], timeout_s=120)
+                                      str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
+                                      str(infer)],
+                  timeout_s=120)
 
 
 def _check(ranks: list[tuple[int, dict, str]], key: str, world: int) -> None:
@@ -342,6 +346,50 @@ def test_a_weight_two_engine_stages_of_one_rank_read_is_scaled_once(two_ranks):
     assert "inp.weight" in two_ranks[0][1][key]["params"] and "inp.weight" not in two_ranks[1][1][key]["params"]
 
 
+def test_an_input_that_requires_grad_gets_the_mean_micro_batch_losss_gradient(two_ranks):
+    """x.grad was m times the model's: the engine back-propagates each micro-batch's loss unscaled
+    and step() scaled only the parameters (found by fuzzing). A gradient x had is kept."""
+    results = [r[1]["12:input-grad"] for r in two_ranks]
+    assert all("error" not in r and r["allclose"] for r in results), results
+    assert results[0]["has_grad"]  # on the rank of the first stage, which reads x
+
+
+def test_a_gradient_hook_on_a_weight_two_ranks_read_is_refused_on_every_rank(two_ranks):
+    """The hook ran on each rank's part of the tied weight's gradient before the parts were summed
+    (inp.weight.grad 1.5 off with torch.sign; found by fuzzing); torchplace.place refuses it too."""
+    for _, results, err in two_ranks:
+        refused = results["13:tied-hook"].get("refused", "")
+        assert refused.startswith("UnsupportedError: inp.weight has a gradient hook"), (results["13:tied-hook"], err[-2000:])
+        assert "apply what it did to p.grad after step()" in refused
+
+
+def test_a_failed_solve_on_rank_0_ends_the_others_wait_and_a_later_placement_works(two_ranks):
+    """Rank 1 waited for the plan for the whole plan_timeout (default 1800 s) while rank 0, whose
+    solve had raised, lived on; and the fault, never cleared, failed every later placement of the
+    launch at once (found by fuzzing)."""
+    results = [r[1]["14:solve-fails"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert results[0]["failed"].startswith("UsageError") and "no-such-solver" in results[0]["failed"], results[0]
+    assert results[1]["failed"].startswith("DistributedError: rank 0 failed while placing: UsageError"), results[1]
+    assert results[1]["took"] < GRACE_S + SETTLE_S + 15, results[1]  # not the plan_timeout of 120 s
+    assert results[1]["equal"] and "equal" not in results[0]
+
+
+def test_an_optional_input_left_none_is_not_sent_and_a_call_as_the_example_runs(two_ranks):
+    """forward(x, mask=None) placed with (x,): run(x) was refused as "model input 'mask_1' is
+    NoneType ... pass batched tensors only" (found by fuzzing). A mask given later is refused by name."""
+    assert [r[1]["15:none-input"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
+    for _, results, _ in two_ranks:
+        assert results["15:none-input"]["refused"].startswith("UsageError: input 'mask' is a tensor of shape (8, 16), "
+                                                              "but the placed model was traced with None there")
+
+
+def test_a_reduction_the_model_returns_runs_with_one_micro_batch(two_ranks):
+    """(out.sum(), out) with microbatches=1 failed in the engine: "zero-dimensional tensor cannot be
+    concatenated", its default joining of the micro-batches' outputs (found by fuzzing)."""
+    assert [r[1]["16:scalar-output"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -368,7 +416,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["12:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["17:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
@@ -382,6 +430,9 @@ def grid_plans(tmp_path_factory) -> dict[str, Path]:
         for mode in ("inference", "training"):
             plans[f"{kind}-{mode}"] = tmp / f"{kind}-{mode}.json"
             dist_worker.noncontiguous_plan(str(plans[f"{kind}-{mode}"]), mode, devices=("cpu:0", "cpu:1"), **degrees)
+    plans["dp-normed"] = tmp / "dp-normed.json"
+    dist_worker.noncontiguous_plan(str(plans["dp-normed"]), "training", devices=("cpu:0", "cpu:1"), data_parallel=2,
+                                   normed=True)
     return plans
 
 
@@ -470,8 +521,9 @@ def four_ranks(tmp_path_factory, grid_plans):
     stage of both copies raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("four")
     plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training",
-                                     "dp-inference")]
-    return launch("infer,train,odd-batch,infer-tp,train-tp,raise", 4, tmp, [str(p) for p in plans], timeout_s=60)
+                                     "dp-normed", "dp-inference")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp,dp-buffers,raise", 4, tmp, [str(p) for p in plans],
+                  timeout_s=60)
 
 
 def test_data_x_pipeline_inference_is_bitwise_the_model(four_ranks):
@@ -520,13 +572,28 @@ def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ra
     assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
 
 
+def test_data_parallel_copies_agree_on_their_buffers_after_every_step(four_ranks):
+    """Each copy's batch norms updated their statistics on their own half of the batch, so the
+    copies of a stage held different models after training, and num_batches_tracked was half the
+    unsplit model's (found by fuzzing). Now floating buffers are the copies' mean (allclose to one
+    process's simulation of that) and counters count every micro-batch, as the unsplit model's."""
+    results = [r[1]["5:dp-buffers"] for r in four_ranks]
+    assert all("error" not in r and r["allclose"] for r in results), results
+    assert results[0]["buffers"] == results[1]["buffers"] and results[2]["buffers"] == results[3]["buffers"]
+    held = sorted(n for r in (results[0], results[2]) for n in r["buffers"])
+    assert held == sorted(n for n, _ in dist_worker.Normed().named_buffers())  # each position's, every one once
+    counted = {n: c for r in results for n, c in r["counted"].items()}
+    assert sorted(counted) == ["bn_a.num_batches_tracked", "bn_c.num_batches_tracked"]
+    assert all(mine == unsplit for mine, unsplit in counted.values()), counted
+
+
 def test_a_raise_in_one_copy_ends_every_rank_of_every_copy(four_ranks):
-    messages = [r[1]["5:raise"].get("error", "") for r in four_ranks]
+    messages = [r[1]["6:raise"].get("error", "") for r in four_ranks]
     assert all(r[0] != 0 for r in four_ranks), messages
     assert all(m.startswith("DistributedError: ") and "failed in stage 1" in m for m in messages), messages
     failing = {m.split("DistributedError: rank ")[1].split(" ")[0] for m in messages}
     assert len(failing) == 1 and failing <= {"2", "3"}, messages  # one copy's last rank published first
-    ends = [r[1]["5:raise"]["at"] for r in four_ranks]
+    ends = [r[1]["6:raise"]["at"] for r in four_ranks]
     assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 60 s group timeout
 
 
@@ -673,6 +740,7 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
 
     placed = DistributedPlaced.__new__(DistributedPlaced)
     placed._sizes, placed._microbatches, placed.pipeline = CallSizes(rows=2), 4, Engine()
+    placed._record_model(None)
     assert placed.run(torch.zeros(8, 3)) == "ran"
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
                                               "placed.microbatches to 2 or fewer"):
@@ -697,6 +765,103 @@ def test_step_on_a_model_placed_for_inference_is_refused():
     object.__setattr__(placed.problem, "mode", "inference")
     with pytest.raises(UnsupportedError, match="placed for inference.*mode='training'"):
         placed.step(torch.zeros(8, 3), target=torch.zeros(8), loss_fn=nn.functional.mse_loss)
+
+
+class _Ran:
+    """A rank's engine stand-in, without a process group: says that it ran."""
+
+    read_by_several: list = []
+
+    def run(self, *args, **kwargs):
+        return "ran"
+
+    step = run
+
+
+def _placed_without_processes(model: nn.Module, mode: str) -> Any:
+    """A :class:`DistributedPlaced` of ``model`` (placed in ``mode``) whose engine only says that it ran."""
+    from torchplace.batchdim import CallSizes
+    from torchplace.distributed import DistributedPlaced
+    from torchplace.problem import Problem
+
+    placed = DistributedPlaced.__new__(DistributedPlaced)
+    placed.problem = Problem.__new__(Problem)
+    object.__setattr__(placed.problem, "mode", mode)
+    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(), 4, _Ran()
+    placed._record_model(model)
+    return placed
+
+
+def test_a_mode_switched_after_placing_is_refused():
+    """A training placement then model.eval() ran the training graph (batch statistics, 0.4 off,
+    running statistics moved); an inference placement then model.train() ran the eval graph,
+    silently (found by fuzzing). The engine runs the graph traced in the modes of placing."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).train()
+    placed = _placed_without_processes(model, "training")
+    x = torch.zeros(8, 3)
+    assert placed.run(x) == "ran"
+    model.eval()
+    with pytest.raises(UnsupportedError, match=r"eval mode \(model.eval\(\) was called after placing\?\).*model.train\(\) "
+                                               r"again, or place the model in eval mode"):
+        placed.run(x)
+    with pytest.raises(UnsupportedError, match="eval mode"):
+        placed.step(x, target=torch.zeros(8, 4), loss_fn=nn.functional.mse_loss)
+    model[1].train()
+    with pytest.raises(UnsupportedError, match=r"modules the model, '0' are not in the training modes"):
+        placed.run(x)
+    model.train()
+    assert placed.step(x, target=torch.zeros(8, 4), loss_fn=nn.functional.mse_loss) == "ran"
+    placed = _placed_without_processes(model.eval(), "inference")
+    model.train()
+    with pytest.raises(UnsupportedError, match=r"in training mode \(model.train\(\) was called after placing\?\).*"
+                                               r"call model.eval\(\)"):
+        placed.run(x)
+
+
+@pytest.mark.parametrize("change", ["parameter", "hook", "attribute"])
+def test_a_model_changed_after_placing_is_refused(change):
+    """A new Parameter assigned, or a forward hook added, after placing was ignored: the stages
+    ran what was placed (outputs 1.2 and 2.2 off; found by fuzzing)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).eval()
+    placed = _placed_without_processes(model, "inference")
+    assert placed.run(torch.zeros(8, 3)) == "ran"
+    if change == "parameter":
+        model[2].weight = nn.Parameter(torch.ones(2, 4))
+    elif change == "hook":
+        model[2].register_forward_hook(lambda module, args, out: out * 2)
+    else:
+        model[1].p = 0.0
+    what = {"parameter": "2.weight was replaced after placing", "hook": "a forward hook of 2 was added or removed",
+            "attribute": r"1.p was changed after placing \(0.5 -> 0.0\)"}[change]
+    with pytest.raises(UnsupportedError, match=what):
+        placed.run(torch.zeros(8, 3))
+
+
+def test_a_call_of_other_dtypes_or_autocast_than_the_first_is_refused_before_communication():
+    """The engine sizes its receive buffers on the first call, dtypes included: a bool mask after
+    an int64 one was received as int64 bytes (outputs 9e15 off), a call under autocast after a
+    float32 one received bfloat16 values as float32 (0.35 off; found by fuzzing). Only shapes
+    were compared. A first call under autocast is fine (tests of the engine's own sizes)."""
+    from torchplace.runtime import GraphIO
+    from torchplace.runtime.distributed import DistributedPipeline
+
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+    pipeline = DistributedPipeline.__new__(DistributedPipeline)  # the checks of _inputs, without processes
+    pipeline.graph_io, pipeline.replicas, pipeline.microbatches = GraphIO(torch.fx.symbolic_trace(Masked())), None, 2
+    pipeline._shape, pipeline._first_kinds, pipeline.device, pipeline.rank = None, None, torch.device("cpu"), 0
+    pipeline.fed = ("x", "mask")
+    pipeline.slots = [EngineSlot(0, 0, (), ("x", "mask"), ())]
+    x, mask = torch.randn(4, 3), torch.ones(4, 3, dtype=torch.int64)
+    pipeline._inputs((x, mask), {})
+    with pytest.raises(UsageError, match=r"inputs of dtypes \['float32', 'bool'\] without autocast, but this pipeline "
+                                         r"first ran with \['float32', 'int64'\] without autocast.*place the model again"):
+        pipeline._inputs((x, mask.bool()), {})
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UsageError, match="under autocast to bfloat16"):
+        pipeline._inputs((x, mask), {})
+    pipeline._inputs((x, mask), {})  # as the first call: runs
 
 
 def test_a_checkpoint_of_other_shapes_is_refused_and_unsaved_buffers_are_not_asked_for():
@@ -761,7 +926,7 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
             return x + bias
 
     pipeline = DistributedPipeline.__new__(DistributedPipeline)
-    pipeline.graph_io = GraphIO(torch.fx.symbolic_trace(AddsABias()))
+    pipeline.graph_io, pipeline.fed, pipeline._first_kinds = GraphIO(torch.fx.symbolic_trace(AddsABias())), ("x", "bias"), None
     with pytest.raises(UnsupportedError, match=r"model input 'bias' is a tensor of 1 rows where 'x' has 8"):
         pipeline._inputs((torch.zeros(8, 8), torch.zeros(1, 8)), {})
     # a target of other rows failed inside the loss, labelled as the forward pass

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,10 +36,12 @@ from torchplace.checks import positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
+from torchplace.runtime.structure import Structure
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
 
 _PLAN_KEY = "torchplace/plan"
+_POLL_S = 0.5  # seconds between the other ranks' looks for a fault while rank 0 solves
 _CALLS = 0  # place() calls in this process
 
 
@@ -180,11 +183,11 @@ def place(
                                 plan=given, **_quick(common))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    from torchplace.runtime.dist_faults import Faults
+    from torchplace.runtime.dist_faults import FAULT, Faults
 
     global _CALLS
-    _CALLS += 1  # every rank places the same models in the same order: one plan key per call
-    faults = Faults(dist.distributed_c10d._get_default_store(), rank, world)
+    _CALLS += 1  # every rank places the same models in the same order: one plan and fault key per call
+    faults = Faults(dist.distributed_c10d._get_default_store(), rank, world, key=f"{FAULT}/{_CALLS}")
     try:
         if placement is None:
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
@@ -328,7 +331,9 @@ def _torch_device(rank_devices: Sequence[str | Device], local_rank: int, backend
 
 def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Mapping[str, Any], faults: Any,
                 plan_timeout: float, key: str) -> Any:
-    """Rank 0 solves and publishes the plan in the store; the others read it and check it."""
+    """Rank 0 solves and publishes the plan in the store; the others read it and check it. They
+    look for the plan and for a fault every :data:`_POLL_S` seconds, so a rank 0 whose
+    solve failed (and which published that) ends their wait at once, not after ``plan_timeout``."""
     from torchplace import api
     from torchplace.planfile import plan_from_json
 
@@ -337,15 +342,32 @@ def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Ma
         placement = api.prepare(model, devices, example_inputs, **options)
         store.set(key, json.dumps(placement.plan.to_json()))
         return placement
-    try:
-        store.wait([key], datetime.timedelta(seconds=plan_timeout))
-    except Exception as error:
-        raise DistributedError(faults.fault() or f"rank 0 published no plan within {plan_timeout:g} s "
-                               f"({type(error).__name__}); raise plan_timeout for long solves") from error
-    if faults.fault():
-        raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+    deadline = time.monotonic() + plan_timeout
+    while True:  # store.check, not store.wait with a short timeout: that logs a warning at every timeout
+        try:
+            if store.check([key]):
+                break
+        except Exception as error:
+            raise DistributedError(f"the rendezvous store failed while rank {faults.rank} waited for rank 0's plan "
+                                   f"({type(error).__name__}: {error}): rank 0 has stopped") from error
+        if faults.fault():
+            raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+        if time.monotonic() >= deadline:
+            raise DistributedError(f"rank 0 published no plan within {plan_timeout:g} s; raise plan_timeout for long "
+                                   "solves")
+        time.sleep(_POLL_S)
     plan = plan_from_json(json.loads(store.get(key).decode()), "the plan of rank 0")
     return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
+
+
+def _written_buffers(model: nn.Module | None, names: Sequence[str], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The buffers among ``names`` (the state the traced graph writes) that ``modules`` (this
+    rank's engine stages) hold, in the order of ``names``: the same on every data-parallel copy."""
+    if model is None:
+        return []
+    mine = {id(b): b for m in modules for b in m.buffers()}
+    held = dict(model.named_buffers(remove_duplicate=False))
+    return list({id(held[n]): held[n] for n in names if n in held and id(held[n]) in mine}.values())
 
 
 class DistributedPlaced:
@@ -397,9 +419,11 @@ class DistributedPlaced:
             rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
             replicas=replicas, tensor_group=tensor_group,
-            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes})
+            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
         self.is_last = self.pipeline.is_last
+        self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
+        self._model = traced.model
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
             if id(t) in self.pipeline.freed:
                 getattr(owner, kind)[slot] = self.pipeline.freed[id(t)]
@@ -407,10 +431,57 @@ class DistributedPlaced:
             _FREED.add(traced.model)
         if state_dict is not None:
             self._load(traced.model, state_dict)
+        self._record_model(traced.model)
+
+    def _record_model(self, model: nn.Module | None) -> None:
+        """Record what :meth:`_check_model` compares: the model's structure and modes as placed."""
+        self._model = model
+        self._structure = Structure.of(model.named_modules(remove_duplicate=False)) if model is not None else None
+        self._modes = tuple(m.training for m in model.modules()) if model is not None else ()
+
+    def _check_model(self) -> None:
+        """Refuse a call after the model changed since placing: a module, parameter or buffer
+        replaced, a hook added or removed, a plain attribute changed
+        (:class:`~torchplace.runtime.structure.Structure`), or a module's training mode switched
+        (the stages run the graph traced in the modes of placing). Every rank holds the whole
+        model (other ranks' tensors on the meta device) and runs the same script, so every rank
+        refuses alike, before any communication.
+
+        Raises:
+            UnsupportedError: naming what changed and what to do.
+        """
+        if self._structure is None or self._model is None:
+            return
+        self._structure.check()
+        modes = tuple(m.training for m in self._model.modules())
+        if modes == self._modes:
+            return
+        if self.problem.mode != "training":
+            raise UnsupportedError(
+                "a module of the placed model is in training mode (model.train() was called after placing?): this "
+                "placement runs the graph traced in eval mode; call model.eval(), or place the model for training "
+                "(tpd.place(model.train(), ..., mode='training'))")
+        if not any(modes):
+            raise UnsupportedError(
+                "the model is in eval mode (model.eval() was called after placing?), but this placement runs the "
+                "graph traced in training mode (batch statistics, dropout), and the torch.distributed runtime has "
+                "no eval-mode graph: call model.train() again, or place the model in eval mode for eval-mode "
+                "outputs (tpd.place(model.eval(), ..., mode='inference'))")
+        odd = [repr(name) if name else "the model" for (name, module), flag in
+               zip(self._model.named_modules(), self._modes) if module.training != flag]
+        raise UnsupportedError(
+            f"modules {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} are not in the training modes the model was "
+            "placed with (its stages run the graph traced in those modes): set them back (module.train() / "
+            "module.eval()), or place the model again in the modes you want")
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for this batch on the last rank; ``None`` on the others (see
-        :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`)."""
+        :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`).
+
+        Raises:
+            UnsupportedError: the model changed since placing (:meth:`_check_model`).
+        """
+        self._check_model()
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
@@ -422,11 +493,21 @@ class DistributedPlaced:
         """One training step of the batch; the losses of its micro-batches on the last rank.
 
         Raises:
-            UnsupportedError: the model was placed for inference (its eval-mode graph would train).
+            UnsupportedError: the model was placed for inference (its eval-mode graph would train), or
+                changed since placing (:meth:`_check_model`); a parameter several engine stages read
+                (a tied weight) has a gradient hook, which would run on each stage's part of its
+                gradient (the same refusal on every rank, before any communication).
         """
+        from torchplace.placed_module import _check_gradient_hooks
+
         if self.problem.mode != "training":
             raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
                                    "with mode='training' to train it")
+        named = self._model.named_parameters() if self._model is not None else ()
+        _check_gradient_hooks(self.pipeline.read_by_several, named,
+                              fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
+                                  "all uses, summed over the ranks)")
+        self._check_model()
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)

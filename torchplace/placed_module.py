@@ -68,10 +68,16 @@ def _home_unread_tensors(model: nn.Module, problem: Problem, plan: Plan) -> None
             move_in_place(tensors[name], normalize_device(device_of[entry["owner"]]), name)
 
 
-def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+_THROUGH_AUTOGRAD = ("train through autograd instead (loss_fn(placed(x), y).backward(), one backward over the whole "
+                     "graph), or remove the hook")
+
+
+def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[str, torch.Tensor]],
+                          fix: str = _THROUGH_AUTOGRAD) -> None:
     """Refuse a step when a parameter several stages read has a gradient hook: each stage's
     backward adds its part of the gradient, so the hook would run once per stage on a part
-    (a clamp would clamp parts; an optimizer step in backward would step on each).
+    (a clamp would clamp parts; an optimizer step in backward would step on each). ``fix``: what
+    to do instead, for the message.
 
     Raises:
         UnsupportedError: naming the parameter and what to do instead.
@@ -81,8 +87,7 @@ def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[
         name = next((n for n, p in named if id(p) in hooked), "a parameter")
         raise UnsupportedError(
             f"{name} has a gradient hook, and several stages of the plan read it: step() back-propagates each stage "
-            "on its own, so the hook would run once per stage on that stage's part of the gradient; train through "
-            "autograd instead (loss_fn(placed(x), y).backward(), one backward over the whole graph), or remove the hook")
+            f"on its own, so the hook would run once per stage on that stage's part of the gradient; {fix}")
 
 
 class PlacedModule(nn.Module):

@@ -3,9 +3,10 @@ that failed, and no rank waits forever.
 
 The processes share the rendezvous store of ``torch.distributed`` (a ``TCPStore``). Two keys:
 
-* ``torchplace/fault``: the first failure, ``"rank R failed in stage S (forward of micro-batch
-  i): ValueError: ..."``, written (once: ``compare_set``) by the rank that raised, or by the first
-  rank that noticed a peer stop;
+* ``torchplace/fault/N``: the first failure of the ``N``-th placement of the launch (each has its
+  own key, so a placement after a failed one starts clean), ``"rank R failed in stage S (forward
+  of micro-batch i): ValueError: ..."``, written (once: ``compare_set``) by the rank that raised, or
+  by the first rank that noticed a peer stop;
 * ``torchplace/hb/R``: rank ``R``'s heartbeat, a counter and what it runs, written every
   :data:`BEAT_S` seconds by its :class:`Faults` thread.
 
@@ -50,6 +51,7 @@ GRACE_S = 5.0
 """Seconds a rank still running a step may take to end by itself after a fault was published."""
 
 FAULT = "torchplace/fault"
+"""The fault key (of the placement ``N``: ``f"{FAULT}/{N}"``)."""
 
 
 class Activity:
@@ -88,10 +90,11 @@ class Faults:
         rank, world: this rank and the number of ranks.
         exit_on_peer_fault: end this process (status 1) when a peer's fault leaves it blocked
             for :data:`GRACE_S` seconds; ``False`` only waits for the process group's timeout.
+        key: the store key of the fault (one per placement: ``f"{FAULT}/{N}"``).
     """
 
-    def __init__(self, store: Any, rank: int, world: int, exit_on_peer_fault: bool = True) -> None:
-        self.store, self.rank, self.world = store, rank, world
+    def __init__(self, store: Any, rank: int, world: int, exit_on_peer_fault: bool = True, key: str = FAULT) -> None:
+        self.store, self.rank, self.world, self.key = store, rank, world, key
         self.activity = Activity(self._heartbeat)
         self.exit_on_peer_fault = exit_on_peer_fault
         self._busy_since: float | None = None
@@ -133,8 +136,8 @@ class Faults:
     def fault(self) -> str | None:
         """The fault some rank published, or ``None``."""
         try:
-            if self.store.check([FAULT]):
-                return self.store.get(FAULT).decode()
+            if self.store.check([self.key]):
+                return self.store.get(self.key).decode()
         except Exception:  # noqa: BLE001 - the store's host is gone
             return None
         return None
@@ -142,8 +145,8 @@ class Faults:
     def _publish(self, message: str) -> str:
         """Publish ``message`` as the fault unless one is already there; return the fault."""
         try:
-            self.store.compare_set(FAULT, "", message)
-            return self.store.get(FAULT).decode()
+            self.store.compare_set(self.key, "", message)
+            return self.store.get(self.key).decode()
         except Exception:  # noqa: BLE001 - the store's host is gone: report what this rank knows
             return message
 

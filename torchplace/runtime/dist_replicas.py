@@ -16,6 +16,13 @@ ranks of one position (and tensor-parallel rank) form a data-parallel group, ove
   gradient of the mean of its ``m / d`` micro-batch losses, so the average over the copies is the
   gradient of the mean over all ``m`` (the micro-batches are equal in size), which is what one
   pipeline gives on the whole batch, and the optimizer steps alike on every copy;
+* makes the copies' buffers agree after every call (:meth:`Replicas.agree_buffers`), those the
+  forward writes (batch norm's statistics, a counter): a floating buffer becomes the mean of the
+  copies' (the copies' running statistics each averaged over their own micro-batches, then over the
+  copies: the same on every copy, not the unsplit model's, whose running average takes all ``m``
+  micro-batches in sequence), an integer one its value before the call plus every copy's increment
+  (``num_batches_tracked`` counts all ``m`` micro-batches, as the unsplit model's), a boolean one
+  true where any copy's is. Torch DDP instead broadcasts copy 0's buffers before every forward;
 * joins the outputs and losses of the copies along dim 0 (:meth:`Replicas.gather`), so the last
   position of every copy returns the whole batch's.
 
@@ -81,6 +88,28 @@ class Replicas:
             flat.div_(self.count)
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
+
+    @torch.no_grad()
+    def agree_buffers(self, buffers: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None]) -> None:
+        """Make the copies' ``buffers`` agree (module docs): floating ones their mean over the copies,
+        integer ones ``before`` (their values before the call, ``None`` for the others) plus the sum
+        of every copy's increment, boolean ones true where any copy's is. ``buffers`` are the same,
+        in the same order, on every copy (the buffers the graph writes, which they all run)."""
+        import torch.distributed as dist
+
+        for buffer, old in zip(buffers, before):
+            if buffer.is_floating_point() or buffer.is_complex():
+                dist.all_reduce(buffer, group=self.group)
+                buffer.div_(self.count)
+            elif buffer.dtype == torch.bool:
+                flag = buffer.to(torch.uint8)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+                buffer.copy_(flag.bool())
+            else:
+                if old is None:
+                    raise ValueError("an integer buffer needs its value before the call")
+                dist.all_reduce(buffer, group=self.group)  # the sum of the copies' old + increment
+                buffer.sub_(old * (self.count - 1))
 
     def gather(self, values: Sequence[Any], names: Sequence[str] = ()) -> list[torch.Tensor]:
         """Each tensor of ``values`` joined along dim 0 over the copies, in copy order (the batch's

@@ -26,7 +26,7 @@ this module turns them into the engine's stages and schedules
    Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
    over its ranks before the engine's stages are built (:mod:`~torchplace.runtime.dist_tensor`).
 
-Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault``
+Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault/N``
 (naming the rank, the engine stage and the pass) before it is raised as
 :class:`~torchplace.errors.DistributedError`; a watchdog thread on every rank ends the process
 with that message when another rank reported a fault while this one still waits, and a rank whose
@@ -215,11 +215,14 @@ class EngineStage(nn.Module):
         slot: what it runs and which values enter and leave.
         pieces: the torchplace stages ``slot.pieces`` names (the model's own submodules).
         activity: the rank's :class:`Activity`, told which stage runs.
+        constants: values of model inputs the engine does not send (those traced as ``None``), by name.
     """
 
-    def __init__(self, slot: EngineSlot, pieces: Sequence[StageModule], activity: Activity | None = None) -> None:
+    def __init__(self, slot: EngineSlot, pieces: Sequence[StageModule], activity: Activity | None = None,
+                 constants: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.slot = slot
+        self.constants = dict(constants or {})
         self.pieces = nn.ModuleList(pieces)
         self._activity = activity
         self.inferring = False  # set by the engine stage while the engine infers shapes
@@ -269,13 +272,29 @@ class EngineStage(nn.Module):
         if torch.is_grad_enabled():  # the gradients it sends back are contiguous, as gloo needs
             flat = tuple(_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
                          for t in flat)
-        env = dict(zip(slot.inputs, flat))
+        env = {**self.constants, **dict(zip(slot.inputs, flat))}
         env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
             env.update(zip(piece.outputs, outputs))
         received = {id(v) for v in flat}
         return tuple(_sendable(n, env[n], slot, self.fresh_outputs or id(env[n]) in received) for n in slot.outputs)
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``scale``: a model input that requires
+    grad gets the gradient of the mean micro-batch loss, as the parameters do (the engine
+    back-propagates each micro-batch's loss unscaled). Gradients an input already had are kept:
+    autograd adds this step's to them."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -368,6 +387,8 @@ class DistributedPipeline:
         examples: each value's trace-time example by name (``node.meta["val"]``): the Python numbers
             among them are computed by the engine stages that read them (:func:`computed_numbers`);
             without them, a number that crosses engine stages is refused when it is sent.
+        nones: the model inputs traced as ``None`` (:attr:`torchplace.batchdim.CallSizes.nones`,
+            checked ``None`` before a call): not sent; the stages bind ``None`` to them.
 
     Raises:
         UnsupportedError: a stage writes a model input in place (the caller's tensor lives on one
@@ -379,7 +400,7 @@ class DistributedPipeline:
                  order: Sequence[str], *, rank: int, world: int, device: torch.device, microbatches: int,
                  schedule: str = "1f1b", group: Any = None, faults: Any = None, free_others: bool = True,
                  replicas: Replicas | None = None, tensor_group: Any = None,
-                 examples: Mapping[str, Any] | None = None) -> None:
+                 examples: Mapping[str, Any] | None = None, nones: Sequence[str] = ()) -> None:
         from torchplace.runtime.values import written_inputs
 
         if schedule not in SCHEDULES:
@@ -391,17 +412,22 @@ class DistributedPipeline:
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
         self.replicas = replicas
+        self.fed = tuple(n for n in graph_io.placeholder_names if n not in set(nones))
         self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
-                                                  graph_io.placeholder_names, graph_io.output_names, order),
+                                                  self.fed, graph_io.output_names, order),
                                       stages, examples or {})
         self.activity = faults.activity if faults is not None else Activity()
-        self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity)
+        self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity, dict.fromkeys(nones))
                         for s in self.slots if s.rank == rank]
         for module in self.modules:
             module.fresh_outputs = schedule == "zero-bubble"
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
+        self.read_by_several = _read_by_several(self.slots, stages)
+        """The parameters several engine stages read (on any rank; the same objects or meta stand-ins
+        on every rank): each engine stage back-propagates on its own, so a gradient hook on one
+        would run on each stage's part of its gradient."""
         if tensor_group is not None:
             self._shard(stages, tensor_group)
         stage_class = _stage_class()
@@ -412,6 +438,10 @@ class DistributedPipeline:
             self.engine_stages.append(stage)
         self._schedules: dict[Any, Any] = {}
         self._shape: tuple[tuple[int, ...], ...] | None = None
+        self._first_kinds: tuple[tuple[torch.dtype, ...], torch.dtype | None] | None = None
+        self.written: list[torch.Tensor] = []
+        """This rank's buffers the forward writes (the same on every copy), which ``replicas``
+        make agree after every call; set by the caller, who knows their names."""
 
     # -- tensors -----------------------------------------------------------------------------------------
     def _place_tensors(self, stages: Sequence[StageModule], free_others: bool) -> None:
@@ -475,12 +505,14 @@ class DistributedPipeline:
         on the last rank of every copy."""
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(None)
+        before = self._counters()
         with torch.no_grad():
             out = self._guard(lambda: schedule.step(*flat))
         replicas = self.replicas
         if replicas is not None and self.is_last:
             values = out if isinstance(out, tuple) else (out,)
             out = tuple(self._guard(lambda: replicas.gather(values, self.slots[-1].outputs), agree=False))
+        self._agree_buffers(before)
         return self._assemble(out) if self.is_last else None
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -489,7 +521,8 @@ class DistributedPipeline:
         parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss (this step's
         gradients are scaled by ``1 / microbatches`` here, once per parameter, then added to what
         earlier steps left; with ``replicas``, averaged over the copies: the mean over the whole
-        batch's micro-batches). Returns each micro-batch's loss on the last rank (on the
+        batch's micro-batches). A model input that requires grad gets the gradient of that mean
+        too, added to what it had. Returns each micro-batch's loss on the last rank (on the
         last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
         rank's ``optimizer.step()`` after it."""
         if not isinstance(target, torch.Tensor):
@@ -500,11 +533,14 @@ class DistributedPipeline:
             have = target.shape[0] if target.dim() else "no"
             raise UsageError(f"target has {have} rows where the inputs have {rows}: the engine splits the target "
                              "along dim 0 as it splits the batch; pass one row per sample")
+        copies = self.replicas.count if self.replicas is not None else 1
+        flat = tuple(_ScaledGrad.apply(t, 1 / (self.microbatches * copies)) if t.requires_grad else t for t in flat)
         schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
         target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
         params = self.parameters()
+        counters = self._counters()
         before = [p.grad for p in params]  # what earlier steps accumulated, set aside: this step's alone
         for p in params:
             p.grad = None
@@ -527,19 +563,35 @@ class DistributedPipeline:
         if replicas is None:
             return [loss.detach() for loss in losses]
         self._guard(lambda: replicas.average_grads(self.parameters()))
+        self._agree_buffers(counters)
         if not self.is_last:
             return []
         gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
         return list(gathered[0])
 
+    def _counters(self) -> list[torch.Tensor | None]:
+        """With replicas, the integer buffers of :attr:`written` as they are before a call (a copy;
+        ``None`` for the others): :meth:`Replicas.agree_buffers` adds every copy's increment."""
+        if self.replicas is None:
+            return []
+        return [b.clone() if not (b.is_floating_point() or b.is_complex() or b.dtype == torch.bool) else None
+                for b in self.written]
+
+    def _agree_buffers(self, before: Sequence[torch.Tensor | None]) -> None:
+        """With replicas, make the copies' written buffers agree after a call
+        (:meth:`Replicas.agree_buffers <torchplace.runtime.dist_replicas.Replicas.agree_buffers>`)."""
+        replicas = self.replicas
+        if replicas is not None and self.written:
+            self._guard(lambda: replicas.agree_buffers(self.written, before), agree=False)
+
     def _inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         bound = self.graph_io.bind_inputs(args, kwargs)
-        flat = tuple(bound[n] for n in self.graph_io.placeholder_names)
-        for name, value in zip(self.graph_io.placeholder_names, flat):
+        flat = tuple(bound[n] for n in self.fed)
+        for name, value in zip(self.fed, flat):
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != flat[0].shape[0]:
                 what = (type(value).__name__ if not isinstance(value, torch.Tensor) else
                         "a tensor with no batch dimension" if value.dim() == 0 else
-                        f"a tensor of {value.shape[0]} rows where {self.graph_io.placeholder_names[0]!r} has "
+                        f"a tensor of {value.shape[0]} rows where {self.fed[0]!r} has "
                         f"{flat[0].shape[0]}")
                 raise UnsupportedError(f"model input {name!r} is {what}: the engine splits every input along dim 0 "
                                        "into the micro-batches; pass batched tensors only (the same rows each), and "
@@ -548,6 +600,13 @@ class DistributedPipeline:
         if self._shape is not None and shape != self._shape:
             raise UsageError(f"inputs of shapes {list(shape)}, but this pipeline ran with {list(self._shape)}: the "
                              "engine sizes its buffers on the first call; call with the same batch shape")
+        kinds = self._kinds(flat)
+        if self._first_kinds is not None and kinds != self._first_kinds:
+            raise UsageError(f"inputs of dtypes {_kinds_text(kinds)}, but this pipeline first ran with "
+                             f"{_kinds_text(self._first_kinds)}: the engine sizes its buffers, dtypes included, on the "
+                             "first call, and would receive the values of this one into them; call with the first "
+                             "call's dtypes and autocast state, or place the model again for these")
+        self._first_kinds = kinds
         copies = self.replicas.count if self.replicas is not None else 1
         if flat and flat[0].shape[0] % (copies * self.microbatches):
             split = f"{copies} replicas x {self.microbatches}" if copies > 1 else f"{self.microbatches}"
@@ -556,6 +615,14 @@ class DistributedPipeline:
         self._shape = shape
         flat = tuple(self._share_of(t) for t in flat)
         return tuple(t.to(self.device) for t in flat) if self.slots[0].rank == self.rank else flat
+
+    def _kinds(self, flat: Sequence[torch.Tensor]) -> tuple[tuple[torch.dtype, ...], torch.dtype | None]:
+        """What besides shapes fixes the dtypes the stages send: the inputs' dtypes and the autocast
+        dtype on this rank's device type (``None`` when autocast is off). Every rank gets the same
+        inputs under the same autocast (the same script), so every rank decides alike."""
+        kind = self.device.type
+        cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        return tuple(t.dtype for t in flat), cast
 
     def _share_of(self, batch: torch.Tensor) -> torch.Tensor:
         return batch if self.replicas is None else self.replicas.share(batch)
@@ -587,12 +654,18 @@ class DistributedPipeline:
             # .grad, so a parameter two engine stages of a rank read was scaled twice, and what an
             # earlier step accumulated once more
             return cls(self.engine_stages[0] if single else self.engine_stages, self.microbatches, loss_fn=wrapped,
-                       scale_grads=False)
+                       scale_grads=False, output_merge_spec=self._merge_spec())
         except (ValueError, RuntimeError) as e:
             raise UnsupportedError(f"torch.distributed.pipelining refuses schedule {name!r} ({cls.__name__}) for "
                                    f"{len(self.slots)} engine stages on {self.world} ranks and {self.microbatches} "
                                    f"micro-batches: {str(e).rstrip('.')}; pick another schedule or micro-batch "
                                    "count") from e
+
+    def _merge_spec(self) -> tuple[Any, ...] | None:
+        """The engine's ``output_merge_spec``: with one micro-batch, its outputs as they are (the
+        engine's default joins the micro-batches' outputs with ``torch.cat``, which refuses a
+        zero-dimensional one, a reduction the model returns); else the default, dim 0."""
+        return tuple(_AS_IS for _ in self.slots[-1].outputs) if self.microbatches == 1 else None
 
     def _guard(self, fn: Callable[[], Any], agree: bool = True) -> Any:
         """``fn()`` (a schedule step), then every rank of the pipeline agrees that all its ranks
@@ -611,6 +684,17 @@ class DistributedPipeline:
         dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
 
+class _AsIs:
+    """An ``output_merge_spec`` entry that is no chunk spec: the engine takes the first (here the
+    only) micro-batch's value as it is."""
+
+    def __repr__(self) -> str:
+        return "as-is"
+
+
+_AS_IS = _AsIs()
+
+
 class _LossOnOutput:
     """The user's ``loss_fn(output, target)`` on the model's output, rebuilt from the last engine
     stage's tuple (the engine calls the loss with that tuple)."""
@@ -623,6 +707,12 @@ class _LossOnOutput:
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         return loss
+
+
+def _kinds_text(kinds: tuple[tuple[torch.dtype, ...], torch.dtype | None]) -> str:
+    dtypes, cast = kinds
+    return f"{[str(d).removeprefix('torch.') for d in dtypes]} " + (
+        f"under autocast to {str(cast).removeprefix('torch.')}" if cast is not None else "without autocast")
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
@@ -654,3 +744,15 @@ def _shared_across_ranks(slots: Sequence[EngineSlot], stages: Sequence[StageModu
                 ranks.setdefault(id(param), set()).add(s.rank)
                 first.setdefault(id(param), param)
     return [param for pid, param in first.items() if len(ranks[pid]) > 1 and param.requires_grad]
+
+
+def _read_by_several(slots: Sequence[EngineSlot], stages: Sequence[StageModule]) -> list[nn.Parameter]:
+    """The parameters that require grad and are read by several engine stages, in slot order."""
+    readers: dict[int, set[int]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for s in slots:
+        for p in s.pieces:
+            for param in stages[p].parameters():
+                readers.setdefault(id(param), set()).add(s.index)
+                first.setdefault(id(param), param)
+    return [param for pid, param in first.items() if len(readers[pid]) > 1 and param.requires_grad]
