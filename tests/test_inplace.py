@@ -193,8 +193,24 @@ class Accumulates(nn.Module):
         return self.b(h)
 
 
+class AugmentedThroughAView(nn.Module):
+    """``+=`` on a view of an intermediate and on the model's input: fx proxies have no in-place
+    operators, so Python ran ``v = v + 1`` and the writes were lost (found by fuzzing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _lin(), _lin()
+
+    def forward(self, x):
+        h = self.a(x)
+        v = h[:, :4]
+        v += 1.0
+        x *= 2.0
+        return self.b(h) + x
+
+
 MODELS = [ReluAfterRead, AddInPlace, CopyInto, IndexPut, SetItem, ViewWrite, InputWrite, ResidualInPlace, Counter,
-          RunningMean, Accumulates]
+          RunningMean, Accumulates, AugmentedThroughAView]
 STATEFUL = {Counter, RunningMean, Accumulates}
 EXPORT_ONLY = {Counter: "'n' in place", RunningMean: "'mean' in place", SetItem: "item assignment",
                Accumulates: "'acc' in place"}
@@ -378,6 +394,16 @@ def test_fx_refuses_what_it_cannot_trace(cls):
         trace(model, (torch.randn(4, 16),), method="fx")
     assert all(b is buffers[n] for n, b in model.named_buffers())  # the model's own tensors, not fx's proxies
     assert trace(model, (torch.randn(4, 16),)).method == "export"  # what auto falls back to
+
+
+def test_fx_records_augmented_assignments_as_in_place_operators():
+    import operator
+
+    model, _ = _pair(AugmentedThroughAView)
+    traced = trace(model, (torch.randn(4, 16),), method="fx")
+    assert [n.target for n in traced.gm.graph.nodes if n.op == "call_function" and n.target in
+            (operator.iadd, operator.imul)] == [operator.iadd, operator.imul]
+    assert not hasattr(torch.fx.Proxy, "__iadd__")  # only while tracing
 
 
 def test_fx_refuses_a_buffer_written_while_tracing_and_auto_uses_export():

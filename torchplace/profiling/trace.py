@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -157,6 +158,39 @@ def _keep_none_placeholders(graph: fx.Graph, nones: Mapping[str, Any]) -> None:
         node.target = name
 
 
+_IN_PLACE = {f"__i{name}__": getattr(operator, f"i{name}") for name in
+             ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and", "or",
+              "xor")}
+"""Python's in-place operators by special method: ``a += b`` calls ``a.__iadd__(b)``."""
+
+
+@contextlib.contextmanager
+def _in_place_operators() -> Iterator[None]:
+    """``fx.Proxy`` with in-place operators that record themselves (``operator.iadd``).
+
+    A proxy has none, so Python runs ``a += b`` as ``a = a + b``: the graph lost a write through a
+    view (``v = h[:, :4]; v += 1``) or into a model input, and under autocast a bfloat16 tensor that
+    ``+=`` keeps in bfloat16 became float32 (found by fuzzing). ``operator.iadd`` on tensors writes
+    in place, as eager does (:mod:`torchplace.profiling.effects` then sees the write), and on
+    numbers returns the new number.
+    """
+    saved = {name: fx.Proxy.__dict__.get(name) for name in _IN_PLACE}
+
+    def recording(op: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+        return lambda self, other: self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    for name, op in _IN_PLACE.items():
+        setattr(fx.Proxy, name, recording(op))
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                delattr(fx.Proxy, name)
+            else:
+                setattr(fx.Proxy, name, old)
+
+
 @contextlib.contextmanager
 def _noting_autocast() -> Iterator[list[Any]]:
     """A list that gets each ``torch.autocast`` region entered within (fx runs a ``with`` block at
@@ -189,7 +223,7 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
     tracer = _LeafTracer(leaf_types, module_level)
     snapshot = StateSnapshot(model)
     try:
-        with _noting_autocast() as entered:
+        with _noting_autocast() as entered, _in_place_operators():
             graph = tracer.trace(model, concrete_args=dict(nones) or None)
         if entered:
             raise RuntimeError("the forward enters torch.autocast, which fx does not record (export does)")
