@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import torchplace
+from torchplace.errors import UnsupportedError
 
 OPTIONS = dict(progress=False, repeats=1, warmup=0, time_limit=5, allow_single_device=False)
 
@@ -82,3 +83,69 @@ def test_an_autocast_region_in_forward_is_traced_by_export():
     assert torch.equal(loss, expected.detach())
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class AddsPositions(nn.Module):
+    """``h += self.pos``: in place, autocast keeps ``h`` in bfloat16; fx ran it as ``h = h + pos``,
+    which promoted it to float32, silently (found by fuzzing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.pos = nn.Parameter(torch.randn(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h += self.pos
+        return self.head(torch.relu(h))
+
+
+def test_an_augmented_assignment_keeps_its_dtype_under_autocast() -> None:
+    torch.manual_seed(0)
+    model = AddsPositions()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = nn.functional.cross_entropy
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=1, loss_fn=loss_fn,
+                              example_target=y, trace_method="fx", **OPTIONS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (loss,) = placed.step(x, target=y)
+        expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert torch.equal(loss, expected.detach())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class CastsForItsNorm(nn.Module):
+    """An RMSNorm-style ``h.to(torch.float32)``: a no-op without autocast, which export records as a
+    dtype check; under autocast the placed graph failed on it, and T5's gradients differed silently
+    (found by fuzzing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h * torch.rsqrt(h.to(torch.float32).pow(2).mean(-1, keepdim=True) + 1e-6).type_as(h)
+        return self.b(h)
+
+
+def test_an_exported_graph_with_dtype_checks_is_refused_under_autocast() -> None:
+    torch.manual_seed(0)
+    model = CastsForItsNorm()
+    x = torch.randn(8, 16)
+    placed = torchplace.place(model.eval(), ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="export",
+                              **OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))  # without autocast: exact
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match="dtype conversions"):
+            placed(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match="dtype conversions"):
+            torchplace.place(copy.deepcopy(model), ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="export",
+                             **OPTIONS)
+    fx = torchplace.place(copy.deepcopy(model), ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="fx",
+                          **OPTIONS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # fx records the conversions as calls
+        assert torch.equal(fx(x), model(x))

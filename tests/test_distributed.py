@@ -745,6 +745,10 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
                                               "placed.microbatches to 2 or fewer"):
         placed.run(torch.zeros(4, 3))
+    placed._dtype_guards = ("_assert_tensor_metadata",)  # an exported graph's dtype check: refused under autocast
+    assert placed.run(torch.zeros(8, 3)) == "ran"
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match="dtype conversions"):
+        placed.run(torch.zeros(8, 3))
 
 
 # -- checks of a rank's inputs, without processes (found by fuzzing) ---------------------------------

@@ -32,7 +32,7 @@ from torchplace.errors import (
     UnsupportedError,
     UsageError,
 )
-from torchplace.fxutil import draws_random_numbers, run_graph
+from torchplace.fxutil import draws_random_numbers, dtype_guards, run_graph
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
@@ -47,6 +47,7 @@ from torchplace.profiling.gradcheck import check_gradients
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
 from torchplace.profiling.links import with_measured_host_links
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
+from torchplace.runtime.devices import check_autocast
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
 
@@ -468,6 +469,8 @@ def prepare(
         with torch.no_grad():
             traced = trace(model, args, kwargs, granularity=granularity, leaf_modules=leaves, method=trace_method,
                            training=training, dynamic_dims=dynamic_dims)
+        if traced.method == "export":  # before the checks, which would blame something else
+            check_autocast(dtype_guards(traced.gm))
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
             drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
                                    microbatches if isinstance(microbatches, int) else 1)

@@ -36,6 +36,8 @@ from torchplace.checks import positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
+from torchplace.fxutil import dtype_guards
+from torchplace.runtime.devices import check_autocast
 from torchplace.runtime.structure import Structure
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
@@ -382,6 +384,8 @@ class DistributedPlaced:
         is_last: whether this rank runs the last stage (it gets the outputs and the losses).
     """
 
+    _dtype_guards: Sequence[str] = ()  # an exported graph's dtype checks: its calls are refused under autocast
+
     def __init__(self, placement: Any, rank_devices: Sequence[str], rank: int, world: int, device: torch.device,
                  faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None,
                  degrees: tuple[int, int] = (1, 1), timeout: float = 60.0) -> None:
@@ -424,6 +428,7 @@ class DistributedPlaced:
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
         self._model = traced.model
+        self._dtype_guards = dtype_guards(traced.gm) if traced.method == "export" else ()
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
             if id(t) in self.pipeline.freed:
                 getattr(owner, kind)[slot] = self.pipeline.freed[id(t)]
@@ -482,6 +487,7 @@ class DistributedPlaced:
             UnsupportedError: the model changed since placing (:meth:`_check_model`).
         """
         self._check_model()
+        check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
@@ -508,6 +514,7 @@ class DistributedPlaced:
                               fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
                                   "all uses, summed over the ranks)")
         self._check_model()
+        check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)

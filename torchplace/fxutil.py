@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import UsageError
 
 __all__ = [
+    "dtype_guards",
     "COMPUTE_OPS",
     "TensorInfo",
     "bind_placeholders",
@@ -281,6 +282,18 @@ _RANDOM = frozenset({"dropout", "bernoulli", "rand", "randn", "randint", "randpe
                      "poisson", "exponential", "geometric", "cauchy", "uniform", "rrelu"})
 """Words of operator names that draw random numbers (``native_dropout``, ``randn_like``,
 ``normal_``, ``log_normal``; not ``normalize``)."""
+
+
+def dtype_guards(gm: fx.GraphModule) -> list[str]:
+    """The nodes of an exported graph that check a tensor's dtype (``aten._assert_tensor_metadata``):
+    where the model converted a tensor to the dtype it already had (``x.float()``,
+    ``.to(torch.float32)``, ``type_as``), which export records as a check, not as a conversion, and
+    whose later readers read the unconverted tensor. Under ``torch.autocast`` those conversions
+    would convert: such a graph does not compute what the model does there."""
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    if target is None:
+        return []
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in (target, target.default)]
 
 
 def draws_random_numbers(module: nn.Module, n: fx.Node) -> bool:

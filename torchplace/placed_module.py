@@ -23,11 +23,12 @@ from torch import nn
 from torchplace import batchdim
 from torchplace.checks import non_negative_int, positive_int
 from torchplace.errors import StageError, UnsupportedError, UsageError
+from torchplace.fxutil import dtype_guards
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
-from torchplace.runtime.devices import normalize_device
+from torchplace.runtime.devices import check_autocast, normalize_device
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
 from torchplace.runtime.structure import Structure
@@ -121,6 +122,7 @@ class PlacedModule(nn.Module):
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.plan, self.problem, self.microbatches = plan, problem, microbatches
         self._traced, self._example, self._eval = traced, example, None
+        self._dtype_guards = dtype_guards(traced.gm) if traced.method == "export" else []  # refused under autocast
         self.loss_fn = loss_fn  # step()'s default loss (place(..., loss_fn=))
         self.last_measurement: Any = None  # set by measure(), shown by report()
         self.refinement: Any = None  # set by place(..., refine=True) (torchplace.refine.Refinement)
@@ -189,6 +191,7 @@ class PlacedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._structure.check()
+        check_autocast(self._dtype_guards)
         modes = self._modes()
         if self._for_training and modes == self._train_modes:
             executor = self._executor
@@ -234,6 +237,7 @@ class PlacedModule(nn.Module):
         if self._trainer is None or self.problem.pipeline is None:
             raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
         self._structure.check()
+        check_autocast(self._dtype_guards)
         _check_gradient_hooks(self._executor.stage_params.shared, self.named_parameters())
         if self._modes() != self._train_modes:
             raise UnsupportedError(f"step() trains: {self._modes_message()}")

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from torchplace.errors import StageError
+from torchplace.errors import StageError, UnsupportedError
 
 __all__ = [
     "as_stage_error",
     "autograd_mode",
+    "check_autocast",
     "copy_to",
     "move_module",
     "normalize_device",
@@ -153,6 +154,23 @@ def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
     must enter them again, or it computes in the default precision)."""
     return tuple((kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
                  for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+
+
+def check_autocast(guards: Sequence[str]) -> None:
+    """Refuse a call under ``torch.autocast`` of a graph with dtype checks in place of conversions
+    (:func:`torchplace.fxutil.dtype_guards`), before any stage runs.
+
+    Raises:
+        UnsupportedError: saying why and what runs instead.
+    """
+    if guards and caller_autocast():
+        raise UnsupportedError(
+            f"this model was traced by torch.export, which recorded {len(guards)} of its dtype conversions "
+            "(x.float(), .to(torch.float32), type_as: RMSNorm and the like) as checks, since without autocast "
+            "they converted nothing; under torch.autocast they convert, so the placed graph would not compute what "
+            "the model does (a dtype check fails, or gradients differ). Call the placed model without autocast "
+            "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place a "
+            "model torch.fx can trace (trace_method='fx'), whose graph autocast runs as it runs the model")
 
 
 @contextmanager
