@@ -718,6 +718,27 @@ def test_a_model_changed_by_assignment_after_placing_is_refused(change):
             placed(x)
 
 
+class TakesKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):  # reading kwargs: fx fails, export traces it (without the keywords)
+        h = self.a(x)
+        return self.b(torch.relu(h * 2 if kwargs.get("double") else h))
+
+
+def test_a_keyword_through_var_keyword_is_refused_with_advice_that_works():
+    """transformers 5 takes output_hidden_states through **kwargs: the refusal said to place the
+    model with it in example_kwargs, which export then refuses (found by fuzzing)."""
+    placed = _place(TakesKeywords().eval(), (torch.randn(4, 8),), microbatches=1)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"through \*\*kwargs.*set it on the model instead"):
+        placed(torch.randn(4, 8), output_hidden_states=True)
+    scaled = _place(Scaled().eval(), (torch.randn(4, 8),), trace_method="export", microbatches=1)
+    with torch.no_grad(), pytest.raises(UsageError, match="example_kwargs$"):  # a named parameter: no such advice
+        scaled(torch.randn(4, 8), scale=1.0)
+
+
 def test_functional_call_of_a_placed_model_is_refused_naming_it():
     """torch.func.functional_call swaps tensors into the placed model, which its stages never see;
     the refusal spoke of an assignment only (found by fuzzing)."""

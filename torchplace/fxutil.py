@@ -89,9 +89,14 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
     try:
         return bind_placeholders(gm, args, kwargs)
     except TypeError as e:
-        hint = ("; it takes the arguments its example gave when it was placed, and was traced with the others at their "
-                "defaults: leave the argument out, or place the model with it in example_kwargs"
-                if "unexpected keyword" in str(e) else "")
+        hint = ""
+        if "unexpected keyword" in str(e):
+            hint = ("; it takes the arguments its example gave when it was placed, and was traced with the others at "
+                    "their defaults: leave the argument out, or place the model with it in example_kwargs")
+            if getattr(gm, "meta", {}).get("var_keyword"):  # export takes no keyword through **kwargs
+                hint += (" (if the model's forward takes it through **kwargs, which a trace cannot take as an input, "
+                         "set it on the model instead before placing: for a Hugging Face model, on its config, "
+                         "e.g. model.config.output_hidden_states = True)")
         raise UsageError(f"the placed model is called as {type(gm).__name__}{inspect.signature(gm.forward)}: {e}"
                          f"{hint}") from e
 

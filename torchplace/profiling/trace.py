@@ -351,6 +351,15 @@ def _capture(
     raise _trace_error(model, failures, _through_var_keyword(model, example_kwargs)) from failures[-1].error
 
 
+def _takes_var_keyword(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 def _through_var_keyword(model: nn.Module, example_kwargs: Mapping[str, Any]) -> list[str]:
     """The example's keywords that ``model.forward`` takes through ``**kwargs``."""
     try:
@@ -530,6 +539,7 @@ def trace(
     kwargs = dict(example_kwargs or {})
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
+    gm.meta["var_keyword"] = _takes_var_keyword(model)  # what bind_call says of a keyword the graph lacks
     effects = _record(gm, model, example_inputs, kwargs)
     # strides are the tracing device's: a stage placed elsewhere may get others
     relax_views(gm, keep=frozenset().union(*effects.written.values()))
