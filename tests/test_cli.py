@@ -48,6 +48,15 @@ def test_plan_example_model(capsys):
     assert "Plan by dp" in out and "device_map" in out
 
 
+def test_plan_for_latency_runs_each_call_whole(capsys):
+    """`plan MODEL --objective latency` passed the pipeline's default of 4 micro-batches, which
+    place() now refuses for latency: the default is left to place(), and a given count refused."""
+    assert main(["plan", "mlp", "--batch", "4", "--objective", "latency"]) == 0
+    assert "lower bound" in capsys.readouterr().out
+    assert main(["plan", "mlp", "--batch", "4", "--objective", "latency", "--microbatches", "2"]) == 2
+    assert "objective='latency' runs each call whole" in capsys.readouterr().err
+
+
 def test_python_dash_m(workloads_dir):
     r = subprocess.run([sys.executable, "-m", "torchplace", "solve", BERT24, "--json"], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr

@@ -408,6 +408,10 @@ def prepare(
     if fuse is not None and not isinstance(fuse, bool):
         raise UsageError(f"fuse must be True, False or None (fuse only big graphs), got {brief(fuse)}")
     given = _load_plan(plan) if plan is not None else None
+    if objective == "latency" and microbatches not in (None, 1):
+        raise UsageError(f"microbatches={brief(microbatches)} splits each call into a pipeline of micro-batches "
+                         "(objective='throughput'); objective='latency' runs each call whole, its devices working "
+                         "on independent branches at once: leave microbatches out")
     if microbatches is None:
         microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
     if microbatches == "auto":

@@ -265,7 +265,7 @@ _PLAN_ONLY = {  # `plan` options of one path (True: --hf; False: a built-in MODE
     True: (("--max-memory", "max_memory", None), ("--sequence-length", "sequence_length", 128),
            ("--phase", "phase", "prefill"), ("--dtype", "dtype", None), ("--cluster", "cluster", None),
            ("--no-kv-cache", "kv_cache", True), ("--json", "json", False)),
-    False: (("--devices", "devices", ["cpu:0", "cpu:1"]), ("--microbatches", "microbatches", 4),
+    False: (("--devices", "devices", ["cpu:0", "cpu:1"]), ("--microbatches", "microbatches", None),
             ("--keep-split", "keep_split", False), ("--granularity", "granularity", "module"),
             ("--mode", "mode", "inference"), ("--parallelism", "parallelism", "pipeline"), ("--method", "method", "auto"),
             ("--objective", "objective", None), ("--noncontiguous", "noncontiguous", False)),
@@ -473,8 +473,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="with --hf: leave no room for a KV cache (a model that keeps none, e.g. Mamba)")
     p.add_argument("--json", action="store_true", help="with --hf: print the map, time and memory as JSON")
-    p.add_argument("--microbatches", type=_count_or_auto, default=4, metavar="N|auto",
-                   help="micro-batches per call, or 'auto': the m with the fastest predicted call")
+    p.add_argument("--microbatches", type=_count_or_auto, default=None, metavar="N|auto",
+                   help="micro-batches per call (default 4; not with --objective latency), or 'auto': the m with "
+                        "the fastest predicted call")
     p.add_argument("--keep-split", action="store_true",
                    help="keep the split even where the whole model on one device is predicted faster")
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
