@@ -438,6 +438,7 @@ def test_a_model_left_on_several_devices_is_named_as_the_cause():
     ({"objective": "speed"}, "objective"), ({"leaf_modules": ["Lineer"]}, "did you mean 'Linear'"),
     ({"leaf_modules": [3]}, "leaf_modules must hold"), ({"granularity": "layer"}, "granularity"),
     ({"trace_method": "jit"}, "trace method"), ({"plan": 3}, "plan must be"),
+    ({"objective": "latency", "microbatches": 4}, "objective='latency' runs each call whole"),
 ])
 def test_bad_options_are_refused_before_profiling(monkeypatch, options, fragment):
     monkeypatch.setattr(api, "profile", _never_profile)
@@ -850,3 +851,22 @@ def test_a_keyword_the_export_did_not_see_is_refused_with_the_reason():
     placed = _place(model, (x,), trace_method="export", microbatches=1)
     with torch.no_grad(), pytest.raises(UsageError, match="traced with the others at their defaults"):
         placed(x, scale=1.0)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jit.trace", "jit.script"])
+def test_a_function_transform_or_tracer_of_a_placed_model_is_refused_naming_it(transform):
+    """vmap failed deep in a stage ('Cannot access storage of BatchedTensorImpl'), jit.trace with
+    'Cannot insert a Tensor that requires grad as a constant', jit.script with a parse error of
+    forward's signature: the stages run on worker threads none of them follows."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=2, allow_single_device=False, progress=False)
+    run = {
+        "vmap": lambda: torch.func.vmap(placed)(x),
+        "grad": lambda: torch.func.grad(lambda t: placed(t).sum())(x),
+        "jit.trace": lambda: torch.jit.trace(placed, (x,)),
+        "jit.script": lambda: torch.jit.script(placed),
+    }[transform]
+    with pytest.raises(UnsupportedError, match="original model"):
+        run()
+    assert torch.allclose(placed(x), model(x), atol=1e-6)  # nothing left behind

@@ -37,7 +37,7 @@ from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
 from torchplace.fxutil import dtype_guards
-from torchplace.runtime.devices import check_autocast
+from torchplace.runtime.devices import check_autocast, check_eager_call
 from torchplace.runtime.structure import Structure
 
 __all__ = ["DistributedPlaced", "launch_env", "place"]
@@ -486,6 +486,7 @@ class DistributedPlaced:
         Raises:
             UnsupportedError: the model changed since placing (:meth:`_check_model`).
         """
+        check_eager_call()
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
@@ -513,6 +514,7 @@ class DistributedPlaced:
         _check_gradient_hooks(self.pipeline.read_by_several, named,
                               fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
                                   "all uses, summed over the ranks)")
+        check_eager_call()
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)

@@ -28,7 +28,7 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
-from torchplace.runtime.devices import check_autocast, normalize_device
+from torchplace.runtime.devices import check_autocast, check_eager_call, normalize_device
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
 from torchplace.runtime.structure import Structure
@@ -190,6 +190,7 @@ class PlacedModule(nn.Module):
                 executor.stage_params.refresh()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_eager_call()
         self._structure.check()
         check_autocast(self._dtype_guards)
         modes = self._modes()
@@ -236,6 +237,7 @@ class PlacedModule(nn.Module):
         """
         if self._trainer is None or self.problem.pipeline is None:
             raise UnsupportedError("this model was placed for inference; place it with mode='training' to train it")
+        check_eager_call()
         self._structure.check()
         check_autocast(self._dtype_guards)
         _check_gradient_hooks(self._executor.stage_params.shared, self.named_parameters())
@@ -429,6 +431,12 @@ class PlacedModule(nn.Module):
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             raise UsageError(f"{' '.join(lines[:3])[:400]} (a placed model takes the original model's state dict, "
                              "e.g. model.state_dict() of the same architecture)") from e
+
+    def __prepare_scriptable__(self) -> Any:
+        """``torch.jit.script`` calls this first: refuse with the reason, not TorchScript's parse error."""
+        raise UnsupportedError(
+            "torch.jit.script cannot compile a placed model: its stages run on worker threads (and other devices) "
+            "TorchScript does not follow. Script the original model, or call the placed model as it is")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UnsupportedError(f"a PlacedModule cannot be pickled, copied or torch.save()d (it holds worker threads "

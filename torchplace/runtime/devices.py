@@ -21,6 +21,7 @@ __all__ = [
     "as_stage_error",
     "autograd_mode",
     "check_autocast",
+    "check_eager_call",
     "copy_to",
     "move_module",
     "normalize_device",
@@ -171,6 +172,25 @@ def check_autocast(guards: Sequence[str]) -> None:
             "the model does (a dtype check fails, or gradients differ). Call the placed model without autocast "
             "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place a "
             "model torch.fx can trace (trace_method='fx'), whose graph autocast runs as it runs the model")
+
+
+def check_eager_call() -> None:
+    """Refuse a call of a placed model under a function transform (``torch.func.vmap``, ``grad``,
+    ``jacrev``, ...) or ``torch.jit.trace``, before any stage runs: the stages run on worker threads
+    and other devices, where neither the transform nor the tracer follows them.
+
+    Raises:
+        UnsupportedError: saying what to transform or trace instead.
+    """
+    if torch.jit.is_tracing():
+        raise UnsupportedError(
+            "torch.jit.trace cannot record a placed model: its stages run on worker threads (and other devices) "
+            "the tracer does not follow. Trace or export the original model, or call the placed model as it is")
+    if torch._C._are_functorch_transforms_active():
+        raise UnsupportedError(
+            "a placed model cannot run under a torch.func transform (vmap, grad, jacrev, ...): its stages run on "
+            "worker threads (and other devices) the transform does not follow. Apply the transform to the original "
+            "model, or call the placed model on the whole batch (it takes gradients with .backward())")
 
 
 @contextmanager
