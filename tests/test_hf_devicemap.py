@@ -736,6 +736,22 @@ def kv_cases():
         "gemma2-alternating-windows": lambda: transformers.Gemma2Config(
             num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=8, **small),
+        # multi-head latent attention: transformers 5 caches the compressed latent (kv_lora_rank +
+        # qk_rope_head_dim, one head); 4.x cached every head's keys and values
+        "deepseek-v3-latent": lambda: transformers.DeepseekV3Config(
+            num_hidden_layers=2, first_k_dense_replace=2, hidden_size=64, intermediate_size=128,
+            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, **small),
+        "deepseek-v3-latent-moe": lambda: transformers.DeepseekV3Config(
+            num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=128,
+            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, **small),
+        "minicpm3-latent": lambda: transformers.MiniCPM3Config(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, **small),
     }
 
 
@@ -747,6 +763,18 @@ def test_the_kv_cache_planned_is_the_one_a_forward_pass_keeps(case):
     batch, seq = 2, 32
     problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
     assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(model, batch, seq)
+
+
+def test_a_meta_model_s_latent_cache_is_sized_as_its_layers_keep_it():
+    """Planned before loading, DeepSeek-V3's cache was sized from its heads (2 x heads x head_dim per
+    token and layer: 28x the compressed latent transformers 5 keeps at the real model's sizes); the
+    layers are now read from the model's own cache, also where its experts do not run on meta."""
+    cfg = kv_cases()["deepseek-v3-latent-moe"]()
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    batch, seq = 2, 32
+    problem = build_problem(meta, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(build(cfg), batch, seq)
 
 
 def bad_config_cases():

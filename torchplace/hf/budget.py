@@ -269,11 +269,57 @@ def _windows(config: Any) -> dict[int, int]:
             if isinstance(w := getattr(layer, "sliding_window", None), int) and w > 0}
 
 
+def _probed_elements(model: Any, config: Any) -> dict[int, int]:
+    """Layer index -> key and value elements the model's own cache keeps per token of one sequence,
+    read from a ``DynamicCache`` after a forward pass of one sequence of two tokens (on the meta
+    device for a model built there): what the model's code caches, whatever it is. Multi-head latent
+    attention (DeepSeek-V2/V3, MiniCPM3) caches its compressed latent in transformers 5
+    (``kv_lora_rank + qk_rope_head_dim`` elements, one head) and every head's keys and values in
+    4.x; no config field tells which. A pass that fails part-way (a mixture of experts does not run
+    on the meta device) has filled the layers before it. Empty where nothing could be read."""
+    import inspect
+    import warnings
+
+    import torch
+
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=config)
+        parameters = inspect.signature(model.forward).parameters
+    except (ImportError, TypeError, ValueError, AttributeError, KeyError):
+        return {}
+    if "input_ids" not in parameters or getattr(model.config, "is_encoder_decoder", False):
+        return {}
+    weight = next(iter(model.parameters()), None)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=weight.device if weight is not None else "cpu")
+    kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True,
+                              ("cache" if "cache" in parameters else "past_key_values"): cache}
+    if "logits_to_keep" in parameters:
+        kwargs["logits_to_keep"] = 1
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(**kwargs)
+    except Exception:  # noqa: BLE001 - the layers filled before the failure are read below
+        pass
+    out = {}
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4 \
+                and keys.shape[-2] == 2 and values.shape[-2] == 2:
+            out[i] = (keys.numel() + values.numel()) // 2
+    return out
+
+
 def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence_length: int,
                    itemsize: int) -> dict[str, int]:
     """Bytes of the KV cache each block holds while generating ``batch_size`` sequences of
-    ``sequence_length`` tokens: ``2 x batch x seq x kv_heads x head_dim x itemsize`` per attention
-    layer (``seq`` at most ``window - 1`` on a sliding-window layer, :func:`_windows`), on the
+    ``sequence_length`` tokens: ``batch x seq x elements x itemsize`` per attention layer, with the
+    elements per token the model's own cache keeps (:func:`_probed_elements`; a layer the probe did
+    not reach takes those of the first reached layer of its class, and where it reached none,
+    ``2 x kv_heads x head_dim`` from the config), ``seq`` at most ``window - 1`` on a
+    sliding-window layer (:func:`_windows`), on the
     block that holds that layer (:func:`_cache_holders`; split evenly between its key
     and value projections when the attention module is split). Empty for models that do not generate.
 
@@ -287,13 +333,22 @@ def kv_cache_bytes(model: Any, block_paths: list[str], batch_size: int, sequence
         return {}
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv, dim = _heads(config)
-    per_token = 2 * batch_size * kv * dim * itemsize
     windows = {} if getattr(model.config, "is_encoder_decoder", False) else _windows(config)
+    probed = _probed_elements(model, config)
     modules = dict(model.named_modules())
+    attentions = _attention_paths(model)
+    layers = {att: getattr(modules[att], "layer_idx", i) for i, att in enumerate(attentions)}
+    of_class: dict[type, int] = {}
+    for att in attentions:
+        if layers[att] in probed:
+            of_class.setdefault(type(modules[att]), probed[layers[att]])
     out: dict[str, int] = {}
-    for i, att in enumerate(_attention_paths(model)):
-        window = windows.get(getattr(modules[att], "layer_idx", i))
-        per_layer = per_token * (sequence_length if window is None else min(sequence_length, window - 1))
+    for att in attentions:
+        layer = layers[att]
+        elements = probed.get(layer, of_class.get(type(modules[att]), 2 * kv * dim))
+        window = windows.get(layer)
+        per_layer = batch_size * elements * itemsize * (
+            sequence_length if window is None else min(sequence_length, window - 1))
         holders = _cache_holders(att, block_paths)
         for i, p in enumerate(holders):
             share = per_layer // len(holders) + (per_layer % len(holders) if i == 0 else 0)
