@@ -318,11 +318,13 @@ def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)  # the same dropout masks everywhere, and the same model on every rank
     torch.backends.mha.set_fastpath_enabled(False)  # the unsplit model on the path its trace has (not a fused one)
     model, inputs = build(args.model, batch=args.batch)
-    m = args.microbatches or Plan.load(args.plan).microbatches
-    options = dict(plan=args.plan, mode=args.mode, microbatches=m, granularity=args.granularity,
+    saved = Plan.load(args.plan)
+    m = args.microbatches or saved.microbatches
+    mode = args.mode or saved.meta.get("mode", "inference")
+    options = dict(plan=args.plan, mode=mode, microbatches=m, granularity=args.granularity,
                    leaf_modules=leaf_modules_for(args.model) if args.granularity == "module" else (),
                    schedule=args.schedule, timeout=args.timeout, progress=False)
-    if args.mode == "inference":
+    if mode == "inference":
         with torch.no_grad():  # the unsplit model on the same micro-batches, before the rank frees others' weights
             expected = [model(*(t.tensor_split(m)[i] for t in inputs)) for i in range(m)]
         placed = tpd.place(model, inputs, **options)
@@ -493,7 +495,8 @@ def _parser() -> argparse.ArgumentParser:
                        "with torchrun --nproc-per-node N -m torchplace run ...)")
     u.add_argument("plan", type=_input_file)
     u.add_argument("--model", choices=list(NAMES), required=True, help="the built-in model the plan was made for")
-    u.add_argument("--mode", choices=["inference", "training"], default="inference")
+    u.add_argument("--mode", choices=["inference", "training"], default=None,
+                   help="default: the plan's (a training plan trains)")
     u.add_argument("--batch", type=_count, default=8)
     u.add_argument("--microbatches", type=_count, default=None,
                    help="micro-batches per batch (default: the plan's, else 4)")
