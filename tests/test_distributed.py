@@ -242,6 +242,20 @@ def test_world_size_other_than_the_plan_is_refused_before_communication(monkeypa
     assert not dist.is_initialized()
 
 
+def test_allow_single_device_is_refused_where_each_device_has_its_process(monkeypatch):
+    """README says torchplace.distributed.place keeps the split; allow_single_device=True was
+    passed on to place(), which may choose one device for a launch of one process per device."""
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    _env(monkeypatch, 0, 2)
+    model, x, _ = dist_worker.build()
+    with pytest.raises(UsageError, match="allow_single_device=True: 2 processes were launched"):
+        tpd.place(model, (x,), devices=["cpu:0", "cpu:1"], allow_single_device=True)
+    assert not dist.is_initialized()
+
+
 def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc_plans):
     import torch.distributed as dist
 

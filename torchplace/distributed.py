@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace.checks import positive_int
+from torchplace.checks import brief, positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
@@ -155,6 +155,10 @@ def place(
     rank, world, local_rank = launch_env()
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    if options.get("allow_single_device") not in (None, False) and world > 1:
+        raise UsageError(f"allow_single_device={brief(options['allow_single_device'])}: {world} processes were launched, "
+                         "one per device, and a one-device plan would leave all but one with nothing to run; leave it "
+                         "out (the split is kept), or run the model in one process with torchplace.place()")
     _materialize_lazily(model, state_dict)
     given = api._load_plan(plan) if plan is not None else None
     if given is not None:
