@@ -60,6 +60,11 @@ def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == bps
 
 
+@pytest.mark.parametrize("text, bps", [("100Gb/s", 12.5e9), ("10 Mb/s", 1.25e6), ("8b/s", 1.0), ("1 kb/s", 125.0)])
+def test_parse_bandwidth_lower_case_b_is_bits(text, bps):
+    assert parse_bandwidth(text) == bps  # a 100 Gb/s network link moves 12.5 GB/s, not 100
+
+
 @pytest.mark.parametrize("bad", [0, -1, "25GB", "fast/s", True, float("nan")])
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError):

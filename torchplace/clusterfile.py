@@ -205,7 +205,7 @@ def load_cluster(path: str | Path) -> Cluster:
     ``"description"`` string; any other unknown field is an error, to catch typos)::
 
         {"format": ["torchplace.cluster/1"],
-         "bandwidth": [bytes/s or "25GB/s"; default 12e9], "latency": [s or "5us"; default 1e-5],
+         "bandwidth": [bytes/s or "25GB/s" ("Gb/s": bits); default 12e9], "latency": [s or "5us"; default 1e-5],
          "topology": ["mesh" (default) | "graph"],
          "devices": [{"name": str, "kind": str, "torch_device": [str; default "meta"],
                       "memory": [bytes or "16GiB"; null/absent = unlimited],
