@@ -114,3 +114,10 @@ def test_cluster_rejects_bad_defaults_and_topology():
 def test_link_of_unknown_device_is_a_key_error():
     with pytest.raises(KeyError, match="no device named 'z'"):
         Cluster(_two()).link_time(8, "a", "z")
+
+
+def test_cluster_reads_bandwidth_and_latency_strings_into_numbers():
+    c = Cluster(_two(), bandwidth="25GB/s", latency="5us")
+    assert (c.bandwidth, c.latency) == (25e9, 5e-6)  # the string was kept: every transfer time then raised
+    assert c.link_time(25_000, "a", "b") == c.transfer_time(25_000) == pytest.approx(6e-6, rel=1e-12)
+    assert make_cluster(["cpu:0", "cpu:1"], bandwidth="100Gb/s", latency="2us").bandwidth == 12.5e9

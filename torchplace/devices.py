@@ -112,7 +112,8 @@ class Cluster:
 
     Attributes:
         devices: the devices, names unique.
-        bandwidth, latency: default link (bytes/s, s).
+        bandwidth, latency: default link (bytes/s, s; strings such as ``"25GB/s"``, ``"5us"`` are
+            read with :func:`parse_bandwidth` / :func:`parse_seconds` and kept as numbers).
         pair_bandwidth: legacy per-pair bandwidth: ``{(src, dst): bw}`` is the same as
             ``links={(src, dst): Link(bw)}`` (latency = the default).
         links: directed direct links ``{(src, dst): Link}``; a pair may not be in both mappings.
@@ -151,8 +152,8 @@ class Cluster:
             raise UsageError("a cluster needs at least one device")
         if self.topology not in ("mesh", "graph"):
             raise UsageError(f"topology must be 'mesh' or 'graph', got {brief(self.topology)}")
-        parse_bandwidth(self.bandwidth)
-        parse_seconds(self.latency)
+        object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))  # "25GB/s" -> 25e9: the
+        object.__setattr__(self, "latency", parse_seconds(self.latency))  # times below divide by them
         direct = self._direct_links(set(names))
         routes = {p: _Route(link, p, True) for p, link in direct.items()}
         if self.topology == "graph":
