@@ -153,6 +153,12 @@ def test_round_trip_through_a_file(tmp_path: Path, fmt: str) -> None:
         (s, d): c.link(s, d) for s in c.names for d in c.names}
 
 
+def test_threads_round_trip_through_a_file(tmp_path: Path) -> None:
+    c = Cluster((Device("cpu:0", "cpu", "cpu", threads=2), Device("cpu:1", "cpu", "cpu")))
+    c.save(tmp_path / "c.json")
+    assert load_cluster(tmp_path / "c.json") == c  # threads were dropped: the reloaded CPUs took every core
+
+
 def test_pair_bandwidth_round_trips_as_links_with_the_same_routes(tmp_path: Path) -> None:
     c = Cluster(_devices("AB"), bandwidth=4.0, latency=1.0, pair_bandwidth={("A", "B"): 2.0})
     c.save(tmp_path / "c.json")

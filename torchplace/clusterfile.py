@@ -178,7 +178,8 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
         "latency": cluster.latency,
         "topology": cluster.topology,
         "devices": [
-            {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes}
+            {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes,
+             **({} if d.threads is None else {"threads": d.threads})}
             for d in cluster.devices
         ],
         "links": links,
