@@ -144,14 +144,10 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
     if topology not in ("mesh", "graph"):
         raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {brief(topology)}")
     links = _links_from_json(top.get("links", []), set(names), source)
+    bandwidth = _value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source)
+    latency = _value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source)
     try:
-        return Cluster(
-            devices,
-            bandwidth=_value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source),
-            latency=_value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source),
-            links=links,
-            topology=topology,
-        )
+        return Cluster(devices, bandwidth=bandwidth, latency=latency, links=links, topology=topology)
     except ValueError as e:
         raise WorkloadFormatError(f"{source}: links: {e}") from e
 
