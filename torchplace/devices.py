@@ -37,6 +37,7 @@ __all__ = [
     "Device",
     "Link",
     "Topology",
+    "cap_memory",
     "check_attached",
     "discover_devices",
     "kind_threads",
@@ -393,21 +394,40 @@ def make_cluster(
         raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
     n_cuda = machine.cuda_count()
     cpu_memory = machine.cpu_memory()
-    out = [_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices]
-    caps = dict(max_memory or {})
-    names = {d.name for d in out}
-    for key in caps:
-        if key not in names:
-            raise UsageError(f"max_memory names {brief(key)}, which is not one of the devices {sorted(names)}")
-    for i, d in enumerate(out):
-        if d.name in caps:
-            try:
-                out[i] = replace(d, memory_bytes=parse_memory(caps[d.name]))
-            except UsageError as e:
-                raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
+    out = cap_memory([_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices], max_memory)
     if share_cores:
         out = _share_cores(out, [isinstance(spec, str) for spec in devices])
     return Cluster(tuple(out), bandwidth=bandwidth, latency=latency)
+
+
+def cap_memory(devices: Sequence[Device], max_memory: Mapping[Any, int | str] | None) -> list[Device]:
+    """``devices`` with the caps of ``max_memory`` (``{"cuda:0": "20GiB"}``, by device name) as
+    their ``memory_bytes``; devices not named keep theirs.
+
+    Raises:
+        UsageError: for a ``max_memory`` that is not a mapping, names a device not in ``devices``
+            (an accelerate-style GPU index such as ``0`` is told to write ``"cuda:0"``), or has a
+            bad amount.
+    """
+    if max_memory is None:
+        return list(devices)
+    if not isinstance(max_memory, Mapping):
+        raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
+    names = {d.name for d in devices}
+    for key in max_memory:
+        if key not in names:
+            hint = (f" (accelerate's GPU index {key} is the device named 'cuda:{key}' here)"
+                    if isinstance(key, int) and not isinstance(key, bool) else "")
+            raise UsageError(f"max_memory names {brief(key)}, which is not one of the devices {sorted(names)}{hint}: "
+                             f"key max_memory by the device names")
+    out = list(devices)
+    for i, d in enumerate(out):
+        if d.name in max_memory:
+            try:
+                out[i] = replace(d, memory_bytes=parse_memory(max_memory[d.name]))
+            except UsageError as e:
+                raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
+    return out
 
 
 def kind_threads(cluster: Cluster) -> dict[str, int]:
