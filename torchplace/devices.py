@@ -325,11 +325,24 @@ def check_attached(cluster: Cluster) -> None:
 
     Raises:
         UsageError: naming the first device whose ``torch_device`` is ``meta`` or not on this
-            machine (e.g. ``"cuda:7"`` with two GPUs).
+            machine (e.g. ``"cuda:7"`` with two GPUs), or whose ``threads`` are more than the
+            cores this process may run on.
     """
     n_cuda = machine.cuda_count()
     for d in cluster.devices:
         machine.require_attached(d.name, d.torch_device, n_cuda)
+        _check_threads_here(d)
+
+
+def _check_threads_here(d: Device) -> None:
+    """Refuse a device that would compute here with more intra-op threads than this process has cores."""
+    cores = machine.cpu_cores()
+    if d.threads is not None and d.threads > cores:
+        raise UsageError(
+            f"device {d.name!r}: threads={d.threads}, but this process may run on {cores} core(s); more threads "
+            f"than cores only slow every kernel down: give it at most {cores} (share_cores=True splits the cores "
+            f"among the CPU devices named by strings)"
+        )
 
 
 def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
@@ -337,6 +350,7 @@ def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
     if isinstance(spec, Device):
         _check_device(spec)
         machine.require_attached(spec.name, spec.torch_device, n_cuda)
+        _check_threads_here(spec)
         return spec
     if not isinstance(spec, str):
         raise UsageError(f"a device must be a string like 'cuda:0' or a Device, got {brief(spec)}")
@@ -384,7 +398,8 @@ def make_cluster(
     Raises:
         UsageError: (a ``ValueError``) for a single string instead of a list, an unknown device
             string or one that is not on this machine (the message lists the valid ones), a
-            Device whose torch_device is malformed or not attached, a repeated device, a
+            Device whose torch_device is malformed or not attached or whose threads are more than
+            this process's cores, a repeated device, a
             ``max_memory`` that is not a mapping or names a device not in ``devices``, or a bad
             memory amount, bandwidth or latency (the message names it).
     """
