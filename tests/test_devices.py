@@ -65,6 +65,12 @@ def test_parse_bandwidth_lower_case_b_is_bits(text, bps):
     assert parse_bandwidth(text) == bps  # a 100 Gb/s network link moves 12.5 GB/s, not 100
 
 
+@pytest.mark.parametrize("bad", ["10 Gbit/s", "5.GB/s"])
+def test_an_unreadable_bandwidth_is_named_as_written(bad):
+    with pytest.raises(ValueError, match=rf"cannot read bandwidth '{bad}'.*'10Gb/s' \(a lower-case b is bits"):
+        parse_bandwidth(bad)  # was named without its '/s' ('10 Gbit'), and bits were not mentioned
+
+
 @pytest.mark.parametrize("bad", [0, -1, "25GB", "fast/s", True, float("nan")])
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError):

@@ -104,9 +104,15 @@ def parse_bandwidth(value: float | str) -> float:
     expected = "bandwidth must be a positive number of bytes/s"
     if isinstance(value, str):
         text = value.strip()
+        unreadable = UsageError(f"cannot read bandwidth {brief(value)}: use a number of bytes/s (1e9, unquoted) or a string "
+                                f"ending in '/s', e.g. '25GB/s', '100MiB/s', '10Gb/s' (a lower-case b is bits; "
+                                f"units: {', '.join(u for u in _UNITS if u)})")
         if not text.endswith("/s"):
-            raise UsageError(f"cannot read bandwidth {brief(value)}: use bytes/s or e.g. '25GB/s', '100MiB/s'")
-        amount, unit = _amount(text[:-2], _UNITS, "bandwidth", "bytes/s or e.g. '25GB/s', '100MiB/s'")
+            raise unreadable
+        try:
+            amount, unit = _amount(text[:-2], _UNITS, "bandwidth", "")
+        except UsageError:
+            raise unreadable from None  # naming what the user wrote, '/s' included
         bits = text[:-2].rstrip().endswith("b")  # "Gb/s": gigabits, an eighth of "GB/s"
         rate = amount * _UNITS[unit] / (8 if bits else 1)
         try:
