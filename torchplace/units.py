@@ -104,9 +104,9 @@ def parse_bandwidth(value: float | str) -> float:
     expected = "bandwidth must be a positive number of bytes/s"
     if isinstance(value, str):
         text = value.strip()
-        unreadable = UsageError(f"cannot read bandwidth {brief(value)}: use a number of bytes/s (1e9, unquoted) or a string "
-                                f"ending in '/s', e.g. '25GB/s', '100MiB/s', '10Gb/s' (a lower-case b is bits; "
-                                f"units: {', '.join(u for u in _UNITS if u)})")
+        unreadable = UsageError(f"cannot read bandwidth {brief(value)}: use a number of bytes/s (1e9, unquoted) or "
+                                f"a string ending in '/s', e.g. '25GB/s', '100MiB/s', '10Gb/s' (a lower-case b is "
+                                f"bits; units: {', '.join(u for u in _UNITS if u)})")
         if not text.endswith("/s"):
             raise unreadable
         try:

@@ -83,7 +83,8 @@ def in_phases(error: SolverLimitError, time_limit: float | None, how: str) -> So
     (``how`` says which), restated against that limit: the phase's own share means nothing to
     the user who set the whole."""
     refused_for_time = type(error) is ModelTooLargeError and error.needed_bytes is None
-    if time_limit is None or not (type(error) is SolverLimitError or refused_for_time) or error.time_limit == time_limit:
+    restated = type(error) is SolverLimitError or refused_for_time
+    if time_limit is None or not restated or error.time_limit == time_limit:
         return error
     phase = f"{error.time_limit:g} s" if error.time_limit is not None else "part"
     message = f"no plan within the {time_limit:g} s time limit: {how}, and the phase that stopped had {phase} of it"
