@@ -47,6 +47,16 @@ def test_bad_thread_counts_are_refused(tmp_path) -> None:
         load_cluster(path)
 
 
+@pytest.mark.parametrize("devices", [
+    Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))),
+    [Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")],
+])
+def test_share_cores_with_only_device_objects_is_refused(devices) -> None:
+    model = MLP(8, 8, 2)
+    with pytest.raises(UsageError, match=r"share_cores=True .* Device objects.*threads=n"):  # it did nothing
+        torchplace.place(model, devices, (torch.randn(2, 8),), objective="latency", share_cores=True, progress=False)
+
+
 def test_more_threads_than_cores_are_refused_for_devices_run_here(monkeypatch) -> None:
     monkeypatch.setattr(machine, "cpu_cores", lambda: 4)
     many = Device("cpu:0", "cpu", "cpu", None, threads=5)

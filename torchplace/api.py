@@ -435,6 +435,11 @@ def prepare(
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
     shapes_only = _on_meta(model)  # planned, never run: its devices need not be on this machine
+    if share_cores and (isinstance(devices, Cluster) or (isinstance(devices, (list, tuple)) and devices and not any(
+            isinstance(d, str) for d in devices))):
+        raise UsageError("share_cores=True splits this machine's cores among the CPU devices named by strings "
+                         "('cpu:0', 'cpu:1'), and these devices are Device objects, which keep their own threads: "
+                         "give each its count (Device(..., threads=n), or 'threads' in a cluster file)")
     if isinstance(devices, Cluster):
         if not shapes_only:
             check_attached(devices)
