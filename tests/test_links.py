@@ -241,6 +241,18 @@ def test_example_two_gpus_and_cpu() -> None:
     assert c.link("cuda:0", "cuda:1") == c.link("cuda:1", "cuda:0")
 
 
+def test_example_two_hosts_prices_the_network_between_them() -> None:
+    c = load_cluster(EXAMPLES / "two-hosts.json")
+    g = OpGraph()
+    g.add_node("x", NodeRecord("x", times={"cpu": 1.0}, output_bytes=1_250_000))
+    g.add_node("y", NodeRecord("y", times={"cpu": 1.0}))
+    g.add_edge("x", "y")
+    p = Problem(g, c, objective="latency")
+    # two CPU-kind hosts pay only over a listed link: with the default link alone this was 0 s
+    assert p.link_time("x", c.device("host0"), c.device("host1")) == pytest.approx(50e-6 + 1e-3)
+    assert costmodel.simulate(p, [Stage("host0", ("x",)), Stage("host1", ("y",))]).makespan == pytest.approx(2.00105)
+
+
 def test_example_edge_devices_is_a_multi_hop_line() -> None:
     c = load_cluster(EXAMPLES / "edge-devices.json")
     assert c.topology == "graph" and {d.torch_device for d in c.devices} == {"meta"}
