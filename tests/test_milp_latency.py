@@ -369,6 +369,16 @@ def test_cpu_nodes_fit_the_largest_capped_cpu_and_are_packed_where_there_is_room
         latency.solve(small)
 
 
+def test_a_contiguous_problem_with_cpus_is_a_usage_error_through_solve():
+    from torchplace.errors import UsageError
+    from torchplace.solvers import solve
+
+    p = _diamond(q_problem=False)
+    cpu = Cluster(p.cluster.devices + (Device("cpu0", "cpu", "cpu"),))
+    with pytest.raises(UsageError, match="contiguous=False"):  # was a plain ValueError
+        solve(dataclasses.replace(p, cluster=cpu), method="latency-ip")
+
+
 def test_wrong_objective_and_contiguity_are_refused_with_a_hint():
     p = _diamond(q_problem=False)
     with pytest.raises(ValueError, match="objective='latency'"):

@@ -68,7 +68,7 @@ import pyomo.environ as pyo
 
 from torchplace.devices import Device
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
@@ -101,16 +101,16 @@ def _layout(problem: Problem, q: int) -> _Layout:
 
 def _check(problem: Problem, q: int) -> None:
     if problem.objective != "latency":
-        raise ValueError(
+        raise UsageError(
             f"the latency IP minimises the latency of one sample, but the problem's objective is "
             f"{problem.objective!r}; solve dataclasses.replace(problem, objective='latency')"
         )
     if q < 1:
-        raise ValueError(f"q (subgraphs per accelerator) must be at least 1, got {q}")
+        raise UsageError(f"q (subgraphs per accelerator) must be at least 1, got {q}")
     cpus = [d.name for d in problem.cluster.devices if not d.pays_transfer]
     if problem.contiguous and (q > 1 or cpus):
         why = f"q={q} gives an accelerator several subgraphs" if q > 1 else f"the CPUs {cpus} form one pool"
-        raise ValueError(
+        raise UsageError(
             f"the problem asks for one contiguous set per device, but in Tarnawski's latency IP {why} "
             "(App. A: only each accelerator subgraph is contiguous); "
             "solve dataclasses.replace(problem, contiguous=False)"
@@ -155,7 +155,8 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
         budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
-        ValueError: for a non-latency objective, ``q < 1``, or a contiguous problem the IP cannot honour.
+        UsageError: (a ``ValueError``) for a non-latency objective, ``q < 1``, or a contiguous
+            problem the IP cannot honour.
         InfeasibleError: if some node can run on no device of the cluster.
         ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
         SolverLimitError: if ``budget``'s deadline passes while building.
@@ -478,7 +479,7 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         ``kept`` (``"ip"`` or ``"start"``) and ``ip_simulated`` (the IP's own plan, simulated).
 
     Raises:
-        ValueError: see :func:`build`.
+        UsageError: see :func:`build`.
         InfeasibleError: if no placement meets memory, colocation and contiguity.
         SolverLimitError: if the time limit passed before any placement was found (also while the
             model was built) and there is no single-place start.
