@@ -204,6 +204,30 @@ def test_latency_placement_that_does_not_fit_raises_infeasible():
                          progress=False, repeats=1, warmup=0)
 
 
+def test_max_memory_caps_the_devices_of_a_given_cluster():
+    from torchplace.devices import Cluster, Device
+
+    model, inputs = build("mlp")
+    cluster = Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")))
+    with pytest.raises(InfeasibleError):  # the caps were dropped: the plan ignored them
+        torchplace.place(model, cluster, inputs, objective="latency", max_memory={"cpu:0": 1, "cpu:1": 1},
+                         progress=False, repeats=1, warmup=0)
+    with pytest.raises(ValueError, match=r"GPU index 0 is the device named 'cuda:0'"):
+        torchplace.place(model, cluster, inputs, max_memory={0: "1GiB"}, progress=False)
+
+
+def test_max_memory_caps_devices_planned_for_a_meta_model():
+    from torchplace.devices import Device
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    devices = [Device("gpu0", "meta", "cuda"), Device("gpu1", "meta", "cuda")]
+    plan, problem = torchplace.plan_model(model, devices, (torch.randn(2, 256),), objective="latency",
+                                          max_memory={"gpu0": "300KB", "gpu1": "300KB"})  # was: "holds no data"
+    assert [d.memory_bytes for d in problem.cluster.devices] == [300_000, 300_000]
+    assert set(plan.assignment.values()) == {"gpu0", "gpu1"}  # 2 x 263 KB of weights: one per device
+
+
 def test_a_batch_of_one_is_placed_for_latency():
     model, inputs = build("inception", batch=1)
     placed = torchplace.place(model, DEVICES[2], inputs, objective="latency", solver="m-etf",

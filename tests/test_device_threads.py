@@ -1,6 +1,7 @@
 """Devices own their cores: each CPU device's worker computes with its own intra-op threads."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 
@@ -11,7 +12,7 @@ from torch import fx
 import torchplace
 from torchplace import machine
 from torchplace.clusterfile import load_cluster
-from torchplace.devices import Device, kind_threads, make_cluster
+from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
 from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.machine import intra_op_threads
 from torchplace.models import MLP
@@ -44,6 +45,26 @@ def test_bad_thread_counts_are_refused(tmp_path) -> None:
     path.write_text(json.dumps({"format": "torchplace.cluster/1", "devices": [{"name": "c0", "kind": "cpu", "threads": "many"}]}))
     with pytest.raises(WorkloadFormatError, match="threads"):
         load_cluster(path)
+
+
+@pytest.mark.parametrize("devices", [
+    Cluster((Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu"))),
+    [Device("cpu:0", "cpu", "cpu"), Device("cpu:1", "cpu", "cpu")],
+])
+def test_share_cores_with_only_device_objects_is_refused(devices) -> None:
+    model = MLP(8, 8, 2)
+    with pytest.raises(UsageError, match=r"share_cores=True .* Device objects.*threads=n"):  # it did nothing
+        torchplace.place(model, devices, (torch.randn(2, 8),), objective="latency", share_cores=True, progress=False)
+
+
+def test_more_threads_than_cores_are_refused_for_devices_run_here(monkeypatch) -> None:
+    monkeypatch.setattr(machine, "cpu_cores", lambda: 4)
+    many = Device("cpu:0", "cpu", "cpu", None, threads=5)
+    with pytest.raises(UsageError, match=r"threads=5, but this process may run on 4 core\(s\).*at most 4"):
+        make_cluster([many])
+    with pytest.raises(UsageError, match="threads=5"):
+        check_attached(Cluster((many,)))
+    Cluster((dataclasses.replace(many, torch_device="meta"),))  # a plan for other hardware may have them
 
 
 def _record_threads(stages, seen: dict[int, int]) -> None:

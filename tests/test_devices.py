@@ -60,6 +60,17 @@ def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == bps
 
 
+@pytest.mark.parametrize("text, bps", [("100Gb/s", 12.5e9), ("10 Mb/s", 1.25e6), ("8b/s", 1.0), ("1 kb/s", 125.0)])
+def test_parse_bandwidth_lower_case_b_is_bits(text, bps):
+    assert parse_bandwidth(text) == bps  # a 100 Gb/s network link moves 12.5 GB/s, not 100
+
+
+@pytest.mark.parametrize("bad", ["10 Gbit/s", "5.GB/s"])
+def test_an_unreadable_bandwidth_is_named_as_written(bad):
+    with pytest.raises(ValueError, match=rf"cannot read bandwidth '{bad}'.*'10Gb/s' \(a lower-case b is bits"):
+        parse_bandwidth(bad)  # was named without its '/s' ('10 Gbit'), and bits were not mentioned
+
+
 @pytest.mark.parametrize("bad", [0, -1, "25GB", "fast/s", True, float("nan")])
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError):
@@ -109,3 +120,10 @@ def test_cluster_rejects_bad_defaults_and_topology():
 def test_link_of_unknown_device_is_a_key_error():
     with pytest.raises(KeyError, match="no device named 'z'"):
         Cluster(_two()).link_time(8, "a", "z")
+
+
+def test_cluster_reads_bandwidth_and_latency_strings_into_numbers():
+    c = Cluster(_two(), bandwidth="25GB/s", latency="5us")
+    assert (c.bandwidth, c.latency) == (25e9, 5e-6)  # the string was kept: every transfer time then raised
+    assert c.link_time(25_000, "a", "b") == c.transfer_time(25_000) == pytest.approx(6e-6, rel=1e-12)
+    assert make_cluster(["cpu:0", "cpu:1"], bandwidth="100Gb/s", latency="2us").bandwidth == 12.5e9

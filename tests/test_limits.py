@@ -140,6 +140,18 @@ def test_a_model_that_cannot_be_built_in_time_is_refused(workloads_dir):
     assert "raise the time limit" not in str(e.value)  # seconds to build: a longer limit is no way out
 
 
+def test_a_model_refused_for_a_phases_share_names_the_users_limit(workloads_dir):
+    """Solved in phases (liveness, shared tensors), a MILP too slow to build in its phase's share
+    was refused naming that share ('the 0.5 s time limit') where the user had set 2 s."""
+    problem = _read("LayerGraphs/bert24_inference.json", "latency")
+    with pytest.raises(ModelTooLargeError) as e:
+        moirai.solve(problem, time_limit=0.5)
+    assert e.value.needed_bytes is None  # refused for the time, not the memory
+    stated = limits.in_phases(e.value, 2.0, "phases")
+    assert isinstance(stated, ModelTooLargeError) and stated.time_limit == 2.0
+    assert "no plan within the 2 s time limit: phases, and the phase that stopped had 0.5 s" in str(stated)
+
+
 def test_a_small_model_refused_by_a_tiny_time_limit_says_to_raise_the_limit():
     """With time_limit=1e-9 a 30-column IP was refused with advice to coarsen the graph, when the
     limit was what to change (found by fuzzing)."""

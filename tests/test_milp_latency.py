@@ -349,6 +349,36 @@ def test_too_little_memory_is_infeasible():
         latency.solve(Problem(g, Cluster(devs), objective="latency", contiguous=False), q=2)
 
 
+@pytest.mark.parametrize("caps", [(3, 10), (3, None), (10, 3)])
+def test_cpu_nodes_fit_the_largest_capped_cpu_and_are_packed_where_there_is_room(caps):
+    # four independent 2-byte CPU nodes (8 bytes): the pool had to fit the smallest CPU (3 bytes),
+    # so this raised InfeasibleError; list-scheduled by free time alone they overflowed a CPU
+    g = OpGraph()
+    for i in range(4):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": 1.0}, param_bytes=2,
+                                      colocation="pair" if i < 2 else None))
+    g.add_node("x", NodeRecord("x", times={"cpu": 1.0}, param_bytes=1))
+    p = Problem(g, Cluster(tuple(Device(f"c{i}", "meta", "cpu", c) for i, c in enumerate(caps))),
+                objective="latency", contiguous=False)
+    plan = latency.solve(p)
+    plan.validate(p)  # memory of each CPU device
+    assert plan.objective == costmodel.evaluate(p, plan)
+    small = Problem(g, Cluster(tuple(Device(f"c{i}", "meta", "cpu", 4) for i in range(2))),
+                    objective="latency", contiguous=False)  # 9 bytes fit only across both: not in this IP
+    with pytest.raises(InfeasibleError, match="at most 4 bytes.*method 'moirai'"):
+        latency.solve(small)
+
+
+def test_a_contiguous_problem_with_cpus_is_a_usage_error_through_solve():
+    from torchplace.errors import UsageError
+    from torchplace.solvers import solve
+
+    p = _diamond(q_problem=False)
+    cpu = Cluster(p.cluster.devices + (Device("cpu0", "cpu", "cpu"),))
+    with pytest.raises(UsageError, match="contiguous=False"):  # was a plain ValueError
+        solve(dataclasses.replace(p, cluster=cpu), method="latency-ip")
+
+
 def test_wrong_objective_and_contiguity_are_refused_with_a_hint():
     p = _diamond(q_problem=False)
     with pytest.raises(ValueError, match="objective='latency'"):

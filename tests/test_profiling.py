@@ -299,3 +299,21 @@ def test_keywords_export_cannot_trace_through_var_keywords_are_named_with_the_fi
 
     with pytest.raises(TraceError, match=r"through \*\*kwargs \('scale'\).*set them in the model"):
         trace(TakesKeywords().eval(), (torch.randn(4, 8),), {"scale": 2.0}, method="export")
+
+
+def test_planning_on_the_example_clusters_kinds_and_an_unknown_kind():
+    from pathlib import Path
+
+    import torchplace
+    from torchplace.clusterfile import load_cluster
+    from torchplace.devices import Cluster, Device
+    from torchplace.errors import UsageError
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(2, 64)
+    cluster = load_cluster(Path(__file__).parents[1] / "examples" / "clusters" / "two-gpus-and-cpu.json")
+    plan, problem = torchplace.plan_model(model, cluster, (x,), objective="latency")  # kind "cuda-t4": was a ValueError
+    assert all(r.times["cuda-t4"] > r.times["cuda"] for _, r in problem.graph.records() if r.times["cuda"] > 1e-5)
+    with pytest.raises(UsageError, match="no device spec for kind 'npu'.*known kinds"):
+        torchplace.plan_model(model, Cluster((Device("a", "meta", "npu"),)), (x,), objective="latency")

@@ -17,6 +17,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
+from torchplace.solvers import solve
 from torchplace.solvers.baechi import m_etf, m_sct, m_topo, simulate_memory
 from torchplace.solvers.baechi.memsim import _sweep
 
@@ -240,6 +241,20 @@ def test_too_little_memory_raises():
     for scheduler in SCHEDULERS.values():
         with pytest.raises(InfeasibleError, match=r"node 'big' needs 12 bytes .* acc0 [68], acc1 [68] bytes free"):
             scheduler(problem)
+
+
+def test_a_greedy_miss_points_to_the_exact_method():
+    # a fits the accelerator first, then b (which only it runs) finds it full; a on the host fits
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", param_bytes=2, times={"fast": 1.0, "cpu": 10.0}))
+    g.add_node("b", NodeRecord("b", param_bytes=1, times={"fast": 1.0}))
+    g.add_edge("a", "b")
+    devices = (Device("acc", "meta", "fast", 2), Device("host", "meta", "cpu"))
+    problem = Problem(g, Cluster(devices), objective="latency", contiguous=False)
+    for scheduler in SCHEDULERS.values():  # the message said only "raise their memory or add devices"
+        with pytest.raises(InfeasibleError, match=r"after the nodes placed before it.*method 'moirai'"):
+            scheduler(problem)
+    assert solve(problem, method="moirai").assignment == {"a": "host", "b": "acc"}
 
 
 def test_throughput_problem_is_rejected():

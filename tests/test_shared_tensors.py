@@ -141,6 +141,25 @@ def test_when_no_device_has_room_for_a_copy_the_readers_share_a_device():
     assert plan.lower_bound <= 12.0
 
 
+@pytest.mark.parametrize("method", ["moirai", "m-etf", "auto"])
+def test_readers_apart_from_the_owner_share_one_copy(method):
+    # a owns w (3 of its 6 bytes); b and c (1 byte each) read it. The relaxation puts b and c on y
+    # and z, where z (3 bytes) cannot hold c's copy; all three together fit nowhere, and a copy
+    # for each of b and c fits nowhere either: this was an InfeasibleError. b and c on y with
+    # one copy (5 bytes) fit.
+    g = OpGraph(meta={"state": {"w": {"bytes": 3, "names": ["w"], "owner": "a", "readers": ["a", "b", "c"]}}})
+    for v, nbytes, t in (("a", 6, 1.0), ("b", 1, 5.0), ("c", 1, 5.0)):
+        g.add_node(v, NodeRecord(v, param_bytes=nbytes, times={"accel": t}, transfer_time=0.0))
+    g.add_edge("a", "b")
+    g.add_edge("a", "c")
+    devices = (Device("x", "meta", "accel", 6), Device("y", "meta", "accel", 5), Device("z", "meta", "accel", 3))
+    problem = Problem(g, Cluster(devices), objective="latency", contiguous=False)
+    plan = solvers.solve(problem, method=method, time_limit=30)
+    plan.validate(problem)
+    assert plan.assignment == {"a": "x", "b": "y", "c": "y"} and plan.objective == 11.0
+    assert costmodel.memory(problem, ["b", "c"]) == 5
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     pytest.importorskip("transformers")

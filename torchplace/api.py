@@ -23,7 +23,7 @@ from torchplace.arguments import check_model, example_call, leaf_types, try_exam
 from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_rows_apart, check_split, dims_of_one,
                                  joined_outputs, output_spec, rows_needed)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
-from torchplace.devices import Cluster, Device, check_attached, kind_threads, make_cluster
+from torchplace.devices import Cluster, Device, cap_memory, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
     InfeasibleError,
     InvalidPlanError,
@@ -150,7 +150,8 @@ def place(
         granularity: ``"operator"`` or ``"module"`` (one node per leaf module).
         leaf_modules: module classes, or their names (``["GPT2Block"]``), to keep whole (like
             accelerate's ``no_split_module_classes``).
-        max_memory: per-device memory caps, bytes or strings like ``"20GiB"``.
+        max_memory: per-device memory caps by device name, bytes or strings like ``"20GiB"``
+            (``{"cuda:0": "20GiB"}``; they also cap the devices of a given :class:`Cluster`).
         share_cores: split this machine's cores among the CPU devices: each CPU worker computes,
             and the CPU is profiled, with its share of intra-op threads, so logical CPUs stop
             competing for every core. CPU kernels round by thread count: outputs then equal the
@@ -438,12 +439,18 @@ def prepare(
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
     shapes_only = _on_meta(model)  # planned, never run: its devices need not be on this machine
+    if share_cores and (isinstance(devices, Cluster) or (isinstance(devices, (list, tuple)) and devices and not any(
+            isinstance(d, str) for d in devices))):
+        raise UsageError("share_cores=True splits this machine's cores among the CPU devices named by strings "
+                         "('cpu:0', 'cpu:1'), and these devices are Device objects, which keep their own threads: "
+                         "give each its count (Device(..., threads=n), or 'threads' in a cluster file)")
     if isinstance(devices, Cluster):
         if not shapes_only:
             check_attached(devices)
-        cluster = devices
-    elif shapes_only and devices and all(isinstance(d, Device) for d in devices) and max_memory is None:
-        cluster = Cluster(tuple(devices))  # type: ignore[arg-type]
+        cluster = devices if max_memory is None else dataclasses.replace(  # caps as for device strings
+            devices, devices=tuple(cap_memory(devices.devices, max_memory)))
+    elif shapes_only and devices and all(isinstance(d, Device) for d in devices):
+        cluster = Cluster(tuple(cap_memory(devices, max_memory)))  # type: ignore[arg-type]
     else:
         cluster = make_cluster(devices, max_memory, share_cores=share_cores)
         if not shapes_only:  # the host <-> GPU links as the runtime pays them (a given Cluster keeps its own)

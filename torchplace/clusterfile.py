@@ -144,14 +144,10 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
     if topology not in ("mesh", "graph"):
         raise WorkloadFormatError(f"{source}: topology: expected 'mesh' or 'graph', got {brief(topology)}")
     links = _links_from_json(top.get("links", []), set(names), source)
+    bandwidth = _value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source)
+    latency = _value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source)
     try:
-        return Cluster(
-            devices,
-            bandwidth=_value(parse_bandwidth, top, "bandwidth", DEFAULT_LINK_BANDWIDTH, "top level", source),
-            latency=_value(parse_seconds, top, "latency", DEFAULT_LINK_LATENCY, "top level", source),
-            links=links,
-            topology=topology,
-        )
+        return Cluster(devices, bandwidth=bandwidth, latency=latency, links=links, topology=topology)
     except ValueError as e:
         raise WorkloadFormatError(f"{source}: links: {e}") from e
 
@@ -178,7 +174,8 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
         "latency": cluster.latency,
         "topology": cluster.topology,
         "devices": [
-            {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes}
+            {"name": d.name, "kind": d.kind, "torch_device": d.torch_device, "memory": d.memory_bytes,
+             **({} if d.threads is None else {"threads": d.threads})}
             for d in cluster.devices
         ],
         "links": links,
@@ -205,7 +202,7 @@ def load_cluster(path: str | Path) -> Cluster:
     ``"description"`` string; any other unknown field is an error, to catch typos)::
 
         {"format": ["torchplace.cluster/1"],
-         "bandwidth": [bytes/s or "25GB/s"; default 12e9], "latency": [s or "5us"; default 1e-5],
+         "bandwidth": [bytes/s or "25GB/s" ("Gb/s": bits); default 12e9], "latency": [s or "5us"; default 1e-5],
          "topology": ["mesh" (default) | "graph"],
          "devices": [{"name": str, "kind": str, "torch_device": [str; default "meta"],
                       "memory": [bytes or "16GiB"; null/absent = unlimited],

@@ -37,6 +37,7 @@ __all__ = [
     "Device",
     "Link",
     "Topology",
+    "cap_memory",
     "check_attached",
     "discover_devices",
     "kind_threads",
@@ -112,7 +113,8 @@ class Cluster:
 
     Attributes:
         devices: the devices, names unique.
-        bandwidth, latency: default link (bytes/s, s).
+        bandwidth, latency: default link (bytes/s, s; strings such as ``"25GB/s"``, ``"5us"`` are
+            read with :func:`parse_bandwidth` / :func:`parse_seconds` and kept as numbers).
         pair_bandwidth: legacy per-pair bandwidth: ``{(src, dst): bw}`` is the same as
             ``links={(src, dst): Link(bw)}`` (latency = the default).
         links: directed direct links ``{(src, dst): Link}``; a pair may not be in both mappings.
@@ -151,8 +153,8 @@ class Cluster:
             raise UsageError("a cluster needs at least one device")
         if self.topology not in ("mesh", "graph"):
             raise UsageError(f"topology must be 'mesh' or 'graph', got {brief(self.topology)}")
-        parse_bandwidth(self.bandwidth)
-        parse_seconds(self.latency)
+        object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))  # "25GB/s" -> 25e9: the
+        object.__setattr__(self, "latency", parse_seconds(self.latency))  # times below divide by them
         direct = self._direct_links(set(names))
         routes = {p: _Route(link, p, True) for p, link in direct.items()}
         if self.topology == "graph":
@@ -323,11 +325,24 @@ def check_attached(cluster: Cluster) -> None:
 
     Raises:
         UsageError: naming the first device whose ``torch_device`` is ``meta`` or not on this
-            machine (e.g. ``"cuda:7"`` with two GPUs).
+            machine (e.g. ``"cuda:7"`` with two GPUs), or whose ``threads`` are more than the
+            cores this process may run on.
     """
     n_cuda = machine.cuda_count()
     for d in cluster.devices:
         machine.require_attached(d.name, d.torch_device, n_cuda)
+        _check_threads_here(d)
+
+
+def _check_threads_here(d: Device) -> None:
+    """Refuse a device that would compute here with more intra-op threads than this process has cores."""
+    cores = machine.cpu_cores()
+    if d.threads is not None and d.threads > cores:
+        raise UsageError(
+            f"device {d.name!r}: threads={d.threads}, but this process may run on {cores} core(s); more threads "
+            f"than cores only slow every kernel down: give it at most {cores} (share_cores=True splits the cores "
+            f"among the CPU devices named by strings)"
+        )
 
 
 def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
@@ -335,6 +350,7 @@ def _device_from_spec(spec: Any, n_cuda: int, cpu_memory: int) -> Device:
     if isinstance(spec, Device):
         _check_device(spec)
         machine.require_attached(spec.name, spec.torch_device, n_cuda)
+        _check_threads_here(spec)
         return spec
     if not isinstance(spec, str):
         raise UsageError(f"a device must be a string like 'cuda:0' or a Device, got {brief(spec)}")
@@ -382,7 +398,8 @@ def make_cluster(
     Raises:
         UsageError: (a ``ValueError``) for a single string instead of a list, an unknown device
             string or one that is not on this machine (the message lists the valid ones), a
-            Device whose torch_device is malformed or not attached, a repeated device, a
+            Device whose torch_device is malformed or not attached or whose threads are more than
+            this process's cores, a repeated device, a
             ``max_memory`` that is not a mapping or names a device not in ``devices``, or a bad
             memory amount, bandwidth or latency (the message names it).
     """
@@ -392,21 +409,40 @@ def make_cluster(
         raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
     n_cuda = machine.cuda_count()
     cpu_memory = machine.cpu_memory()
-    out = [_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices]
-    caps = dict(max_memory or {})
-    names = {d.name for d in out}
-    for key in caps:
-        if key not in names:
-            raise UsageError(f"max_memory names {brief(key)}, which is not one of the devices {sorted(names)}")
-    for i, d in enumerate(out):
-        if d.name in caps:
-            try:
-                out[i] = replace(d, memory_bytes=parse_memory(caps[d.name]))
-            except UsageError as e:
-                raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
+    out = cap_memory([_device_from_spec(spec, n_cuda, cpu_memory) for spec in devices], max_memory)
     if share_cores:
         out = _share_cores(out, [isinstance(spec, str) for spec in devices])
     return Cluster(tuple(out), bandwidth=bandwidth, latency=latency)
+
+
+def cap_memory(devices: Sequence[Device], max_memory: Mapping[Any, int | str] | None) -> list[Device]:
+    """``devices`` with the caps of ``max_memory`` (``{"cuda:0": "20GiB"}``, by device name) as
+    their ``memory_bytes``; devices not named keep theirs.
+
+    Raises:
+        UsageError: for a ``max_memory`` that is not a mapping, names a device not in ``devices``
+            (an accelerate-style GPU index such as ``0`` is told to write ``"cuda:0"``), or has a
+            bad amount.
+    """
+    if max_memory is None:
+        return list(devices)
+    if not isinstance(max_memory, Mapping):
+        raise UsageError(f"max_memory must be a dict like {{'cuda:0': '20GiB'}}, got {brief(max_memory)}")
+    names = {d.name for d in devices}
+    for key in max_memory:
+        if key not in names:
+            hint = (f" (accelerate's GPU index {key} is the device named 'cuda:{key}' here)"
+                    if isinstance(key, int) and not isinstance(key, bool) else "")
+            raise UsageError(f"max_memory names {brief(key)}, which is not one of the devices {sorted(names)}{hint}: "
+                             f"key max_memory by the device names")
+    out = list(devices)
+    for i, d in enumerate(out):
+        if d.name in max_memory:
+            try:
+                out[i] = replace(d, memory_bytes=parse_memory(max_memory[d.name]))
+            except UsageError as e:
+                raise UsageError(f"max_memory[{d.name!r}]: {e}") from None
+    return out
 
 
 def kind_threads(cluster: Cluster) -> dict[str, int]:

@@ -92,6 +92,8 @@ def parse_memory(value: float | str) -> int:
 def parse_bandwidth(value: float | str) -> float:
     """Bytes/s from a positive number or a string like ``"25GB/s"``, ``"100 MiB/s"``.
 
+    A unit ending in a capital ``B`` is bytes, in a lower-case ``b`` bits, as network links are
+    written: ``"100Gb/s"`` is 12.5e9 bytes/s, ``"10 Mb/s"`` 1.25e6, ``"8b/s"`` 1.
     ``math.inf`` (a link whose transfers cost only its latency, as a fitted link with no
     measurable slope has) is allowed; NaN, zero, negatives and integers beyond float range are not.
 
@@ -102,10 +104,21 @@ def parse_bandwidth(value: float | str) -> float:
     expected = "bandwidth must be a positive number of bytes/s"
     if isinstance(value, str):
         text = value.strip()
+        unreadable = UsageError(f"cannot read bandwidth {brief(value)}: use a number of bytes/s (1e9, unquoted) or "
+                                f"a string ending in '/s', e.g. '25GB/s', '100MiB/s', '10Gb/s' (a lower-case b is "
+                                f"bits; units: {', '.join(u for u in _UNITS if u)})")
         if not text.endswith("/s"):
-            raise UsageError(f"cannot read bandwidth {brief(value)}: use bytes/s or e.g. '25GB/s', '100MiB/s'")
-        amount, unit = _amount(text[:-2], _UNITS, "bandwidth", "bytes/s or e.g. '25GB/s', '100MiB/s'")
-        return float(_number(amount * _UNITS[unit], positive_float, expected))
+            raise unreadable
+        try:
+            amount, unit = _amount(text[:-2], _UNITS, "bandwidth", "")
+        except UsageError:
+            raise unreadable from None  # naming what the user wrote, '/s' included
+        bits = text[:-2].rstrip().endswith("b")  # "Gb/s": gigabits, an eighth of "GB/s"
+        rate = amount * _UNITS[unit] / (8 if bits else 1)
+        try:
+            return float(positive_float(rate, ""))
+        except UsageError:
+            raise UsageError(f"{expected}, got {brief(value)}") from None  # the text, not the Fraction
     if isinstance(value, float) and value == math.inf:
         return value
     return float(_number(value, positive_float, expected))

@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchplace.errors import UsageError
 from torchplace.fxutil import Interpreter, is_compute, tensor_bytes
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.trace import Traced
@@ -49,6 +50,8 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
     "accel": DeviceSpec(peak_flops=50e12, mem_bandwidth=0.8e12, overhead=10e-6),
     # A server CPU socket: ~1 TFLOP/s FP32 with AVX-512, ~100 GB/s DRAM, ~1 us per op.
     "cpu": DeviceSpec(peak_flops=1e12, mem_bandwidth=100e9, overhead=1e-6),
+    # NVIDIA T4: 8.1 TFLOP/s FP32, 320 GB/s GDDR6 (the slow GPU of examples/clusters/two-gpus-and-cpu.json).
+    "cuda-t4": DeviceSpec(peak_flops=8.1e12, mem_bandwidth=320e9, overhead=5e-6),
 }
 
 
@@ -119,12 +122,14 @@ def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str,
         Seconds per OpGraph node id: the sum of its fx nodes' roofline times.
 
     Raises:
-        ValueError: for a kind with no :class:`DeviceSpec` (the message lists the known kinds).
+        UsageError: (a ``ValueError``) for a kind with no :class:`DeviceSpec` (the message lists the
+            known kinds).
     """
     if kind not in DEVICE_SPECS:
-        raise ValueError(
-            f"no device spec for kind {kind!r} to estimate times with; known kinds: "
-            f"{sorted(DEVICE_SPECS)} (add one to torchplace.profiling.estimate.DEVICE_SPECS)"
+        raise UsageError(
+            f"no device spec for kind {kind!r} to estimate times with (no such device is attached to time it "
+            f"on): give the device one of the known kinds {sorted(DEVICE_SPECS)}, or add a DeviceSpec for "
+            f"{kind!r} to torchplace.profiling.estimate.DEVICE_SPECS"
         )
     spec = DEVICE_SPECS[kind]
     costs = node_costs(traced, example_inputs, example_kwargs)

@@ -82,11 +82,15 @@ def in_phases(error: SolverLimitError, time_limit: float | None, how: str) -> So
     """``error``, from one phase of a solve that splits the user's ``time_limit`` into phases
     (``how`` says which), restated against that limit: the phase's own share means nothing to
     the user who set the whole."""
-    if time_limit is None or type(error) is not SolverLimitError or error.time_limit == time_limit:
+    refused_for_time = type(error) is ModelTooLargeError and error.needed_bytes is None
+    restated = type(error) is SolverLimitError or refused_for_time
+    if time_limit is None or not restated or error.time_limit == time_limit:
         return error
     phase = f"{error.time_limit:g} s" if error.time_limit is not None else "part"
-    return SolverLimitError(f"no plan within the {time_limit:g} s time limit: {how}, and the phase that stopped had "
-                            f"{phase} of it ({error}); raise time_limit", time_limit, error.bound)
+    message = f"no plan within the {time_limit:g} s time limit: {how}, and the phase that stopped had {phase} of it"
+    if refused_for_time:  # a model too large for the phase's share of the time: same type, same way out
+        return ModelTooLargeError(f"{message} ({error})", time_limit, error.needed_bytes)
+    return SolverLimitError(f"{message} ({error}); raise time_limit", time_limit, error.bound)
 
 
 def _rss() -> int:
@@ -187,4 +191,4 @@ class Budget:
         else:
             return
         raise ModelTooLargeError(f"{self.what}: the model would have {size} ({cost}), {broken}; {way_out}",
-                                 self.time_limit, need)
+                                 self.time_limit, need if need > self.memory_bytes else None)  # None: the time

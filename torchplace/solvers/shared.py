@@ -11,7 +11,12 @@ assumes, so a problem with shared tensors is solved through problems that are:
 2. otherwise two restrictions, whose plans always fit the true memory: *colocated* (a shared
    tensor's readers share a device, so it is held once: exact) and *replicated* (every reader
    pays for the tensor: a device never holds more than it is charged for). The better plan is
-   kept, with the relaxation's bound.
+   kept, with the relaxation's bound;
+3. when neither fits, a third restriction, *grouped*: the readers other than the owner share a
+   device and pay for one copy there (what that device holds, or more when the owner is there
+   too). It finds the plans that keep the owner apart from its other readers, which neither
+   restriction above allows when the readers are too big for the owner's device and too many
+   to each pay a copy.
 
 Every returned plan is evaluated and validated on the true problem. Under a training
 :class:`~torchplace.problem.Pipeline` a variant's plan is taken to the true problem with each
@@ -29,13 +34,13 @@ from typing import Any
 import networkx as nx
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, InvalidPlanError
+from torchplace.errors import InfeasibleError, InvalidPlanError, SolverLimitError
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.pipelined import fit, training_pipeline
 
-__all__ = ["colocated", "relaxed", "replicated", "solve_shared"]
+__all__ = ["colocated", "grouped", "relaxed", "replicated", "solve_shared"]
 
 Solve = Callable[..., Plan]
 
@@ -65,10 +70,30 @@ def replicated(problem: Problem) -> Problem:
 
 def colocated(problem: Problem) -> Problem:
     """The readers of each shared tensor share a device with its owner (memory exact)."""
+    return dataclasses.replace(problem, graph=_copy(problem.graph, _together(
+        problem.graph, [t.readers | {t.owner} for t in problem.graph.shared_tensors()])))
+
+
+def grouped(problem: Problem) -> Problem:
+    """The readers of each shared tensor other than its owner share a device, and the first of them
+    pays for one copy there (memory never below the truth: a device holding a reader and not the
+    owner holds the whole group, which paid)."""
     g = problem.graph
+    groups = [t.readers - {t.owner} for t in g.shared_tensors()]
+    records = _together(g, groups)
+    for t, group in zip(g.shared_tensors(), groups):
+        payer = min(group)
+        r = records.get(payer, g.record(payer))
+        records[payer] = dataclasses.replace(r, param_bytes=r.param_bytes + sum(costmodel.copy_bytes(problem, t)))
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
+def _together(g: OpGraph, groups: list[frozenset[str] | set[str]]) -> dict[str, Any]:
+    """Records whose colocation keeps each group on one device (with the colocation classes they meet)."""
     links = nx.Graph()
-    for t in g.shared_tensors():
-        members = sorted(t.readers | {t.owner})
+    for group in groups:
+        members = sorted(group)
+        links.add_nodes_from(members)
         links.add_edges_from(zip(members, members[1:]))
     by_label: dict[str, list[str]] = {}
     for v, r in g.records():  # existing colocation classes stay together and join the new ones
@@ -80,7 +105,7 @@ def colocated(problem: Problem) -> Problem:
     for comp in nx.connected_components(links):
         label = "shared:" + min(comp)
         records.update({v: dataclasses.replace(g.record(v), colocation=label) for v in comp})
-    return dataclasses.replace(problem, graph=_copy(g, records))
+    return records
 
 
 def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
@@ -97,8 +122,9 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     """Solve ``problem`` with ``solve(problem, time_limit=..., **opts)`` as the module docstring says.
 
     Raises:
-        InfeasibleError: if the relaxation is infeasible (so is the problem), or if neither
-            restriction has a plan that fits.
+        InfeasibleError: if the relaxation is infeasible (so is the problem), or if no
+            restriction has a plan that fits (then a plan that splits a tensor's readers other
+            than its owner over several devices may still exist: the message says so).
     """
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
@@ -119,10 +145,19 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
         except InfeasibleError as e:
             errors.append(e)
     if not found:
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 1e-3)
+        try:
+            found.append(solve(grouped(problem), time_limit=left, **opts))
+        except (InfeasibleError, SolverLimitError) as e:
+            errors.append(e)
+    if not found:
         names = ", ".join(t.name for t in problem.graph.shared_tensors())
         raise InfeasibleError(
-            f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
-            f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
+            f"found no plan that fits memory with the copies of the shared tensors ({names}): the best plan "
+            f"without copies does not fit with them, and neither keeping each tensor's readers on one device, "
+            f"nor its other readers on one device, nor charging every reader a copy fits ({errors[0]}); a plan "
+            f"that splits a tensor's other readers is not searched and may fit: allow more memory (max_memory) "
+            f"or add a device"
         ) from errors[0]
     best = min(found, key=lambda p: p.objective)  # (ties: the relaxation's, already on the truth)
     status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"

@@ -133,7 +133,8 @@ class ListState:
         free = ", ".join(f"{d} {self.free(d):.0f}" for d in sorted(self.runs[k]))
         return InfeasibleError(
             f"{solver}: {what} needs {self.need[k]} bytes but the devices that can run it have only "
-            f"{free} bytes free; raise their memory or add devices",
+            f"{free} bytes free after the nodes placed before it; raise their memory or add devices, or use "
+            f"method 'moirai' (exact: it finds a placement wherever one exists) where this greedy order misses one",
             min_memory_bytes=None,
         )
 

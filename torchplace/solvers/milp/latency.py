@@ -10,6 +10,7 @@ cores). With up to ``q`` subgraph slots per accelerator (App. A.1), a node ``v``
 
     (1)  sum_j x_vj + x_v0 = 1
     (3*) sum_v m_v sum_{j in slots(i)} x_vj <= M_i                    (accelerators with a cap)
+         sum_v m_v x_v0 <= max over CPU devices of their cap          (all CPU devices capped)
     (4)  CommIn_uj >= x_vj - x_uj,  (5) CommOut_uj >= x_uj - x_vj      for (u, v) in E
     (6)  SubgraphStart_j >= Latency_u - H (1 - CommIn_uj)              (Lemma A.1 big-M form)
     (7)  SubgraphFinish_j = SubgraphStart_j + sum_u c_u CommIn_uj + sum_v p_v(j) x_vj
@@ -20,7 +21,11 @@ cores). With up to ``q`` subgraph slots per accelerator (App. A.1), a node ``v``
     (14) SubgraphStart_j >= SubgraphFinish_{j-1}                       (slots of one accelerator)
     TotalLatency >= Latency_v;  minimise TotalLatency.
 
-Colocation is per device (App. A.1): equal ``x_v0`` and equal slot sums per accelerator.
+Colocation is per device (App. A.1): equal ``x_v0`` and equal slot sums per accelerator. The
+paper's CPU pool has no memory limit; with CPU devices that all have one, the CPU nodes together
+fit the largest, and :func:`extract` packs them onto the CPU devices (each where it has room: it
+never runs out, see :func:`_cpu_schedule`). A restriction: a split that fits only across several
+capped CPUs is not found (MOIRAI's MILP places each node on a device).
 Generalisation: accelerators of different kinds use their own times ``p_v(j)`` (the kind of the
 slot's device); a node a kind cannot run has ``x_vj = 0``, a node without a CPU time (or a cluster
 without CPUs) has ``x_v0 = 0``. The big-M ``H`` is the sum of every node's largest time plus
@@ -63,7 +68,7 @@ import pyomo.environ as pyo
 
 from torchplace.devices import Device
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
@@ -96,16 +101,16 @@ def _layout(problem: Problem, q: int) -> _Layout:
 
 def _check(problem: Problem, q: int) -> None:
     if problem.objective != "latency":
-        raise ValueError(
+        raise UsageError(
             f"the latency IP minimises the latency of one sample, but the problem's objective is "
             f"{problem.objective!r}; solve dataclasses.replace(problem, objective='latency')"
         )
     if q < 1:
-        raise ValueError(f"q (subgraphs per accelerator) must be at least 1, got {q}")
+        raise UsageError(f"q (subgraphs per accelerator) must be at least 1, got {q}")
     cpus = [d.name for d in problem.cluster.devices if not d.pays_transfer]
     if problem.contiguous and (q > 1 or cpus):
         why = f"q={q} gives an accelerator several subgraphs" if q > 1 else f"the CPUs {cpus} form one pool"
-        raise ValueError(
+        raise UsageError(
             f"the problem asks for one contiguous set per device, but in Tarnawski's latency IP {why} "
             "(App. A: only each accelerator subgraph is contiguous); "
             "solve dataclasses.replace(problem, contiguous=False)"
@@ -150,7 +155,8 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
         budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
-        ValueError: for a non-latency objective, ``q < 1``, or a contiguous problem the IP cannot honour.
+        UsageError: (a ``ValueError``) for a non-latency objective, ``q < 1``, or a contiguous
+            problem the IP cannot honour.
         InfeasibleError: if some node can run on no device of the cluster.
         ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
         SolverLimitError: if ``budget``'s deadline passes while building.
@@ -164,7 +170,7 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     dev = {j: lay.accels[j // q] for j in slots}
     groups: dict[str, str] = {}
     rep = {v: groups.setdefault(r.colocation, v) for v, r in g.records() if r.colocation is not None}
-    capped_cpus = [d.memory_bytes for d in lay.cpus if d.memory_bytes is not None]
+    pool = _cpu_pool(lay)
     sym = _symmetric_pairs(lay)
     head = _heads(problem, lay)
 
@@ -209,8 +215,8 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     on = _on_accel  # sum of v's slots on accelerator a
     m.assign = pyo.Constraint(m.V, rule=lambda m, v: sum(m.x[v, j] for j in m.J) + m.x_cpu[v] == 1)  # (1)
     m.memory = pyo.Constraint(m.A_MEM, rule=lambda m, a: sum(m.mem[v] * on(m, v, a) for v in m.V) <= m.M[a])  # (3*)
-    m.cpu_memory = pyo.Constraint(  # conservative: the CPU nodes fit on any one capped CPU device
-        rule=lambda m: sum(m.mem[v] * m.x_cpu[v] for v in m.V) <= min(capped_cpus) if capped_cpus else pyo.Constraint.Skip)
+    m.cpu_memory = pyo.Constraint(  # the CPU nodes fit on the largest CPU device (_cpu_schedule then packs them)
+        rule=lambda m: sum(m.mem[v] * m.x_cpu[v] for v in m.V) <= pool if pool is not None else pyo.Constraint.Skip)
     m.in_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_in[u, j] >= m.x[v, j] - m.x[u, j])  # (4)
     m.out_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_out[u, j] >= m.x[u, j] - m.x[v, j])  # (5)
     m.total_def = pyo.Constraint(m.V, rule=lambda m, v: m.total >= m.latency[v])
@@ -246,11 +252,29 @@ def _on_accel(m: pyo.ConcreteModel, v: str, a: int) -> Any:
     return sum(m.x[v, j] for j in range(a * q, (a + 1) * q))
 
 
+def _cpu_pool(lay: _Layout) -> int | None:
+    """Bytes the CPU nodes may take together: the largest CPU device's cap (``None``: a CPU device
+    without one). Tarnawski's CPUs are one pool without memory; with caps, CPU nodes of at most
+    this many bytes always fit, packed by :func:`_cpu_schedule`, and a set above it fits on none."""
+    caps = [d.memory_bytes for d in lay.cpus]
+    return None if not caps or None in caps else max(c for c in caps if c is not None)
+
+
 def _cpu_schedule(problem: Problem, lay: _Layout, starts: dict[str, float]) -> list[tuple[float, float, str, str]]:
     """List-schedule the CPU nodes on the CPU devices in order of their IP start times, each on the
-    CPU free earliest (a colocated node on its group's CPU): (start, finish, device, node)."""
+    CPU free earliest that has room for it (a colocated node on its group's CPU, which the group's
+    first node takes with room for all of them): (start, finish, device, node).
+
+    Never stuck when the CPU nodes fit :func:`_cpu_pool` (as the IP's row makes them): what the
+    largest CPU device holds is some of the nodes, so the rest still fit beside it."""
     g = problem.graph
     free = {d.name: 0.0 for d in lay.cpus}
+    room = {d.name: math.inf if d.memory_bytes is None else d.memory_bytes for d in lay.cpus}
+    need: dict[str | None, int] = {}  # bytes of each colocation group's CPU nodes
+    for v in starts:
+        r = g.record(v)
+        if r.colocation is not None:
+            need[r.colocation] = need.get(r.colocation, 0) + r.param_bytes + r.temp_bytes
     group_cpu: dict[str, str] = {}
     out = []
     topo = {v: t for t, v in enumerate(lay.nodes)}
@@ -258,7 +282,10 @@ def _cpu_schedule(problem: Problem, lay: _Layout, starts: dict[str, float]) -> l
         color = g.record(v).colocation
         cpu = group_cpu.get(color) if color is not None else None
         if cpu is None:
-            cpu = min(free, key=free.__getitem__)  # first such CPU on ties
+            nbytes = need[color] if color is not None else g.record(v).param_bytes + g.record(v).temp_bytes
+            fits = [c for c in free if room[c] >= nbytes] or list(free)  # over the pool: validate names it
+            cpu = min(fits, key=free.__getitem__)  # first such CPU on ties
+            room[cpu] -= nbytes
         if color is not None:
             group_cpu[color] = cpu
         begin = max(free[cpu], starts[v])
@@ -324,8 +351,8 @@ def single_place_start(problem: Problem, q: int = 1) -> dict[str, int | None] | 
     g, lay = problem.graph, _layout(problem, q)
     need = sum(r.param_bytes + r.temp_bytes for _, r in g.records())
     candidates: list[dict[str, int | None]] = []
-    capped_cpus = [d.memory_bytes for d in lay.cpus if d.memory_bytes is not None]
-    if lay.cpus and all("cpu" in r.times for _, r in g.records()) and need <= min(capped_cpus, default=need):
+    pool = _cpu_pool(lay)
+    if lay.cpus and all("cpu" in r.times for _, r in g.records()) and (pool is None or need <= pool):
         candidates.append(dict.fromkeys(lay.nodes))
     copies = set(_symmetric_pairs(lay))
     for a, d in enumerate(lay.accels):
@@ -452,7 +479,7 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         ``kept`` (``"ip"`` or ``"start"``) and ``ip_simulated`` (the IP's own plan, simulated).
 
     Raises:
-        ValueError: see :func:`build`.
+        UsageError: see :func:`build`.
         InfeasibleError: if no placement meets memory, colocation and contiguity.
         SolverLimitError: if the time limit passed before any placement was found (also while the
             model was built) and there is no single-place start.
@@ -500,8 +527,11 @@ def _infeasible(problem: Problem, q: int) -> InfeasibleError:
     accel_only = sum(r.param_bytes + r.temp_bytes for v, r in g.records()
                      if "cpu" not in r.times or all(d.pays_transfer for d in problem.cluster.devices))
     caps = [d.memory_bytes for d in problem.cluster.devices if d.pays_transfer]
+    pool = _cpu_pool(_layout(problem, q))
+    cpus = "" if pool is None else f", the CPU nodes together at most {pool} bytes (the largest CPU device's)"
     return InfeasibleError(
         f"latency IP (q={q}): no placement meets memory, colocation and contiguity; nodes that must go to an "
-        f"accelerator need {accel_only} bytes, the accelerators hold {caps} bytes; raise max_memory, add "
-        "devices, or raise q (more subgraphs per accelerator relax contiguity)"
+        f"accelerator need {accel_only} bytes, the accelerators hold {caps} bytes{cpus}; raise max_memory, add "
+        "devices, raise q (more subgraphs per accelerator relax contiguity), or use method 'moirai' (any "
+        "placement, each node on one device)"
     )
