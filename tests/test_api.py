@@ -268,6 +268,23 @@ def test_a_transformers_model_with_its_kv_cache_on_gets_the_real_fix():
         assert torch.equal(placed(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
 
 
+def test_an_encoder_decoder_with_its_cache_on_gets_a_fix_that_works_for_it():
+    """The message said model.config.use_cache = False, which T5 ignores: its decoder keeps a copy
+    of the config. The first fix it names now is the keyword, which works."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                                   vocab_size=64)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    call = {"input_ids": ids, "decoder_input_ids": ids}
+    with pytest.raises(TraceError, match=r"returns a EncoderDecoderCache .*; pass example_kwargs=\{'use_cache': False\}"):
+        torchplace.place(model, DEVICES[2], example_kwargs=call, progress=False, repeats=1, warmup=0)
+    placed = torchplace.place(model, DEVICES[2], example_kwargs={**call, "use_cache": False}, progress=False,
+                              repeats=1, warmup=0)
+    with torch.no_grad():
+        assert torch.equal(placed(**call, use_cache=False).logits, model(**call, use_cache=False).logits)
+
+
 def test_attention_that_takes_the_fast_path_under_no_grad_is_named_in_a_warning(monkeypatch):
     """Under no_grad an eval nn.MultiheadAttention runs a fused kernel no trace holds: the placed
     model differed from `with torch.no_grad(): model(x)` by 7e-7, and nothing said so."""

@@ -305,9 +305,10 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords
     if cache is not None:
         return TraceError(
             f"{type(model).__qualname__} returns a {cache} (its key-value cache: use_cache=True), which a placed "
-            f"model cannot return; build the model with use_cache=False (e.g. from_pretrained(..., "
-            f"use_cache=False) or model.config.use_cache = False) or pass example_kwargs={{'use_cache': False}} "
-            f"and call the placed model with use_cache=False"
+            f"model cannot return; pass example_kwargs={{'use_cache': False}} and call the placed model with "
+            f"use_cache=False, or build the model with use_cache=False (from_pretrained(..., use_cache=False); "
+            f"setting model.config.use_cache afterwards misses the copies of the config that submodules keep, "
+            f"as T5's decoder does)"
         )
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
@@ -319,7 +320,7 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords
                         "config.output_hidden_states = True), or make them named parameters of forward")
     if all(f.method != "export" for f in failures):
         hints.append("use trace_method='export'")
-    hints.append("for Hugging Face models, build the model with use_cache=False")
+    hints.append("for Hugging Face models, pass example_kwargs={'use_cache': False}")
     hints.append("data-dependent Python control flow (`if x.sum() > 0:`) must sit inside a leaf module")
     tried = "; ".join(str(f) for f in failures)
     return TraceError(
