@@ -304,3 +304,22 @@ def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
     a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])
     values, picks = piper_knapsack.exact(cost, a, b, 15.0, np.array([1.0]))
     assert values[0] == 6.0 and sorted(picks[:, 0]) == [0, 1]
+
+
+def test_equi_keeps_a_node_among_the_layers_with_the_layer_before_it():
+    """A non-layer node between layers (a dropout named apart) went to the first stage: a plan
+    with data flowing backward, refused by its own validation, and piper.solve (which prunes with
+    equi) failed with it (found by fuzzing)."""
+    names = {"0": "Layer", "1": "Layer", "2": "Dropout", "3": "Layer"}
+    edges = [("0", "1"), ("1", "2"), ("2", "3")]
+    g = OpGraph()
+    for v, name in names.items():
+        x = TMPC("vanilla", time=0.0 if name == "Dropout" else 1.0, sync_in={u: 0.0 for u, w in edges if w == v},
+                 sync_out={w: 0.0 for u, w in edges if u == v})
+        g.add_node(v, NodeRecord(name, tmpcs={1: (x,)}))
+    for u, v in edges:
+        g.add_edge(u, v, 0.0)
+    p = piper_problem(g, Parallel(4, 100.0, 1.0, 4))
+    equi = piper_equi.solve(p, data_parallel=False)  # three stages of one layer each
+    assert [set(s.nodes) for s in equi.stages] == [{"0"}, {"1", "2"}, {"3"}]
+    assert piper.solve(p, data_parallel=False).objective == equi.objective == 1.0
