@@ -323,3 +323,48 @@ def test_equi_keeps_a_node_among_the_layers_with_the_layer_before_it():
     equi = piper_equi.solve(p, data_parallel=False)  # three stages of one layer each
     assert [set(s.nodes) for s in equi.stages] == [{"0"}, {"1", "2"}, {"3"}]
     assert piper.solve(p, data_parallel=False).objective == equi.objective == 1.0
+
+
+def _three_tmpc_nodes(rows, chain_edges=()):
+    """Nodes with TMPCs x0, x1 recomp, x2 for t=1 from (time, mem_a, mem_b) rows."""
+    g = OpGraph()
+    for v, xs in rows.items():
+        near = {"sync_in": {u: 0.0 for u, w in chain_edges if w == v},
+                "sync_out": {w: 0.0 for u, w in chain_edges if u == v}}
+        g.add_node(v, NodeRecord(v, tmpcs={1: tuple(
+            TMPC(["x0", "x1 recomp", "x2"][i], time=float(p), mem_a=float(a), mem_b=float(b), recompute=i == 1, **near)
+            for i, (p, a, b) in enumerate(xs))}))
+    return g
+
+
+def test_pruning_by_the_equi_plan_never_loses_the_heuristics_plan():
+    """Here the equi plan (27, all recompute) beats every plan the heuristic knapsack finds (28):
+    the equi bound pruned the whole table and piper.solve said nothing fits (found by fuzzing)."""
+    g = _three_tmpc_nodes({"0": [(8, 0, 3), (7, 3, 2), (11, 8, 4)], "1": [(9, 6, 8), (10, 1, 2), (4, 7, 8)],
+                           "2": [(12, 7, 1), (9, 0, 3), (2, 7, 7)], "3": [(1, 3, 6), (1, 8, 5), (3, 8, 5)]})
+    p = piper_problem(g, Parallel(devices=1, memory_bytes=28.0, bandwidth=1.0, microbatches=3))
+    assert piper_equi.solve(p).objective == 27.0
+    assert piper.solve(p).objective == piper.solve(p, prune=False).objective == 28.0
+
+
+def test_a_bound_keeps_entries_of_heuristic_values_that_do_not_grow_with_y():
+    """The heuristic's TPS of the p stage is 27, 27, 26 for y = 1, 2, 3; a binary search for the
+    last y within a bound of 26.5 stopped at y = 0 and the 26 plan (p's first, y = 3) was lost."""
+    rows = {"p0": [(11, 5, 8), (13, 1, 0), (19, 6, 5)], "p1": [(19, 8, 8), (3, 0, 5), (4, 0, 2)],
+            "p2": [(12, 2, 4), (10, 2, 0), (4, 9, 7)]}
+    chain = ["p0", "p1", "p2", "z1", "z2"]
+    edges = list(zip(chain, chain[1:]))
+    g = _three_tmpc_nodes(rows, edges)
+    for i, v in enumerate(("z1", "z2")):
+        g.add_node(v, NodeRecord(v, tmpcs={1: (TMPC("x", time=1.0, param_bytes=100.0, sync_in={chain[i + 2]: 0.0},
+                                                     sync_out={"z2": 0.0} if v == "z1" else {}),)}))
+    for u, w in edges:
+        g.add_edge(u, w, 100.0 if w.startswith("p") else 0.0)  # the p's stay together
+    p = piper_problem(g, Parallel(devices=3, memory_bytes=15.0, bandwidth=1.0, microbatches=3))
+    order = p.graph.topological_order()
+    stages = piper._Stages(p, order, data_parallel=True, tensor_parallel=True, recompute=True,
+                           knapsack=piper.KNAPSACKS["heuristic"])
+    first = np.array([v.startswith("p") for v in order])
+    np.testing.assert_array_equal(stages.table(first)[1, 1], [27.0, 27.0, 26.0])
+    assert piper.run_dp(p, stages, order).dp[-1][3, 3] == 26.0
+    assert piper.run_dp(p, stages, order, upper_bound=26.5).dp[-1][3, 3] == 26.0

@@ -205,7 +205,9 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
             prev = dp[j]
             for (t, d), values in stages.table(member[i] & ~member[j]).items():
                 kd = t * d
-                finite = int(np.searchsorted(values, cut, side="right"))  # values only grow with y
+                # the largest y whose value is within the cut (the heuristic's values need not grow with y)
+                within = np.flatnonzero(values <= cut)
+                finite = int(within[-1]) + 1 if within.size else 0
                 s_hi = min(S, d * finite)
                 lo_k, lo_s = kd + k0, d + s0
                 if lo_k > K or s_hi < lo_s:
@@ -315,10 +317,14 @@ def solve(problem: Problem, *, data_parallel: bool = True, tensor_parallel: bool
     order = problem.graph.topological_order()
     stages = _Stages(problem, order, data_parallel=data_parallel, tensor_parallel=tensor_parallel,
                      recompute=recompute, knapsack=KNAPSACKS[knapsack])
-    tables = run_dp(problem, stages, order, ideal_limit, budget,
-                    _equi_bound(problem, data_parallel, tensor_parallel, recompute) if prune else math.inf)
+    bound = _equi_bound(problem, data_parallel, tensor_parallel, recompute) if prune else math.inf
+    tables = run_dp(problem, stages, order, ideal_limit, budget, bound)
     par: Parallel = problem.parallel
     best = tables.dp[-1]
+    if math.isfinite(bound) and not np.isfinite(best[par.devices, stages.smax]):
+        # the heuristic knapsack found nothing within the equi plan's time: the bound pruned it all
+        tables = run_dp(problem, stages, order, ideal_limit, budget)
+        best = tables.dp[-1]
     if not np.isfinite(best[par.devices, stages.smax]):
         raise InfeasibleError(f"no Piper configuration fits in {par.memory_bytes / 2**30:.3g} GiB per device with "
                               f"{par.devices} devices and {par.microbatches} micro-batches; allow more memory, "
