@@ -368,3 +368,41 @@ def test_a_bound_keeps_entries_of_heuristic_values_that_do_not_grow_with_y():
     np.testing.assert_array_equal(stages.table(first)[1, 1], [27.0, 27.0, 26.0])
     assert piper.run_dp(p, stages, order).dp[-1][3, 3] == 26.0
     assert piper.run_dp(p, stages, order, upper_bound=26.5).dp[-1][3, 3] == 26.0
+
+
+def test_a_plans_tps_is_the_value_the_dp_found_when_degrees_have_different_numbers_of_tmpcs():
+    """Two TMPCs per node for t=1, three for t=2: the table padded t=1 to three slots and so ran
+    the loop greedy, the picks did not and ran the sorted one, which can choose otherwise; the plan
+    came out at 24 where the DP had found 23 (found by fuzzing)."""
+    rows = [{1: [(16, 1, 1, 2), (12, 1, 8, 2)], 2: [(8, 9, 9, 5), (9.5, 5, 1, 4), (6.5, 5, 2, 2)]},
+            {1: [(6, 2, 1, 1), (1, 5, 5, 1)], 2: [(8.5, 8, 8, 2), (5, 4, 3, 5), (1, 4, 8, 2)]},
+            {1: [(3, 1, 5, 2), (12, 1, 5, 4)], 2: [(2.5, 4, 7, 1), (8, 3, 0, 0), (0.5, 6, 9, 5)]},
+            {1: [(6, 9, 3, 0), (13, 7, 5, 0)], 2: [(0.5, 7, 8, 3), (2, 7, 7, 3), (1.5, 5, 9, 1)]}]
+    g = OpGraph()
+    for i, by_t in enumerate(rows):
+        near = {"sync_in": {str(i - 1): 1.0} if i else {}, "sync_out": {str(i + 1): 1.0} if i < 3 else {}}
+        g.add_node(str(i), NodeRecord(str(i), tmpcs={t: tuple(
+            TMPC(f"x{j}", time=p, mem_a=a, mem_b=b, param_bytes=w, **near) for j, (p, a, b, w) in enumerate(xs))
+            for t, xs in by_t.items()}))
+    for i, c in enumerate([4.0, 2.0, 2.0]):
+        g.add_edge(str(i), str(i + 1), c)
+    p = piper_problem(g, Parallel(2, 19.0, 1.0, 4))
+    plan = piper.solve(p, prune=False)
+    assert plan.objective == plan.meta["dp_value"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 10**6))
+def test_knapsack_heuristic_does_not_depend_on_padding(n, seed):
+    """Padding two-TMPC nodes with a third, unusable slot (cost inf) changes no answer."""
+    rng = np.random.default_rng(seed)
+    ys = np.arange(1.0, 5.0)
+    cost = np.repeat(rng.integers(1, 20, size=(n, 2, 1)).astype(float), len(ys), axis=2)
+    a, b = rng.integers(0, 10, size=(n, 2)).astype(float), rng.integers(0, 10, size=(n, 2)).astype(float)
+    limit = float(rng.integers(5, 80))
+    padded = (np.concatenate([cost, np.full((n, 1, len(ys)), np.inf)], axis=1),
+              np.concatenate([a, np.zeros((n, 1))], axis=1), np.concatenate([b, np.zeros((n, 1))], axis=1))
+    values, picks = piper_knapsack.heuristic(cost, a, b, limit, ys)
+    values3, picks3 = piper_knapsack.heuristic(*padded[:1], *padded[1:], limit, ys)
+    np.testing.assert_array_equal(values, values3)
+    np.testing.assert_array_equal(picks[:, np.isfinite(values)], picks3[:, np.isfinite(values)])

@@ -31,6 +31,13 @@ def _mem(a: np.ndarray, b: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return a * ys[None, None, :] + b
 
 
+def _columns(a: np.ndarray, b: np.ndarray, cols: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a``, ``b`` of the columns ``cols`` and the first ``slots`` slots (shared ones stay shared)."""
+    if a.ndim == 2:
+        return a[:, :slots], b[:, :slots]
+    return a[:, :slots][:, :, cols], b[:, :slots][:, :, cols]
+
+
 def _take(x: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """``x[i, slot[i, c], c]`` for arrays (n, slots, C) and slot (n, C)."""
     n, c = slot.shape
@@ -45,7 +52,18 @@ def heuristic(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     ys = np.asarray(ys, dtype=np.float64)
     fastest = np.argmin(cost, axis=1)  # (n, C); first of equals: deterministic
     if slots > 2:
-        return _heuristic_loop(cost, a, b, limit, ys, fastest)
+        # by the TMPCs the nodes have, not the padding: a column's answer must not depend on what
+        # it is solved beside (Piper's table pads every degree to the widest; its picks do not)
+        wide = np.isfinite(cost[:, 2:, :]).any(axis=(0, 1))
+        if wide.all():
+            return _heuristic_loop(cost, a, b, limit, ys, fastest)
+        values, picks = np.full(len(ys), np.inf), fastest.copy()
+        two = ~wide  # the vectorised greedy, on the first two slots (a node's TMPCs come first)
+        values[two], picks[:, two] = heuristic(cost[:, :2][:, :, two], *_columns(a, b, two, 2), limit, ys[two])
+        if wide.any():
+            values[wide], picks[:, wide] = _heuristic_loop(cost[:, :, wide], *_columns(a, b, wide, slots), limit,
+                                                           ys[wide], fastest[:, wide])
+        return values, picks
     mem = _mem(a, b, ys)
     base = _take(cost, fastest).sum(axis=0)
     mem_fast = _take(mem, fastest)
