@@ -406,3 +406,28 @@ def test_knapsack_heuristic_does_not_depend_on_padding(n, seed):
     values3, picks3 = piper_knapsack.heuristic(*padded[:1], *padded[1:], limit, ys)
     np.testing.assert_array_equal(values, values3)
     np.testing.assert_array_equal(picks[:, np.isfinite(values)], picks3[:, np.isfinite(values)])
+
+
+@pytest.mark.parametrize("need, fits", [(10.5, False), (10.0, True)])
+def test_fractional_memory_fits_as_the_cost_model_rounds_it(need, fits):
+    """10.5 bytes of TMPC memory on devices of 10.7 bytes (a fraction of a GiB): the solvers kept
+    it (10.5 <= 10.7), the cost model rounds the stage up to 11 whole bytes and Plan.build refused
+    the solvers' own plan with InvalidPlanError (found by fuzzing)."""
+    g = OpGraph()
+    g.add_node("0", NodeRecord("0", tmpcs={1: (TMPC("vanilla", time=1.0, mem_a=0.25, mem_b=need - 0.25),)}))
+    p = piper_problem(g, Parallel(devices=2, memory_bytes=10.7, bandwidth=1.0, microbatches=2))
+    for solve in (piper.solve, piper_equi.solve):
+        if fits:
+            assert solve(p).costs[0].memory == 10
+        else:
+            with pytest.raises(InfeasibleError):
+                solve(p)
+
+
+def test_every_knapsack_fits_a_device_of_less_than_one_byte():
+    """Less than one whole byte of memory leaves a limit of 0: the exact knapsack divided by it."""
+    g = OpGraph()
+    g.add_node("0", NodeRecord("0", tmpcs={1: (TMPC("fast", time=1.0, mem_b=1.0), TMPC("small", time=2.0))}))
+    p = piper_problem(g, Parallel(devices=1, memory_bytes=0.5, bandwidth=1.0, microbatches=1))
+    for knapsack in ("heuristic", "exact", "brute-force"):
+        assert piper.solve(p, knapsack=knapsack).stages[0].tmpcs == {"0": "small"}

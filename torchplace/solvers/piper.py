@@ -147,7 +147,7 @@ class _Stages:
             b[:, :k, at:end] = arr.b[idx][:, :, None]
             ys[at:end] = col_y
             at = end
-        values, _ = self.knapsack(cost, a, b, self.par.memory_bytes, ys)
+        values, _ = self.knapsack(cost, a, b, self.par.memory_limit, ys)
         out: dict[tuple[int, int], np.ndarray] = {}
         offset = 0
         for t in degrees:
@@ -164,7 +164,8 @@ class _Stages:
         idx = np.flatnonzero(members)
         arr = self.arrays[t]
         cost = self._costs(arr, idx, (~members).astype(np.float64), np.array([float(d)]))
-        _, picks = self.knapsack(cost, arr.a[idx], arr.b[idx], self.par.memory_bytes, np.array([float(y)]))
+        _, picks = self.knapsack(cost, arr.a[idx], arr.b[idx], self.par.memory_limit,
+                                 np.array([float(y)]))
         return {order[i]: arr.ids[i][int(picks[j, 0])] for j, i in enumerate(idx)}
 
 

@@ -129,7 +129,7 @@ def solve(problem: Problem, *, tensor_parallel: bool = True, data_parallel: bool
                         continue
                     tps = 0.0
                     for i, x in enumerate(sums):
-                        if x.a * (w - i) + x.b > par.memory_bytes:
+                        if x.a * (w - i) + x.b > par.memory_limit:
                             tps = float("inf")
                             break
                         resync = costmodel.piper_resync_bytes(x.weights, d, par.microbatches)

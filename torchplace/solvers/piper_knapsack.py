@@ -163,7 +163,8 @@ def _exact_one(cost: np.ndarray, mem: np.ndarray, limit: float) -> tuple[float, 
         idx = np.array([k for k, (i, _) in enumerate(cells) if i == node], dtype=np.int32)
         h.addRow(1.0, 1.0, len(idx), idx, np.ones(len(idx)))
     idx = np.arange(len(cells), dtype=np.int32)  # memory; scaled to keep HiGHS's tolerances meaningful
-    h.addRow(-inf, 1.0, len(idx), idx, np.array([mem[i, s] / limit for i, s in cells]))
+    scale = limit if limit > 0 else 1.0  # a limit of 0 bytes (a device of less than one byte) fits only 0
+    h.addRow(-inf, limit / scale, len(idx), idx, np.array([mem[i, s] / scale for i, s in cells]))
     h.setOptionValue("primal_feasibility_tolerance", 1e-10)
     h.setOptionValue("mip_feasibility_tolerance", 1e-10)
     h.setOptionValue("mip_rel_gap", 0.0)
