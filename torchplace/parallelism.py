@@ -18,6 +18,7 @@ the stages' ``d``); the devices must be alike (one kind), their memory the least
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torchplace import solvers
@@ -62,6 +63,9 @@ def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguou
     for name, value in (("allreduce_bandwidth", allreduce_bandwidth), ("tensor_bandwidth", tensor_bandwidth)):
         if value is not None:
             parse_bandwidth(value)
+    if allreduce_bandwidth is not None and parse_bandwidth(allreduce_bandwidth) == math.inf:
+        raise UsageError("allreduce_bandwidth is Piper's B, which prices its stage transfers and all-reduces: give a "
+                         "finite bandwidth, e.g. '25GB/s'")
     del objective  # training is already refused for latency
 
 
@@ -78,11 +82,13 @@ def _bandwidth(cluster: Cluster, given: Any) -> float:
     if given is not None:
         return float(parse_bandwidth(given))
     names = cluster.names
-    if len(names) >= 2:
-        bw = cluster.link(names[0], names[1]).bandwidth
-        if bw is not None:
-            return float(bw)
-    return float(cluster.bandwidth)
+    bw = cluster.link(names[0], names[1]).bandwidth if len(names) >= 2 else None
+    where = f"the link from {names[0]} to {names[1]}" if bw is not None else "the cluster's default link"
+    bw = float(cluster.bandwidth if bw is None else bw)
+    if not math.isfinite(bw):
+        raise UsageError(f"Piper's bandwidth B is taken from {where}, which has no finite bandwidth ({bw}): "
+                         "give allreduce_bandwidth=, e.g. '25GB/s'")
+    return bw
 
 
 def piper_plan(graph: Any, cluster: Cluster, model: Any, *, microbatches: int, solver: str, recompute: bool,
