@@ -431,3 +431,19 @@ def test_every_knapsack_fits_a_device_of_less_than_one_byte():
     p = piper_problem(g, Parallel(devices=1, memory_bytes=0.5, bandwidth=1.0, microbatches=1))
     for knapsack in ("heuristic", "exact", "brute-force"):
         assert piper.solve(p, knapsack=knapsack).stages[0].tmpcs == {"0": "small"}
+
+
+def test_a_piper_plan_file_is_refused_before_torchrun_is_asked_for(tmp_path, monkeypatch):
+    """`torchplace run PIPER_PLAN.json --model mlp` said 'start the script with torchrun'; under
+    torchrun every process then failed with 'is a Piper plan' (found by fuzzing)."""
+    import torch
+
+    import torchplace.distributed as tpd
+    from torchplace.errors import UnsupportedError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "piper.json"
+    piper.solve(_bert(devices=4, memory_bytes=80 * GIB)).save(path)
+    with pytest.raises(UnsupportedError, match="is a Piper plan"):
+        tpd.place(torch.nn.Linear(2, 2), (torch.randn(2, 2),), plan=path, mode="training")
