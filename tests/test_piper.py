@@ -447,3 +447,13 @@ def test_a_piper_plan_file_is_refused_before_torchrun_is_asked_for(tmp_path, mon
     piper.solve(_bert(devices=4, memory_bytes=80 * GIB)).save(path)
     with pytest.raises(UnsupportedError, match="is a Piper plan"):
         tpd.place(torch.nn.Linear(2, 2), (torch.randn(2, 2),), plan=path, mode="training")
+
+
+def test_too_many_downsets_points_to_what_a_piper_problem_takes():
+    """The ideals DP's advice ('use method slicegraph or auto') names methods that refuse a Piper
+    problem ('auto' is Piper again)."""
+    from torchplace.errors import TooManyIdealsError
+
+    with pytest.raises(TooManyIdealsError, match="piper-equi") as e:
+        piper.solve(_bert(devices=4), ideal_limit=5)
+    assert "slicegraph" not in str(e.value) and e.value.limit == 5

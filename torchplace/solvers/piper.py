@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, UsageError
+from torchplace.errors import InfeasibleError, TooManyIdealsError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Parallel, Problem
 from torchplace.solvers import piper_knapsack
@@ -172,7 +172,13 @@ class _Stages:
 def _downsets(problem: Problem, order: list[str], ideal_limit: int):  # -> Ideals
     index = {v: i for i, v in enumerate(order)}
     reversed_edges = [(index[v], index[u]) for u, v in problem.graph.edges]  # ideals of G^R = downsets of G
-    return enumerate_ideals(len(order), reversed_edges, ideal_limit)
+    try:
+        return enumerate_ideals(len(order), reversed_edges, ideal_limit)
+    except TooManyIdealsError as e:  # its advice names solvers that take no Piper problem
+        raise TooManyIdealsError(
+            f"Piper's graph has more than {e.limit} downsets, too many for its DP; raise ideal_limit= (--ideal-limit), "
+            "use method 'piper-equi' (equal stages, no downsets), or give a graph with fewer parallel branches",
+            e.limit) from None
 
 
 def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int = DEFAULT_IDEAL_LIMIT,
