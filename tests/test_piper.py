@@ -457,3 +457,15 @@ def test_too_many_downsets_points_to_what_a_piper_problem_takes():
     with pytest.raises(TooManyIdealsError, match="piper-equi") as e:
         piper.solve(_bert(devices=4), ideal_limit=5)
     assert "slicegraph" not in str(e.value) and e.value.limit == 5
+
+
+def test_tables_too_large_for_memory_are_refused_before_they_are_made(monkeypatch):
+    """One (K+1) x (S+1) table per downset: K = N = 65536 (the reader allows it) is 32 GiB a table,
+    allocated (and the process killed) before the memory check after each downset ran."""
+    from torchplace.errors import ModelTooLargeError
+    from torchplace.solvers import limits
+
+    monkeypatch.setattr(limits, "MEMORY_BUDGET", 64 * 2**20)
+    p = _bert(devices=2048, memory_bytes=80 * GIB, microbatches=2048)  # 44 tables of 32 MiB
+    with pytest.raises(ModelTooLargeError, match="would take about 1.4 GiB"):
+        piper.solve(p, prune=False)

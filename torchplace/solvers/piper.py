@@ -194,6 +194,8 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
     K, S = par.devices, stages.smax
     cut = upper_bound * (1 + 1e-9)
     downsets = _downsets(problem, order, ideal_limit)
+    if budget is not None:  # every table stays for the walk back; one of K = N = 65536 alone is 32 GiB
+        budget.admit_memory((len(downsets) + 1) * (K + 1) * (S + 1) * 8, "Piper's (devices x in-flight) tables")
     member = downsets.membership
     dp: list[np.ndarray] = [np.zeros((K + 1, S + 1))]
     first = [(0, 0)]  # the first row (devices) and column (in flight) with a finite entry, per downset
