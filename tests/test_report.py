@@ -443,3 +443,16 @@ def test_report_of_a_piper_plan_with_its_problem(tmp_path, workloads_dir):
         assert f"<td>{s.data_parallel}</td><td>{s.tensor_parallel}</td><td>{len(s.nodes)}</td>" in page
         assert f"<td>{c.allreduce:.4g}</td><td>{c.load:.4g}</td>" in page
     assert isinstance(plot_memory(plan, problem), Picture)
+
+
+def test_report_options_of_the_workload_need_the_workload(tmp_path, capsys, workloads_dir):
+    """report PLAN.json --objective latency / --noncontiguous / --accelerators / --cpus without
+    --workload wrote the report as if they were not given (found by fuzzing, on a Piper plan)."""
+    plan = tmp_path / "plan.json"
+    assert main(["solve", str(workloads_dir / "piper" / "bert32a100.json"), "--devices", "4", "--memory-gb", "80",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    for extra in (["--objective", "latency"], ["--noncontiguous"], ["--accelerators", "2"], ["--cpus", "0"]):
+        assert main(["report", str(plan), "-o", str(tmp_path / "r.html"), *extra]) == 2
+        assert f"{extra[0]} describe the problem of --workload" in capsys.readouterr().err
+    assert main(["report", str(plan), "-o", str(tmp_path / "r.html")]) == 0

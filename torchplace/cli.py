@@ -406,6 +406,12 @@ def _report(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     problem = None
+    given = [flag for flag, on in (("--objective", args.objective is not None), ("--noncontiguous", args.noncontiguous),
+                                   ("--accelerators", args.accelerators is not None), ("--cpus", args.cpus is not None))
+             if on]
+    if given and not args.workload:
+        raise UsageError(f"{', '.join(given)} describe the problem of --workload: give the workload file too, or leave "
+                         "them out")
     if args.workload:
         if _is_piper(args.workload):
             raise UsageError(f"{args.workload} is a Piper workload: `report --workload` draws dnn-partitioning and MOIRAI "
