@@ -195,6 +195,7 @@ def test_bert_plans_with_piper():
     ({"allreduce_bandwidth": "1GB/s"}, "goes with parallelism='piper'"),
     ({"parallelism": "piper", "mode": "training", "tensor_bandwidth": "fast"}, "bandwidth"),
     ({"parallelism": "piper", "mode": "training", "allreduce_bandwidth": math.inf}, "finite bandwidth"),
+    ({"parallelism": "piper", "mode": "training", "schedule": "gpipe"}, "does not flush"),
 ])
 def test_bad_parallelism_options_are_usage_errors(options, words):
     with pytest.raises(UsageError) as e:

@@ -38,7 +38,7 @@ UNLIMITED = float(2**60)
 
 
 def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguous: bool, plan: Any,
-          allreduce_bandwidth: Any, tensor_bandwidth: Any) -> None:
+          allreduce_bandwidth: Any, tensor_bandwidth: Any, schedule: str = "1f1b") -> None:
     """Raise :class:`UsageError` for a ``parallelism`` and options that do not go together."""
     if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
         raise UsageError(f"parallelism must be one of {list(PARALLELISMS)}: 'pipeline' (stages on one device each, "
@@ -57,6 +57,10 @@ def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguou
         raise UsageError(f"parallelism='piper' is solved by {['auto', *solvers.PARALLEL_METHODS]}, got solver {solver!r}")
     if not contiguous:
         raise UsageError("Piper's stages are contiguous (Sec. 3.2): leave contiguous=True with parallelism='piper'")
+    if schedule != "1f1b":
+        raise UsageError(f"schedule={schedule!r}: Piper prices a pipeline that does not flush (PipeDream-2BW, Sec. 2 and "
+                         "App. A: ceil(s/d) micro-batches in flight per device), not GPipe's: leave schedule out with "
+                         "parallelism='piper'")
     if plan is not None:
         raise UsageError("plan= runs a given pipeline plan, and parallelism='piper' solves for a Piper plan, which "
                          "no runtime here runs yet: leave out plan= (or parallelism='piper')")
