@@ -187,3 +187,21 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly(workloads_dir):
     process.stdout.close()  # the reader left before the solve ended
     _, err = process.communicate(timeout=120)
     assert b"error" not in err and process.returncode == 141
+
+
+def test_options_a_piper_solve_would_ignore_are_refused(capsys, workloads_dir):
+    """solve PIPER.json --objective latency / --noncontiguous / --bounds mip, piper-equi --knapsack,
+    and plan MODEL --parallelism piper --noncontiguous / --objective latency / --keep-split printed
+    a Piper plan as if asked for nothing (found by fuzzing)."""
+    bert = str(workloads_dir / "piper" / "bert32a100.json")
+    for extra, words in ((["--objective", "latency"], "--objective latency"), (["--noncontiguous"], "--noncontiguous"),
+                         (["--bounds", "mip"], "--bounds mip"),
+                         (["--method", "piper-equi", "--knapsack", "exact"], "--knapsack")):
+        assert main(["solve", bert, "--devices", "4", *extra]) == 2
+        assert words in capsys.readouterr().err
+    plan = ["plan", "mlp", "--mode", "training", "--parallelism", "piper", "--devices", "cpu:0", "cpu:1",
+            "--microbatches", "2", "--batch", "4"]
+    for extra, words in ((["--noncontiguous"], "contiguous"), (["--objective", "latency"], "throughput"),
+                         (["--keep-split"], "--keep-split")):
+        assert main([*plan, *extra]) == 2
+        assert words in capsys.readouterr().err

@@ -304,3 +304,168 @@ def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
     a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])
     values, picks = piper_knapsack.exact(cost, a, b, 15.0, np.array([1.0]))
     assert values[0] == 6.0 and sorted(picks[:, 0]) == [0, 1]
+
+
+def test_equi_keeps_a_node_among_the_layers_with_the_layer_before_it():
+    """A non-layer node between layers (a dropout named apart) went to the first stage: a plan
+    with data flowing backward, refused by its own validation, and piper.solve (which prunes with
+    equi) failed with it (found by fuzzing)."""
+    names = {"0": "Layer", "1": "Layer", "2": "Dropout", "3": "Layer"}
+    edges = [("0", "1"), ("1", "2"), ("2", "3")]
+    g = OpGraph()
+    for v, name in names.items():
+        x = TMPC("vanilla", time=0.0 if name == "Dropout" else 1.0, sync_in={u: 0.0 for u, w in edges if w == v},
+                 sync_out={w: 0.0 for u, w in edges if u == v})
+        g.add_node(v, NodeRecord(name, tmpcs={1: (x,)}))
+    for u, v in edges:
+        g.add_edge(u, v, 0.0)
+    p = piper_problem(g, Parallel(4, 100.0, 1.0, 4))
+    equi = piper_equi.solve(p, data_parallel=False)  # three stages of one layer each
+    assert [set(s.nodes) for s in equi.stages] == [{"0"}, {"1", "2"}, {"3"}]
+    assert piper.solve(p, data_parallel=False).objective == equi.objective == 1.0
+
+
+def _three_tmpc_nodes(rows, chain_edges=()):
+    """Nodes with TMPCs x0, x1 recomp, x2 for t=1 from (time, mem_a, mem_b) rows."""
+    g = OpGraph()
+    for v, xs in rows.items():
+        near = {"sync_in": {u: 0.0 for u, w in chain_edges if w == v},
+                "sync_out": {w: 0.0 for u, w in chain_edges if u == v}}
+        g.add_node(v, NodeRecord(v, tmpcs={1: tuple(
+            TMPC(["x0", "x1 recomp", "x2"][i], time=float(p), mem_a=float(a), mem_b=float(b), recompute=i == 1, **near)
+            for i, (p, a, b) in enumerate(xs))}))
+    return g
+
+
+def test_pruning_by_the_equi_plan_never_loses_the_heuristics_plan():
+    """Here the equi plan (27, all recompute) beats every plan the heuristic knapsack finds (28):
+    the equi bound pruned the whole table and piper.solve said nothing fits (found by fuzzing)."""
+    g = _three_tmpc_nodes({"0": [(8, 0, 3), (7, 3, 2), (11, 8, 4)], "1": [(9, 6, 8), (10, 1, 2), (4, 7, 8)],
+                           "2": [(12, 7, 1), (9, 0, 3), (2, 7, 7)], "3": [(1, 3, 6), (1, 8, 5), (3, 8, 5)]})
+    p = piper_problem(g, Parallel(devices=1, memory_bytes=28.0, bandwidth=1.0, microbatches=3))
+    assert piper_equi.solve(p).objective == 27.0
+    assert piper.solve(p).objective == piper.solve(p, prune=False).objective == 28.0
+
+
+def test_a_bound_keeps_entries_of_heuristic_values_that_do_not_grow_with_y():
+    """The heuristic's TPS of the p stage is 27, 27, 26 for y = 1, 2, 3; a binary search for the
+    last y within a bound of 26.5 stopped at y = 0 and the 26 plan (p's first, y = 3) was lost."""
+    rows = {"p0": [(11, 5, 8), (13, 1, 0), (19, 6, 5)], "p1": [(19, 8, 8), (3, 0, 5), (4, 0, 2)],
+            "p2": [(12, 2, 4), (10, 2, 0), (4, 9, 7)]}
+    chain = ["p0", "p1", "p2", "z1", "z2"]
+    edges = list(zip(chain, chain[1:]))
+    g = _three_tmpc_nodes(rows, edges)
+    for i, v in enumerate(("z1", "z2")):
+        g.add_node(v, NodeRecord(v, tmpcs={1: (TMPC("x", time=1.0, param_bytes=100.0, sync_in={chain[i + 2]: 0.0},
+                                                     sync_out={"z2": 0.0} if v == "z1" else {}),)}))
+    for u, w in edges:
+        g.add_edge(u, w, 100.0 if w.startswith("p") else 0.0)  # the p's stay together
+    p = piper_problem(g, Parallel(devices=3, memory_bytes=15.0, bandwidth=1.0, microbatches=3))
+    order = p.graph.topological_order()
+    stages = piper._Stages(p, order, data_parallel=True, tensor_parallel=True, recompute=True,
+                           knapsack=piper.KNAPSACKS["heuristic"])
+    first = np.array([v.startswith("p") for v in order])
+    np.testing.assert_array_equal(stages.table(first)[1, 1], [27.0, 27.0, 26.0])
+    assert piper.run_dp(p, stages, order).dp[-1][3, 3] == 26.0
+    assert piper.run_dp(p, stages, order, upper_bound=26.5).dp[-1][3, 3] == 26.0
+
+
+def test_a_plans_tps_is_the_value_the_dp_found_when_degrees_have_different_numbers_of_tmpcs():
+    """Two TMPCs per node for t=1, three for t=2: the table padded t=1 to three slots and so ran
+    the loop greedy, the picks did not and ran the sorted one, which can choose otherwise; the plan
+    came out at 24 where the DP had found 23 (found by fuzzing)."""
+    rows = [{1: [(16, 1, 1, 2), (12, 1, 8, 2)], 2: [(8, 9, 9, 5), (9.5, 5, 1, 4), (6.5, 5, 2, 2)]},
+            {1: [(6, 2, 1, 1), (1, 5, 5, 1)], 2: [(8.5, 8, 8, 2), (5, 4, 3, 5), (1, 4, 8, 2)]},
+            {1: [(3, 1, 5, 2), (12, 1, 5, 4)], 2: [(2.5, 4, 7, 1), (8, 3, 0, 0), (0.5, 6, 9, 5)]},
+            {1: [(6, 9, 3, 0), (13, 7, 5, 0)], 2: [(0.5, 7, 8, 3), (2, 7, 7, 3), (1.5, 5, 9, 1)]}]
+    g = OpGraph()
+    for i, by_t in enumerate(rows):
+        near = {"sync_in": {str(i - 1): 1.0} if i else {}, "sync_out": {str(i + 1): 1.0} if i < 3 else {}}
+        g.add_node(str(i), NodeRecord(str(i), tmpcs={t: tuple(
+            TMPC(f"x{j}", time=p, mem_a=a, mem_b=b, param_bytes=w, **near) for j, (p, a, b, w) in enumerate(xs))
+            for t, xs in by_t.items()}))
+    for i, c in enumerate([4.0, 2.0, 2.0]):
+        g.add_edge(str(i), str(i + 1), c)
+    p = piper_problem(g, Parallel(2, 19.0, 1.0, 4))
+    plan = piper.solve(p, prune=False)
+    assert plan.objective == plan.meta["dp_value"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 10**6))
+def test_knapsack_heuristic_does_not_depend_on_padding(n, seed):
+    """Padding two-TMPC nodes with a third, unusable slot (cost inf) changes no answer."""
+    rng = np.random.default_rng(seed)
+    ys = np.arange(1.0, 5.0)
+    cost = np.repeat(rng.integers(1, 20, size=(n, 2, 1)).astype(float), len(ys), axis=2)
+    a, b = rng.integers(0, 10, size=(n, 2)).astype(float), rng.integers(0, 10, size=(n, 2)).astype(float)
+    limit = float(rng.integers(5, 80))
+    padded = (np.concatenate([cost, np.full((n, 1, len(ys)), np.inf)], axis=1),
+              np.concatenate([a, np.zeros((n, 1))], axis=1), np.concatenate([b, np.zeros((n, 1))], axis=1))
+    values, picks = piper_knapsack.heuristic(cost, a, b, limit, ys)
+    values3, picks3 = piper_knapsack.heuristic(*padded[:1], *padded[1:], limit, ys)
+    np.testing.assert_array_equal(values, values3)
+    np.testing.assert_array_equal(picks[:, np.isfinite(values)], picks3[:, np.isfinite(values)])
+
+
+@pytest.mark.parametrize("need, fits", [(10.5, False), (10.0, True)])
+def test_fractional_memory_fits_as_the_cost_model_rounds_it(need, fits):
+    """10.5 bytes of TMPC memory on devices of 10.7 bytes (a fraction of a GiB): the solvers kept
+    it (10.5 <= 10.7), the cost model rounds the stage up to 11 whole bytes and Plan.build refused
+    the solvers' own plan with InvalidPlanError (found by fuzzing)."""
+    g = OpGraph()
+    g.add_node("0", NodeRecord("0", tmpcs={1: (TMPC("vanilla", time=1.0, mem_a=0.25, mem_b=need - 0.25),)}))
+    p = piper_problem(g, Parallel(devices=2, memory_bytes=10.7, bandwidth=1.0, microbatches=2))
+    for solve in (piper.solve, piper_equi.solve):
+        if fits:
+            assert solve(p).costs[0].memory == 10
+        else:
+            with pytest.raises(InfeasibleError):
+                solve(p)
+
+
+def test_every_knapsack_fits_a_device_of_less_than_one_byte():
+    """Less than one whole byte of memory leaves a limit of 0: the exact knapsack divided by it."""
+    g = OpGraph()
+    g.add_node("0", NodeRecord("0", tmpcs={1: (TMPC("fast", time=1.0, mem_b=1.0), TMPC("small", time=2.0))}))
+    p = piper_problem(g, Parallel(devices=1, memory_bytes=0.5, bandwidth=1.0, microbatches=1))
+    for knapsack in ("heuristic", "exact", "brute-force"):
+        assert piper.solve(p, knapsack=knapsack).stages[0].tmpcs == {"0": "small"}
+
+
+def test_a_piper_plan_file_is_refused_before_torchrun_is_asked_for(tmp_path, monkeypatch):
+    """`torchplace run PIPER_PLAN.json --model mlp` said 'start the script with torchrun'; under
+    torchrun every process then failed with 'is a Piper plan' (found by fuzzing)."""
+    import torch
+
+    import torchplace.distributed as tpd
+    from torchplace.errors import UnsupportedError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "piper.json"
+    piper.solve(_bert(devices=4, memory_bytes=80 * GIB)).save(path)
+    with pytest.raises(UnsupportedError, match="is a Piper plan"):
+        tpd.place(torch.nn.Linear(2, 2), (torch.randn(2, 2),), plan=path, mode="training")
+
+
+def test_too_many_downsets_points_to_what_a_piper_problem_takes():
+    """The ideals DP's advice ('use method slicegraph or auto') names methods that refuse a Piper
+    problem ('auto' is Piper again)."""
+    from torchplace.errors import TooManyIdealsError
+
+    with pytest.raises(TooManyIdealsError, match="piper-equi") as e:
+        piper.solve(_bert(devices=4), ideal_limit=5)
+    assert "slicegraph" not in str(e.value) and e.value.limit == 5
+
+
+def test_tables_too_large_for_memory_are_refused_before_they_are_made(monkeypatch):
+    """One (K+1) x (S+1) table per downset: K = N = 65536 (the reader allows it) is 32 GiB a table,
+    allocated (and the process killed) before the memory check after each downset ran."""
+    from torchplace.errors import ModelTooLargeError
+    from torchplace.solvers import limits
+
+    monkeypatch.setattr(limits, "MEMORY_BUDGET", 64 * 2**20)
+    p = _bert(devices=2048, memory_bytes=80 * GIB, microbatches=2048)  # 44 tables of 32 MiB
+    with pytest.raises(ModelTooLargeError, match="would take about 1.4 GiB"):
+        piper.solve(p, prune=False)

@@ -426,3 +426,33 @@ def test_bad_counts_for_measure_and_the_pictures_are_usage_errors(pipelined, wor
     plan.save(tmp_path / "plan.json")
     assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "r.html"), "--microbatches", "100000"]) == 2
     assert "is not readable" in capsys.readouterr().err
+
+
+def test_report_of_a_piper_plan_with_its_problem(tmp_path, workloads_dir):
+    """plan.report(path, problem) and plot_memory(plan, problem) with the Piper problem the plan was
+    solved for looked the stages' device ranges up among the problem's devices: a KeyError from the
+    cost model (found by fuzzing). The table is the plan's, the cap the problem's."""
+    from torchplace.solvers import piper
+    from torchplace.workloads import read_piper
+
+    problem = read_piper(workloads_dir / "piper" / "bert32a100.json", devices=8, memory_bytes=8 * 2**30)
+    plan = piper.solve(problem)
+    page = Path(plan.report(tmp_path / "plan.html", problem)).read_text()
+    assert "<td class=l>mode</td><td>training</td>" in page
+    for s, c in zip(plan.stages, plan.costs):
+        assert f"<td>{s.data_parallel}</td><td>{s.tensor_parallel}</td><td>{len(s.nodes)}</td>" in page
+        assert f"<td>{c.allreduce:.4g}</td><td>{c.load:.4g}</td>" in page
+    assert isinstance(plot_memory(plan, problem), Picture)
+
+
+def test_report_options_of_the_workload_need_the_workload(tmp_path, capsys, workloads_dir):
+    """report PLAN.json --objective latency / --noncontiguous / --accelerators / --cpus without
+    --workload wrote the report as if they were not given (found by fuzzing, on a Piper plan)."""
+    plan = tmp_path / "plan.json"
+    assert main(["solve", str(workloads_dir / "piper" / "bert32a100.json"), "--devices", "4", "--memory-gb", "80",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    for extra in (["--objective", "latency"], ["--noncontiguous"], ["--accelerators", "2"], ["--cpus", "0"]):
+        assert main(["report", str(plan), "-o", str(tmp_path / "r.html"), *extra]) == 2
+        assert f"{extra[0]} describe the problem of --workload" in capsys.readouterr().err
+    assert main(["report", str(plan), "-o", str(tmp_path / "r.html")]) == 0

@@ -194,6 +194,8 @@ def test_bert_plans_with_piper():
     ({"mode": "training", "solver": "piper"}, "parallelism='piper'"),
     ({"allreduce_bandwidth": "1GB/s"}, "goes with parallelism='piper'"),
     ({"parallelism": "piper", "mode": "training", "tensor_bandwidth": "fast"}, "bandwidth"),
+    ({"parallelism": "piper", "mode": "training", "allreduce_bandwidth": math.inf}, "finite bandwidth"),
+    ({"parallelism": "piper", "mode": "training", "schedule": "gpipe"}, "does not flush"),
 ])
 def test_bad_parallelism_options_are_usage_errors(options, words):
     with pytest.raises(UsageError) as e:
@@ -209,6 +211,21 @@ def test_piper_needs_devices_of_one_kind(gpt2_graph):
     mixed = Cluster((Device("a", "cpu", "cpu", 2**30), Device("b", "cpu", "accel", 2**30)))
     with pytest.raises(UsageError, match="one kind"):
         piper_plan(graph, mixed, model, microbatches=2, solver="auto", recompute=True, time_limit=None)
+
+
+def test_piper_needs_a_finite_bandwidth_from_the_links_or_the_caller(gpt2_graph):
+    """A link of infinite bandwidth (a fitted link with no slope) became Piper's B, and Parallel
+    refused it with a ValueError from deep inside (found by fuzzing)."""
+    from torchplace.devices import Cluster, Device
+    from torchplace.parallelism import piper_plan
+
+    graph, model = gpt2_graph
+    free = Cluster((Device("a", "cpu", "cpu", 2**30), Device("b", "cpu", "cpu", 2**30)), bandwidth=math.inf)
+    with pytest.raises(UsageError, match="allreduce_bandwidth="):
+        piper_plan(graph, free, model, microbatches=2, solver="auto", recompute=True, time_limit=None)
+    _, plan = piper_plan(graph, free, model, microbatches=2, solver="auto", recompute=True, time_limit=None,
+                         allreduce_bandwidth="10GB/s")
+    assert math.isfinite(plan.objective)
 
 
 def test_cli_plans_an_example_model_with_piper(capsys):

@@ -401,7 +401,7 @@ def prepare(
         )
     solvers.check_method(solver, objective)
     parallelisms.check(parallelism, mode=mode, objective=objective, solver=solver, contiguous=contiguous, plan=plan,
-                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth)
+                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth, schedule=schedule)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
                        ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):

@@ -174,6 +174,15 @@ def _solve(args: argparse.Namespace) -> int:
     if _is_piper(args.workload):
         if args.accelerators is not None or args.cpus is not None:
             raise UsageError("--accelerators/--cpus apply to dnn-partitioning workloads; a Piper workload takes --devices")
+        equi = args.method == "piper-equi"
+        ignored = [f"{flag} ({why})" for flag, given, why in (
+            ("--objective latency", args.objective == "latency", "Piper minimises the time per sample"),
+            ("--noncontiguous", args.noncontiguous, "Piper's stages are contiguous, Sec. 3.2"),
+            ("--bounds mip", args.bounds == "mip", "Piper's bound is the work over the devices"),
+            ("--knapsack", equi and args.knapsack is not None, "equi picks TMPCs without a knapsack"),
+            ("--ideal-limit", equi and args.ideal_limit is not None, "equi enumerates no downsets")) if given]
+        if ignored:
+            raise UsageError(f"on a Piper workload {', '.join(ignored)} would be ignored: leave it out")
         problem = _read_piper(args)
         baseline = {"no-dp": {"data_parallel": False}, "no-tp": {"tensor_parallel": False},
                     "no-ar": {"recompute": False}}.get(args.baseline, {})
@@ -253,8 +262,11 @@ def _plan_piper(args: argparse.Namespace, model: Any, inputs: Any) -> int:
     (operator granularity, so that Megatron's split of attention and MLP blocks is visible)."""
     import torchplace
 
+    if args.keep_split:
+        raise UsageError("--keep-split keeps a pipeline on several devices; Piper's plan is not run here: leave it out")
     plan, _ = torchplace.plan_model(model, args.devices, inputs, mode=args.mode, parallelism="piper",
-                                    microbatches=args.microbatches, solver=args.method, time_limit=args.time_limit)
+                                    microbatches=args.microbatches, solver=args.method, time_limit=args.time_limit,
+                                    objective=args.objective or "throughput", contiguous=not args.noncontiguous)
     print(plan)
     if args.output:
         plan.save(args.output)
@@ -394,6 +406,12 @@ def _report(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     problem = None
+    given = [flag for flag, on in (("--objective", args.objective is not None), ("--noncontiguous", args.noncontiguous),
+                                   ("--accelerators", args.accelerators is not None), ("--cpus", args.cpus is not None))
+             if on]
+    if given and not args.workload:
+        raise UsageError(f"{', '.join(given)} describe the problem of --workload: give the workload file too, or leave "
+                         "them out")
     if args.workload:
         if _is_piper(args.workload):
             raise UsageError(f"{args.workload} is a Piper workload: `report --workload` draws dnn-partitioning and MOIRAI "

@@ -152,6 +152,9 @@ def place(
 
     from torchplace import api
 
+    given = api._load_plan(plan) if plan is not None else None
+    if given is not None:  # before asking for torchrun: a Piper plan runs under no launch
+        api.check_runnable(given, plan)  # type: ignore[arg-type]
     rank, world, local_rank = launch_env()
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -160,9 +163,6 @@ def place(
                          "one per device, and a one-device plan would leave all but one with nothing to run; leave it "
                          "out (the split is kept), or run the model in one process with torchplace.place()")
     _materialize_lazily(model, state_dict)
-    given = api._load_plan(plan) if plan is not None else None
-    if given is not None:
-        api.check_runnable(given, plan)  # type: ignore[arg-type]
     if microbatches is None:
         microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
     microbatches = positive_int(microbatches, "microbatches")

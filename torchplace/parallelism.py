@@ -18,6 +18,7 @@ the stages' ``d``); the devices must be alike (one kind), their memory the least
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torchplace import solvers
@@ -37,7 +38,7 @@ UNLIMITED = float(2**60)
 
 
 def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguous: bool, plan: Any,
-          allreduce_bandwidth: Any, tensor_bandwidth: Any) -> None:
+          allreduce_bandwidth: Any, tensor_bandwidth: Any, schedule: str = "1f1b") -> None:
     """Raise :class:`UsageError` for a ``parallelism`` and options that do not go together."""
     if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
         raise UsageError(f"parallelism must be one of {list(PARALLELISMS)}: 'pipeline' (stages on one device each, "
@@ -56,12 +57,19 @@ def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguou
         raise UsageError(f"parallelism='piper' is solved by {['auto', *solvers.PARALLEL_METHODS]}, got solver {solver!r}")
     if not contiguous:
         raise UsageError("Piper's stages are contiguous (Sec. 3.2): leave contiguous=True with parallelism='piper'")
+    if schedule != "1f1b":
+        raise UsageError(f"schedule={schedule!r}: Piper prices a pipeline that does not flush (PipeDream-2BW, Sec. 2 and "
+                         "App. A: ceil(s/d) micro-batches in flight per device), not GPipe's: leave schedule out with "
+                         "parallelism='piper'")
     if plan is not None:
         raise UsageError("plan= runs a given pipeline plan, and parallelism='piper' solves for a Piper plan, which "
                          "no runtime here runs yet: leave out plan= (or parallelism='piper')")
     for name, value in (("allreduce_bandwidth", allreduce_bandwidth), ("tensor_bandwidth", tensor_bandwidth)):
         if value is not None:
             parse_bandwidth(value)
+    if allreduce_bandwidth is not None and parse_bandwidth(allreduce_bandwidth) == math.inf:
+        raise UsageError("allreduce_bandwidth is Piper's B, which prices its stage transfers and all-reduces: give a "
+                         "finite bandwidth, e.g. '25GB/s'")
     del objective  # training is already refused for latency
 
 
@@ -78,11 +86,13 @@ def _bandwidth(cluster: Cluster, given: Any) -> float:
     if given is not None:
         return float(parse_bandwidth(given))
     names = cluster.names
-    if len(names) >= 2:
-        bw = cluster.link(names[0], names[1]).bandwidth
-        if bw is not None:
-            return float(bw)
-    return float(cluster.bandwidth)
+    bw = cluster.link(names[0], names[1]).bandwidth if len(names) >= 2 else None
+    where = f"the link from {names[0]} to {names[1]}" if bw is not None else "the cluster's default link"
+    bw = float(cluster.bandwidth if bw is None else bw)
+    if not math.isfinite(bw):
+        raise UsageError(f"Piper's bandwidth B is taken from {where}, which has no finite bandwidth ({bw}): "
+                         "give allreduce_bandwidth=, e.g. '25GB/s'")
+    return bw
 
 
 def piper_plan(graph: Any, cluster: Cluster, model: Any, *, microbatches: int, solver: str, recompute: bool,

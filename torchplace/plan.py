@@ -352,9 +352,9 @@ def _check_parallel(problem: Problem, stages: Sequence[Stage]) -> None:
             raise InvalidPlanError(f"stage {i}: a Piper stage recomputes per node, through its TMPCs, not recompute=True")
     _, costs = costmodel.evaluate_stages(problem, stages)
     for i, c in enumerate(costs):
-        if c.memory > par.memory_bytes:
+        if c.memory > par.memory_limit:
             raise InvalidPlanError(f"stage {i} ({stages[i].device}) needs {c.memory} bytes per device but a device "
-                                   f"has {par.memory_bytes:.0f}")
+                                   f"has {par.memory_limit:.0f}")
     if problem.contiguous:
         for i, s in enumerate(stages):
             if not is_contiguous(problem.graph, set(s.nodes)):

@@ -1,6 +1,7 @@
 """Problem: everything a solver sees — the graph, the cluster, the objective and the mode."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -66,6 +67,13 @@ class Parallel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise ValueError(f"Parallel.{name} must be a positive finite number, got {v!r}")
+
+    @property
+    def memory_limit(self) -> float:
+        """The bytes a stage may need per device: the whole bytes of ``memory_bytes`` (the cost
+        model rounds a stage's memory up to whole bytes, so a stage of 10.5 bytes does not fit in
+        10.7; it fits exactly when its unrounded memory is at most this)."""
+        return float(math.floor(self.memory_bytes))
 
     @property
     def max_in_flight(self) -> int:

@@ -58,14 +58,18 @@ def _summary(plan: Plan, problem: Problem | None) -> str:
             ("solve time", f"{plan.seconds:.3g} s"), ("stages", str(len(plan.stages))),
             ("devices", ", ".join(_e(d) for d in dict.fromkeys(s.device for s in plan.stages)))]
     if problem is not None:
-        rows += [("objective kind", _e(problem.objective)), ("mode", _e(problem.mode)),
+        mode = "training" if problem.parallel is not None else problem.mode  # Piper plans training
+        rows += [("objective kind", _e(problem.objective)), ("mode", _e(mode)),
                  ("graph nodes", str(len(problem.graph)))]
     return _table(("", ""), [(k, v) for k, v in rows], left=1, cls="kv")
 
 
 def _stage_table(plan: Plan, problem: Problem | None) -> str:
     colors = device_colors(s.device for s in plan.stages)
-    if problem is not None:
+    if problem is not None and problem.parallel is not None:  # Piper: a cost per stage, named by its device range
+        costs = costmodel.evaluate_stages(problem, plan.stages)[1]
+        memory = {c.device: c.memory for c in costs}
+    elif problem is not None:
         costs = costmodel.stage_costs(problem, plan.stages)
         memory = costmodel.device_memory(problem, plan.stages)
     else:

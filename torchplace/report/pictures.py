@@ -92,7 +92,12 @@ def plot_memory(plan: Plan, problem: Problem | None = None) -> Picture:
     """Each device's memory stacked by kind (:data:`~torchplace.costmodel.MEMORY_KINDS`, from the
     cost model) against its cap; without the problem, the plan's per-device totals."""
     devices = _devices(plan)
-    if problem is not None:
+    if problem is not None and problem.parallel is not None:  # Piper: a ceil(s/d) + b per device of a stage, no parts
+        costs = costmodel.evaluate_stages(problem, plan.stages)[1]
+        parts = {c.device: {"per device (Piper)": c.memory} for c in costs}
+        caps = {d: problem.parallel.memory_limit for d in devices}
+        kinds = ["per device (Piper)"]
+    elif problem is not None:
         parts = costmodel.device_memory_parts(problem, plan.stages)
         caps = {d: problem.cluster.device(d).memory_bytes for d in devices}
         kinds = [k for k in costmodel.MEMORY_KINDS if any(parts[d][k] for d in devices)] or ["parameters"]

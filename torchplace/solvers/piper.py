@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, UsageError
+from torchplace.errors import InfeasibleError, TooManyIdealsError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Parallel, Problem
 from torchplace.solvers import piper_knapsack
@@ -147,7 +147,7 @@ class _Stages:
             b[:, :k, at:end] = arr.b[idx][:, :, None]
             ys[at:end] = col_y
             at = end
-        values, _ = self.knapsack(cost, a, b, self.par.memory_bytes, ys)
+        values, _ = self.knapsack(cost, a, b, self.par.memory_limit, ys)
         out: dict[tuple[int, int], np.ndarray] = {}
         offset = 0
         for t in degrees:
@@ -164,14 +164,21 @@ class _Stages:
         idx = np.flatnonzero(members)
         arr = self.arrays[t]
         cost = self._costs(arr, idx, (~members).astype(np.float64), np.array([float(d)]))
-        _, picks = self.knapsack(cost, arr.a[idx], arr.b[idx], self.par.memory_bytes, np.array([float(y)]))
+        _, picks = self.knapsack(cost, arr.a[idx], arr.b[idx], self.par.memory_limit,
+                                 np.array([float(y)]))
         return {order[i]: arr.ids[i][int(picks[j, 0])] for j, i in enumerate(idx)}
 
 
 def _downsets(problem: Problem, order: list[str], ideal_limit: int):  # -> Ideals
     index = {v: i for i, v in enumerate(order)}
     reversed_edges = [(index[v], index[u]) for u, v in problem.graph.edges]  # ideals of G^R = downsets of G
-    return enumerate_ideals(len(order), reversed_edges, ideal_limit)
+    try:
+        return enumerate_ideals(len(order), reversed_edges, ideal_limit)
+    except TooManyIdealsError as e:  # its advice names solvers that take no Piper problem
+        raise TooManyIdealsError(
+            f"Piper's graph has more than {e.limit} downsets, too many for its DP; raise ideal_limit= (--ideal-limit), "
+            "use method 'piper-equi' (equal stages, no downsets), or give a graph with fewer parallel branches",
+            e.limit) from None
 
 
 def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int = DEFAULT_IDEAL_LIMIT,
@@ -187,6 +194,8 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
     K, S = par.devices, stages.smax
     cut = upper_bound * (1 + 1e-9)
     downsets = _downsets(problem, order, ideal_limit)
+    if budget is not None:  # every table stays for the walk back; one of K = N = 65536 alone is 32 GiB
+        budget.admit_memory((len(downsets) + 1) * (K + 1) * (S + 1) * 8, "Piper's (devices x in-flight) tables")
     member = downsets.membership
     dp: list[np.ndarray] = [np.zeros((K + 1, S + 1))]
     first = [(0, 0)]  # the first row (devices) and column (in flight) with a finite entry, per downset
@@ -205,7 +214,9 @@ def run_dp(problem: Problem, stages: _Stages, order: list[str], ideal_limit: int
             prev = dp[j]
             for (t, d), values in stages.table(member[i] & ~member[j]).items():
                 kd = t * d
-                finite = int(np.searchsorted(values, cut, side="right"))  # values only grow with y
+                # the largest y whose value is within the cut (the heuristic's values need not grow with y)
+                within = np.flatnonzero(values <= cut)
+                finite = int(within[-1]) + 1 if within.size else 0
                 s_hi = min(S, d * finite)
                 lo_k, lo_s = kd + k0, d + s0
                 if lo_k > K or s_hi < lo_s:
@@ -315,10 +326,14 @@ def solve(problem: Problem, *, data_parallel: bool = True, tensor_parallel: bool
     order = problem.graph.topological_order()
     stages = _Stages(problem, order, data_parallel=data_parallel, tensor_parallel=tensor_parallel,
                      recompute=recompute, knapsack=KNAPSACKS[knapsack])
-    tables = run_dp(problem, stages, order, ideal_limit, budget,
-                    _equi_bound(problem, data_parallel, tensor_parallel, recompute) if prune else math.inf)
+    bound = _equi_bound(problem, data_parallel, tensor_parallel, recompute) if prune else math.inf
+    tables = run_dp(problem, stages, order, ideal_limit, budget, bound)
     par: Parallel = problem.parallel
     best = tables.dp[-1]
+    if math.isfinite(bound) and not np.isfinite(best[par.devices, stages.smax]):
+        # the heuristic knapsack found nothing within the equi plan's time: the bound pruned it all
+        tables = run_dp(problem, stages, order, ideal_limit, budget)
+        best = tables.dp[-1]
     if not np.isfinite(best[par.devices, stages.smax]):
         raise InfeasibleError(f"no Piper configuration fits in {par.memory_bytes / 2**30:.3g} GiB per device with "
                               f"{par.devices} devices and {par.microbatches} micro-batches; allow more memory, "

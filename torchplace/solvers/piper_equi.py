@@ -7,7 +7,8 @@ the first layer and after the last go either with the first and last stage or on
 own. The best over all valid ``(w, d, t, recompute, separate)`` wins.
 
 "Layers" are the nodes that share the most common name (BERT's ``ParallelTransformerLayer``); when
-no name repeats, every node is a layer, in topological order.
+no name repeats, every node is a layer, in topological order. Every stage is a segment of one
+topological order: nodes among the layers (none in BERT) go with the layer before them.
 """
 from __future__ import annotations
 
@@ -25,20 +26,17 @@ from torchplace.solvers.piper import work_lower_bound
 __all__ = ["solve"]
 
 
-def _layers(problem: Problem) -> tuple[list[str], list[str], list[str]]:
-    """(nodes before the first layer, the layers, nodes after) in topological order."""
+def _layers(problem: Problem) -> tuple[list[str], list[str], list[str], list[str]]:
+    """Segments of one topological order: (the nodes before the first layer, the nodes from the
+    first layer to the last, the nodes after), and the layers themselves."""
     order = problem.graph.topological_order()
     names = Counter(problem.graph.record(v).name for v in order)
     name, count = names.most_common(1)[0]
     if count < 2:
-        return [], order, []
+        return [], order, [], order
     layers = [v for v in order if problem.graph.record(v).name == name]
     first, last = order.index(layers[0]), order.index(layers[-1])
-    rest = [v for v in order if v not in set(layers)]
-    before = [v for v in rest if order.index(v) < first]
-    after = [v for v in rest if order.index(v) > last]
-    inside = [v for v in rest if first < order.index(v) < last]
-    return before + inside, layers, after  # nodes among the layers (none in BERT) go first
+    return order[:first], order[first:last + 1], order[last + 1:], layers
 
 
 @dataclass(frozen=True)
@@ -71,18 +69,21 @@ def _sums(problem: Problem, nodes: tuple[str, ...], t: int, tmpcs: dict[str, str
 
 
 def _layouts(problem: Problem) -> list[list[tuple[str, ...]]]:
-    before, layers, after = _layers(problem)
+    """Each stage a segment of one topological order, so that stages are contiguous and data flows
+    forward: a group of layers takes the nodes among the layers up to the next group's first layer."""
+    before, middle, after, layers = _layers(problem)
+    at = {v: i for i, v in enumerate(middle)}
     out = []
     for separate in (False, True):
         if separate and not (before or after):
             continue
         for w in range(1, len(layers) + 1):
             size, larger = divmod(len(layers), w)
-            groups, i = [], 0
+            starts, i = [], 0
             for g in range(w):
-                n = size + (g >= w - larger)
-                groups.append(list(layers[i:i + n]))
-                i += n
+                starts.append(at[layers[i]] if g else 0)
+                i += size + (g >= w - larger)
+            groups = [list(middle[lo:hi]) for lo, hi in zip(starts, [*starts[1:], len(middle)])]
             if separate:
                 stages = ([tuple(before)] if before else []) + [tuple(g) for g in groups] + ([tuple(after)] if after else [])
             else:
@@ -128,7 +129,7 @@ def solve(problem: Problem, *, tensor_parallel: bool = True, data_parallel: bool
                         continue
                     tps = 0.0
                     for i, x in enumerate(sums):
-                        if x.a * (w - i) + x.b > par.memory_bytes:
+                        if x.a * (w - i) + x.b > par.memory_limit:
                             tps = float("inf")
                             break
                         resync = costmodel.piper_resync_bytes(x.weights, d, par.microbatches)

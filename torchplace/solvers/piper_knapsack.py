@@ -31,6 +31,13 @@ def _mem(a: np.ndarray, b: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return a * ys[None, None, :] + b
 
 
+def _columns(a: np.ndarray, b: np.ndarray, cols: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a``, ``b`` of the columns ``cols`` and the first ``slots`` slots (shared ones stay shared)."""
+    if a.ndim == 2:
+        return a[:, :slots], b[:, :slots]
+    return a[:, :slots][:, :, cols], b[:, :slots][:, :, cols]
+
+
 def _take(x: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """``x[i, slot[i, c], c]`` for arrays (n, slots, C) and slot (n, C)."""
     n, c = slot.shape
@@ -45,7 +52,18 @@ def heuristic(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     ys = np.asarray(ys, dtype=np.float64)
     fastest = np.argmin(cost, axis=1)  # (n, C); first of equals: deterministic
     if slots > 2:
-        return _heuristic_loop(cost, a, b, limit, ys, fastest)
+        # by the TMPCs the nodes have, not the padding: a column's answer must not depend on what
+        # it is solved beside (Piper's table pads every degree to the widest; its picks do not)
+        wide = np.isfinite(cost[:, 2:, :]).any(axis=(0, 1))
+        if wide.all():
+            return _heuristic_loop(cost, a, b, limit, ys, fastest)
+        values, picks = np.full(len(ys), np.inf), fastest.copy()
+        two = ~wide  # the vectorised greedy, on the first two slots (a node's TMPCs come first)
+        values[two], picks[:, two] = heuristic(cost[:, :2][:, :, two], *_columns(a, b, two, 2), limit, ys[two])
+        if wide.any():
+            values[wide], picks[:, wide] = _heuristic_loop(cost[:, :, wide], *_columns(a, b, wide, slots), limit,
+                                                           ys[wide], fastest[:, wide])
+        return values, picks
     mem = _mem(a, b, ys)
     base = _take(cost, fastest).sum(axis=0)
     mem_fast = _take(mem, fastest)
@@ -145,7 +163,8 @@ def _exact_one(cost: np.ndarray, mem: np.ndarray, limit: float) -> tuple[float, 
         idx = np.array([k for k, (i, _) in enumerate(cells) if i == node], dtype=np.int32)
         h.addRow(1.0, 1.0, len(idx), idx, np.ones(len(idx)))
     idx = np.arange(len(cells), dtype=np.int32)  # memory; scaled to keep HiGHS's tolerances meaningful
-    h.addRow(-inf, 1.0, len(idx), idx, np.array([mem[i, s] / limit for i, s in cells]))
+    scale = limit if limit > 0 else 1.0  # a limit of 0 bytes (a device of less than one byte) fits only 0
+    h.addRow(-inf, limit / scale, len(idx), idx, np.array([mem[i, s] / scale for i, s in cells]))
     h.setOptionValue("primal_feasibility_tolerance", 1e-10)
     h.setOptionValue("mip_feasibility_tolerance", 1e-10)
     h.setOptionValue("mip_rel_gap", 0.0)
