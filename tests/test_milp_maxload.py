@@ -123,6 +123,28 @@ def test_noncontiguous_is_at_most_contiguous_under_every_symmetry_rule(problem, 
     assert plans[0].objective == pytest.approx(maxload.solve(problem, contiguous=True, symmetry="none").objective, rel=1e-6)
 
 
+@pytest.mark.parametrize("memory", ["shared tensor", "liveness"])
+def test_noncontiguous_ip_through_solve_on_a_contiguous_problem_with_non_additive_memory(memory):
+    """``solve(problem, "ip", contiguous=False)`` on a contiguous problem whose memory goes through
+    a wrapper (a shared tensor, liveness): the plan holds a split piece (Sec. 5.2) and is checked
+    against the problem that allows it, as ``maxload.solve`` checks it, not refused as non-contiguous."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0, "cpu": 10.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0, "cpu": 10.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0, param_bytes=1, output_bytes=1, temp_bytes=1))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    if memory == "liveness":
+        g.meta["liveness"] = True
+    else:
+        g.meta["state"] = {"w": {"bytes": 1, "owner": "a", "readers": ["a", "c"]}}
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 100), Device("cpu0", "cpu", "cpu"))))
+    plan = solve(problem, "ip", contiguous=False)
+    plan.validate(replace(problem, contiguous=False))
+    assert plan.objective == 2.0 == costmodel.evaluate(problem, plan)  # a and c on acc0: two pieces
+
+
 def _crossing_problem(contiguous: bool = True) -> Problem:
     """1 -> 4 and 2 -> 5 with 1, 3, 5 colocated: {1, 3, 5} and {0, 2, 4} are each contiguous but
     feed each other (1 -> 4 one way, 2 -> 5 the other)."""

@@ -154,6 +154,10 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
             raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
                              f"x pipeline); use one of {list(PARALLEL_METHODS)}")
         return call_method(method, problem, time_limit=time_limit, **opts)
+    if opts.get("contiguous") is False and problem.contiguous:
+        # the method may give a device several pieces (Tarnawski Sec. 5.2): its plan is a plan of the
+        # problem that allows them, as the method checks it, and so in the wrappers below too
+        problem = dataclasses.replace(problem, contiguous=False)
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":
