@@ -145,6 +145,45 @@ def test_noncontiguous_ip_through_solve_on_a_contiguous_problem_with_non_additiv
     assert plan.objective == 2.0 == costmodel.evaluate(problem, plan)  # a and c on acc0: two pieces
 
 
+def test_auto_finds_a_non_contiguous_split_where_no_contiguous_one_fits():
+    """a -> b -> c with a and c accelerator-only and b CPU-only: every split holds two pieces on
+    acc0. ``auto`` took the contiguous DP's InfeasibleError for the problem's; the IP decides."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel"), Device("cpu0", "cpu", "cpu"))), contiguous=False)
+    plan = solve(problem, "auto", time_limit=20)
+    _check_plan_of(plan, problem)
+    assert plan.objective == 2.0 and plan.status == "optimal"
+    with pytest.raises(InfeasibleError):
+        solve(replace(problem, contiguous=True), "auto", time_limit=20)
+
+
+def _check_plan_of(plan: Plan, problem: Problem) -> None:
+    plan.validate(problem)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.lower_bound <= plan.objective * (1 + 1e-9)
+
+
+@FAST
+@given(problems(max_nodes=5))
+def test_auto_on_a_non_contiguous_problem_is_infeasible_only_when_no_split_fits(problem):
+    from torchplace.solvers import solve
+
+    problem = replace(problem, contiguous=False)
+    expected = brute_force(problem, contiguous=False)
+    plan = _solve_or_inf(solve, problem, method="auto", time_limit=20)
+    assert (plan is None) == math.isinf(expected)
+    if plan is not None:
+        _check_plan_of(plan, problem)
+        assert plan.objective >= expected * (1 - 1e-9) - 1e-12
+        assert plan.lower_bound <= expected * (1 + 1e-9) + 1e-12
+
+
 def _crossing_problem(contiguous: bool = True) -> Problem:
     """1 -> 4 and 2 -> 5 with 1, 3, 5 colocated: {1, 3, 5} and {0, 2, 4} are each contiguous but
     feed each other (1 -> 4 one way, 2 -> 5 the other)."""

@@ -130,7 +130,12 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
                 opts: dict[str, Any]) -> Plan:
     tried: dict[str, Any] = {}
     contiguous = dataclasses.replace(problem, contiguous=True)
-    first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)
+    try:
+        first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)
+    except InfeasibleError as e:
+        if problem.contiguous:
+            raise
+        return _noncontiguous_only(problem, deadline, bounds, milp_nodes, t0, tried, e)
     tried[first.solver] = first.objective
     plans = [first if problem.contiguous else _rebuild(problem, first)]
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
@@ -164,6 +169,29 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=start)
     elif bounds == "mip" and _remaining(deadline) > 0 and not _closed(anysplit, proven):
         _run_milp("ip", loose, deadline, tried, [], proven, warm_start=start)  # only its bound is kept
+    return _best(problem, plans, proven, tried, t0)
+
+
+def _noncontiguous_only(problem: Problem, deadline: float, bounds: str, milp_nodes: int, t0: float,
+                        tried: dict[str, Any], error: InfeasibleError) -> Plan:
+    """No contiguous split fits, yet a problem that lets a device hold several pieces may still
+    have a split that does (Tarnawski Sec. 5.2): the non-contiguous max-load MILP decides, where it
+    runs (its infeasible verdict is exact and propagates); else ``error`` stands.
+
+    Raises:
+        InfeasibleError: ``error`` where the MILP does not run (a graph larger than
+            ``milp_nodes``, no time left), or the MILP's verdict.
+        SolverLimitError: if the MILP found no split within the time left.
+    """
+    tried["contiguous"] = f"infeasible: {error}"
+    if not (len(problem.graph) <= milp_nodes or bounds == "mip") or _remaining(deadline) <= 0:
+        raise error
+    plans: list[Plan] = []
+    proven: list[float] = [cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)]
+    _run_milp("ip", problem, deadline, tried, plans, proven)
+    if not plans:
+        raise SolverLimitError(f"auto: no contiguous split fits ({error}), and the max-load IP found no other split "
+                               f"in time ({tried['ip']}); raise the time limit, or allow more memory", deadline - t0)
     return _best(problem, plans, proven, tried, t0)
 
 
