@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchplace
@@ -62,6 +62,65 @@ def test_a_tied_pair_is_placed_optimally_with_its_copy_counted(problem):
     plan.validate(problem)
     assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+
+
+def _tie_many(problem: Problem, owner: str, readers: list[str], nbytes: int) -> Problem:
+    """``problem`` with one tensor of ``nbytes`` owned (charged) by ``owner`` and read by it and ``readers``."""
+    g = OpGraph(meta={**problem.graph.meta, "state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner,
+                                                            "readers": sorted({owner, *readers})}}})
+    for v, r in problem.graph.records():
+        g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
+    for u, v in problem.graph.edges:
+        g.add_edge(u, v)
+    return dataclasses.replace(problem, graph=g)
+
+
+@st.composite
+def widely_tied_problems(draw):
+    """One tensor read by three or four nodes (a module called three times, an embedding tied to
+    two heads)."""
+    problem = draw(problems(max_nodes=5))
+    nodes = list(problem.graph)
+    assume(len(nodes) >= 3)
+    readers = draw(st.lists(st.sampled_from(nodes), min_size=3, max_size=4, unique=True))
+    return _tie_many(problem, readers[0], readers[1:], draw(st.integers(1, 8)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(widely_tied_problems())
+def test_a_tensor_with_three_or_more_readers_is_placed_optimally(problem):
+    """Some readers with the owner and others apart: neither colocating all nor replicating to all
+    charges such a plan exactly, and a problem only such plans fit was called infeasible; every
+    grouping of the readers is searched (Tarnawski Sec. 5.1.1 needs memory a sum over nodes)."""
+    best = brute_force_contiguous(problem)
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            solvers.solve(problem, method="dp")
+        return
+    plan = solvers.solve(problem, method="dp")
+    plan.validate(problem)
+    assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+
+
+def test_one_reader_with_the_owner_and_one_apart_is_the_only_split_that_fits():
+    # o owns w (2 of its 5 bytes); r1 and r2 read it too. {a, r1} | {o, r2} fits two 5-byte CPUs
+    # (r1's copy: 1 + 2 + 1 = 4); all three readers together need 6 bytes, and r2 paying a copy
+    # beside the owner 7, so the two restrictions alone found nothing
+    g = OpGraph(meta={"state": {"w": {"bytes": 2, "owner": "o", "readers": ["o", "r1", "r2"]}}})
+    g.add_node("a", NodeRecord("a", times={"cpu": 11.0}, temp_bytes=1))
+    g.add_node("o", NodeRecord("o", times={"cpu": 13.0}, param_bytes=5))
+    g.add_node("r1", NodeRecord("r1", times={"cpu": 15.0}, temp_bytes=1))
+    g.add_node("r2", NodeRecord("r2", times={"cpu": 14.0, "accel": 9.0}, transfer_time=0.0))
+    g.add_edge("a", "r1")
+    g.add_edge("r1", "r2")
+    devices = (Device("acc0", "meta", "accel", 0), Device("cpu0", "cpu", "cpu", 5), Device("cpu1", "cpu", "cpu", 5))
+    problem = Problem(g, Cluster(devices))
+    for method in ("dp", "ip"):
+        plan = solvers.solve(problem, method=method)
+        plan.validate(problem)
+        assert plan.objective == 27.0 == brute_force_contiguous(problem)
+        assert {frozenset(s.nodes) for s in plan.stages} == {frozenset({"a", "r1"}), frozenset({"o", "r2"})}
 
 
 @st.composite

@@ -8,10 +8,16 @@ assumes, so a problem with shared tensors is solved through problems that are:
    the true memory, so its lower bound holds for the true problem, and when its plan also fits
    the true memory that plan is optimal for the true problem too (the usual case: memory is not
    what binds);
-2. otherwise two restrictions, whose plans always fit the true memory: *colocated* (a shared
-   tensor's readers share a device, so it is held once: exact) and *replicated* (every reader
-   pays for the tensor: a device never holds more than it is charged for). The better plan is
-   kept, with the relaxation's bound.
+2. otherwise restrictions, whose plans always fit the true memory, one per way of grouping each
+   shared tensor's nodes (its owner and readers) into blocks that share a device: a block
+   without the owner pays one copy (on one of its members), so a device never holds more than it
+   is charged for, and a plan whose devices group the nodes so is charged exactly. Every plan
+   groups them some way, so the best of all the groupings is the optimum (for an exact method),
+   and none fitting proves that nothing fits. The extremes are *colocated* (one block: held
+   once) and *replicated* (every reader its own block: every reader pays); past
+   :data:`MAX_GROUPINGS` groupings (set partitions: 5 for three nodes, 15 for four) only those
+   two are tried, and their failing proves nothing (the error says so). The best plan is kept,
+   with the relaxation's bound.
 
 Every returned plan is evaluated and validated on the true problem. Under a training
 :class:`~torchplace.problem.Pipeline` a variant's plan is taken to the true problem with each
@@ -22,8 +28,10 @@ claim of optimality.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import networkx as nx
@@ -35,9 +43,13 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.pipelined import fit, training_pipeline
 
-__all__ = ["colocated", "relaxed", "replicated", "solve_shared"]
+__all__ = ["MAX_GROUPINGS", "colocated", "grouped", "groupings", "relaxed", "replicated", "solve_shared"]
 
 Solve = Callable[..., Plan]
+
+MAX_GROUPINGS = 16
+"""Most restrictions :func:`solve_shared` solves (one per grouping of the shared tensors' nodes,
+:func:`groupings`); beyond it, only :func:`colocated` and :func:`replicated`."""
 
 
 def _copy(graph: OpGraph, records: dict[str, Any]) -> OpGraph:
@@ -83,6 +95,57 @@ def colocated(problem: Problem) -> Problem:
     return dataclasses.replace(problem, graph=_copy(g, records))
 
 
+def _partitions(items: list[str]) -> Iterator[list[list[str]]]:
+    """Every set partition of ``items`` (blocks in order of their first item)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1:]]
+
+
+def groupings(problem: Problem) -> list[dict[str, list[list[str]]]] | None:
+    """Every way to group each shared tensor's nodes (owner and readers) into blocks that share a
+    device (tensor name -> blocks), or ``None`` if there are more than :data:`MAX_GROUPINGS`."""
+    tensors = problem.graph.shared_tensors()
+    sizes = [len(t.readers | {t.owner}) for t in tensors]
+    bell = [1, 1, 2, 5, 15, 52, 203]
+    if any(n >= len(bell) for n in sizes) or math.prod(bell[n] for n in sizes) > MAX_GROUPINGS:
+        return None
+    each = [list(_partitions(sorted(t.readers | {t.owner}))) for t in tensors]
+    return [{t.name: blocks for t, blocks in zip(tensors, choice)} for choice in itertools.product(*each)]
+
+
+def grouped(problem: Problem, blocks: Mapping[str, list[list[str]]]) -> Problem:
+    """Each shared tensor's nodes kept on one device per block of ``blocks`` (tensor name ->
+    blocks; existing colocation classes join the blocks they meet), and each block without the
+    owner paying one copy (:func:`torchplace.costmodel.copy_bytes`) on its first member."""
+    g = problem.graph
+    links = nx.Graph()
+    extra: dict[str, int] = {}
+    for t in g.shared_tensors():
+        for block in blocks[t.name]:
+            links.add_edges_from(zip(block, block[1:]))
+            if t.owner not in block:
+                extra[block[0]] = extra.get(block[0], 0) + sum(costmodel.copy_bytes(problem, t))
+    records = {v: dataclasses.replace(g.record(v), param_bytes=g.record(v).param_bytes + b) for v, b in extra.items()}
+    if links.number_of_edges():
+        by_label: dict[str, list[str]] = {}
+        for v, r in g.records():  # existing colocation classes stay together and join the new ones
+            if r.colocation is not None:
+                by_label.setdefault(r.colocation, []).append(v)
+                links.add_node(v)
+        for members in by_label.values():
+            links.add_edges_from(zip(members, members[1:]))
+        for comp in nx.connected_components(links):
+            label = "shared:" + min(comp)
+            records.update({v: dataclasses.replace(records.get(v, g.record(v)), colocation=label) for v in comp})
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
 def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
     stages = plan.stages
     if training_pipeline(problem) is not None:
@@ -97,8 +160,9 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     """Solve ``problem`` with ``solve(problem, time_limit=..., **opts)`` as the module docstring says.
 
     Raises:
-        InfeasibleError: if the relaxation is infeasible (so is the problem), or if neither
-            restriction has a plan that fits.
+        InfeasibleError: if the relaxation is infeasible (so is the problem), or if no
+            restriction has a plan that fits (so is the problem, where every grouping was tried;
+            the message says when only the two extremes were).
     """
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
@@ -111,15 +175,26 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
         found.append(truth)  # it fits only by recomputing more: the restrictions may do better
     except InvalidPlanError:
         pass  # the relaxation's plan needs more memory for the copies than a device has
-    left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
+    every = groupings(problem)
+    variants = [colocated(problem), replicated(problem)]
+    if every is not None:  # the extremes first (ties go to them), then the groupings between them
+        variants += [grouped(problem, blocks) for blocks in every[1:-1]]
     errors: list[Exception] = []
-    for variant in (colocated, replicated):
+    for i, variant in enumerate(variants):
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / (len(variants) - i)
         try:
-            found.append(solve(variant(problem), time_limit=left, **opts))
+            found.append(solve(variant, time_limit=left, **opts))
         except InfeasibleError as e:
             errors.append(e)
     if not found:
         names = ", ".join(t.name for t in problem.graph.shared_tensors())
+        if every is None:
+            raise InfeasibleError(
+                f"no plan found that fits memory with the copies of the shared tensors ({names}) counted on every "
+                f"device that reads them: neither all readers of a tensor with its owner nor every reader paying a "
+                f"copy fits ({errors[0]}), and the {MAX_GROUPINGS}+ groupings between them were not searched, so a "
+                f"plan may still fit; allow more memory (max_memory) or add a device"
+            ) from errors[0]
         raise InfeasibleError(
             f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
             f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
