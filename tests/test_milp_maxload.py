@@ -522,6 +522,20 @@ def test_mtpp_rejects_training_graphs():
         mtpp.solve(_training_problem())
 
 
+def test_mtpp_on_one_device_too_small_names_the_bytes_and_logs_nothing(caplog):
+    """One block holds every unit, so the memory row is a constant: it raised inside a Pyomo rule,
+    which logged 'Rule failed' errors, and the message named no bytes."""
+    g = OpGraph()
+    for v in "ab":
+        g.add_node(v, NodeRecord(v, times={"accel": 1.0}, param_bytes=3))
+    g.add_edge("a", "b")
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 3),)))
+    with pytest.raises(InfeasibleError, match="6 bytes") as err:
+        mtpp.solve(problem)
+    assert err.value.min_memory_bytes == 6
+    assert not [r for r in caplog.records if r.name.startswith("pyomo")]
+
+
 @pytest.mark.parametrize("seed", [1, 6])
 def test_mtpp_and_bounds_hold_at_microsecond_times(seed):
     # Raw seconds of 1e-5 put HiGHS's absolute tolerances at a visible fraction of the objective:

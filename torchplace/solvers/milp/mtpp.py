@@ -41,6 +41,7 @@ import math
 
 import pyomo.environ as pyo
 
+from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -102,6 +103,10 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
     pays = [devices[d].pays_transfer for d in rep]
     total_mem = sum(units.memory)
     cap = [min(devices[d].memory_bytes, total_mem) if devices[d].memory_bytes is not None else total_mem for d in rep]
+    if k == 1 and cap[0] < total_mem:  # one block holds every unit: its memory row is a constant (no Pyomo rule raises)
+        raise InfeasibleError(f"the graph needs {total_mem} bytes on its one device {devices[0].name!r}, which has "
+                              f"{cap[0]}: raise max_memory to at least {total_mem} bytes, or add a device",
+                              min_memory_bytes=total_mem)
     edges = sorted({(units.of[u], units.of[v]) for u, v in problem.graph.edges} - {(i, i) for i in range(n_units)})
     cut = [(p, w) for p, ws in units.fanout.items() for w in ws] if any(pays) else []
     multi = len(classes) > 1
