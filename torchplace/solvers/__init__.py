@@ -94,7 +94,7 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     an error, so nothing a user asks for is silently ignored.
 
     Raises:
-        ValueError: naming the options ``name`` does not take.
+        UsageError: (a ValueError) naming the options ``name`` does not take.
     """
     fn = SOLVERS[name]
     params = inspect.signature(fn).parameters
@@ -103,7 +103,7 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     unknown = sorted(k for k in given if not takes_all and k not in params)
     if unknown:
         takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
-        raise ValueError(f"method {name!r} does not take {unknown}; its options are {takes}")
+        raise UsageError(f"method {name!r} does not take {unknown}; its options are {takes}")
     return fn(problem, **given)
 
 

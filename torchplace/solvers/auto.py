@@ -40,7 +40,7 @@ import math
 import time
 from typing import Any
 
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
@@ -115,10 +115,10 @@ def solve_auto(
     Raises:
         InfeasibleError: if no method finds a plan that fits.
         SolverLimitError: if the time limit passed before any method found a plan.
-        ValueError: for an unknown ``bounds`` value.
+        UsageError: (a ValueError) for an unknown ``bounds`` value.
     """
     if bounds not in ("combinatorial", "mip"):
-        raise ValueError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
+        raise UsageError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
     t0 = time.perf_counter()
     deadline = t0 + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     if problem.objective == "latency":

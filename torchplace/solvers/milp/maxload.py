@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import pyomo.environ as pyo
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -219,7 +219,7 @@ def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -
             m.U, m.SYM, rule=lambda m, u, a, b: (m.x[u, b] <= (m.F[u - 1, a] if u else 0))
             if (u, b) in units.allowed else pyo.Constraint.Skip)
     elif rule != "none":
-        raise ValueError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
+        raise UsageError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
 
 
 def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "none",

@@ -41,7 +41,7 @@ import math
 
 import pyomo.environ as pyo
 
-from torchplace.errors import InfeasibleError
+from torchplace.errors import InfeasibleError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -64,7 +64,7 @@ __all__ = ["build", "extract", "solve"]
 
 def _check_inference(problem: Problem) -> None:
     if any(r.backward for _, r in problem.graph.records()):
-        raise ValueError(
+        raise UsageError(
             "the MTPP MIP (Archer et al. 2024) is for inference graphs: one block per device with an acyclic "
             "quotient graph; for a training graph use method 'dp' or the max-load IP (milp.maxload)"
         )
@@ -87,7 +87,7 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
         budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
-        ValueError: for a training graph.
+        UsageError: (a ValueError) for a training graph.
         InfeasibleError: if some unit fits on no device.
         ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
         SolverLimitError: if ``budget``'s deadline passes while building.
@@ -197,7 +197,7 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
             and the plan (HiGHS gets what is left). ``None``: no limit.
 
     Raises:
-        ValueError: for a training graph.
+        UsageError: (a ValueError) for a training graph.
         InfeasibleError: if no acyclic-quotient split fits.
         SolverLimitError: if the time limit passed before HiGHS found any split (also while the
             model was built).
