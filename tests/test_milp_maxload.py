@@ -522,6 +522,25 @@ def test_mtpp_rejects_training_graphs():
         mtpp.solve(_training_problem())
 
 
+def test_a_unit_too_big_for_every_device_gives_a_floor_not_a_memory_that_fits():
+    """InfeasibleError.min_memory_bytes is a memory that makes the problem feasible; one unit's
+    bytes are only a floor (a and b need 8 together on the one device), so none is claimed; and a
+    unit no device kind can run is named before any memory shortfall, which no memory fixes."""
+    g = OpGraph()
+    for v in "ab":
+        g.add_node(v, NodeRecord(v, times={"accel": 1.0}, param_bytes=4))
+    g.add_edge("a", "b")
+    with pytest.raises(InfeasibleError, match="at least 4 bytes") as err:
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 3),))))
+    assert err.value.min_memory_bytes is None
+    with pytest.raises(InfeasibleError):
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 4),))))
+    g.add_node("c", NodeRecord("c", times={"cpu": 1.0}))
+    g.add_edge("b", "c")
+    with pytest.raises(InfeasibleError, match=r"\['c'\].*can run on none"):
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 3),))))
+
+
 def test_mtpp_on_one_device_too_small_names_the_bytes_and_logs_nothing(caplog):
     """One block holds every unit, so the memory row is a constant: it raised inside a Pyomo rule,
     which logged 'Rule failed' errors, and the message named no bytes."""
