@@ -163,6 +163,26 @@ def test_auto_finds_a_non_contiguous_split_where_no_contiguous_one_fits():
         solve(replace(problem, contiguous=True), "auto", time_limit=20)
 
 
+def test_auto_on_a_non_contiguous_problem_that_nothing_fits_keeps_the_memory_that_fits():
+    """Nothing fits 3 bytes (a and c, 2 bytes each, must share acc0): the IP's verdict, with the
+    contiguous DP's memory that fits (a contiguous split that fits is a split)."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0, "cpu": 5.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0, param_bytes=2))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    devices = (Device("acc0", "meta", "accel", 1), Device("cpu0", "cpu", "cpu"))
+    problem = Problem(g, Cluster(devices), contiguous=False)
+    with pytest.raises(InfeasibleError) as err:
+        solve(problem, "auto", time_limit=20)
+    need = err.value.min_memory_bytes
+    assert need == 2
+    roomy = replace(problem, cluster=Cluster((Device("acc0", "meta", "accel", need), devices[1])))
+    assert solve(roomy, "auto", time_limit=20).objective == 6.0  # a on acc0; b and c on the CPU
+
+
 def _check_plan_of(plan: Plan, problem: Problem) -> None:
     plan.validate(problem)
     assert plan.objective == costmodel.evaluate(problem, plan)

@@ -180,7 +180,8 @@ def _noncontiguous_only(problem: Problem, deadline: float, bounds: str, milp_nod
 
     Raises:
         InfeasibleError: ``error`` where the MILP does not run (a graph larger than
-            ``milp_nodes``, no time left), or the MILP's verdict.
+            ``milp_nodes``, no time left), or the MILP's verdict with ``error``'s memory that fits
+            (a contiguous split that fits is a split).
         SolverLimitError: if the MILP found no split within the time left.
     """
     tried["contiguous"] = f"infeasible: {error}"
@@ -188,7 +189,10 @@ def _noncontiguous_only(problem: Problem, deadline: float, bounds: str, milp_nod
         raise error
     plans: list[Plan] = []
     proven: list[float] = [cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)]
-    _run_milp("ip", problem, deadline, tried, plans, proven)
+    try:
+        _run_milp("ip", problem, deadline, tried, plans, proven)
+    except InfeasibleError as e:  # what the contiguous split's error says would fit still does
+        raise InfeasibleError(f"no split fits ({e}); no contiguous one either: {error}", error.min_memory_bytes) from e
     if not plans:
         raise SolverLimitError(f"auto: no contiguous split fits ({error}), and the max-load IP found no other split "
                                f"in time ({tried['ip']}); raise the time limit, or allow more memory", deadline - t0)
