@@ -8,16 +8,17 @@ assumes, so a problem with shared tensors is solved through problems that are:
    the true memory, so its lower bound holds for the true problem, and when its plan also fits
    the true memory that plan is optimal for the true problem too (the usual case: memory is not
    what binds);
-2. otherwise restrictions, whose plans always fit the true memory, one per way of grouping each
-   shared tensor's nodes (its owner and readers) into blocks that share a device: a block
-   without the owner pays one copy (on one of its members), so a device never holds more than it
-   is charged for, and a plan whose devices group the nodes so is charged exactly. Every plan
-   groups them some way, so the best of all the groupings is the optimum (for an exact method),
-   and none fitting proves that nothing fits. The extremes are *colocated* (one block: held
-   once) and *replicated* (every reader its own block: every reader pays); past
-   :data:`MAX_GROUPINGS` groupings (set partitions: 5 for three nodes, 15 for four) only those
-   two are tried, and their failing proves nothing (the error says so). The best plan is kept,
-   with the relaxation's bound.
+2. otherwise restrictions, whose plans always fit the true memory: *colocated* (a shared
+   tensor's readers share a device with its owner, so it is held once: exact) and *replicated*
+   (every reader pays for the tensor: a device never holds more than it is charged for). The
+   better plan is kept, with the relaxation's bound;
+3. if neither fits, the groupings between them: one restriction per way of grouping each shared
+   tensor's nodes (owner and readers) into blocks that share a device, a block without the owner
+   paying one copy (on one of its members). A plan whose devices group the nodes so is charged
+   exactly, any other never less than it holds; every plan groups them some way, so none fitting
+   proves that nothing fits (for an exact method). Past :data:`MAX_GROUPINGS` groupings (set
+   partitions: 5 for three nodes, 15 for four) they are not tried, and the error says that a
+   plan may still fit. (With two nodes per tensor and one tensor, the extremes are all there is.)
 
 Every returned plan is evaluated and validated on the true problem. Under a training
 :class:`~torchplace.problem.Pipeline` a variant's plan is taken to the true problem with each
@@ -48,8 +49,8 @@ __all__ = ["MAX_GROUPINGS", "colocated", "grouped", "groupings", "relaxed", "rep
 Solve = Callable[..., Plan]
 
 MAX_GROUPINGS = 16
-"""Most restrictions :func:`solve_shared` solves (one per grouping of the shared tensors' nodes,
-:func:`groupings`); beyond it, only :func:`colocated` and :func:`replicated`."""
+"""Most groupings of the shared tensors' nodes (:func:`groupings`) :func:`solve_shared` tries where
+neither :func:`colocated` nor :func:`replicated` fits; beyond it, none."""
 
 
 def _copy(graph: OpGraph, records: dict[str, Any]) -> OpGraph:
@@ -175,17 +176,20 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
         found.append(truth)  # it fits only by recomputing more: the restrictions may do better
     except InvalidPlanError:
         pass  # the relaxation's plan needs more memory for the copies than a device has
-    every = groupings(problem)
-    variants = [colocated(problem), replicated(problem)]
-    if every is not None:  # the extremes first (ties go to them), then the groupings between them
-        variants += [grouped(problem, blocks) for blocks in every[1:-1]]
     errors: list[Exception] = []
-    for i, variant in enumerate(variants):
-        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / (len(variants) - i)
-        try:
-            found.append(solve(variant, time_limit=left, **opts))
-        except InfeasibleError as e:
-            errors.append(e)
+
+    def attempt(variants: list[Problem]) -> None:
+        for i, variant in enumerate(variants):  # each gets its share of the time left
+            left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / (len(variants) - i)
+            try:
+                found.append(solve(variant, time_limit=left, **opts))
+            except InfeasibleError as e:
+                errors.append(e)
+
+    attempt([colocated(problem), replicated(problem)])
+    every = groupings(problem)
+    if not found and every is not None:  # the groupings between the extremes (every[0] is replicated's,
+        attempt([grouped(problem, blocks) for blocks in every[1:-1]])  # every[-1] colocated's)
     if not found:
         names = ", ".join(t.name for t in problem.graph.shared_tensors())
         if every is None:
