@@ -40,7 +40,8 @@ import math
 import time
 from typing import Any
 
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError, UsageError
+from torchplace.errors import (InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError,
+                               UsageError)
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound

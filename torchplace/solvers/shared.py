@@ -180,7 +180,8 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
 
     def attempt(variants: list[Problem]) -> None:
         for i, variant in enumerate(variants):  # each gets its share of the time left
-            left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / (len(variants) - i)
+            spent = time.perf_counter() - start
+            left = None if time_limit is None else max(time_limit - spent, 0.0) / (len(variants) - i)
             try:
                 found.append(solve(variant, time_limit=left, **opts))
             except InfeasibleError as e:
