@@ -143,6 +143,23 @@ def test_infeasible_memory_states_the_smallest_memory_that_fits():
     assert "at least 3 bytes" in str(e.value)
 
 
+def test_no_contiguous_split_whatever_the_memory_is_not_blamed_on_an_operator_no_device_runs():
+    """a -> b -> c with a, c accelerator-only and b CPU-only on one accelerator and one CPU: every
+    operator runs somewhere, but no one-piece-per-device split exists (Tarnawski Fact 5.2)."""
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0})):
+        g.add_node(v, NodeRecord(v, times=times))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel"), Device("cpu0", "cpu", "cpu"))))
+    with pytest.raises(InfeasibleError, match="no contiguous split exists") as e:
+        dp.solve(problem)
+    assert "cannot run on any" not in str(e.value) and "contiguous=False" in str(e.value)
+    assert "one more device like 'acc0'" in str(e.value)
+    with pytest.raises(InfeasibleError, match=r"cannot run on any.*\['b'\]"):  # without the CPU: b runs nowhere
+        dp.solve(Problem(g, Cluster((Device("acc0", "meta", "accel"),))))
+
+
 def test_too_many_ideals_raises_a_clear_error():
     g = OpGraph()
     for i in range(16):  # no edges: 2**16 ideals

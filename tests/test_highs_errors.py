@@ -80,3 +80,65 @@ def test_auto_goes_on_when_the_ip_fails_and_bounds_keep_their_floor(monkeypatch)
     assert bounds.three_superblock_bound(problem, time_limit=10) == simple_lower_bound(problem)
     with pytest.raises(SolverError):
         maxload.solve(problem, time_limit=30)
+
+
+def _stale_answers(monkeypatch, runs: int) -> list[dict]:
+    """Make HiGHS's first ``runs`` solves report an objective better than the values it hands back
+    (as 1.16 did from a MIP start, handing back the start's values); return every run's options."""
+    options: list[dict] = []
+    postsolve = appsi.solvers.Highs._postsolve
+
+    def stale(self, timer):
+        options.append(dict(self.highs_options))
+        res = postsolve(self, timer)
+        if len(options) <= runs:
+            res.best_feasible_objective -= 1.0
+        return res
+
+    monkeypatch.setattr(appsi.solvers.Highs, "_postsolve", stale)
+    return options
+
+
+def test_values_not_worth_the_reported_objective_are_solved_again_without_presolve(monkeypatch):
+    options = _stale_answers(monkeypatch, runs=1)
+    m = _knapsack()
+    m.x["a"].value, m.x["b"].value, m.x["c"].value = 1, 1, 0  # a start worth -5
+    res = highs.solve_model(m, name="test model", time_limit=30, warm_start=True)
+    assert (res.status, res.objective) == ("optimal", pytest.approx(-6.0))
+    assert pyo.value(m.obj) == pytest.approx(res.objective)
+    assert [o.get("presolve") for o in options] == [None, "off"]
+
+
+def test_values_never_worth_the_reported_objective_are_a_typed_error(monkeypatch):
+    _stale_answers(monkeypatch, runs=2)
+    with pytest.raises(SolverError, match=r"with presolve and without.*values worth -6, not the -7"):
+        highs.solve_model(_knapsack(), name="test model", time_limit=30, warm_start=True)
+
+
+def test_the_ip_from_a_start_returns_the_optimum_it_reports():
+    """HiGHS 1.16 with presolve, started from the DP's plan (all on the CPU, 39), reported the
+    optimum 19 and handed back the start: the IP raised AssertionError, and so did auto."""
+    import dataclasses
+
+    from torchplace.devices import Cluster, Device
+    from torchplace.graph import NodeRecord, OpGraph
+    from torchplace.problem import Problem
+
+    g = OpGraph()
+    for v, pb, tb, ob, times, tt, col in (
+            ("0", 1, 2, 1, {"accel": 9.0, "fast": 7.0, "cpu": 1.0}, None, "k2"),
+            ("1", 1, 1, 4, {"fast": 0.0, "cpu": 12.0}, 0.0, "k1"),
+            ("2", 2, 0, 0, {"accel": 6.0, "fast": 4.0, "cpu": 5.0}, 3.0, "k2"),
+            ("3", 0, 1, 2, {"accel": 8.0, "fast": 1.0, "cpu": 20.0}, 3.0, None),
+            ("4", 4, 1, 0, {"accel": 5.0, "fast": 0.0, "cpu": 1.0}, 2.0, "k1")):
+        g.add_node(v, NodeRecord(v, param_bytes=pb, temp_bytes=tb, output_bytes=ob, times=times, transfer_time=tt,
+                                 colocation=col))
+    for u, v in ("01", "02", "03", "04", "12", "14", "24", "34"):
+        g.add_edge(u, v)
+    devices = (Device("acc0", "meta", "accel", 6), Device("acc1", "meta", "accel", 13),
+               Device("fast0", "meta", "fast", 1), Device("cpu0", "cpu", "cpu"))
+    problem = Problem(g, Cluster(devices, bandwidth=2.0, latency=0.5), contiguous=False)
+    start = solve(dataclasses.replace(problem, contiguous=True), "dp")
+    assert start.objective == 39.0
+    for plan in (maxload.solve(problem, warm_start=start), solve(problem, "auto", time_limit=30)):
+        assert plan.objective == 19.0 == costmodel.evaluate(problem, plan)

@@ -331,6 +331,21 @@ def test_the_restriction_rounds_each_memory_up_as_the_truth_does():
     _assert_bracketed(p, {"v"})
 
 
+def test_the_restriction_charges_an_output_larger_than_the_nodes_temporaries():
+    # a record without resident_bytes holds its whole output (NodeRecord.resident), which may be
+    # more than its temp_bytes: the restriction charged max(temp, parts) = 0 for a's 4-byte output,
+    # its plan put a on a 3-byte accelerator, and solve() raised InvalidPlanError
+    g = OpGraph(meta={"liveness": True})
+    g.add_node("a", NodeRecord("a", times={"accel": 1.0, "cpu": 1.0}, output_bytes=4, temp_bytes=0, transfer_time=0.0))
+    g.add_node("b", NodeRecord("b", times={"cpu": 5.0}, transfer_time=0.0))
+    g.add_edge("a", "b")
+    p = Problem(g, Cluster((Device("acc0", "meta", "accel", 3), Device("cpu0", "cpu", "cpu"))))
+    _assert_bracketed(p, {"a"})
+    plan = solve(p, method="dp")
+    plan.validate(p)
+    assert plan.objective == 6.0  # a cannot stay on acc0 (4 bytes > 3): both on the CPU
+
+
 def test_a_coarse_restriction_charges_what_its_members_hold():
     from torchplace.fusion import coarsen
 

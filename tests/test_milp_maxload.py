@@ -123,6 +123,87 @@ def test_noncontiguous_is_at_most_contiguous_under_every_symmetry_rule(problem, 
     assert plans[0].objective == pytest.approx(maxload.solve(problem, contiguous=True, symmetry="none").objective, rel=1e-6)
 
 
+@pytest.mark.parametrize("memory", ["shared tensor", "liveness"])
+def test_noncontiguous_ip_through_solve_on_a_contiguous_problem_with_non_additive_memory(memory):
+    """``solve(problem, "ip", contiguous=False)`` on a contiguous problem whose memory goes through
+    a wrapper (a shared tensor, liveness): the plan holds a split piece (Sec. 5.2) and is checked
+    against the problem that allows it, as ``maxload.solve`` checks it, not refused as non-contiguous."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0, "cpu": 10.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0, "cpu": 10.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0, param_bytes=1, output_bytes=1, temp_bytes=1))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    if memory == "liveness":
+        g.meta["liveness"] = True
+    else:
+        g.meta["state"] = {"w": {"bytes": 1, "owner": "a", "readers": ["a", "c"]}}
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 100), Device("cpu0", "cpu", "cpu"))))
+    plan = solve(problem, "ip", contiguous=False)
+    plan.validate(replace(problem, contiguous=False))
+    assert plan.objective == 2.0 == costmodel.evaluate(problem, plan)  # a and c on acc0: two pieces
+
+
+def test_auto_finds_a_non_contiguous_split_where_no_contiguous_one_fits():
+    """a -> b -> c with a and c accelerator-only and b CPU-only: every split holds two pieces on
+    acc0. ``auto`` took the contiguous DP's InfeasibleError for the problem's; the IP decides."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel"), Device("cpu0", "cpu", "cpu"))), contiguous=False)
+    plan = solve(problem, "auto", time_limit=20)
+    _check_plan_of(plan, problem)
+    assert plan.objective == 2.0 and plan.status == "optimal"
+    with pytest.raises(InfeasibleError):
+        solve(replace(problem, contiguous=True), "auto", time_limit=20)
+
+
+def test_auto_on_a_non_contiguous_problem_that_nothing_fits_keeps_the_memory_that_fits():
+    """Nothing fits 3 bytes (a and c, 2 bytes each, must share acc0): the IP's verdict, with the
+    contiguous DP's memory that fits (a contiguous split that fits is a split)."""
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    for v, times in (("a", {"accel": 1.0}), ("b", {"cpu": 1.0}), ("c", {"accel": 1.0, "cpu": 5.0})):
+        g.add_node(v, NodeRecord(v, times=times, transfer_time=0.0, param_bytes=2))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    devices = (Device("acc0", "meta", "accel", 1), Device("cpu0", "cpu", "cpu"))
+    problem = Problem(g, Cluster(devices), contiguous=False)
+    with pytest.raises(InfeasibleError) as err:
+        solve(problem, "auto", time_limit=20)
+    need = err.value.min_memory_bytes
+    assert need == 2
+    roomy = replace(problem, cluster=Cluster((Device("acc0", "meta", "accel", need), devices[1])))
+    assert solve(roomy, "auto", time_limit=20).objective == 6.0  # a on acc0; b and c on the CPU
+
+
+def _check_plan_of(plan: Plan, problem: Problem) -> None:
+    plan.validate(problem)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    assert plan.lower_bound <= plan.objective * (1 + 1e-9)
+
+
+@FAST
+@given(problems(max_nodes=5))
+def test_auto_on_a_non_contiguous_problem_is_infeasible_only_when_no_split_fits(problem):
+    from torchplace.solvers import solve
+
+    problem = replace(problem, contiguous=False)
+    expected = brute_force(problem, contiguous=False)
+    plan = _solve_or_inf(solve, problem, method="auto", time_limit=20)
+    assert (plan is None) == math.isinf(expected)
+    if plan is not None:
+        _check_plan_of(plan, problem)
+        assert plan.objective >= expected * (1 - 1e-9) - 1e-12
+        assert plan.lower_bound <= expected * (1 + 1e-9) + 1e-12
+
+
 def _crossing_problem(contiguous: bool = True) -> Problem:
     """1 -> 4 and 2 -> 5 with 1, 3, 5 colocated: {1, 3, 5} and {0, 2, 4} are each contiguous but
     feed each other (1 -> 4 one way, 2 -> 5 the other)."""
@@ -459,6 +540,39 @@ def test_mtpp_reproduces_the_published_layer_graph_optimum(workloads_dir):
 def test_mtpp_rejects_training_graphs():
     with pytest.raises(ValueError, match="inference"):
         mtpp.solve(_training_problem())
+
+
+def test_a_unit_too_big_for_every_device_gives_a_floor_not_a_memory_that_fits():
+    """InfeasibleError.min_memory_bytes is a memory that makes the problem feasible; one unit's
+    bytes are only a floor (a and b need 8 together on the one device), so none is claimed; and a
+    unit no device kind can run is named before any memory shortfall, which no memory fixes."""
+    g = OpGraph()
+    for v in "ab":
+        g.add_node(v, NodeRecord(v, times={"accel": 1.0}, param_bytes=4))
+    g.add_edge("a", "b")
+    with pytest.raises(InfeasibleError, match="at least 4 bytes") as err:
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 3),))))
+    assert err.value.min_memory_bytes is None
+    with pytest.raises(InfeasibleError):
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 4),))))
+    g.add_node("c", NodeRecord("c", times={"cpu": 1.0}))
+    g.add_edge("b", "c")
+    with pytest.raises(InfeasibleError, match=r"\['c'\].*can run on none"):
+        maxload.solve(Problem(g, Cluster((Device("acc0", "meta", "accel", 3),))))
+
+
+def test_mtpp_on_one_device_too_small_names_the_bytes_and_logs_nothing(caplog):
+    """One block holds every unit, so the memory row is a constant: it raised inside a Pyomo rule,
+    which logged 'Rule failed' errors, and the message named no bytes."""
+    g = OpGraph()
+    for v in "ab":
+        g.add_node(v, NodeRecord(v, times={"accel": 1.0}, param_bytes=3))
+    g.add_edge("a", "b")
+    problem = Problem(g, Cluster((Device("acc0", "meta", "accel", 3),)))
+    with pytest.raises(InfeasibleError, match="6 bytes") as err:
+        mtpp.solve(problem)
+    assert err.value.min_memory_bytes == 6
+    assert not [r for r in caplog.records if r.name.startswith("pyomo")]
 
 
 @pytest.mark.parametrize("seed", [1, 6])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchplace
@@ -62,6 +62,67 @@ def test_a_tied_pair_is_placed_optimally_with_its_copy_counted(problem):
     plan.validate(problem)
     assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+
+
+def _tie_many(problem: Problem, owner: str, readers: list[str], nbytes: int) -> Problem:
+    """``problem`` with one tensor of ``nbytes`` owned (charged) by ``owner`` and read by it and ``readers``."""
+    g = OpGraph(meta={**problem.graph.meta, "state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner,
+                                                            "readers": sorted({owner, *readers})}}})
+    for v, r in problem.graph.records():
+        g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
+    for u, v in problem.graph.edges:
+        g.add_edge(u, v)
+    return dataclasses.replace(problem, graph=g)
+
+
+@st.composite
+def widely_tied_problems(draw):
+    """One tensor read by three or four nodes (a module called three times, an embedding tied to
+    two heads)."""
+    problem = draw(problems(max_nodes=5))
+    nodes = list(problem.graph)
+    assume(len(nodes) >= 3)
+    readers = draw(st.lists(st.sampled_from(nodes), min_size=3, max_size=4, unique=True))
+    return _tie_many(problem, readers[0], readers[1:], draw(st.integers(1, 8)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(widely_tied_problems())
+def test_a_tensor_with_three_or_more_readers_is_infeasible_only_when_nothing_fits(problem):
+    """Some readers with the owner and others apart: neither colocating all nor replicating to all
+    charges such a plan exactly, and a problem only such plans fit was called infeasible; where
+    neither fits, every grouping of the readers is searched."""
+    best = brute_force_contiguous(problem)
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            solvers.solve(problem, method="dp")
+        return
+    plan = solvers.solve(problem, method="dp")
+    plan.validate(problem)
+    assert plan.objective >= best * (1 - 1e-9) - 1e-12
+    assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
+    if plan.status == "optimal":
+        assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_one_reader_with_the_owner_and_one_apart_is_the_only_split_that_fits():
+    # o owns w (2 of its 5 bytes); r1 and r2 read it too. {a, r1} | {o, r2} fits two 5-byte CPUs
+    # (r1's copy: 1 + 2 + 1 = 4); all three readers together need 6 bytes, and r2 paying a copy
+    # beside the owner 7, so the two restrictions alone found nothing
+    g = OpGraph(meta={"state": {"w": {"bytes": 2, "owner": "o", "readers": ["o", "r1", "r2"]}}})
+    g.add_node("a", NodeRecord("a", times={"cpu": 11.0}, temp_bytes=1))
+    g.add_node("o", NodeRecord("o", times={"cpu": 13.0}, param_bytes=5))
+    g.add_node("r1", NodeRecord("r1", times={"cpu": 15.0}, temp_bytes=1))
+    g.add_node("r2", NodeRecord("r2", times={"cpu": 14.0, "accel": 9.0}, transfer_time=0.0))
+    g.add_edge("a", "r1")
+    g.add_edge("r1", "r2")
+    devices = (Device("acc0", "meta", "accel", 0), Device("cpu0", "cpu", "cpu", 5), Device("cpu1", "cpu", "cpu", 5))
+    problem = Problem(g, Cluster(devices))
+    for method in ("dp", "ip"):
+        plan = solvers.solve(problem, method=method)
+        plan.validate(problem)
+        assert plan.objective == 27.0 == brute_force_contiguous(problem)
+        assert {frozenset(s.nodes) for s in plan.stages} == {frozenset({"a", "r1"}), frozenset({"o", "r2"})}
 
 
 @st.composite
@@ -158,6 +219,25 @@ def test_readers_apart_from_the_owner_share_one_copy(method):
     plan.validate(problem)
     assert plan.assignment == {"a": "x", "b": "y", "c": "y"} and plan.objective == 11.0
     assert costmodel.memory(problem, ["b", "c"]) == 5
+
+
+@pytest.mark.parametrize("method", ["moirai", "auto"])
+def test_beyond_the_groupings_searched_the_readers_apart_from_the_owner_are_still_tried(method):
+    # five nodes share w: 52 groupings, more than MAX_GROUPINGS, so only the extremes and the
+    # readers apart from the owner are tried. Neither extreme fits (all five hold 10 bytes; a copy
+    # for each reader leaves room for one); b..e on y with one copy (7 bytes) do.
+    readers = ["b", "c", "d", "e"]
+    g = OpGraph(meta={"state": {"w": {"bytes": 3, "names": ["w"], "owner": "a", "readers": ["a", *readers]}}})
+    g.add_node("a", NodeRecord("a", param_bytes=6, times={"accel": 1.0}, transfer_time=0.0))
+    for v in readers:
+        g.add_node(v, NodeRecord(v, param_bytes=1, times={"accel": 5.0}, transfer_time=0.0))
+        g.add_edge("a", v)
+    devices = (Device("x", "meta", "accel", 6), Device("y", "meta", "accel", 7), Device("z", "meta", "accel", 3))
+    problem = Problem(g, Cluster(devices), objective="latency", contiguous=False)
+    assert shared.groupings(problem) is None
+    plan = solvers.solve(problem, method=method, time_limit=30)
+    plan.validate(problem)
+    assert {plan.assignment[v] for v in readers} == {"y"} and plan.assignment["a"] == "x"
 
 
 @pytest.fixture(scope="module")

@@ -307,6 +307,30 @@ def test_bad_arguments_raise():
         brkga.solve(problem, elite=0.6, mutants=0.5)
 
 
+@pytest.mark.parametrize("method, opts, match", [
+    ("brkga", {"elite": 0.6, "mutants": 0.5}, "elite"),
+    ("brkga", {"patience": 0}, "patience"),
+    ("auto", {"bounds": "lp"}, "bounds"),
+    ("ip", {"symmetry": "rows"}, "symmetry"),
+    ("dp", {"generations": 3}, "does not take"),
+    ("mtpp", {}, "inference"),
+])
+def test_bad_options_of_throughput_methods_are_usage_errors(method, opts, match):
+    """DESIGN 5: bad input gets a typed error (torchplace.errors), here UsageError (still a
+    ValueError); these were plain ValueErrors that ``except TorchplaceError`` missed."""
+    from torchplace.errors import UsageError
+
+    problem = _layered(6, 0)
+    if method == "mtpp":  # a training graph
+        g = OpGraph()
+        g.add_node("f", NodeRecord("f", times={"cpu": 1.0}, colocation="k"))
+        g.add_node("b", NodeRecord("b", times={"cpu": 1.0}, colocation="k", backward=True))
+        g.add_edge("f", "b")
+        problem = Problem(g, Cluster((Device("cpu0", "cpu", "cpu"),)), mode="training")
+    with pytest.raises(UsageError, match=match):
+        solvers.solve(problem, method, **opts)
+
+
 def test_chain_has_one_order_and_matches_dp():
     g = OpGraph()
     for i, t in enumerate([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]):

@@ -94,7 +94,7 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     an error, so nothing a user asks for is silently ignored.
 
     Raises:
-        ValueError: naming the options ``name`` does not take.
+        UsageError: (a ValueError) naming the options ``name`` does not take.
     """
     fn = SOLVERS[name]
     params = inspect.signature(fn).parameters
@@ -103,7 +103,7 @@ def call_method(name: str, problem: Problem, **opts: Any) -> Plan:
     unknown = sorted(k for k in given if not takes_all and k not in params)
     if unknown:
         takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
-        raise ValueError(f"method {name!r} does not take {unknown}; its options are {takes}")
+        raise UsageError(f"method {name!r} does not take {unknown}; its options are {takes}")
     return fn(problem, **given)
 
 
@@ -154,6 +154,10 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
             raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
                              f"x pipeline); use one of {list(PARALLEL_METHODS)}")
         return call_method(method, problem, time_limit=time_limit, **opts)
+    if opts.get("contiguous") is False and problem.contiguous:
+        # the method may give a device several pieces (Tarnawski Sec. 5.2): its plan is a plan of the
+        # problem that allows them, as the method checks it, and so in the wrappers below too
+        problem = dataclasses.replace(problem, contiguous=False)
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":

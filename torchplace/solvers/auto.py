@@ -40,7 +40,8 @@ import math
 import time
 from typing import Any
 
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError
+from torchplace.errors import (InfeasibleError, ModelTooLargeError, SolverError, SolverLimitError, TooManyIdealsError,
+                               UsageError)
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
@@ -115,10 +116,10 @@ def solve_auto(
     Raises:
         InfeasibleError: if no method finds a plan that fits.
         SolverLimitError: if the time limit passed before any method found a plan.
-        ValueError: for an unknown ``bounds`` value.
+        UsageError: (a ValueError) for an unknown ``bounds`` value.
     """
     if bounds not in ("combinatorial", "mip"):
-        raise ValueError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
+        raise UsageError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
     t0 = time.perf_counter()
     deadline = t0 + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     if problem.objective == "latency":
@@ -130,7 +131,12 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
                 opts: dict[str, Any]) -> Plan:
     tried: dict[str, Any] = {}
     contiguous = dataclasses.replace(problem, contiguous=True)
-    first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)
+    try:
+        first = _contiguous_plan(contiguous, deadline, deadline - t0, tried, opts)
+    except InfeasibleError as e:
+        if problem.contiguous:
+            raise
+        return _noncontiguous_only(problem, deadline, bounds, milp_nodes, t0, tried, e)
     tried[first.solver] = first.objective
     plans = [first if problem.contiguous else _rebuild(problem, first)]
     cut = cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)
@@ -164,6 +170,33 @@ def _throughput(problem: Problem, deadline: float, bounds: str, milp_nodes: int,
         _run_milp("ip", problem, deadline, tried, plans, proven, warm_start=start)
     elif bounds == "mip" and _remaining(deadline) > 0 and not _closed(anysplit, proven):
         _run_milp("ip", loose, deadline, tried, [], proven, warm_start=start)  # only its bound is kept
+    return _best(problem, plans, proven, tried, t0)
+
+
+def _noncontiguous_only(problem: Problem, deadline: float, bounds: str, milp_nodes: int, t0: float,
+                        tried: dict[str, Any], error: InfeasibleError) -> Plan:
+    """No contiguous split fits, yet a problem that lets a device hold several pieces may still
+    have a split that does (Tarnawski Sec. 5.2): the non-contiguous max-load MILP decides, where it
+    runs (its infeasible verdict is exact and propagates); else ``error`` stands.
+
+    Raises:
+        InfeasibleError: ``error`` where the MILP does not run (a graph larger than
+            ``milp_nodes``, no time left), or the MILP's verdict with ``error``'s memory that fits
+            (a contiguous split that fits is a split).
+        SolverLimitError: if the MILP found no split within the time left.
+    """
+    tried["contiguous"] = f"infeasible: {error}"
+    if not (len(problem.graph) <= milp_nodes or bounds == "mip") or _remaining(deadline) <= 0:
+        raise error
+    plans: list[Plan] = []
+    proven: list[float] = [cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)]
+    try:
+        _run_milp("ip", problem, deadline, tried, plans, proven)
+    except InfeasibleError as e:  # what the contiguous split's error says would fit still does
+        raise InfeasibleError(f"no split fits ({e}); no contiguous one either: {error}", error.min_memory_bytes) from e
+    if not plans:
+        raise SolverLimitError(f"auto: no contiguous split fits ({error}), and the max-load IP found no other split "
+                               f"in time ({tried['ip']}); raise the time limit, or allow more memory", deadline - t0)
     return _best(problem, plans, proven, tried, t0)
 
 

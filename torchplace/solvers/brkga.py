@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.slicegraph import Search, progress_bar
@@ -57,17 +58,17 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
     Raises:
         InfeasibleError: if no decoded order has a split that fits.
         SolverLimitError: if the time limit passed before any split was found.
-        ValueError: for fractions that leave no room for offspring.
+        UsageError: (a ValueError) for fractions that leave no room for offspring.
 
     Example:
         >>> plan = solve(problem, population=8, generations=4, time_limit=10.0)  # doctest: +SKIP
     """
     n_elite, n_mut = _count(elite, population, "elite"), _count(mutants, population, "mutants")
     if n_elite + n_mut >= population or not 0 <= rho <= 1:
-        raise ValueError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "
+        raise UsageError(f"need elite + mutants < population and 0 <= rho <= 1; got {n_elite} + {n_mut} of "
                          f"{population}, rho={rho}")
     if patience is not None and patience < 1:
-        raise ValueError(f"patience must be a positive number of generations or None, got {patience!r}")
+        raise UsageError(f"patience must be a positive number of generations or None, got {patience!r}")
     search = Search(problem, time_limit, name="BRKGA")
     rng = np.random.default_rng(seed)
     keys = rng.random((population, search.n))
@@ -103,7 +104,7 @@ def solve(problem: Problem, *, seed: int = 0, population: int = 20, generations:
 def _count(x: float, population: int, name: str) -> int:
     """Chromosomes for a fraction ``x`` of the population (at least one)."""
     if not 0 < x < 1:
-        raise ValueError(f"{name} is a fraction of the population in (0, 1), got {x!r}")
+        raise UsageError(f"{name} is a fraction of the population in (0, 1), got {x!r}")
     return max(1, round(x * population))
 
 

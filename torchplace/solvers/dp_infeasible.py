@@ -48,10 +48,7 @@ def explain(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[i
         return InfeasibleError("no contiguous split fits the devices' memory (the time limit stopped the search for "
                                "what would fit); raise max_memory, add devices, or raise the time limit")
     if math.isinf(need):
-        return InfeasibleError(
-            "some operators cannot run on any of the given devices (no measured time for their kind); "
-            "add a device of a kind that can run them, e.g. 'cpu'"
-        )
+        return _no_split(problem, classes, counts, pipeline, value)
     fixes = [f"raise max_memory to at least {int(need)} bytes per device"]
     try:
         fixes += _pipeline_fixes(pipeline, counts, value)
@@ -59,6 +56,35 @@ def explain(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[i
     except SolverLimitError:
         fixes.append("(the time limit stopped the search for other remedies)")
     return InfeasibleError(_message(problem, classes, int(need), fixes), min_memory_bytes=int(need))
+
+
+def _no_split(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], pipeline: Pipeline | None,
+              value: Value) -> InfeasibleError:
+    """The error when no contiguous split exists whatever the memory: operators (colocation groups)
+    that no device kind present can run, or else no way to give each device one piece, in an order
+    in which data flows forward (Tarnawski Fact 5.2), with every operator on a kind that runs it and
+    colocated operators together: the operators some kinds cannot run, or a colocation group, are
+    interleaved with the rest."""
+    kinds = {c.kind for c in classes}
+    groups: dict[str, list[str]] = {}
+    for v, r in problem.graph.records():
+        groups.setdefault(f"c:{r.colocation}" if r.colocation is not None else f"n:{v}", []).append(v)
+    stuck = [vs for vs in groups.values()
+             if not any(all(k in problem.graph.record(v).times for v in vs) for k in kinds)]
+    if stuck:
+        return InfeasibleError(
+            f"some operators cannot run on any of the given devices (no measured time for their kind, e.g. "
+            f"{stuck[0][:5]}, for the kinds {sorted(kinds)}); add a device of a kind that can run them, e.g. 'cpu'")
+    try:
+        fixes = _device_fixes(classes, counts, pipeline, value)
+    except SolverLimitError:
+        fixes = []
+    return InfeasibleError(
+        "no contiguous split exists, whatever the memory: with one piece per device, in an order in which data "
+        "flows forward (Tarnawski Fact 5.2), the operators cannot all be on devices that can run them with "
+        "colocated ones together (the operators some device kinds cannot run, or a colocation group, are "
+        "interleaved with the others); allow several pieces per device (contiguous=False, --noncontiguous)"
+        + "".join(f", or {fix}" for fix in fixes))
 
 
 def _message(problem: Problem, classes: Sequence[DeviceClass], need: int, fixes: Sequence[str]) -> str:

@@ -116,8 +116,9 @@ def conservative(problem: Problem) -> Problem:
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
         if training:  # the gradients sent back for it, this micro-batch's and the others' that wait
             received *= m
-        # the liveness holds what its outputs were made in, each of its memories rounded up
-        parts = sum(-(-b // m) for b in r.resident_parts.values())
+        # the liveness holds what its outputs were made in, each of its memories rounded up (one
+        # memory of ``resident`` bytes where the node has no parts: costmodel._parts)
+        parts = sum(-(-b // m) for b in (r.resident_parts or {"": r.resident}).values())
         out = max(-(-max(r.output_bytes, r.resident) // m), parts)
         # a view keeps what it views: received, a copy of the viewed node's output
         viewing = [aliases[v]] if v in aliases else list((part_aliases.get(v) or {}).values())

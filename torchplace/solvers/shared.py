@@ -8,15 +8,18 @@ assumes, so a problem with shared tensors is solved through problems that are:
    the true memory, so its lower bound holds for the true problem, and when its plan also fits
    the true memory that plan is optimal for the true problem too (the usual case: memory is not
    what binds);
-2. otherwise two restrictions, whose plans always fit the true memory: *colocated* (a shared
-   tensor's readers share a device, so it is held once: exact) and *replicated* (every reader
-   pays for the tensor: a device never holds more than it is charged for). The better plan is
-   kept, with the relaxation's bound;
-3. when neither fits, a third restriction, *grouped*: the readers other than the owner share a
-   device and pay for one copy there (what that device holds, or more when the owner is there
-   too). It finds the plans that keep the owner apart from its other readers, which neither
-   restriction above allows when the readers are too big for the owner's device and too many
-   to each pay a copy.
+2. otherwise restrictions, whose plans always fit the true memory: *colocated* (a shared
+   tensor's readers share a device with its owner, so it is held once: exact) and *replicated*
+   (every reader pays for the tensor: a device never holds more than it is charged for). The
+   better plan is kept, with the relaxation's bound;
+3. if neither fits, the groupings between them: one restriction per way of grouping each shared
+   tensor's nodes (owner and readers) into blocks that share a device, a block without the owner
+   paying one copy (on one of its members). A plan whose devices group the nodes so is charged
+   exactly, any other never less than it holds; every plan groups them some way, so none fitting
+   proves that nothing fits (for an exact method). Past :data:`MAX_GROUPINGS` groupings (set
+   partitions: 5 for three nodes, 15 for four) only one is: each tensor's readers other than its
+   owner on one device, paying one copy (:func:`readers_apart`), and the error says that a plan
+   may still fit. (With two nodes per tensor and one tensor, the extremes are all there is.)
 
 Every returned plan is evaluated and validated on the true problem. Under a training
 :class:`~torchplace.problem.Pipeline` a variant's plan is taken to the true problem with each
@@ -27,22 +30,29 @@ claim of optimality.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import networkx as nx
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, InvalidPlanError, SolverLimitError
+from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.pipelined import fit, training_pipeline
 
-__all__ = ["colocated", "grouped", "relaxed", "replicated", "solve_shared"]
+__all__ = ["MAX_GROUPINGS", "colocated", "grouped", "groupings", "readers_apart", "relaxed", "replicated",
+           "solve_shared"]
 
 Solve = Callable[..., Plan]
+
+MAX_GROUPINGS = 16
+"""Most groupings of the shared tensors' nodes (:func:`groupings`) :func:`solve_shared` tries where
+neither :func:`colocated` nor :func:`replicated` fits; beyond it, none."""
 
 
 def _copy(graph: OpGraph, records: dict[str, Any]) -> OpGraph:
@@ -70,30 +80,10 @@ def replicated(problem: Problem) -> Problem:
 
 def colocated(problem: Problem) -> Problem:
     """The readers of each shared tensor share a device with its owner (memory exact)."""
-    return dataclasses.replace(problem, graph=_copy(problem.graph, _together(
-        problem.graph, [t.readers | {t.owner} for t in problem.graph.shared_tensors()])))
-
-
-def grouped(problem: Problem) -> Problem:
-    """The readers of each shared tensor other than its owner share a device, and the first of them
-    pays for one copy there (memory never below the truth: a device holding a reader and not the
-    owner holds the whole group, which paid)."""
     g = problem.graph
-    groups = [t.readers - {t.owner} for t in g.shared_tensors()]
-    records = _together(g, groups)
-    for t, group in zip(g.shared_tensors(), groups):
-        payer = min(group)
-        r = records.get(payer, g.record(payer))
-        records[payer] = dataclasses.replace(r, param_bytes=r.param_bytes + sum(costmodel.copy_bytes(problem, t)))
-    return dataclasses.replace(problem, graph=_copy(g, records))
-
-
-def _together(g: OpGraph, groups: list[frozenset[str] | set[str]]) -> dict[str, Any]:
-    """Records whose colocation keeps each group on one device (with the colocation classes they meet)."""
     links = nx.Graph()
-    for group in groups:
-        members = sorted(group)
-        links.add_nodes_from(members)
+    for t in g.shared_tensors():
+        members = sorted(t.readers | {t.owner})
         links.add_edges_from(zip(members, members[1:]))
     by_label: dict[str, list[str]] = {}
     for v, r in g.records():  # existing colocation classes stay together and join the new ones
@@ -105,7 +95,67 @@ def _together(g: OpGraph, groups: list[frozenset[str] | set[str]]) -> dict[str, 
     for comp in nx.connected_components(links):
         label = "shared:" + min(comp)
         records.update({v: dataclasses.replace(g.record(v), colocation=label) for v in comp})
-    return records
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
+def _partitions(items: list[str]) -> Iterator[list[list[str]]]:
+    """Every set partition of ``items`` (blocks in order of their first item)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1:]]
+
+
+def groupings(problem: Problem) -> list[dict[str, list[list[str]]]] | None:
+    """Every way to group each shared tensor's nodes (owner and readers) into blocks that share a
+    device (tensor name -> blocks), or ``None`` if there are more than :data:`MAX_GROUPINGS`."""
+    tensors = problem.graph.shared_tensors()
+    sizes = [len(t.readers | {t.owner}) for t in tensors]
+    bell = [1, 1, 2, 5, 15, 52, 203]
+    if any(n >= len(bell) for n in sizes) or math.prod(bell[n] for n in sizes) > MAX_GROUPINGS:
+        return None
+    each = [list(_partitions(sorted(t.readers | {t.owner}))) for t in tensors]
+    return [{t.name: blocks for t, blocks in zip(tensors, choice)} for choice in itertools.product(*each)]
+
+
+def grouped(problem: Problem, blocks: Mapping[str, list[list[str]]]) -> Problem:
+    """Each shared tensor's nodes kept on one device per block of ``blocks`` (tensor name ->
+    blocks; existing colocation classes join the blocks they meet), and each block without the
+    owner paying one copy (:func:`torchplace.costmodel.copy_bytes`) on its first member."""
+    g = problem.graph
+    links = nx.Graph()
+    extra: dict[str, int] = {}
+    for t in g.shared_tensors():
+        for block in blocks[t.name]:
+            links.add_edges_from(zip(block, block[1:]))
+            if t.owner not in block:
+                extra[block[0]] = extra.get(block[0], 0) + sum(costmodel.copy_bytes(problem, t))
+    records = {v: dataclasses.replace(g.record(v), param_bytes=g.record(v).param_bytes + b) for v, b in extra.items()}
+    if links.number_of_edges():
+        by_label: dict[str, list[str]] = {}
+        for v, r in g.records():  # existing colocation classes stay together and join the new ones
+            if r.colocation is not None:
+                by_label.setdefault(r.colocation, []).append(v)
+                links.add_node(v)
+        for members in by_label.values():
+            links.add_edges_from(zip(members, members[1:]))
+        for comp in nx.connected_components(links):
+            label = "shared:" + min(comp)
+            records.update({v: dataclasses.replace(records.get(v, g.record(v)), colocation=label) for v in comp})
+    return dataclasses.replace(problem, graph=_copy(g, records))
+
+
+def readers_apart(problem: Problem) -> Problem:
+    """The grouping that keeps each shared tensor's readers other than its owner on one device,
+    paying one copy there: the one tried where :func:`groupings` are too many (it finds the plans
+    that keep the owner apart, when the readers are too big for the owner's device and too many to
+    each pay a copy)."""
+    return grouped(problem, {t.name: [b for b in ([t.owner], sorted(t.readers - {t.owner})) if b]
+                             for t in problem.graph.shared_tensors()})
 
 
 def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
@@ -123,8 +173,8 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
 
     Raises:
         InfeasibleError: if the relaxation is infeasible (so is the problem), or if no
-            restriction has a plan that fits (then a plan that splits a tensor's readers other
-            than its owner over several devices may still exist: the message says so).
+            restriction has a plan that fits (so is the problem, where every grouping was tried;
+            the message says when only the two extremes were).
     """
     start = time.perf_counter()
     share = None if time_limit is None else time_limit / 2
@@ -137,27 +187,36 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
         found.append(truth)  # it fits only by recomputing more: the restrictions may do better
     except InvalidPlanError:
         pass  # the relaxation's plan needs more memory for the copies than a device has
-    left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
     errors: list[Exception] = []
-    for variant in (colocated, replicated):
-        try:
-            found.append(solve(variant(problem), time_limit=left, **opts))
-        except InfeasibleError as e:
-            errors.append(e)
-    if not found:
-        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 1e-3)
-        try:
-            found.append(solve(grouped(problem), time_limit=left, **opts))
-        except (InfeasibleError, SolverLimitError) as e:
-            errors.append(e)
+
+    def attempt(variants: list[Problem]) -> None:
+        for i, variant in enumerate(variants):  # each gets its share of the time left
+            spent = time.perf_counter() - start
+            left = None if time_limit is None else max(time_limit - spent, 0.0) / (len(variants) - i)
+            try:
+                found.append(solve(variant, time_limit=left, **opts))
+            except InfeasibleError as e:
+                errors.append(e)
+
+    attempt([colocated(problem), replicated(problem)])
+    every = groupings(problem)
+    if not found and every is not None:  # the groupings between the extremes (every[0] is replicated's,
+        attempt([grouped(problem, blocks) for blocks in every[1:-1]])  # every[-1] colocated's)
+    elif not found:
+        attempt([readers_apart(problem)])
     if not found:
         names = ", ".join(t.name for t in problem.graph.shared_tensors())
+        if every is None:
+            raise InfeasibleError(
+                f"no plan found that fits memory with the copies of the shared tensors ({names}) counted on every "
+                f"device that reads them: neither all readers of a tensor with its owner, nor its other readers "
+                f"on one device, nor every reader paying a copy fits ({errors[0]}), and the {MAX_GROUPINGS}+ other "
+                f"groupings were not searched, so a plan may still fit; allow more memory (max_memory) or add a "
+                f"device"
+            ) from errors[0]
         raise InfeasibleError(
-            f"found no plan that fits memory with the copies of the shared tensors ({names}): the best plan "
-            f"without copies does not fit with them, and neither keeping each tensor's readers on one device, "
-            f"nor its other readers on one device, nor charging every reader a copy fits ({errors[0]}); a plan "
-            f"that splits a tensor's other readers is not searched and may fit: allow more memory (max_memory) "
-            f"or add a device"
+            f"no plan fits memory once the copies of the shared tensors ({names}) are counted on every device "
+            f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
         ) from errors[0]
     best = min(found, key=lambda p: p.objective)  # (ties: the relaxation's, already on the truth)
     status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"

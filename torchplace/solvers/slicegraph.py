@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from torchplace.errors import InfeasibleError
+from torchplace.errors import InfeasibleError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -72,7 +72,7 @@ def _supernode_order(problem: Problem, inst: _Instance, order: Sequence[str]) ->
     """The supernode order closest to a node order: Kahn with earlier first position first."""
     position = {v: i for i, v in enumerate(order)}
     if len(position) != len(order) or set(position) != set(problem.graph):
-        raise ValueError(f"an order must list every node of the graph once ({len(problem.graph)} nodes), got {len(order)}")
+        raise UsageError(f"an order must list every node of the graph once ({len(problem.graph)} nodes), got {len(order)}")
     return _kahn(inst, [-min(position[v] for v in s.members) for s in inst.con.nodes])
 
 
@@ -94,7 +94,7 @@ class Search:
         name: the search, for messages.
 
     Raises:
-        ValueError: for a latency problem or negative node times.
+        UsageError: (a ValueError) for a latency problem or negative node times.
         SolverLimitError: if the time limit passes while the graph is prepared.
     """
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from torchplace.errors import UsageError
 from torchplace.problem import Problem
 from torchplace.solvers.contract import Contraction, finest_contraction
 from torchplace.solvers.paircosts import DeviceClass, device_classes
@@ -46,7 +47,7 @@ class _Instance:
 def _prepare(problem: Problem, tick: Callable[[], None] = lambda: None) -> _Instance:
     """The instance's arrays; ``tick`` is called once per supernode and producer (a time limit's check)."""
     if problem.objective != "throughput":
-        raise ValueError(f"slicegraph minimises max load; objective {problem.objective!r} is not supported")
+        raise UsageError(f"slicegraph minimises max load; objective {problem.objective!r} is not supported")
     g, (_, con) = problem.graph, finest_contraction(problem.graph)
     classes = device_classes(problem)
     times = np.zeros((len(classes), len(con.nodes)))
@@ -58,7 +59,7 @@ def _prepare(problem: Problem, tick: Callable[[], None] = lambda: None) -> _Inst
         for c, cl in enumerate(classes):
             times[c, i] = math.fsum(record[v].time_on(cl.kind) for v in s.members)
     if (times < 0).any():
-        raise ValueError("node times must be non-negative")
+        raise UsageError("node times must be non-negative")
     bad = ~np.isfinite(times)
     times[bad] = 0.0
     super_of = {v: i for i, s in enumerate(con.nodes) for v in s.members}

@@ -89,11 +89,28 @@ class MilpResult:
     seconds: float
 
 
-def _failed(name: str, tc: _TC, solver: appsi.solvers.Highs, retried: bool) -> SolverError:
+def _objective(model: pyo.ConcreteModel) -> pyo.Objective:
+    return next(model.component_data_objects(pyo.Objective, active=True))
+
+
+def _stale(model: pyo.ConcreteModel, res: appsi.base.Results) -> bool:
+    """Load HiGHS's incumbent into ``model`` and say whether its values are not worth the objective
+    HiGHS reported for it (HiGHS 1.16 with a MIP start and presolve handed back the start's values
+    with the optimum's objective on a 5-node max-load IP)."""
+    incumbent = res.best_feasible_objective
+    if (res.termination_condition not in (_TC.optimal, _TC.maxTimeLimit) or incumbent is None
+            or not math.isfinite(incumbent)):
+        return False
+    res.solution_loader.load_vars()
+    return not math.isclose(pyo.value(_objective(model)), incumbent, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def _failed(name: str, tc: _TC, solver: appsi.solvers.Highs, retried: bool, what: str = "") -> SolverError:
     tried = "with presolve and without" if retried else "once"
     version = ".".join(map(str, solver.version()))
     return SolverError(
-        f"{name}: HiGHS {version} stopped with {tc.name} ({tried}) and no answer it could vouch for; "
+        f"{name}: HiGHS {version} stopped with {tc.name} ({tried}) and no answer it could vouch for"
+        f"{' (' + what + ')' if what else ''}; "
         "use method='auto' (it goes on with the other methods) or 'dp', or another highspy version "
         "(torchplace is tested with 1.15 and 1.16)"
     )
@@ -159,10 +176,13 @@ def solve_model(
         solver.config.time_limit = float(time_limit)
     started, retried = time.perf_counter(), False
     res = solver.solve(model)
-    if res.termination_condition == _TC.error and solver.highs_options.get("presolve") != "off":
+    stale = warm_start and _stale(model, res)
+    if (res.termination_condition == _TC.error or stale) and solver.highs_options.get("presolve") != "off":
         # HiGHS sets "solve error" when the answer fails its own check ("MIP solver claims
         # optimality, but with primal infeasibilities": ERGO-Code/HiGHS #2782, #2808), usually
-        # after presolve: once more without it, in the time the first run left.
+        # after presolve; and 1.16, started from a MIP start, was seen to report a better optimum
+        # than the start while handing back the start's values (``_stale``): once more without
+        # presolve, in the time the first run left.
         solver.highs_options = {**solver.highs_options, "presolve": "off"}
         if time_limit is not None:
             solver.config.time_limit = max(0.0, float(time_limit) - (time.perf_counter() - started))
@@ -187,7 +207,9 @@ def solve_model(
         raise _failed(name, tc, solver, retried)
     if tc not in (_TC.optimal, _TC.maxTimeLimit):
         raise _failed(name, tc, solver, retried)
-    res.solution_loader.load_vars()
+    if _stale(model, res):  # (loads the values)
+        raise _failed(name, tc, solver, retried, f"values worth {pyo.value(_objective(model)):.6g}, not the "
+                      f"{float(incumbent):.6g} it reported")
     status = "optimal" if tc == _TC.optimal else "time_limit"
     if bound is None:
         bound = float(incumbent) if status == "optimal" else 0.0

@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import pyomo.environ as pyo
 
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError
+from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -138,16 +138,17 @@ def assignment_units(problem: Problem) -> Units:
         (u, i) for u in range(len(groups)) for i, d in enumerate(devices)
         if math.isfinite(times[u][i]) and (d.memory_bytes is None or memory[u] <= d.memory_bytes)
     )
-    for u, grp in enumerate(groups):
-        if any((u, i) in allowed for i in range(len(devices))):
-            continue
+    for u, grp in enumerate(groups):  # first what no memory fixes
         if not any(math.isfinite(t) for t in times[u]):
             raise InfeasibleError(
                 f"nodes {grp[:5]} (one colocation group) can run on none of the device kinds "
                 f"{sorted({d.kind for d in devices})}: add a device of a kind that can run them, e.g. 'cpu'")
-        raise InfeasibleError(
-            f"nodes {grp[:5]} (one colocation group) need {memory[u]} bytes, more than any device that can run "
-            f"them has: raise max_memory to at least {memory[u]} bytes", min_memory_bytes=memory[u])
+    for u, grp in enumerate(groups):
+        if not any((u, i) in allowed for i in range(len(devices))):
+            # a floor, not a memory that fits (the other units need room too): no min_memory_bytes
+            raise InfeasibleError(
+                f"nodes {grp[:5]} (one colocation group) need {memory[u]} bytes, more than any device that can "
+                f"run them has: raise max_memory to at least {memory[u]} bytes")
     fanout = {
         p: tuple(sorted({of[w] for w in g.successors(p)} - {of[p]}))
         for p in nodes if problem.transfer_time(p) > 0
@@ -219,7 +220,7 @@ def _symmetry(m: pyo.ConcreteModel, units: Units, problem: Problem, rule: str) -
             m.U, m.SYM, rule=lambda m, u, a, b: (m.x[u, b] <= (m.F[u - 1, a] if u else 0))
             if (u, b) in units.allowed else pyo.Constraint.Skip)
     elif rule != "none":
-        raise ValueError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
+        raise UsageError(f"symmetry must be one of {SYMMETRY}, got {rule!r}")
 
 
 def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "none",

@@ -41,6 +41,7 @@ import math
 
 import pyomo.environ as pyo
 
+from torchplace.errors import InfeasibleError, UsageError
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
@@ -63,7 +64,7 @@ __all__ = ["build", "extract", "solve"]
 
 def _check_inference(problem: Problem) -> None:
     if any(r.backward for _, r in problem.graph.records()):
-        raise ValueError(
+        raise UsageError(
             "the MTPP MIP (Archer et al. 2024) is for inference graphs: one block per device with an acyclic "
             "quotient graph; for a training graph use method 'dp' or the max-load IP (milp.maxload)"
         )
@@ -86,7 +87,7 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
         budget: refuse a model too large for it, and stop building when it runs out.
 
     Raises:
-        ValueError: for a training graph.
+        UsageError: (a ValueError) for a training graph.
         InfeasibleError: if some unit fits on no device.
         ModelTooLargeError: if the model would not fit ``budget`` (or outgrows it).
         SolverLimitError: if ``budget``'s deadline passes while building.
@@ -102,6 +103,10 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
     pays = [devices[d].pays_transfer for d in rep]
     total_mem = sum(units.memory)
     cap = [min(devices[d].memory_bytes, total_mem) if devices[d].memory_bytes is not None else total_mem for d in rep]
+    if k == 1 and cap[0] < total_mem:  # one block holds every unit: its memory row is a constant (no Pyomo rule raises)
+        raise InfeasibleError(f"the graph needs {total_mem} bytes on its one device {devices[0].name!r}, which has "
+                              f"{cap[0]}: raise max_memory to at least {total_mem} bytes, or add a device",
+                              min_memory_bytes=total_mem)
     edges = sorted({(units.of[u], units.of[v]) for u, v in problem.graph.edges} - {(i, i) for i in range(n_units)})
     cut = [(p, w) for p, ws in units.fanout.items() for w in ws] if any(pays) else []
     multi = len(classes) > 1
@@ -192,7 +197,7 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
             and the plan (HiGHS gets what is left). ``None``: no limit.
 
     Raises:
-        ValueError: for a training graph.
+        UsageError: (a ValueError) for a training graph.
         InfeasibleError: if no acyclic-quotient split fits.
         SolverLimitError: if the time limit passed before HiGHS found any split (also while the
             model was built).
