@@ -169,6 +169,15 @@ def test_a_piper_plan_given_to_run_is_refused_as_what_it_is(tmp_path, monkeypatc
         torchplace.place(model, devices, (x,), mode="training", parallelism="piper", plan=plan, **FAST)
 
 
+def test_a_piper_plans_device_map_is_refused_not_empty():
+    """A Piper stage runs on d x t devices, which accelerate's form cannot say: the map was {}."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    plan, problem = torchplace.plan_model(model, ["cpu:0", "cpu:1"], (torch.randn(4, 8),), mode="training",
+                                          parallelism="piper", microbatches=2, **FAST)
+    with pytest.raises(UsageError, match="d x t devices"):
+        plan.device_map(problem)
+
+
 def test_bert_plans_with_piper():
     torch.manual_seed(0)
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
@@ -196,6 +205,8 @@ def test_bert_plans_with_piper():
     ({"parallelism": "piper", "mode": "training", "tensor_bandwidth": "fast"}, "bandwidth"),
     ({"parallelism": "piper", "mode": "training", "allreduce_bandwidth": math.inf}, "finite bandwidth"),
     ({"parallelism": "piper", "mode": "training", "schedule": "gpipe"}, "does not flush"),
+    ({"parallelism": "piper", "mode": "training", "fuse": True}, "leave fuse out"),  # was ignored
+    ({"parallelism": "piper", "mode": "training", "allow_single_device": True}, "leave allow_single_device out"),
 ])
 def test_bad_parallelism_options_are_usage_errors(options, words):
     with pytest.raises(UsageError) as e:

@@ -401,7 +401,8 @@ def prepare(
         )
     solvers.check_method(solver, objective)
     parallelisms.check(parallelism, mode=mode, objective=objective, solver=solver, contiguous=contiguous, plan=plan,
-                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth, schedule=schedule)
+                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth, schedule=schedule,
+                       fuse=fuse, allow_single_device=allow_single_device)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
                        ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):

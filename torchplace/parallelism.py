@@ -38,8 +38,10 @@ UNLIMITED = float(2**60)
 
 
 def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguous: bool, plan: Any,
-          allreduce_bandwidth: Any, tensor_bandwidth: Any, schedule: str = "1f1b") -> None:
-    """Raise :class:`UsageError` for a ``parallelism`` and options that do not go together."""
+          allreduce_bandwidth: Any, tensor_bandwidth: Any, schedule: str = "1f1b", fuse: bool | None = None,
+          allow_single_device: bool | None = None) -> None:
+    """Raise :class:`UsageError` for a ``parallelism`` and options that do not go together (an option
+    the chosen path would ignore is refused, not dropped)."""
     if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
         raise UsageError(f"parallelism must be one of {list(PARALLELISMS)}: 'pipeline' (stages on one device each, "
                          f"runs here) or 'piper' (data x tensor x pipeline, mode='training'), got {brief(parallelism)}")
@@ -61,6 +63,14 @@ def check(parallelism: Any, *, mode: str, objective: str, solver: str, contiguou
         raise UsageError(f"schedule={schedule!r}: Piper prices a pipeline that does not flush (PipeDream-2BW, Sec. 2 and "
                          "App. A: ceil(s/d) micro-batches in flight per device), not GPipe's: leave schedule out with "
                          "parallelism='piper'")
+    if fuse:
+        raise UsageError("fuse=True coarsens the operator graph for the pipeline solvers; Piper plans over the "
+                         "model's layers (Sec. 3: a TMPC per layer), which it builds itself: leave fuse out with "
+                         "parallelism='piper'")
+    if allow_single_device:
+        raise UsageError("allow_single_device=True lets place() run a pipeline plan on one device; a Piper plan "
+                         "already weighs one stage over every device (data parallel, Sec. 3.2) against deeper "
+                         "pipelines: leave allow_single_device out with parallelism='piper'")
     if plan is not None:
         raise UsageError("plan= runs a given pipeline plan, and parallelism='piper' solves for a Piper plan, which "
                          "no runtime here runs yet: leave out plan= (or parallelism='piper')")

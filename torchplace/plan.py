@@ -135,8 +135,18 @@ class Plan:
 
     def device_map(self, problem: Problem) -> dict[str, str]:
         """Where each module's weights live, in accelerate's ``device_map`` form
-        (:func:`torchplace.devicemap.device_map`): every module with parameters or buffers."""
+        (:func:`torchplace.devicemap.device_map`): every module with parameters or buffers.
+
+        Raises:
+            UsageError: for a Piper plan, whose stages run on ``d x t`` devices each (a device map
+                puts each module on one device).
+        """
         from torchplace.devicemap import device_map
+
+        if problem.parallel is not None:
+            raise UsageError("a Piper plan's stages each run on d x t devices (data and tensor parallel), and a "
+                             "device_map puts each module on one device: read the layers of each stage from "
+                             "print(plan) instead, or plan with parallelism='pipeline' for a device_map")
 
         return device_map(problem, self.assignment, self.stages[0].device if self.stages else None)
 
