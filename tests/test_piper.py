@@ -348,10 +348,10 @@ def test_pruning_by_the_equi_plan_never_loses_the_heuristics_plan():
 
 
 def test_a_bound_keeps_entries_of_heuristic_values_that_do_not_grow_with_y():
-    """The heuristic's TPS of the p stage is 27, 27, 26 for y = 1, 2, 3; a binary search for the
-    last y within a bound of 26.5 stopped at y = 0 and the 26 plan (p's first, y = 3) was lost."""
-    rows = {"p0": [(11, 5, 8), (13, 1, 0), (19, 6, 5)], "p1": [(19, 8, 8), (3, 0, 5), (4, 0, 2)],
-            "p2": [(12, 2, 4), (10, 2, 0), (4, 9, 7)]}
+    """The heuristic's TPS of the p stage is 32, 32, 31 for y = 1, 2, 3; a binary search for the
+    last y within a bound of 31.5 stopped at y = 0 and the 31 plan (p's first, y = 3) was lost."""
+    rows = {"p0": [(7, 0, 1), (6, 0, 3), (1, 5, 9)], "p1": [(18, 7, 8), (7, 3, 9), (14, 0, 1)],
+            "p2": [(17, 6, 1), (11, 2, 1), (6, 8, 9)]}
     chain = ["p0", "p1", "p2", "z1", "z2"]
     edges = list(zip(chain, chain[1:]))
     g = _three_tmpc_nodes(rows, edges)
@@ -365,9 +365,9 @@ def test_a_bound_keeps_entries_of_heuristic_values_that_do_not_grow_with_y():
     stages = piper._Stages(p, order, data_parallel=True, tensor_parallel=True, recompute=True,
                            knapsack=piper.KNAPSACKS["heuristic"])
     first = np.array([v.startswith("p") for v in order])
-    np.testing.assert_array_equal(stages.table(first)[1, 1], [27.0, 27.0, 26.0])
-    assert piper.run_dp(p, stages, order).dp[-1][3, 3] == 26.0
-    assert piper.run_dp(p, stages, order, upper_bound=26.5).dp[-1][3, 3] == 26.0
+    np.testing.assert_array_equal(stages.table(first)[1, 1], [32.0, 32.0, 31.0])
+    assert piper.run_dp(p, stages, order).dp[-1][3, 3] == 31.0
+    assert piper.run_dp(p, stages, order, upper_bound=31.5).dp[-1][3, 3] == 31.0
 
 
 def test_a_plans_tps_is_the_value_the_dp_found_when_degrees_have_different_numbers_of_tmpcs():
@@ -406,6 +406,33 @@ def test_knapsack_heuristic_does_not_depend_on_padding(n, seed):
     values3, picks3 = piper_knapsack.heuristic(*padded[:1], *padded[1:], limit, ys)
     np.testing.assert_array_equal(values, values3)
     np.testing.assert_array_equal(picks[:, np.isfinite(values)], picks3[:, np.isfinite(values)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 10**6))
+def test_knapsack_greedy_for_many_tmpcs_takes_the_two_tmpc_greedys_swaps(n, seed):
+    """The one-swap-at-a-time greedy (nodes with 3+ TMPCs) and the sorted greedy (2 TMPCs) are one
+    rule, the paper's: on two-TMPC nodes they pick alike. The loop ranked swaps by the bytes still
+    over the limit, not all the bytes saved, and picked otherwise."""
+    rng = np.random.default_rng(seed)
+    ys = np.arange(1.0, 4.0)
+    cost = np.repeat(rng.integers(1, 20, size=(n, 2, 1)).astype(float), len(ys), axis=2)
+    a, b = rng.integers(0, 10, size=(n, 2)).astype(float), rng.integers(0, 10, size=(n, 2)).astype(float)
+    limit = float(rng.integers(5, 80))
+    values, picks = piper_knapsack.heuristic(cost, a, b, limit, ys)
+    fastest = np.argmin(cost, axis=1)
+    looped, loop_picks = piper_knapsack._heuristic_loop(cost, a, b, limit, ys, fastest)
+    np.testing.assert_array_equal(values, looped)
+    np.testing.assert_array_equal(picks[:, np.isfinite(values)], loop_picks[:, np.isfinite(values)])
+
+
+def test_knapsack_greedy_takes_the_most_bytes_saved_per_second_added():
+    """Sec. 4: the swap with the highest ratio of memory saved to time added, whatever the excess:
+    1 byte over, a TMPC saving 10 bytes for 3 s beats one saving 1 byte for 1 s."""
+    cost = np.array([[[0.0], [1.0], [3.0]]])
+    a, b = np.zeros((1, 3)), np.array([[10.0, 9.0, 0.0]])
+    values, picks = piper_knapsack.heuristic(cost, a, b, 9.0, np.array([1.0]))
+    assert values.tolist() == [3.0] and picks.tolist() == [[2]]
 
 
 @pytest.mark.parametrize("need, fits", [(10.5, False), (10.0, True)])

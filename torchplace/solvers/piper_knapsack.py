@@ -99,7 +99,9 @@ def heuristic(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
 
 def _heuristic_loop(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float, ys: np.ndarray,
                     fastest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The paper's greedy for any number of TMPCs: one swap at a time from the current picks."""
+    """The paper's greedy for any number of TMPCs (Sec. 4, "The knapsack subproblem"): one swap at
+    a time from the current picks, the one with the highest ratio of memory saved to time added.
+    On nodes with two TMPCs it takes the swaps of :func:`heuristic`'s sort, in its order."""
     n, _, C = cost.shape
     mem = _mem(a, b, ys)
     values = np.full(C, np.inf)
@@ -118,7 +120,7 @@ def _heuristic_loop(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float
             ok = (saving > _EPS) & np.isfinite(c)
             if not ok.any():
                 break
-            ratio = np.where(ok, extra / np.where(ok, np.minimum(saving, over), 1.0), np.inf)
+            ratio = np.where(ok, extra / np.where(ok, saving, 1.0), np.inf)  # all bytes saved, as the paper
             i, slot = np.unravel_index(np.argmin(ratio), ratio.shape)
             pick[i] = slot
     return values, picks
