@@ -56,3 +56,21 @@ def test_auto_starts_the_milp_from_the_better_scheduler():
     assert isinstance(tried["moirai"], float), tried  # not "no incumbent within the time limit"
     assert tried["moirai"] <= min(tried["m-sct"], tried["m-etf"])
     assert plan.objective == min(tried.values())
+
+
+def test_auto_keeps_m_etfs_plan_when_m_scts_lp_takes_all_the_time(monkeypatch):
+    """m-SCT ran first and, its LP using up the limit, left m-ETF no time: auto raised
+    SolverLimitError where m-ETF alone finds a plan at once."""
+    from torchplace.errors import SolverLimitError
+    from torchplace.solvers import baechi
+
+    problem = _random_problem(0)
+
+    def slow_sct(p, *, time_limit=None, **opts):
+        time.sleep(time_limit)
+        raise SolverLimitError("m-SCT LP relaxation: no solution within the time limit", None)
+
+    monkeypatch.setattr(baechi, "m_sct", slow_sct)
+    plan = solve(problem, method="auto", time_limit=0.3)
+    assert plan.solver == "m-etf" and plan.meta["auto"]["m-sct"] == "no schedule within the time limit"
+    assert plan.objective == solve(problem, method="m-etf").objective

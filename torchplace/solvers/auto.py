@@ -294,19 +294,19 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
     from torchplace.solvers import call_method
 
     tried: dict[str, Any] = {}
-    plans: list[Plan] = []
+    found: dict[str, Plan] = {}
     proven: list[float] = []
-    for name in ("m-sct", "m-etf"):
+    for name in ("m-etf", "m-sct"):  # the list scheduler first: m-SCT's LP may take all the time
         try:  # each scheduler runs within the time left
-            plan = call_method(name, problem, time_limit=_remaining(deadline))
+            found[name] = call_method(name, problem, time_limit=_remaining(deadline))
         except InfeasibleError as e:
             tried[name] = f"infeasible: {e}"
             continue
         except SolverLimitError:
             tried[name] = "no schedule within the time limit"
             continue
-        tried[name] = plan.objective
-        plans.append(plan)
+        tried[name] = found[name].objective
+    plans = [found[name] for name in ("m-sct", "m-etf") if name in found]  # m-SCT's plan wins a tie
     if len(problem.graph) <= milp_nodes and _remaining(deadline) > 0:
         start = min(plans, key=lambda p: p.objective) if plans else None
         _run_milp("moirai", problem, deadline, tried, plans, proven, warm_start=start)
