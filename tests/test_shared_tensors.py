@@ -249,6 +249,25 @@ def gpt2():
     return model, placed
 
 
+def test_auto_without_a_limit_shares_its_default_time_among_the_variants(monkeypatch):
+    """With no time_limit, each variant the shared-tensor wrapper solved ran auto with its own
+    default 30 s, so a hard problem took 30 s per variant, not 30 s in all as auto promises."""
+    from torchplace.solvers import auto
+
+    problem = _chain(None)
+    limits: list[float | None] = []
+    real = solvers.solve_auto
+
+    def spy(p, time_limit=None, **o):
+        limits.append(time_limit)
+        return real(p, time_limit=time_limit, **o)
+
+    monkeypatch.setattr(solvers, "solve_auto", spy)
+    solvers.solve(problem, method="auto")
+    assert limits and None not in limits
+    assert sum(limits) <= auto.DEFAULT_TIME_LIMIT * (1 + 1e-9)
+
+
 def _covered(name: str, device_map: dict[str, str]) -> bool:
     return any(k == "" or name == k or name.startswith(f"{k}.") for k in device_map)
 

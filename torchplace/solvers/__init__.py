@@ -21,7 +21,7 @@ from torchplace.costmodel import uses_liveness
 from torchplace.errors import UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.auto import solve_auto
+from torchplace.solvers.auto import DEFAULT_TIME_LIMIT, solve_auto
 
 __all__ = ["METHODS", "PARALLEL_METHODS", "SOLVERS", "Method", "check_method", "solve"]
 
@@ -158,6 +158,10 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
         # the method may give a device several pieces (Tarnawski Sec. 5.2): its plan is a plan of the
         # problem that allows them, as the method checks it, and so in the wrappers below too
         problem = dataclasses.replace(problem, contiguous=False)
+
+    wrapped = uses_liveness(problem) or bool(problem.graph.shared_tensors())
+    if method == "auto" and time_limit is None and wrapped:
+        time_limit = DEFAULT_TIME_LIMIT  # auto's default for the whole solve, shared by the wrappers' phases
 
     def one(p: Problem, time_limit: float | None = None, **o: Any) -> Plan:
         if method == "auto":
