@@ -248,6 +248,8 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
         result["layout"] = [[s.rank, list(s.pieces)] for s in placed.pipeline.slots]
+    elif scenario == "dropout":  # masks drawn by two stages and two data-parallel copies of a training plan
+        placed = _dropout(result, opts)
     elif scenario in ("gpt2", "gpt2-train"):  # a torch.export graph whose stages read the batch size as a number
         placed = _gpt2(scenario == "gpt2-train", result, opts)
     else:
@@ -340,6 +342,46 @@ def build_normed() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = Normed().train()
     return model, torch.randn(8, 8), torch.randn(8, 4)
+
+
+class Dropped(nn.Module):
+    """Two dropout masks of ones, one per stage of a two-stage plan: ``[h | g]``, each 0 or 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.sigmoid(self.a(x)) * 0 + 1)
+        g = self.drop(torch.sigmoid(self.b(h)) * 0 + 1)
+        return torch.cat([h, g], dim=1)
+
+
+def build_dropped() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return Dropped().train(), torch.ones(8, 8), torch.zeros(8, 16)
+
+
+def _dropout(result: dict, opts: dict) -> Any:
+    """The masks of :class:`Dropped` run by its training plan (two stages, each on two copies),
+    on the last rank of each copy: both stages' halves, both copies' rows, two calls and a call
+    again after the same seeding."""
+    import torchplace.distributed as tpd
+
+    model, x, _ = build_dropped()
+    placed = tpd.place(model, (x,), mode="training", **opts)
+    torch.manual_seed(7)
+    first, second = placed.run(x), placed.run(x)
+    torch.manual_seed(7)
+    again = placed.run(x)
+    result["params"] = []
+    if placed.is_last:
+        result["values"] = sorted(set(first.flatten().tolist()))
+        result["stages_alike"] = bool(torch.equal(first[:, :8], first[:, 8:]))
+        result["copies_alike"] = bool(torch.equal(first[:4], first[4:]))
+        result["calls_alike"] = bool(torch.equal(first, second))
+        result["reseeded_alike"] = bool(torch.equal(first, again))
+    return placed
 
 
 def _dp_buffers(result: dict, opts: dict) -> Any:
@@ -534,15 +576,15 @@ if __name__ == "__main__":
 
 def noncontiguous_plan(path: str, mode: str, tied: bool = False,
                        devices: tuple[str, ...] = ("cpu:0", "cpu:1", "cpu:0", "cpu:1"), data_parallel: int = 1,
-                       tensor_parallel: int = 1, normed: bool = False) -> list[str]:
-    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`, or :class:`Normed`) in pieces of equal length on
+                       tensor_parallel: int = 1, normed: bool = False, dropped: bool = False) -> list[str]:
+    """Save a plan of :class:`SkipNet` (or :class:`TiedNet`, :class:`Normed`, :class:`Dropped`) in pieces of equal length on
     ``devices`` (a training plan has the backward of each piece on its device, in reverse order),
     every stage with ``data_parallel`` and ``tensor_parallel`` (traced with Linear modules as leaves
     when it is above 1); return the stage devices."""
     from torchplace import api
     from torchplace.plan import Plan, Stage
 
-    model, x, _ = build_normed() if normed else build(tied=tied)
+    model, x, _ = build_normed() if normed else build_dropped() if dropped else build(tied=tied)
     model.train(mode == "training")
     leaves = [Bomb, nn.Linear] if tensor_parallel > 1 else [Bomb]
     placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=leaves,

@@ -270,6 +270,31 @@ def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc
     assert not dist.is_initialized()
 
 
+def test_a_random_stream_is_its_stage_and_copys_and_leaves_the_callers_generator():
+    from torchplace.runtime.dist_random import RandomStream
+
+    def masks(stream: RandomStream, seed: int, n: int = 2) -> list[torch.Tensor]:
+        stream.start(seed)
+        out = []
+        for _ in range(n):  # two micro-batches: the stream goes on between them
+            with stream.drawing():
+                out.append(torch.rand(64))
+        return out
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    a = masks(RandomStream(0, 0), 11)
+    assert torch.equal(torch.rand(4), expected)  # the caller's sequence, as if nothing was drawn
+    assert not torch.equal(a[0], a[1])
+    assert all(torch.equal(x, y) for x, y in zip(a, masks(RandomStream(0, 0), 11)))  # tensor-parallel ranks
+    for other in (masks(RandomStream(1, 0), 11), masks(RandomStream(0, 1), 11), masks(RandomStream(0, 0), 12)):
+        assert not any(torch.equal(x, y) for x in a for y in other)
+    with pytest.raises(RuntimeError, match="before start"):
+        with RandomStream(0, 0).drawing():
+            pass
+
+
 # -- processes ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, nc_plans):
@@ -447,6 +472,9 @@ def grid_plans(tmp_path_factory) -> dict[str, Path]:
     plans["dp-normed"] = tmp / "dp-normed.json"
     dist_worker.noncontiguous_plan(str(plans["dp-normed"]), "training", devices=("cpu:0", "cpu:1"), data_parallel=2,
                                    normed=True)
+    plans["dp-dropped"] = tmp / "dp-dropped.json"
+    dist_worker.noncontiguous_plan(str(plans["dp-dropped"]), "training", devices=("cpu:0", "cpu:1"), data_parallel=2,
+                                   dropped=True)
     return plans
 
 
@@ -531,12 +559,13 @@ def test_tensor_parallel_splits_linear_pairs_the_graph_calls_as_modules():
 def four_ranks(tmp_path_factory, grid_plans):
     """One launch of 4 ranks: 2 stages x 2 copies (rank r runs stage r // 2 of copy r % 2):
     inference, 5 training steps, a batch that does not split among the copies; then 2 stages x 2
-    tensor-parallel ranks: inference and 5 training steps; last, 2 x 2 copies again, where the last
+    tensor-parallel ranks: inference and 5 training steps; batch norms and dropout masks in 2 x 2
+    copies; last, 2 x 2 copies again, where the last
     stage of both copies raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("four")
     plans = [grid_plans[k] for k in ("dp-inference", "dp-training", "dp-training", "tp-inference", "tp-training",
-                                     "dp-normed", "dp-inference")]
-    return launch("infer,train,odd-batch,infer-tp,train-tp,dp-buffers,raise", 4, tmp, [str(p) for p in plans],
+                                     "dp-normed", "dp-dropped", "dp-inference")]
+    return launch("infer,train,odd-batch,infer-tp,train-tp,dp-buffers,dropout,raise", 4, tmp, [str(p) for p in plans],
                   timeout_s=60)
 
 
@@ -586,6 +615,20 @@ def test_tensor_x_pipeline_training_matches_single_process_after_5_steps(four_ra
     assert train[2]["sliced"] == [f"layers.{i}.{w}" for i in (4, 5) for w in ("bias", "weight")]
 
 
+def test_stages_and_copies_draw_their_own_dropout_masks(four_ranks):
+    """Every rank seeds alike (to build the same model), and each process draws from its own
+    generator: the second stage drew the first stage's masks, and copy 1 drew copy 0's. Now each
+    engine stage of each copy draws from its own stream, seeded from the caller's generator at
+    every call, so the same seeding still gives the same masks."""
+    last = [r[1]["6:dropout"] for r in four_ranks[2:]]  # the last stage of copy 0 and of copy 1
+    assert all("error" not in r for r in (r[1]["6:dropout"] for r in four_ranks)), four_ranks
+    for r in last:
+        assert r["values"] == [0.0, 2.0]
+        assert not r["stages_alike"] and not r["copies_alike"] and not r["calls_alike"]
+        assert r["reseeded_alike"]
+    assert last[0]["values"] == last[1]["values"]
+
+
 def test_data_parallel_copies_agree_on_their_buffers_after_every_step(four_ranks):
     """Each copy's batch norms updated their statistics on their own half of the batch, so the
     copies of a stage held different models after training, and num_batches_tracked was half the
@@ -602,12 +645,12 @@ def test_data_parallel_copies_agree_on_their_buffers_after_every_step(four_ranks
 
 
 def test_a_raise_in_one_copy_ends_every_rank_of_every_copy(four_ranks):
-    messages = [r[1]["6:raise"].get("error", "") for r in four_ranks]
+    messages = [r[1]["7:raise"].get("error", "") for r in four_ranks]
     assert all(r[0] != 0 for r in four_ranks), messages
     assert all(m.startswith("DistributedError: ") and "failed in stage 1" in m for m in messages), messages
     failing = {m.split("DistributedError: rank ")[1].split(" ")[0] for m in messages}
     assert len(failing) == 1 and failing <= {"2", "3"}, messages  # one copy's last rank published first
-    ends = [r[1]["6:raise"]["at"] for r in four_ranks]
+    ends = [r[1]["7:raise"]["at"] for r in four_ranks]
     assert max(ends) - min(ends) < GRACE_S + SETTLE_S + 15, ends  # well inside the 60 s group timeout
 
 

@@ -20,7 +20,10 @@ this module turns them into the engine's stages and schedules
 4. :class:`DistributedPipeline` builds a ``PipelineStage`` per local engine stage, moves this rank's
    tensors to its device and frees the others' (meta device), and runs the engine's schedules:
    ``run(x)`` (inference: forward only) and ``step(x, target=y, loss_fn=f)`` (training).
-5. Data parallelism: with :class:`~torchplace.runtime.dist_replicas.Replicas`, the pipeline is one
+5. Random numbers: each engine stage of each data-parallel copy draws from a stream of its own,
+   seeded anew at every call (:mod:`~torchplace.runtime.dist_random`): ranks that were seeded alike
+   no longer draw the same dropout masks.
+6. Data parallelism: with :class:`~torchplace.runtime.dist_replicas.Replicas`, the pipeline is one
    of ``d`` copies, each on its own process group with ``1/d`` of every batch; gradients are
    averaged over the copies after the backward and outputs joined (:mod:`~torchplace.runtime.dist_replicas`).
    Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
@@ -47,6 +50,7 @@ from torch import nn
 from torchplace.errors import UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import Activity
 from torchplace.runtime.dist_numbers import NumberRule, is_number, number_rule
+from torchplace.runtime.dist_random import RandomStream, call_seed
 from torchplace.runtime.dist_replicas import Replicas
 from torchplace.runtime.params import _slots, move_in_place
 from torchplace.runtime.split import StageModule
@@ -228,6 +232,7 @@ class EngineStage(nn.Module):
         self.inferring = False  # set by the engine stage while the engine infers shapes
         self.fresh_outputs = False  # send copies: the zero-bubble backward detaches what it sent in place
         self._written: Any = None  # the buffers before the engine's shape inference ran
+        self.random: RandomStream | None = None  # the stream its forward draws from (set by the pipeline)
 
     def forward(self, *flat: Any) -> tuple[torch.Tensor, ...]:
         slot = self.slot
@@ -235,7 +240,10 @@ class EngineStage(nn.Module):
             raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)}), "
                              f"got {len(flat)}")
         if not self.inferring:
-            return self._run(flat)
+            if self.random is None:
+                return self._run(flat)
+            with self.random.drawing():
+                return self._run(flat)
         if self._activity is not None:
             self._activity.set(slot.index, "forward")
         return self._infer_shapes(flat)
@@ -419,8 +427,11 @@ class DistributedPipeline:
         self.activity = faults.activity if faults is not None else Activity()
         self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity, dict.fromkeys(nones))
                         for s in self.slots if s.rank == rank]
+        copy = replicas.index if replicas is not None else 0
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         for module in self.modules:
             module.fresh_outputs = schedule == "zero-bubble"
+            module.random = RandomStream(module.slot.index, copy, cuda)
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
@@ -506,6 +517,7 @@ class DistributedPipeline:
         flat = self._inputs(args, kwargs)
         schedule = self._get_schedule(None)
         before = self._counters()
+        self._start_streams()
         with torch.no_grad():
             out = self._guard(lambda: schedule.step(*flat))
         replicas = self.replicas
@@ -541,6 +553,7 @@ class DistributedPipeline:
         target = target.to(self.device) if self.is_last else target
         params = self.parameters()
         counters = self._counters()
+        self._start_streams()
         before = [p.grad for p in params]  # what earlier steps accumulated, set aside: this step's alone
         for p in params:
             p.grad = None
@@ -568,6 +581,14 @@ class DistributedPipeline:
             return []
         gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
         return list(gathered[0])
+
+    def _start_streams(self) -> None:
+        """Start this call's random streams (:mod:`~torchplace.runtime.dist_random`): one seed drawn
+        from the default generator, mixed with each engine stage's index and this copy's."""
+        seed = call_seed()
+        for module in self.modules:
+            if module.random is not None:
+                module.random.start(seed)
 
     def _counters(self) -> list[torch.Tensor | None]:
         """With replicas, the integer buffers of :attr:`written` as they are before a call (a copy;
