@@ -92,10 +92,73 @@ def test_an_inference_device_holds_one_micro_batch_in_flight():
     stages = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",))]
     # each device works on one micro-batch (100 bytes per tensor) at a time, whatever its
     # position; the device making the model's output keeps it for all 4 until the call returns,
-    # the one sending a on keeps those of the micro-batch cpu:1 works on and of one queued
-    assert costmodel.queued(4) == 2 and costmodel.queued(2) == 1 and costmodel.queued(1) == 0
-    assert costmodel.device_memory(p, stages) == {"cpu:0": 300, "cpu:1": 400}
-    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 300
+    # the one sending a on keeps those of the micro-batch cpu:1 works on and of the two the queue
+    # between them holds: all 3 others
+    assert costmodel.queued(4, 1) == 3 and costmodel.queued(2, 1) == 1 and costmodel.queued(1, 1) == 0
+    assert costmodel.device_memory(p, stages) == {"cpu:0": 400, "cpu:1": 400}
+    assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 400
+
+
+def test_a_sent_tensor_is_held_by_each_queue_and_worker_up_to_its_last_reader():
+    # a (800 bytes) is read by b on cpu:1 and by c on cpu:2, two segment boundaries on: each
+    # boundary's queue holds 2 micro-batches and the worker past it one, so with 8 micro-batches
+    # cpu:0 may hold a for 6 others (the queues fill when cpu:2 is slow); b's output (8) crosses one
+    g = _graph({"a": 800, "b": 8, "c": 8}, [("a", "b"), ("a", "c"), ("b", "c")], ["c"])
+    p = _problem(g, m=8, devices=tuple(Device(f"cpu:{i}", "cpu", "cpu") for i in range(3)))
+    stages = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",)), Stage("cpu:2", ("c",))]
+    assert costmodel.queued(8, 1) == 3 and costmodel.queued(8, 2) == 6 and costmodel.queued(8) == 7
+    assert costmodel.plan_segments(stages) == {"a": 0, "b": 1, "c": 2}
+    assert costmodel.device_memory(p, stages) == {"cpu:0": 100 + 6 * 100, "cpu:1": 1 + 3 * 1, "cpu:2": 1 + 7 * 1}
+    # without the plan's segments the reader may be anywhere: all 7 others
+    assert costmodel.working_memory(p, ["a"], p.cluster.device("cpu:0")) == 100 + 7 * 100
+    # a device holding two segments: a stays on cpu:0 across cpu:1's segment for c, 2 boundaries on
+    back = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",)), Stage("cpu:0", ("c",))]
+    assert costmodel.device_memory(p, back)["cpu:0"] == 100 + 1 + 7 * 1 + 6 * 100  # c with a alive, then held
+
+
+def test_a_slow_next_device_leaves_what_it_was_sent_in_the_queue_as_predicted():
+    # a real call on two logical CPUs whose second device is slow: the queue between them fills,
+    # and the first device holds its ReLU output for the 3 other micro-batches (0.8 of the
+    # measured peak when 2 were charged)
+    import time
+
+    import torch
+    from torch import nn
+
+    import torchplace
+    from torchplace.plan import Plan
+    from torchplace.runtime.pipeline import PipelineExecutor
+    from torchplace.runtime.workers import peak_live_bytes
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 8)).eval()
+
+    x = torch.randn(256, 8)
+    options = dict(microbatches=4, progress=False, warmup=0, repeats=1, allow_single_device=False)
+    p = torchplace.place(build(), ["cpu:0", "cpu:1"], (x,), **options).problem
+    order = list(p.graph.topological_order())
+    first = tuple(v for v in order if p.graph.record(v).fx_nodes[0] in ("linear", "relu"))
+    stages = [Stage("cpu:0", first), Stage("cpu:1", tuple(v for v in order if v not in first))]
+    plan = Plan.build(p, stages, solver="forced", seconds=0.0, lower_bound=0.0)
+    placed = torchplace.place(build(), ["cpu:0", "cpu:1"], (x,), plan=plan, **options)
+    run_stage = PipelineExecutor._run_stage
+
+    def slowed(self, state, worker, index, message):
+        if worker.endswith("cpu:1"):
+            time.sleep(0.05)
+        return run_stage(self, state, worker, index, message)
+
+    PipelineExecutor._run_stage = slowed
+    try:
+        with torch.no_grad(), peak_live_bytes() as peaks:
+            placed(x)
+    finally:
+        PipelineExecutor._run_stage = run_stage
+    predicted = costmodel.device_memory_parts(placed.problem, placed.plan.stages)["cpu:0"]["working"]
+    measured = max(v for k, v in peaks.items() if k.endswith("cpu:0"))
+    assert measured == 5 * 64 * 256 * 4  # the micro-batch's linear and ReLU outputs, and 3 ReLU outputs held
+    assert predicted >= measured
 
 
 def test_a_view_takes_no_memory_and_keeps_its_base_alive():
