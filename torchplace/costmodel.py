@@ -456,20 +456,23 @@ def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device:
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
     alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
+    given: set[str] = set()  # nodes whose gradient the executor hands to autograd (the loss's, or sent back)
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
         readers = [w for w in g.successors(v) if w not in members and not g.record(w).backward]
-        # its gradient, arrived: the executor hands it to autograd, which keeps it to the end of the pass
-        if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):
-            live += _per_microbatch(r.output_bytes, m)
+        if v in graded and (makes or any(_reads_tensor(g, v, w) for w in readers)):
+            given.add(v)
+            if makes or receives:  # arrived: autograd keeps it to the end of the pass
+                live += _per_microbatch(r.output_bytes, m)
     live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent.keys())
     peak = live
     for v in reversed(order):
         own = max((_backward_own_peak(g, b, m) for b in g.successors(v)
                    if g.record(b).backward and (backwards is None or b in backwards) and _is_backward_of(g, b, v)),
                   default=0)
-        peak = max(peak, live + own)
+        summed = _summed_gradient(g, v, members, graded, alive.keys() | given, m)
+        peak = max(peak, live + own + summed)
         live -= alive.pop(v, 0) + saves.get(v, 0)
         for u in g.predecessors(v):
             if g.record(u).backward or u not in graded or not _reads_tensor(g, u, v):  # no gradient flows to
@@ -483,6 +486,18 @@ def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device:
                 live += grad  # sent back to the device that made u
     return peak
 
+
+def _summed_gradient(g: OpGraph, v: str, members: Collection[str], graded: Collection[str], has: Collection[str],
+                     m: int) -> int:
+    """Bytes of the largest gradient ``v``'s backward adds to one its member predecessor has
+    already (``has``: another reader's, or one handed to autograd). Autograd sums them in place
+    only when it owns the first alone (``InputBuffer::accumulate``); one the executor gave it, or
+    one an add's backward passes to both its inputs, is summed into a new tensor, beside both
+    while ``v``'s backward still holds its own (a residual input read on another device too:
+    0.87 of the measured peak without it)."""
+    return max((_per_microbatch(g.record(u).output_bytes, m) for u in g.predecessors(v)
+                if u in members and u in has and u in graded and not g.record(u).backward
+                and _reads_tensor(g, u, v)), default=0)
 
 
 def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
