@@ -864,6 +864,34 @@ def test_a_gradient_added_to_one_sent_back_is_a_new_tensor():
     assert 1.0 <= step.ratio("cpu:0") < 1.05
 
 
+def test_each_read_of_a_tied_weight_makes_its_gradient():
+    # cpu:0 reads a's 256 x 256 weight twice (a, and F.linear(h, a.weight)): each read's backward
+    # makes a weight gradient, and autograd keeps the first until the second is in and sums them
+    # out of place; the tied read's node has no param_bytes (the weight is its owner's), and its
+    # gradient was not charged (0.61 of the measured peak before)
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.c = nn.Linear(256, 256), nn.Linear(256, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.relu(F.linear(torch.relu(self.a(x)), self.a.weight)))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Tied()
+
+    step = _forced_step(build, torch.randn(64, 256), ("linear", "relu", "linear_1"), "1f1b", 2)
+    assert 1.0 <= step.ratio("cpu:0") < 1.15
+    g = step.placed.problem.graph
+    tied = next(v for v, r in g.records() if r.fx_nodes == ("linear_1",))
+    assert g.record(tied).param_bytes == 0 and costmodel.weight_gradient_bytes(g, f"{tied}:backward") == 256 * 256 * 4
+
+
 def test_a_recomputing_device_holds_a_second_copy_of_what_it_sends():
     # cpu:1 runs its forward again in the backward: the ReLU output it sent is made a second
     # time beside the one it holds for cpu:2 (0.875 of the measured peak before)

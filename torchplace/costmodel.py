@@ -467,12 +467,18 @@ def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device:
                 live += _per_microbatch(r.output_bytes, m)
     live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent.keys())
     peak = live
+    # a trainable shared tensor read by several members: autograd keeps the gradient of each read
+    # until the last (in backward order) is in, summing them out of place (the first is a transposed
+    # view: not stealable); from the first read's backward to the last's
+    tied = [(t.nbytes, [v for v in order if v in t.readers]) for t in g.shared_tensors() if t.trainable]
+    tied = [(nbytes, readers) for nbytes, readers in tied if len(readers) > 1]
     for v in reversed(order):
         own = max((_backward_own_peak(g, b, m) for b in g.successors(v)
                    if g.record(b).backward and (backwards is None or b in backwards) and _is_backward_of(g, b, v)),
                   default=0)
         summed = _summed_gradient(g, v, members, graded, alive.keys() | given, m)
-        peak = max(peak, live + own + summed)
+        peak = max(peak, live + own + summed + sum(n for n, readers in tied if v in readers[:-1]))
+        live += sum(n for n, readers in tied if v == readers[-1]) - sum(n for n, readers in tied if v == readers[0])
         live -= alive.pop(v, 0) + saves.get(v, 0)
         for u in g.predecessors(v):
             if g.record(u).backward or u not in graded or not _reads_tensor(g, u, v):  # no gradient flows to
@@ -511,10 +517,14 @@ def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
 
 def weight_gradient_bytes(g: OpGraph, b: str) -> int:
     """Bytes of the new weight gradient backward node ``b`` makes on any micro-batch: its forward
-    node's weights where it holds gradients (``param_bytes``), else 0."""
+    node's weights where it holds gradients (``param_bytes``), and the trainable shared tensors
+    (a tied weight) its forward node reads but does not own, whose bytes are their owner's."""
+    forwards = [u for u in g.predecessors(b) if not g.record(u).backward]
+    shared = sum(t.nbytes for t in g.shared_tensors() for u in forwards
+                 if t.trainable and u in t.readers and u != t.owner)
     if not g.record(b).param_bytes:
-        return 0
-    return sum(g.record(u).param_bytes for u in g.predecessors(b) if not g.record(u).backward)
+        return shared
+    return sum(g.record(u).param_bytes for u in forwards) + shared
 
 
 def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
