@@ -166,6 +166,9 @@ __all__ = [
     "piper_resync_bytes",
     "piper_stage",
     "plan_order",
+    "plan_segments",
+    "queued",
+    "QUEUE_SIZE",
     "saved_increments",
     "saved_parts",
     "saved_union",
@@ -229,7 +232,8 @@ def microbatches(problem: Problem) -> int:
 
 
 def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None = None, *,
-                   others: int | None = None, saves: Mapping[str, int] | None = None) -> int:
+                   others: int | None = None, saves: Mapping[str, int] | None = None,
+                   segments: Mapping[str, int] | None = None) -> int:
     """The liveness peak of ``nodes`` on ``device`` for one micro-batch (module docstring).
 
     The nodes run in the graph's topological order. ``device=None`` counts received tensors (as an
@@ -238,29 +242,32 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     meanwhile; ``None`` is inference's ``m - 1`` outputs (the call returns them all) and
     :func:`queued` sent tensors. ``saves`` (a training forward pass): bytes each node keeps for its
     backward (:func:`saved_increments`), alive from the node to the end of the pass, in the peak too.
+    ``segments``: the plan's segment of each node (:func:`plan_segments`), which says how far each
+    sent tensor travels, so how many micro-batches may hold it (:func:`queued`); ``None``: any.
 
     Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
     output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
     """
-    return _walk(problem, nodes, device, saves).total(microbatches(problem), others)
+    return _walk(problem, _layout(problem.graph, nodes, segments), device, saves).total(microbatches(problem), others)
 
 
 class _Layout(NamedTuple):
     """What both walks of a device's nodes start from: the members in topological order, their
-    memories (:func:`_memories`), and those kept to the end of a pass (:func:`_kept_to_end`)."""
+    memories (:func:`_memories`), and those kept to the end of a pass (:func:`_kept_to_end`), the
+    sent ones with the segment boundaries they cross."""
 
     members: Collection[str]
     order: list[str]
     memories: Memories
     held: set[Memory]
-    sent: set[Memory]
+    sent: Mapping[Memory, int | None]
 
 
-def _layout(g: OpGraph, nodes: Iterable[str]) -> _Layout:
+def _layout(g: OpGraph, nodes: Iterable[str], segments: Mapping[str, int] | None = None) -> _Layout:
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     order = [v for v in g.topological_order() if v in members]
     memories = _memories(g, members, order)
-    return _Layout(members, order, memories, *_kept_to_end(g, members, memories, order))
+    return _Layout(members, order, memories, *_kept_to_end(g, members, memories, order, segments))
 
 
 def _walk(problem: Problem, nodes: Iterable[str] | _Layout, device: Device | None,
@@ -276,7 +283,7 @@ def _walk(problem: Problem, nodes: Iterable[str] | _Layout, device: Device | Non
         for u in g.predecessors(v):
             for key in _kept(g, memories, u, v):
                 last[key] = max(last.get(key, -1), i)
-    for key in held | sent:
+    for key in held | sent.keys():
         last[key] = end
     receives = device is None or device.pays_transfer
     frees: dict[int, int] = defaultdict(int)
@@ -297,41 +304,64 @@ def _walk(problem: Problem, nodes: Iterable[str] | _Layout, device: Device | Non
         live -= frees.pop(i, 0)
     peak = max(peak, live)
     holding = sum(_memory_bytes(g, key, members, receives, m) for key in held)
-    sending = sum(_memory_bytes(g, key, members, receives, m) for key in sent - held)
-    return _Working(peak, holding, sending)
+    sending: dict[int | None, int] = defaultdict(int)
+    for key, hops in sent.items():
+        sending[hops] += _memory_bytes(g, key, members, receives, m)
+    return _Working(peak, holding, dict(sending))
 
 
-def _kept_to_end(g: OpGraph, members: Collection[str], memories: Memories,
-                 order: Sequence[str]) -> tuple[set[Memory], set[Memory]]:
+def _kept_to_end(g: OpGraph, members: Collection[str], memories: Memories, order: Sequence[str],
+                 segments: Mapping[str, int] | None = None) -> tuple[set[Memory], dict[Memory, int | None]]:
     """The memories ``members`` keep to the end of a pass: what the model outputs they make live
     in (``held``), and what the values they send to other devices live in (``sent``, those
-    outside ``held``; a reader of only a size keeps nothing)."""
+    outside ``held``; a reader of only a size keeps nothing), each with the most segment
+    boundaries it crosses to a reader (``None``: not known). With ``segments``
+    (:func:`plan_segments`) a value a member of a later segment reads is sent too: the
+    micro-batch carries it past other devices' segments and back (a non-contiguous device)."""
     outputs = set(g.meta.get("outputs", ()))
     held: set[Memory] = set()
-    sent: set[Memory] = set()
+    sent: dict[Memory, int | None] = {}
     for v in order:
         if outputs.intersection(g.record(v).fx_nodes):
             held.update(_all(memories[v]))
-        else:
-            sent.update(k for w in g.successors(v) if w not in members and _reads(g, v, w)
-                        for k in _kept(g, memories, v, w))
-    return held, sent - held
+            continue
+        for w in g.successors(v):
+            if not _reads(g, v, w) or (w in members and not _hops(segments, v, w)):
+                continue  # a reader in the same segment: the walk frees it after the last one
+            for k in _kept(g, memories, v, w):  # a view's memory is carried from where it was made
+                hops = _hops(segments, k[0], w)
+                sent[k] = None if k in sent and sent[k] is None or hops is None else max(sent.get(k) or 0, hops)
+    return held, {k: hops for k, hops in sent.items() if k not in held}
+
+
+def _hops(segments: Mapping[str, int] | None, u: str, w: str) -> int | None:
+    """Segment boundaries between ``u`` and its reader ``w`` (:func:`plan_segments`; ``None``: not
+    known, where ``segments`` is ``None`` or does not place both; 0 for nodes of one segment)."""
+    if segments is None or u not in segments or w not in segments:
+        return None
+    return max(segments[w] - segments[u], 0)
 
 
 class _Working(NamedTuple):
     """:func:`working_memory`'s walk: the peak of one micro-batch, and the bytes of one
-    micro-batch's model outputs (``holding``) and sent tensors (``sending``) that the device keeps
-    for each of the other micro-batches."""
+    micro-batch's model outputs (``holding``) and sent tensors (``sending``, by the segment
+    boundaries they cross: :func:`queued`) that the device keeps for each of the other micro-batches."""
 
     peak: int
     holding: int
-    sending: int
+    sending: Mapping[int | None, int]
+
+    @property
+    def sent(self) -> int:
+        """One micro-batch's bytes of sent tensors."""
+        return sum(self.sending.values())
 
     def total(self, m: int, others: int | None) -> int:
         """The peak with ``others`` micro-batches' outputs and sends held (``None``: inference's
         ``m - 1`` outputs and :func:`queued` sends)."""
-        return (self.peak + (m - 1 if others is None else others) * self.holding
-                + (queued(m) if others is None else others) * self.sending)
+        if others is not None:
+            return self.peak + others * (self.holding + self.sent)
+        return self.peak + (m - 1) * self.holding + sum(queued(m, hops) * b for hops, b in self.sending.items())
 
 
 Memory = tuple[str, str]
@@ -426,20 +456,29 @@ def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device:
     saves = saves or {}
     live = sum(saves.get(v, 0) for v in order)
     alive: dict[str, int] = {}  # node -> bytes of its output's gradient, alive until its backward
+    given: set[str] = set()  # nodes whose gradient the executor hands to autograd (the loss's, or sent back)
     for v in order:
         r = g.record(v)
         makes = bool(outputs.intersection(r.fx_nodes))
         readers = [w for w in g.successors(v) if w not in members and not g.record(w).backward]
-        # its gradient, arrived: the executor hands it to autograd, which keeps it to the end of the pass
-        if v in graded and (makes or (receives and any(_reads_tensor(g, v, w) for w in readers))):
-            live += _per_microbatch(r.output_bytes, m)
-    live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent)
+        if v in graded and (makes or any(_reads_tensor(g, v, w) for w in readers)):
+            given.add(v)
+            if makes or receives:  # arrived: autograd keeps it to the end of the pass
+                live += _per_microbatch(r.output_bytes, m)
+    live += sum(_memory_bytes(g, key, members, receives, m) for key in held | sent.keys())
     peak = live
+    # a trainable shared tensor read by several members: autograd keeps the gradient of each read
+    # until the last (in backward order) is in, summing them out of place (the first is a transposed
+    # view: not stealable); from the first read's backward to the last's
+    tied = [(t.nbytes, [v for v in order if v in t.readers]) for t in g.shared_tensors() if t.trainable]
+    tied = [(nbytes, readers) for nbytes, readers in tied if len(readers) > 1]
     for v in reversed(order):
         own = max((_backward_own_peak(g, b, m) for b in g.successors(v)
                    if g.record(b).backward and (backwards is None or b in backwards) and _is_backward_of(g, b, v)),
                   default=0)
-        peak = max(peak, live + own)
+        summed = _summed_gradient(g, v, members, graded, alive.keys() | given, m)
+        peak = max(peak, live + own + summed + sum(n for n, readers in tied if v in readers[:-1]))
+        live += sum(n for n, readers in tied if v == readers[-1]) - sum(n for n, readers in tied if v == readers[0])
         live -= alive.pop(v, 0) + saves.get(v, 0)
         for u in g.predecessors(v):
             if g.record(u).backward or u not in graded or not _reads_tensor(g, u, v):  # no gradient flows to
@@ -454,6 +493,19 @@ def backward_peak(problem: Problem, forwards: Collection[str] | _Layout, device:
     return peak
 
 
+def _summed_gradient(g: OpGraph, v: str, members: Collection[str], graded: Collection[str], has: Collection[str],
+                     m: int) -> int:
+    """Bytes of the largest gradient ``v``'s backward adds to one its member predecessor has
+    already (``has``: another reader's, or one handed to autograd). Autograd sums them in place
+    only when it owns the first alone (``InputBuffer::accumulate``); one the executor gave it, or
+    one an add's backward passes to both its inputs, is summed into a new tensor, beside both
+    while ``v``'s backward still holds its own (a residual input read on another device too:
+    0.87 of the measured peak without it)."""
+    return max((_per_microbatch(g.record(u).output_bytes, m) for u in g.predecessors(v)
+                if u in members and u in has and u in graded and not g.record(u).backward
+                and _reads_tensor(g, u, v)), default=0)
+
+
 def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
     """What backward node ``b`` holds while it runs on one micro-batch of ``m``: its own peak (a
     micro-batch's share), and at least, where it makes weight gradients (``param_bytes``), a new
@@ -465,10 +517,14 @@ def _backward_own_peak(g: OpGraph, b: str, m: int) -> int:
 
 def weight_gradient_bytes(g: OpGraph, b: str) -> int:
     """Bytes of the new weight gradient backward node ``b`` makes on any micro-batch: its forward
-    node's weights where it holds gradients (``param_bytes``), else 0."""
+    node's weights where it holds gradients (``param_bytes``), and the trainable shared tensors
+    (a tied weight) its forward node reads but does not own, whose bytes are their owner's."""
+    forwards = [u for u in g.predecessors(b) if not g.record(u).backward]
+    shared = sum(t.nbytes for t in g.shared_tensors() for u in forwards
+                 if t.trainable and u in t.readers and u != t.owner)
     if not g.record(b).param_bytes:
-        return 0
-    return sum(g.record(u).param_bytes for u in g.predecessors(b) if not g.record(u).backward)
+        return shared
+    return sum(g.record(u).param_bytes for u in forwards) + shared
 
 
 def waiting_gradients(problem: Problem, forwards: Collection[str], device: Device | None = None, *,
@@ -613,17 +669,26 @@ def _reads(g: OpGraph, v: str, w: str) -> bool:
     return not g.record(w).backward or g.record(v).backward
 
 
-def queued(m: int) -> int:
-    """Micro-batches whose sent tensors a device still holds while it works on the next: the one
-    the next device works on and one waiting in the queue between them. How many really wait
-    depends on the devices' speeds (0 to ``queue_size``, 2, measured on CPU pipelines by
-    ``benchmarks/memory_fidelity.py``): a device whose next device is slower than it may hold one
-    more than charged here."""
-    return min(m - 1, 2)
+QUEUE_SIZE = 2
+"""Micro-batches a queue between two segments of an inference pipeline holds (the ``queue_size``
+of :class:`~torchplace.runtime.pipeline.PipelineExecutor`, as ``place()`` makes it)."""
+
+
+def queued(m: int, hops: int | None = None) -> int:
+    """Other micro-batches whose sent tensors a device may still hold while it works on one, for
+    tensors whose last reader is ``hops`` segment boundaries on (:func:`plan_segments`; ``None``:
+    anywhere). Each boundary holds up to :data:`QUEUE_SIZE` in its queue and one in the worker
+    past it (working on it, or waiting to pass it on), and there are ``m - 1`` others: ``min(m - 1,
+    hops (QUEUE_SIZE + 1))``. How many really wait depends on the devices' speeds (0 to 2 measured
+    beside the one the next device works on, ``benchmarks/memory_fidelity.py``): the queues fill
+    where a device after the sender is slower than it (two logical CPUs, the second slowed: 3 of 3
+    at 4 micro-batches, where 2 were charged before)."""
+    return m - 1 if hops is None else min(m - 1, hops * (QUEUE_SIZE + 1))
 
 
 def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None, recompute: bool = False,
-           device: Device | None = None, upstream_in_flight: int | None = None) -> int:
+           device: Device | None = None, upstream_in_flight: int | None = None,
+           segments: Mapping[str, int] | None = None) -> int:
     """Bytes a device needs for ``nodes``.
 
     Parameters (and, on backward nodes, gradients and optimizer state) plus working memory. A
@@ -645,10 +710,11 @@ def memory(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = No
     (:func:`upstream_in_flight`; ``None``: ``m``), for the gradients sent back that wait for its
     backward.
 
-    With liveness (:func:`uses_liveness`) working memory is :func:`working_memory` on ``device``.
+    With liveness (:func:`uses_liveness`) working memory is :func:`working_memory` on ``device``
+    (inference: with the plan's ``segments``, :func:`plan_segments`, where known).
     """
     return sum(memory_parts(problem, nodes, in_flight=in_flight, recompute=recompute, device=device,
-                            upstream_in_flight=upstream_in_flight).values())
+                            upstream_in_flight=upstream_in_flight, segments=segments).values())
 
 
 MEMORY_KINDS = ("parameters", "gradients + optimizer", "shared copies", "working", "activations")
@@ -664,7 +730,7 @@ def copy_bytes(problem: Problem, tensor: SharedTensor) -> tuple[int, int]:
 
 def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | None = None,
                  recompute: bool = False, device: Device | None = None,
-                 upstream_in_flight: int | None = None) -> dict[str, int]:
+                 upstream_in_flight: int | None = None, segments: Mapping[str, int] | None = None) -> dict[str, int]:
     """:func:`memory` split by kind (:data:`MEMORY_KINDS`); the parts sum to :func:`memory`.
 
     ``parameters``: the forward nodes' parameters and buffers; ``gradients + optimizer``: what
@@ -677,8 +743,10 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
     coarse = problem.coarsened
     if live and coarse is not None and problem.graph is coarse.graph:  # the original graph's memory of the members
         original = replace(problem, graph=coarse.original, coarsened=None)
+        fine = None if segments is None else {v: i for c, i in segments.items() for v in coarse.members.get(c, ())}
         return memory_parts(original, [v for c in nodes for v in coarse.members[c]], in_flight=in_flight,
-                            recompute=recompute, device=device, upstream_in_flight=upstream_in_flight)
+                            recompute=recompute, device=device, upstream_in_flight=upstream_in_flight,
+                            segments=fine)
     g = problem.graph
     members = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
     params = sum(g.record(v).param_bytes for v in members if not g.record(v).backward)
@@ -698,7 +766,7 @@ def memory_parts(problem: Problem, nodes: Iterable[str], *, in_flight: int | Non
         work = _training_working(problem, members, device, in_flight=k, kept=kept, in_place=in_place,
                                  recompute=recompute, upstream=m if upstream_in_flight is None else upstream_in_flight)
     elif live:
-        work = working_memory(problem, members, device)
+        work = working_memory(problem, members, device, segments=segments)
     else:
         work = sum(g.record(v).temp_bytes for v in members)
     parts = dict.fromkeys(MEMORY_KINDS, 0)
@@ -730,7 +798,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     layout = _layout(g, forwards)
     # a value sent on (or a model output) that a node also saves for backward is one storage: the
     # walks hold it as kept to the end, not as saved too, and the activations count it
-    both = {} if recompute else _kept_and_saved(g, forwards, layout.held | layout.sent)
+    both = {} if recompute else _kept_and_saved(g, forwards, layout.held | layout.sent.keys())
     saves = saved_increments(g, layout.order, m, in_place=in_place, exclude=both)
     saved_now = sum(saved_increments(g, layout.order, m, in_place=in_place).values())
     walk = _walk(problem, layout, device, saves)
@@ -747,7 +815,7 @@ def _training_working(problem: Problem, members: Collection[str], device: Device
     backward_pass = backward_peak(problem, layout, device, saves=saves, graded=graded,
                                   backwards={v for v in members if g.record(v).backward}) - saved_now
     if recompute:
-        backward_pass += walk.holding + walk.sending
+        backward_pass += walk.holding + walk.sent
     return max(forward - saved_now + loss + wait_forward + others * grad_out,
                held_others + wait_backward + max(backward_pass, grad_out + max(backward, loss)))
 
@@ -856,15 +924,30 @@ class _PlanMemory(TypedDict):
     in_flight: int
     upstream_in_flight: int
     recompute: bool
+    segments: Mapping[str, int] | None
 
 
 def _plan_memory_options(problem: Problem, stages: Sequence[StageLike]) -> dict[str, _PlanMemory]:
     """Per device of a plan, what :func:`memory` takes from the plan: the micro-batches in flight
-    there and upstream, and whether it recomputes."""
+    there and upstream, whether it recomputes, and (inference) the plan's segments."""
     holds, recomputing = in_flight(problem, stages), _recomputes(stages)
     upstream = upstream_in_flight(problem, stages, holds)
-    return {d: _PlanMemory(in_flight=holds[d], upstream_in_flight=upstream[d], recompute=d in recomputing)
-            for d in holds}
+    segments = plan_segments(stages) if problem.mode != "training" else None
+    return {d: _PlanMemory(in_flight=holds[d], upstream_in_flight=upstream[d], recompute=d in recomputing,
+                           segments=segments) for d in holds}
+
+
+def plan_segments(stages: Sequence[StageLike]) -> dict[str, int]:
+    """The segment of each node of an inference plan: segments are the runs of consecutive stages
+    on one device (:func:`torchplace.runtime.schedule.segments`), numbered in order; a micro-batch
+    crosses a queue between two (:func:`queued`)."""
+    out: dict[str, int] = {}
+    segment, device = -1, None
+    for s in stages:
+        if s.device != device:
+            segment, device = segment + 1, s.device
+        out.update(dict.fromkeys(s.nodes, segment))
+    return out
 
 
 def _recomputes(stages: Iterable[StageLike]) -> set[str]:
@@ -872,15 +955,16 @@ def _recomputes(stages: Iterable[StageLike]) -> set[str]:
 
 
 def device_cost(problem: Problem, nodes: Collection[str], device: Device, *, in_flight: int | None = None,
-                recompute: bool = False, upstream_in_flight: int | None = None) -> StageCost:
+                recompute: bool = False, upstream_in_flight: int | None = None,
+                segments: Mapping[str, int] | None = None) -> StageCost:
     """Cost of placing node set ``nodes`` on ``device`` (recomputing its forward nodes' activations
-    in the backward pass runs them twice)."""
+    in the backward pass runs them twice; ``segments``: the plan's, :func:`memory`)."""
     compute = math.fsum(problem.node_time(v, device) for v in nodes)
     if recompute:
         compute += math.fsum(problem.node_time(v, device) for v in nodes if not problem.graph.record(v).backward)
     t_in, t_out = transfers(problem, nodes) if device.pays_transfer else (0.0, 0.0)
     mem = memory(problem, nodes, in_flight=in_flight, recompute=recompute, device=device,
-                 upstream_in_flight=upstream_in_flight)
+                 upstream_in_flight=upstream_in_flight, segments=segments)
     return StageCost(device.name, len(nodes), compute, t_in, t_out, mem)
 
 
