@@ -109,8 +109,17 @@ def test_a_sent_tensor_is_held_by_each_queue_and_worker_up_to_its_last_reader():
     assert costmodel.queued(8, 1) == 3 and costmodel.queued(8, 2) == 6 and costmodel.queued(8) == 7
     assert costmodel.plan_segments(stages) == {"a": 0, "b": 1, "c": 2}
     assert costmodel.device_memory(p, stages) == {"cpu:0": 100 + 6 * 100, "cpu:1": 1 + 3 * 1, "cpu:2": 1 + 7 * 1}
-    # without the plan's segments the reader may be anywhere: all 7 others
-    assert costmodel.working_memory(p, ["a"], p.cluster.device("cpu:0")) == 100 + 7 * 100
+    # without the plan's segments, as far as a plan of the problem may send it: 2 boundaries where
+    # each of the 3 devices holds one contiguous piece, anywhere (all 7 others) where it may hold more
+    assert costmodel.working_memory(p, ["a"], p.cluster.device("cpu:0")) == 100 + 6 * 100
+    loose = dataclasses.replace(p, contiguous=False)
+    assert costmodel.working_memory(loose, ["a"], loose.cluster.device("cpu:0")) == 100 + 7 * 100
+    # so a solver pricing a contiguous split of 2 devices charges what the plan is checked against
+    # (3 others at 16 micro-batches, not 15)
+    two = _problem(_graph({"a": 1600, "b": 16}, [("a", "b")], ["b"]), m=16)
+    split = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",))]
+    assert costmodel.memory(two, ["a"], device=two.cluster.device("cpu:0")) == 100 + 3 * 100
+    assert costmodel.device_memory(two, split)["cpu:0"] == 100 + 3 * 100
     # a device holding two segments: a stays on cpu:0 across cpu:1's segment for c, 2 boundaries on
     back = [Stage("cpu:0", ("a",)), Stage("cpu:1", ("b",)), Stage("cpu:0", ("c",))]
     assert costmodel.device_memory(p, back)["cpu:0"] == 100 + 1 + 7 * 1 + 6 * 100  # c with a alive, then held

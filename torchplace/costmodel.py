@@ -167,6 +167,7 @@ __all__ = [
     "piper_stage",
     "plan_order",
     "plan_segments",
+    "most_hops",
     "queued",
     "QUEUE_SIZE",
     "saved_increments",
@@ -243,12 +244,20 @@ def working_memory(problem: Problem, nodes: Iterable[str], device: Device | None
     :func:`queued` sent tensors. ``saves`` (a training forward pass): bytes each node keeps for its
     backward (:func:`saved_increments`), alive from the node to the end of the pass, in the peak too.
     ``segments``: the plan's segment of each node (:func:`plan_segments`), which says how far each
-    sent tensor travels, so how many micro-batches may hold it (:func:`queued`); ``None``: any.
+    sent tensor travels, so how many micro-batches may hold it (:func:`queued`); ``None``: any
+    distance a plan of the problem allows (a contiguous one has a segment per device at most).
 
     Example: a chain ``a -> b -> c`` of 4-byte outputs (own peak = output) needs 8 bytes: ``b``'s
     output is made while ``a``'s is still read; ``a``'s dies before ``c`` runs.
     """
-    return _walk(problem, _layout(problem.graph, nodes, segments), device, saves).total(microbatches(problem), others)
+    walk = _walk(problem, _layout(problem.graph, nodes, segments), device, saves)
+    return walk.total(microbatches(problem), others, most_hops(problem))
+
+
+def most_hops(problem: Problem) -> int | None:
+    """The most segment boundaries a value may cross in a plan of ``problem``: one fewer than the
+    devices where each holds one contiguous piece, ``None`` (any) where a device may hold several."""
+    return len(problem.cluster.devices) - 1 if problem.contiguous else None
 
 
 class _Layout(NamedTuple):
@@ -356,12 +365,13 @@ class _Working(NamedTuple):
         """One micro-batch's bytes of sent tensors."""
         return sum(self.sending.values())
 
-    def total(self, m: int, others: int | None) -> int:
+    def total(self, m: int, others: int | None, most: int | None = None) -> int:
         """The peak with ``others`` micro-batches' outputs and sends held (``None``: inference's
-        ``m - 1`` outputs and :func:`queued` sends)."""
+        ``m - 1`` outputs and :func:`queued` sends; a send of unknown distance at ``most`` hops)."""
         if others is not None:
             return self.peak + others * (self.holding + self.sent)
-        return self.peak + (m - 1) * self.holding + sum(queued(m, hops) * b for hops, b in self.sending.items())
+        return self.peak + (m - 1) * self.holding + sum(queued(m, most if hops is None else hops) * b
+                                                        for hops, b in self.sending.items())
 
 
 Memory = tuple[str, str]

@@ -131,7 +131,7 @@ def conservative(problem: Problem) -> Problem:
             # backward, and through its own the gradient that comes back: one more, those that came
             # back for the other micro-batches, costmodel.waiting_gradients, and the copy a
             # recomputing device makes again)
-            sent = 2 * m if training else costmodel.queued(m)
+            sent = 2 * m if training else costmodel.queued(m, costmodel.most_hops(problem))
             held = sent * out if g.nx.out_degree(v) else 0
             if v in viewed:
                 held += (m - 1) * out
