@@ -48,7 +48,7 @@ Solvers whose memory is a sum over nodes stay exact, and their bounds proofs, th
 :mod:`torchplace.solvers.liveness`: a *relaxation* (parameters only: never above the liveness
 memory, so its lower bound holds), then the relaxation again with room reserved for the working
 memory its plans needed, and last a *restriction* whose per-node bytes ``ceil(temp_v/m) +
-sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m)
+sum_{u -> v} ceil(out_u/m)`` (``+ (m - 1) ceil(out_v/m)`` for a model output, ``+ queued(m, most_hops)
 ceil(out_v/m)`` for a node with readers, which may be elsewhere; ``out_v`` at least what it holds,
 ``resident``; in training ``2m`` sends, ``m`` times each received value's bytes for the gradients
 sent back, and on a model output the loss, ``m`` of the outputs' gradients and a recomputed

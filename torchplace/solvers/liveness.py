@@ -16,8 +16,8 @@ solved through two problems whose node memory is a sum:
    backward node its ``temp``, rounded up to whole micro-batches), plus, when it makes a model
    output, ``(m - 1) ceil(out_v / m)`` held for the other micro-batches (in training also the
    loss's ``ceil(loss_bytes / m)``, the output's gradient for ``m`` micro-batches and a copy
-   recomputed), or when it has readers, which may be on another device, ``queued(m) ceil(out_v /
-   m)`` (in training ``2m``: the values held until their backward, their gradients that come back,
+   recomputed), or when it has readers, which may be on another device, ``queued(m, most_hops)
+   ceil(out_v / m)`` (in training ``2m``: the values held until their backward, their gradients that come back,
    and a copy recomputed). That is never less than its share of the liveness memory (costmodel
    docstring), so its plans always fit. ``out_v`` is at least what the node holds
    (``resident``), and where its outputs are several memories (``resident_parts``) both
