@@ -47,6 +47,7 @@ from torchplace.fxutil import (
     tensor_bytes,
 )
 from torchplace.graph import OpGraph
+from torchplace.interrupts import held_interrupt
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.opgraph import build_opgraph
@@ -268,6 +269,7 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
     args, kwargs = pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
+    _import_export()
     snapshot = StateSnapshot(model)
     try:
         ep = torch.export.export(model, args, kwargs=kwargs or None,
@@ -277,6 +279,17 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
     finally:
         snapshot.restore()
+
+
+def _import_export() -> None:
+    """Import what ``torch.export`` imports on its first call (2 s and 900 modules, ``torch._dynamo``
+    among them) with Ctrl-C held until they are in (:func:`~torchplace.interrupts.held_interrupt`):
+    an import cut short leaves ``torch._dynamo`` or ``sympy`` half initialised, and every later
+    export in the process fails (``partially initialized module 'torch._dynamo'``)."""
+    with held_interrupt():
+        import torch._dynamo  # noqa: F401
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch.export._trace  # noqa: F401
 
 
 class _CaptureFailure(Exception):
