@@ -11,7 +11,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +53,28 @@ from torchplace.runtime.overhead import executor_overheads
 
 __all__ = ["Placement", "PlacedModule", "place", "placed", "plan_model", "prepare"]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
+
+def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
+    ``model`` back to the training mode it had: a placement that does not return leaves the model in
+    the modes it found (a successful one leaves it in the placement's, eval mode for inference)."""
+    @functools.wraps(fn)
+    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        model = args[0] if args else kwargs.get("model")
+        modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            for m, was in modes:
+                m.training = was
+            raise
+    return kept
+
+
+@_modes_put_back_on_failure
 def place(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -255,15 +276,18 @@ def place(
 
         # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
         # or written to copies, as every other step of place() leaves the model and the example.
+        # Put back in a finally: measuring a call that Ctrl-C stops has written them too.
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
-        placed = closing_the_loop(placed, args, kwargs,
-                                  solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
-                                                               sizes=sizes))
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+        try:
+            placed = closing_the_loop(placed, args, kwargs,
+                                      solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                      build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
+                                                                   sizes=sizes))
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
 
@@ -336,6 +360,7 @@ def _on_meta(model: nn.Module) -> bool:
     return bool(tensors) and any(t.device.type == "meta" for t in tensors)
 
 
+@_modes_put_back_on_failure
 def prepare(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -485,13 +510,9 @@ def prepare(
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
             drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
                                    microbatches if isinstance(microbatches, int) else 1)
-    except BaseException as error:
-        try:
-            if isinstance(error, Exception) and not shapes_only and not called:
-                try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
-        finally:
-            for m, was in modes.items():  # a refused call leaves the model as it was
-                m.training = was
+    except Exception:  # the model's modes are put back on the way out (_modes_put_back_on_failure)
+        if not shapes_only and not called:
+            try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
         raise
     if not training:
         _warn_of_fast_path(model)
