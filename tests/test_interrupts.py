@@ -19,6 +19,11 @@ def test_ctrl_c_in_the_block_is_raised_after_it_and_the_handler_put_back():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with held_interrupt():
         pass  # no signal, nothing raised
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with held_interrupt():
+            signal.raise_signal(signal.SIGINT)
+            raise ValueError("what the stop made of the block")
+    assert isinstance(stopped.value.__context__, ValueError)
 
 
 def test_the_block_s_own_error_propagates_and_off_the_main_thread_nothing_changes():

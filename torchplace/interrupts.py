@@ -34,7 +34,8 @@ def held_interrupt(on_interrupt: Callable[[], None] = lambda: None) -> Iterator[
 
     Raises:
         KeyboardInterrupt: at the end of the block when SIGINT arrived in it (from the handler it
-            replaced: the default one raises it); an exception of the block's own propagates instead.
+            replaced: the default one raises it), also when the block raised (its exception is the
+            ``__context__``): a solver stopped by Ctrl-C may end in an error of its own.
 
     Only the main thread receives signals, and only a handler Python installed (the default one,
     or one a caller set) is replaced: elsewhere, or where SIGINT is ignored, the block runs as it is.
@@ -58,5 +59,5 @@ def held_interrupt(on_interrupt: Callable[[], None] = lambda: None) -> Iterator[
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
-        previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
+        if caught:  # over the block's own exception, if any: the user asked to stop
+            previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt

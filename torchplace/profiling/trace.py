@@ -269,7 +269,6 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
     args, kwargs = pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
-    _import_export()
     snapshot = StateSnapshot(model)
     try:
         ep = torch.export.export(model, args, kwargs=kwargs or None,
@@ -281,14 +280,15 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         snapshot.restore()
 
 
-def _import_export() -> None:
-    """Import what ``torch.export`` imports on its first call (2 s and 900 modules, ``torch._dynamo``
-    among them) with Ctrl-C held until they are in (:func:`~torchplace.interrupts.held_interrupt`):
-    an import cut short leaves ``torch._dynamo`` or ``sympy`` half initialised, and every later
-    export in the process fails (``partially initialized module 'torch._dynamo'``)."""
+def _import_torch_internals() -> None:
+    """Import what ``torch.export`` and an fx ``Interpreter`` import on their first call (2 s and 900
+    modules: ``torch._dynamo``, ``torch._inductor``, ``sympy``) with Ctrl-C held until they are in
+    (:func:`~torchplace.interrupts.held_interrupt`): an import cut short leaves them half initialised,
+    and every later trace in the process fails (``partially initialized module 'torch._dynamo'``)."""
     with held_interrupt():
         import torch._dynamo  # noqa: F401
         import torch._functorch.aot_autograd  # noqa: F401
+        import torch._inductor  # noqa: F401
         import torch.export._trace  # noqa: F401
 
 
@@ -551,6 +551,7 @@ def trace(
         raise UsageError(f"trace method must be one of {_METHODS}, got {method!r}")
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
     kwargs = dict(example_kwargs or {})
+    _import_torch_internals()
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
     gm.meta["var_keyword"] = _takes_var_keyword(model)  # what bind_call says of a keyword the graph lacks
