@@ -57,24 +57,32 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+def _modes_of(model: Any) -> list[tuple[nn.Module, bool]]:
+    """Every module of ``model`` with its training flag (none for what is not a module)."""
+    return [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+
+
+def _put_back(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, was in modes:
+        module.training = was
+
+
 def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
     ``model`` back to the training mode it had: a placement that does not return leaves the model in
-    the modes it found (a successful one leaves it in the placement's, eval mode for inference)."""
+    the modes it found (a successful one leaves it in the placement's, eval mode for inference).
+    Warnings meant for the caller of ``fn``'s caller count this wrapper's frame (``stacklevel``)."""
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        model = args[0] if args else kwargs.get("model")
-        modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+        modes = _modes_of(args[0] if args else kwargs.get("model"))
         try:
             return fn(*args, **kwargs)
         except BaseException:
-            for m, was in modes:
-                m.training = was
+            _put_back(modes)
             raise
     return kept
 
 
-@_modes_put_back_on_failure
 def place(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -255,6 +263,7 @@ def place(
         UnsupportedError: ``parallelism="piper"``: its plan runs over many processes, not here.
     """
     check_model(model)  # a model on the meta device is refused here: plan_model() plans it
+    modes = _modes_of(model)
     placement = prepare(
         model, devices, example_inputs, example_kwargs=example_kwargs, objective=objective, mode=mode,
         optimizer=optimizer, schedule=schedule, recompute=recompute, contiguous=contiguous, time_limit=time_limit,
@@ -276,7 +285,8 @@ def place(
 
         # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
         # or written to copies, as every other step of place() leaves the model and the example.
-        # Put back in a finally: measuring a call that Ctrl-C stops has written them too.
+        # Put back in a finally: measuring a call that Ctrl-C stops has written them too; the modes
+        # prepare() found are put back when refining raises, as prepare() does when it raises.
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
         try:
@@ -284,6 +294,9 @@ def place(
                                       solve=lambda p: _solve(p, solver, time_limit, fuse),
                                       build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
                                                                    sizes=sizes))
+        except BaseException:
+            _put_back(modes)
+            raise
         finally:
             with torch.no_grad():
                 for name, b in model.named_buffers():
@@ -811,7 +824,7 @@ def _warn_of_fast_path(model: nn.Module) -> None:
                       "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
                       "contain: there the placed model equals the model to float rounding, not bitwise. Call "
                       "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too",
-                      PlacementWarning, stacklevel=4)
+                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
 
 
 def _warn_of_hooks(model: nn.Module) -> None:
@@ -827,7 +840,7 @@ def _warn_of_hooks(model: nn.Module) -> None:
         warnings.warn(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
                       "what they compute into the outputs is in the placed graph, but their other effects (storing "
                       "activations, logging) will not happen on calls of the placed model; compute such values as "
-                      "outputs of the model instead", PlacementWarning, stacklevel=4)
+                      "outputs of the model instead", PlacementWarning, stacklevel=5)
     backward = [name or type(model).__name__ for name, m in model.named_modules()
                 if m._backward_hooks or m._backward_pre_hooks]
     if backward:
@@ -835,7 +848,7 @@ def _warn_of_hooks(model: nn.Module) -> None:
         warnings.warn(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
                       "the placed model: its traced graph makes no module calls, so a backward through it never "
                       "reaches them; register tensor hooks on the parameters (p.register_hook) instead",
-                      PlacementWarning, stacklevel=4)
+                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:
