@@ -112,6 +112,50 @@ def test_infeasible_memory_states_the_smallest_memory_that_fits():
     assert max(c.memory for c in placed.plan.costs) <= need
 
 
+class _Counting(nn.Module):
+    """Dropout (its mode matters) and a buffer every call writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def _ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeypatch):
+    """Ctrl-C (or an error) after tracing left a model in training mode in eval mode, and refine=True left the
+    buffers its measured calls wrote (found by fuzzing). Interrupted while solving, then after refine's calls."""
+    import torchplace.api
+    from torchplace.placed_module import PlacedModule
+
+    model, x = _Counting().train(), torch.randn(8, 8)
+    with monkeypatch.context() as m:
+        m.setattr(torchplace.api, "_solve", _ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+        with pytest.raises(KeyboardInterrupt):
+            torchplace.plan_model(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+    assert all(module.training for module in model.modules())
+    measure = PlacedModule.measure
+
+    def measure_then_ctrl_c(self, *args, **kwargs):
+        measure(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PlacedModule, "measure", measure_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False, refine=True)
+    assert all(module.training for module in model.modules())
+    assert model.calls.item() == 0
+
+
 class _Branchy(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # data-dependent control flow: neither fx nor export can trace it

@@ -2,6 +2,8 @@
 that every caller with other ways to a plan or a bound gets past (``solve_model``'s contract)."""
 from __future__ import annotations
 
+import signal
+
 import pyomo.environ as pyo
 import pytest
 from pyomo.contrib import appsi
@@ -142,3 +144,31 @@ def test_the_ip_from_a_start_returns_the_optimum_it_reports():
     assert start.objective == 39.0
     for plan in (maxload.solve(problem, warm_start=start), solve(problem, "auto", time_limit=30)):
         assert plan.objective == 19.0 == costmodel.evaluate(problem, plan)
+
+
+def test_ctrl_c_while_highs_runs_stops_it_and_raises_keyboard_interrupt(monkeypatch):
+    """Ctrl-C in HiGHS's solve arrived inside its interrupt callback, which dropped the KeyboardInterrupt:
+    the solve ran on to its time limit and returned a plan, or ended as a "solve error" that auto then
+    went past (found by fuzzing). The SIGINT is sent from HiGHS's first callback, while it solves."""
+    solve_highs, pressed = appsi.solvers.Highs._solve, []
+
+    def ctrl_c_while_solving(self, timer):
+        def press(event):
+            if not pressed:
+                pressed.append(True)
+                signal.raise_signal(signal.SIGINT)
+        self._solver_model.cbSimplexInterrupt += press
+        self._solver_model.cbMipInterrupt += press
+        return solve_highs(self, timer)
+
+    monkeypatch.setattr(appsi.solvers.Highs, "_solve", ctrl_c_while_solving)
+    m = pyo.ConcreteModel()  # a knapsack of 40 items: HiGHS calls back before it ends
+    m.I = pyo.RangeSet(40)
+    m.x = pyo.Var(m.I, domain=pyo.Binary)
+    m.cap = pyo.Constraint(expr=sum((7 * i % 13 + 3) * m.x[i] for i in m.I) <= 50)
+    m.obj = pyo.Objective(expr=-sum((5 * i % 11 + 1) * m.x[i] for i in m.I))
+    with pytest.raises(KeyboardInterrupt):
+        highs.solve_model(m, name="knapsack", time_limit=30, presolve=False)
+    assert pressed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert highs.solve_model(_knapsack(), name="test model", time_limit=30).status == "optimal"  # no stop left over

@@ -835,8 +835,9 @@ def test_forward_hooks_that_ran_only_while_tracing_are_named():
     model = MLP().eval()
     features = {}
     model.net[0].register_forward_hook(lambda module, args, out: features.update(first=out))
-    with pytest.warns(PlacementWarning, match=r"forward hooks of 1 module\(s\) \(net\.0\) ran while tracing"):
+    with pytest.warns(PlacementWarning, match=r"forward hooks of 1 module\(s\) \(net\.0\) ran while tracing") as seen:
         _place(model, (torch.randn(4, 32),), microbatches=1)
+    assert {w.filename for w in seen if "forward hooks" in str(w.message)} == {__file__}  # place()'s caller
     model = MLP().eval()
     model.net[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     with pytest.warns(PlacementWarning, match=r"backward hooks of 1 module\(s\) \(net\.2\) will not run"):

@@ -5,6 +5,9 @@ import importlib
 import importlib.util
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny GPT-2 is built from a config, offline
 
@@ -256,6 +259,48 @@ def test_profile_does_not_swallow_keyboard_interrupt(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(prof._TimingInterpreter, "run_node", interrupt)
     with pytest.raises(KeyboardInterrupt):
         profile(traced, inputs, progress=False)
+
+
+_CTRL_C_IN_EXPORT_IMPORT = """
+import importlib.abc, signal, sys
+import torch
+from torch import nn
+from torchplace.profiling import trace
+
+class CtrlCOnImport(importlib.abc.MetaPathFinder):  # Ctrl-C while torch._dynamo imports its eval_frame
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo.eval_frame":
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGINT)
+
+class Net(nn.Module):  # fx stops at BatchNorm1d's input check: traced with torch.export
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8) if sys.argv[1] == "export" else nn.ReLU()
+    def forward(self, x):
+        return self.bn(self.a(x))
+
+assert "torch._dynamo" not in sys.modules, "torch.export was imported before the test"
+sys.meta_path.insert(0, CtrlCOnImport())
+try:
+    trace(Net().eval(), (torch.randn(4, 8),))
+    sys.exit("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    pass
+print(trace(Net().eval(), (torch.randn(4, 8),)).method)
+"""
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_ctrl_c_while_torch_internals_are_first_imported_leaves_later_traces_working(method: str) -> None:
+    """Ctrl-C in the 2 s that the first export or fx Interpreter run spends importing torch._dynamo left it half
+    imported, and every later place() in the process failed with a TraceError ('partially initialized module')
+    (found by fuzzing). A fresh interpreter, bounded by a timeout; the SIGINT is sent while torch._dynamo imports."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_EXPORT_IMPORT, method], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [method]
 
 
 def test_shape_only_and_dead_end_nodes_are_folded() -> None:

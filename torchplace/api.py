@@ -11,7 +11,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -52,6 +52,35 @@ from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
 
 __all__ = ["Placement", "PlacedModule", "place", "placed", "plan_model", "prepare"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _modes_of(model: Any) -> list[tuple[nn.Module, bool]]:
+    """Every module of ``model`` with its training flag (none for what is not a module)."""
+    return [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+
+
+def _put_back(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, was in modes:
+        module.training = was
+
+
+def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
+    ``model`` back to the training mode it had: a placement that does not return leaves the model in
+    the modes it found (a successful one leaves it in the placement's, eval mode for inference).
+    Warnings meant for the caller of ``fn``'s caller count this wrapper's frame (``stacklevel``)."""
+    @functools.wraps(fn)
+    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        modes = _modes_of(args[0] if args else kwargs.get("model"))
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            _put_back(modes)
+            raise
+    return kept
 
 
 def place(
@@ -234,6 +263,7 @@ def place(
         UnsupportedError: ``parallelism="piper"``: its plan runs over many processes, not here.
     """
     check_model(model)  # a model on the meta device is refused here: plan_model() plans it
+    modes = _modes_of(model)
     placement = prepare(
         model, devices, example_inputs, example_kwargs=example_kwargs, objective=objective, mode=mode,
         optimizer=optimizer, schedule=schedule, recompute=recompute, contiguous=contiguous, time_limit=time_limit,
@@ -255,15 +285,22 @@ def place(
 
         # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
         # or written to copies, as every other step of place() leaves the model and the example.
+        # Put back in a finally: measuring a call that Ctrl-C stops has written them too; the modes
+        # prepare() found are put back when refining raises, as prepare() does when it raises.
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
-        placed = closing_the_loop(placed, args, kwargs,
-                                  solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                  build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
-                                                               sizes=sizes))
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+        try:
+            placed = closing_the_loop(placed, args, kwargs,
+                                      solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                      build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
+                                                                   sizes=sizes))
+        except BaseException:
+            _put_back(modes)
+            raise
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
 
@@ -336,6 +373,7 @@ def _on_meta(model: nn.Module) -> bool:
     return bool(tensors) and any(t.device.type == "meta" for t in tensors)
 
 
+@_modes_put_back_on_failure
 def prepare(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -486,13 +524,9 @@ def prepare(
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
             drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
                                    microbatches if isinstance(microbatches, int) else 1)
-    except BaseException as error:
-        try:
-            if isinstance(error, Exception) and not shapes_only and not called:
-                try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
-        finally:
-            for m, was in modes.items():  # a refused call leaves the model as it was
-                m.training = was
+    except Exception:  # the model's modes are put back on the way out (_modes_put_back_on_failure)
+        if not shapes_only and not called:
+            try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
         raise
     if not training:
         _warn_of_fast_path(model)
@@ -791,7 +825,7 @@ def _warn_of_fast_path(model: nn.Module) -> None:
                       "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
                       "contain: there the placed model equals the model to float rounding, not bitwise. Call "
                       "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too",
-                      PlacementWarning, stacklevel=4)
+                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
 
 
 def _warn_of_hooks(model: nn.Module) -> None:
@@ -807,7 +841,7 @@ def _warn_of_hooks(model: nn.Module) -> None:
         warnings.warn(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
                       "what they compute into the outputs is in the placed graph, but their other effects (storing "
                       "activations, logging) will not happen on calls of the placed model; compute such values as "
-                      "outputs of the model instead", PlacementWarning, stacklevel=4)
+                      "outputs of the model instead", PlacementWarning, stacklevel=5)
     backward = [name or type(model).__name__ for name, m in model.named_modules()
                 if m._backward_hooks or m._backward_pre_hooks]
     if backward:
@@ -815,7 +849,7 @@ def _warn_of_hooks(model: nn.Module) -> None:
         warnings.warn(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
                       "the placed model: its traced graph makes no module calls, so a backward through it never "
                       "reaches them; register tensor hooks on the parameters (p.register_hook) instead",
-                      PlacementWarning, stacklevel=4)
+                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:

@@ -47,6 +47,7 @@ from torchplace.fxutil import (
     tensor_bytes,
 )
 from torchplace.graph import OpGraph
+from torchplace.interrupts import held_interrupt
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.opgraph import build_opgraph
@@ -277,6 +278,18 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
     finally:
         snapshot.restore()
+
+
+def _import_torch_internals() -> None:
+    """Import what ``torch.export`` and an fx ``Interpreter`` import on their first call (2 s and 900
+    modules: ``torch._dynamo``, ``torch._inductor``, ``sympy``) with Ctrl-C held until they are in
+    (:func:`~torchplace.interrupts.held_interrupt`): an import cut short leaves them half initialised,
+    and every later trace in the process fails (``partially initialized module 'torch._dynamo'``)."""
+    with held_interrupt():
+        import torch._dynamo  # noqa: F401
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch._inductor  # noqa: F401
+        import torch.export._trace  # noqa: F401
 
 
 class _CaptureFailure(Exception):
@@ -538,6 +551,7 @@ def trace(
         raise UsageError(f"trace method must be one of {_METHODS}, got {method!r}")
     leaf_types, module_level = tuple(leaf_modules), granularity == "module"
     kwargs = dict(example_kwargs or {})
+    _import_torch_internals()
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
     gm.meta["var_keyword"] = _takes_var_keyword(model)  # what bind_call says of a keyword the graph lacks

@@ -11,9 +11,14 @@ constraints go over in chunks with the budget checked between them, and HiGHS ge
 minus a reserve for reading the solution back and building the plan. HiGHS's MIP presolve looks at
 its clock rarely (a 39k-row latency IP ran 4 s past a 1 s limit in presolve), so when the time
 left is shorter than presolve may take, HiGHS runs without it and stops on time.
+
+Ctrl-C stops HiGHS: a ``KeyboardInterrupt`` raised inside its interrupt callback would be dropped
+there (the solve ran on to its time limit and returned a plan, or ended as a "solve error"), so
+the signal is held while HiGHS runs, asks it to stop, and is raised once it has.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -23,6 +28,7 @@ import pyomo.environ as pyo
 from pyomo.contrib import appsi
 
 from torchplace.errors import InfeasibleError, MissingDependencyError, SolverError, SolverLimitError
+from torchplace.interrupts import held_interrupt
 from torchplace.solvers.limits import Budget
 
 __all__ = ["MilpResult", "solve_model"]
@@ -41,6 +47,16 @@ _NO_UPDATES = ("check_for_new_or_removed_constraints", "check_for_new_or_removed
                "update_vars", "update_params", "update_named_expressions", "update_objective")
 
 
+_APPSI_LOG = logging.getLogger("pyomo.contrib.appsi.solvers.highs")
+
+
+class _QuietStop(logging.Filter):
+    """Drops appsi's warning about HiGHS's "interrupted" status (Ctrl-C, raised once HiGHS stops)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kInterrupt" not in record.getMessage()
+
+
 class _BudgetedHighs(appsi.solvers.Highs):
     """appsi's HiGHS interface handing the constraints over in chunks, checking a budget between them."""
 
@@ -55,6 +71,26 @@ class _BudgetedHighs(appsi.solvers.Highs):
     def nonzeros(self) -> int:
         """Nonzeros of the model handed over."""
         return int(self._solver_model.getNumNz())
+
+    def stop_soon(self) -> None:
+        """Ask a running HiGHS to stop at its next interrupt check (appsi registers that callback)."""
+        highs = self._solver_model  # None until set_instance
+        if highs is not None and hasattr(highs, "cancelSolve"):
+            highs.cancelSolve()
+
+    def solve_stoppable(self, model: pyo.ConcreteModel) -> appsi.base.Results:
+        """``solve(model)`` that Ctrl-C stops (module docstring).
+
+        Raises:
+            KeyboardInterrupt: SIGINT arrived while HiGHS ran (raised once it has stopped).
+        """
+        quiet = _QuietStop()
+        _APPSI_LOG.addFilter(quiet)
+        try:
+            with held_interrupt(self.stop_soon):
+                return self.solve(model)
+        finally:
+            _APPSI_LOG.removeFilter(quiet)
 
 
 def _highs_seconds(budget: Budget, handover: float) -> float:
@@ -175,7 +211,7 @@ def solve_model(
     if time_limit is not None:
         solver.config.time_limit = float(time_limit)
     started, retried = time.perf_counter(), False
-    res = solver.solve(model)
+    res = solver.solve_stoppable(model)
     stale = warm_start and _stale(model, res)
     if (res.termination_condition == _TC.error or stale) and solver.highs_options.get("presolve") != "off":
         # HiGHS sets "solve error" when the answer fails its own check ("MIP solver claims
@@ -186,7 +222,7 @@ def solve_model(
         solver.highs_options = {**solver.highs_options, "presolve": "off"}
         if time_limit is not None:
             solver.config.time_limit = max(0.0, float(time_limit) - (time.perf_counter() - started))
-        res, retried = solver.solve(model), True
+        res, retried = solver.solve_stoppable(model), True
     seconds = time.perf_counter() - t0
     if budget is not None and budget.time_limit is not None:
         time_limit = budget.time_limit  # what the user asked for, in messages
