@@ -277,6 +277,25 @@ def test_interrupt_returns_the_best_plan_so_far(monkeypatch):
     assert plan.meta["interrupted"] and plan.meta["orders"] == 2
 
 
+def test_auto_stops_at_a_ctrl_c_that_ends_its_search(monkeypatch):
+    """SliceGraph alone returns its best plan on Ctrl-C; inside auto (and so place()) that plan went
+    on to BRKGA, the bounds and the MILP, and a second Ctrl-C was needed (found by fuzzing)."""
+    from torchplace import solvers
+
+    problem = _layered(100, 2, k=2)
+    calls, real = [0], slicegraph._slice
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(slicegraph, "_slice", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        solvers.solve(problem, method="auto", time_limit=30, ideal_limit=1)  # the DP skipped: SliceGraph runs
+
+
 def test_infeasible_memory_raises_with_the_memory_that_fits():
     g = OpGraph()
     for i in range(5):

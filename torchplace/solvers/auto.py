@@ -247,6 +247,8 @@ def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dic
             seconds = max(_remaining(deadline) * share, LAST_RESORT_SECONDS if last_resort else 0.0)
             plans.append(call_method(name, problem, time_limit=seconds, **options))
             tried[name] = plans[-1].objective
+            if plans[-1].meta.get("interrupted"):  # Ctrl-C: a search alone returns its best plan,
+                raise KeyboardInterrupt            # auto (and place()) stop as its other phases do
         except SolverLimitError as e:
             tried[name] = f"stopped: {e}"
         except InfeasibleError:
