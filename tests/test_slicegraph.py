@@ -262,8 +262,8 @@ def test_a_deadline_passed_between_two_orders_still_says_time_limit():
     assert plan.status == "time_limit" and plan.meta["timed_out"]
 
 
-def test_interrupt_returns_the_best_plan_so_far(monkeypatch):
-    problem = _layered(100, 2, k=2)
+def _ctrl_c_at_the_third_order(monkeypatch) -> None:
+    """SliceGraph slices two orders, then Ctrl-C arrives while it slices the third."""
     calls, real = [0], slicegraph._slice
 
     def interrupted(*args, **kwargs):
@@ -273,6 +273,11 @@ def test_interrupt_returns_the_best_plan_so_far(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(slicegraph, "_slice", interrupted)
+
+
+def test_interrupt_returns_the_best_plan_so_far(monkeypatch):
+    problem = _layered(100, 2, k=2)
+    _ctrl_c_at_the_third_order(monkeypatch)
     plan = slicegraph.solve(problem, random_orders=10)
     assert plan.meta["interrupted"] and plan.meta["orders"] == 2
 
@@ -283,15 +288,7 @@ def test_auto_stops_at_a_ctrl_c_that_ends_its_search(monkeypatch):
     from torchplace import solvers
 
     problem = _layered(100, 2, k=2)
-    calls, real = [0], slicegraph._slice
-
-    def interrupted(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(slicegraph, "_slice", interrupted)
+    _ctrl_c_at_the_third_order(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         solvers.solve(problem, method="auto", time_limit=30, ideal_limit=1)  # the DP skipped: SliceGraph runs
 
