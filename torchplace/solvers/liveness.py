@@ -231,9 +231,15 @@ def _infeasible(problem: Problem, solve: Solve, time_limit: float | None, opts: 
     need = high.min_memory_bytes
     if need is None:
         return high
-    floor = f"; no split fits below {low.min_memory_bytes} bytes (parameters alone)" \
-        if low is not None and low.min_memory_bytes is not None else ""
-    return InfeasibleError(
-        f"no split fits the devices' memory with one micro-batch's activations alive: {need} bytes per device "
-        f"surely fit (activations counted from above){floor}; raise max_memory to {need}, add devices or use more "
-        f"micro-batches", min_memory_bytes=need)
+    alive = "one micro-batch's activations alive"
+    if low is not None:  # the relaxation (parameters alone) fits nowhere: a proof
+        floor = f"; no split fits below {low.min_memory_bytes} bytes (parameters alone)" \
+            if low.min_memory_bytes is not None else ""
+        said = f"no split fits the devices' memory with {alive}: {need} bytes per device surely fit (activations " \
+               f"counted from above){floor}"
+    else:  # the solvers' plans did not fit, and the restriction counts activations from above
+        said = f"no split found that fits the devices' memory with {alive}: {need} bytes per device surely fit, and a " \
+               "split may fit with less (activations alive at once are counted from above here; a plan of your own " \
+               "that fits runs with place(..., plan=))"
+    return InfeasibleError(f"{said}; raise max_memory to {need}, add devices or use more micro-batches",
+                           min_memory_bytes=need)
