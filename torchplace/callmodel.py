@@ -146,7 +146,7 @@ def _prediction(tasks: list[Task], m: int, overheads: Overheads) -> CallPredicti
 
 
 def simulate_inference(stage_times: Sequence[tuple[str, float]], microbatches: int,
-                       overheads: Overheads = Overheads(), queue_size: int = 2,
+                       overheads: Overheads = Overheads(), queue_size: int = costmodel.QUEUE_SIZE,
                        pools: Mapping[str, str] | None = None) -> CallPrediction:
     """The clock of one inference call of a :class:`~torchplace.runtime.pipeline.PipelineExecutor`.
 

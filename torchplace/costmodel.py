@@ -680,8 +680,9 @@ def _reads(g: OpGraph, v: str, w: str) -> bool:
 
 
 QUEUE_SIZE = 2
-"""Micro-batches a queue between two segments of an inference pipeline holds (the ``queue_size``
-of :class:`~torchplace.runtime.pipeline.PipelineExecutor`, as ``place()`` makes it)."""
+"""Micro-batches a queue between two segments of an inference pipeline holds: the default
+``queue_size`` of :class:`~torchplace.runtime.pipeline.PipelineExecutor` and of the call clock
+(:func:`torchplace.callmodel.simulate_inference`): one constant for the memory, the clock and the run."""
 
 
 def queued(m: int, hops: int | None = None) -> int:

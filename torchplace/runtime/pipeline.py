@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from torchplace.costmodel import QUEUE_SIZE
 from torchplace.errors import StageError, UnsupportedError
 from torchplace.runtime.devices import (
     as_stage_error,
@@ -184,7 +185,7 @@ class PipelineExecutor:
         stage_devices: list[str],
         stage_workers: list[str],
         assemble_output: Any,
-        queue_size: int = 2,
+        queue_size: int = QUEUE_SIZE,
         isolate: bool = False,
         stage_params: StageParameters | None = None,
         stage_threads: Sequence[int | None] | None = None,
