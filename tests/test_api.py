@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import torchplace
-from torchplace.errors import InfeasibleError, StageError, TraceError
+from torchplace.errors import InfeasibleError, StageError, TraceError, UnsupportedError
 from torchplace.models import build, leaf_modules_for
 from torchplace.runtime.microbatch import gather, scatter
 
@@ -154,6 +154,17 @@ def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeyp
         torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False, refine=True)
     assert all(module.training for module in model.modules())
     assert model.calls.item() == 0
+    # after prepare() too: building the placed module, or refusing a Piper plan (found by review)
+    with monkeypatch.context() as m:
+        m.setattr(torchplace.api, "PlacedModule", _ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+    assert all(module.training for module in model.modules())
+    model.eval()
+    with pytest.raises(UnsupportedError, match="Piper plan"):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", parallelism="piper", microbatches=2,
+                         progress=False)
+    assert not any(module.training for module in model.modules())
 
 
 class _Branchy(nn.Module):

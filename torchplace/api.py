@@ -274,35 +274,40 @@ def place(
         loss_fn=loss_fn, example_target=example_target,
         allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth,
     )
+    try:  # the modes prepare() found are put back when what follows raises, as prepare() does
+        placed = _run_placement(model, placement, parallelism, loss_fn, refine, solver, time_limit, fuse)
+    except BaseException:
+        _put_back(modes)
+        raise
+    placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
+    return placed
+
+
+def _run_placement(model: nn.Module, placement: Placement, parallelism: str, loss_fn: Any, refine: bool,
+                   solver: str, time_limit: float | None, fuse: bool | None) -> PlacedModule:
+    """:func:`place` after :func:`prepare`: the placed module, refined if asked."""
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
     joined, sizes = placement.joined, placement.sizes
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
                           joined_outputs=joined, sizes=sizes)
-    if refine:
-        from torchplace.refine import refine as closing_the_loop
+    if not refine:
+        return placed
+    from torchplace.refine import refine as closing_the_loop
 
-        # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
-        # or written to copies, as every other step of place() leaves the model and the example.
-        # Put back in a finally: measuring a call that Ctrl-C stops has written them too; the modes
-        # prepare() found are put back when refining raises, as prepare() does when it raises.
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
-        try:
-            placed = closing_the_loop(placed, args, kwargs,
-                                      solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                      build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
-                                                                   sizes=sizes))
-        except BaseException:
-            _put_back(modes)
-            raise
-        finally:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    b.copy_(buffers[name])
-    placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
-    return placed
+    # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
+    # or written to copies, as every other step of place() leaves the model and the example;
+    # in a finally, since measuring a call that Ctrl-C stops has written them too.
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
+    try:
+        return closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined, sizes=sizes))
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
 
 
 class Placement(NamedTuple):

@@ -13,7 +13,9 @@ solved through two problems whose node memory is a sum:
 2. otherwise the *restriction*: a node needs ``param + ceil(temp / m) + sum_{u -> v} ceil(out_u /
    m)`` (in training ``m`` times that, since a training problem divides the sum by ``m``, and each
    ``ceil(out_u / m)`` counted ``m`` times: the gradients sent back for ``u`` that may wait; a
-   backward node its ``temp``, rounded up to whole micro-batches), plus, when it makes a model
+   backward node its ``temp``, rounded up to whole micro-batches, at least its new weight gradient,
+   and one more copy of each trainable tensor its forward node reads with other nodes: the
+   gradients autograd keeps until the last read's is in), plus, when it makes a model
    output, ``(m - 1) ceil(out_v / m)`` held for the other micro-batches (in training also the
    loss's ``ceil(loss_bytes / m)``, the output's gradient for ``m`` micro-batches and a copy
    recomputed), or when it has readers, which may be on another device, ``queued(m, most_hops)
@@ -109,10 +111,17 @@ def conservative(problem: Problem) -> Problem:
     training = problem.mode == "training"
     loss = -(-costmodel.loss_bytes(g) // m)  # training: where the outputs are, the loss runs
 
+    # a trainable tensor read by several nodes: autograd keeps each read's gradient until the last
+    # read's arrives and sums them out of place (costmodel.backward_peak): one more copy per read
+    tied = [t for t in g.shared_tensors() if t.trainable and len(t.readers) > 1]
+
     def share(v: str, r: NodeRecord) -> int:
         if r.backward:  # training: its own peak (the sum is divided by m, and covers the largest), at
-            # least the new gradient of its weights (costmodel._backward_own_peak)
-            return m * max(-(-r.temp_bytes // m), costmodel.weight_gradient_bytes(g, v))
+            # least the new gradient of its weights (costmodel._backward_own_peak), and what a tied
+            # weight's reads keep
+            reads = {u for u in g.predecessors(v) if not g.record(u).backward}
+            kept = sum(t.nbytes for t in tied for u in reads if u in t.readers)
+            return m * (max(-(-r.temp_bytes // m), costmodel.weight_gradient_bytes(g, v)) + kept)
         received = sum(-(-g.record(u).output_bytes // m) for u in g.predecessors(v))
         if training:  # the gradients sent back for it, this micro-batch's and the others' that wait
             received *= m
