@@ -56,6 +56,29 @@ def test_where_a_split_fits_but_none_is_found_the_refusal_says_so_not_that_none_
         solve(Problem(g, caps(20)), method="dp")
 
 
+def test_a_ctrl_c_that_ends_a_search_whose_plan_does_not_fit_stops_the_solve(monkeypatch):
+    """SliceGraph returns its best plan on Ctrl-C; where that plan (of the relaxed problem) did not
+    fit, the wrapper went on to the next phase, a new search, and a second Ctrl-C was needed."""
+    from torchplace.solvers import slicegraph
+
+    g = _graph({"a": 40, "b": 40, "c1": 4, "c2": 4, "c3": 4, "d": 4, "e": 4},
+               [("a", "b"), ("b", "c1"), ("b", "c2"), ("b", "c3"), ("c1", "d"), ("c2", "d"), ("c3", "d"), ("d", "e")],
+               ["e"], params=10)
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu", 100), Device("cpu:1", "cpu", "cpu", 100))))
+    calls, real = [0], slicegraph._slice
+
+    def one_ctrl_c_at_the_third_slice(*args, **kwargs):  # the relaxed phase has a plan by then
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(slicegraph, "_slice", one_ctrl_c_at_the_third_slice)
+    with pytest.raises(KeyboardInterrupt):  # was InfeasibleError, after 12 more slices
+        solve(p, method="slicegraph")
+    assert calls[0] == 3
+
+
 def test_a_chain_frees_what_no_later_node_reads():
     # a(4) -> b(4) -> c(4): b runs with a alive (8); a is dead when c runs (b + c = 8)
     p = _problem(_graph({"a": 4, "b": 4, "c": 4}, [("a", "b"), ("b", "c")], ["c"]))

@@ -78,6 +78,14 @@ class ModelSize:
 _PROCESS = psutil.Process()
 
 
+def stop_if_interrupted(meta: dict) -> None:
+    """Raise ``KeyboardInterrupt`` for a plan a search returned on Ctrl-C (``meta["interrupted"]``)
+    where a wrapper would go on to another phase: its plan stands alone, a phase after it would
+    need a second Ctrl-C."""
+    if meta.get("interrupted"):
+        raise KeyboardInterrupt
+
+
 def in_phases(error: SolverLimitError, time_limit: float | None, how: str) -> SolverLimitError:
     """``error``, from one phase of a solve that splits the user's ``time_limit`` into phases
     (``how`` says which), restated against that limit: the phase's own share means nothing to

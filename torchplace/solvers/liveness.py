@@ -48,7 +48,7 @@ from torchplace.errors import InfeasibleError, InvalidPlanError, SolverLimitErro
 from torchplace.graph import NodeRecord, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.limits import in_phases
+from torchplace.solvers.limits import in_phases, stop_if_interrupted
 
 __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
@@ -205,7 +205,7 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
     try:
         return _on_truth(problem, first, first.lower_bound, "relaxed")
     except InvalidPlanError:
-        pass  # its working memory does not fit: solve again with memory counted from above
+        stop_if_interrupted(first.meta)  # its working memory does not fit: solve again, counted from above
     reserve, plan = 0, first
     for _ in range(RESERVE_ROUNDS):
         reserve = max(reserve + 1, _working(problem, plan))
@@ -217,7 +217,7 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
         try:
             return _on_truth(problem, plan, first.lower_bound, f"reserved {reserve} bytes")
         except InvalidPlanError:
-            continue
+            stop_if_interrupted(plan.meta)
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0)
     try:
         second = solve(conservative(problem), time_limit=left, **opts)
@@ -247,8 +247,8 @@ def _infeasible(problem: Problem, solve: Solve, time_limit: float | None, opts: 
         said = f"no split fits the devices' memory with {alive}: {need} bytes per device surely fit (activations " \
                f"counted from above){floor}"
     else:  # the solvers' plans did not fit, and the restriction counts activations from above
-        said = f"no split found that fits the devices' memory with {alive}: {need} bytes per device surely fit, and a " \
-               "split may fit with less (activations alive at once are counted from above here; a plan of your own " \
-               "that fits runs with place(..., plan=))"
+        said = (f"no split found that fits the devices' memory with {alive}: {need} bytes per device surely fit, "
+                "and a split may fit with less (activations alive at once are counted from above here; a plan of "
+                "your own that fits runs with place(..., plan=))")
     return InfeasibleError(f"{said}; raise max_memory to {need}, add devices or use more micro-batches",
                            min_memory_bytes=need)

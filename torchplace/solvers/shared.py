@@ -43,6 +43,7 @@ from torchplace.errors import InfeasibleError, InvalidPlanError
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan
 from torchplace.problem import Problem
+from torchplace.solvers.limits import stop_if_interrupted
 from torchplace.solvers.pipelined import fit, training_pipeline
 
 __all__ = ["MAX_GROUPINGS", "colocated", "grouped", "groupings", "readers_apart", "relaxed", "replicated",
@@ -182,11 +183,11 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     found: list[Plan] = []
     try:
         truth = _on_truth(problem, first, first.lower_bound, first.status)
-        if [s.recompute for s in truth.stages] == [s.recompute for s in first.stages]:
-            return truth  # its load is the relaxation's: its proof carries over
+        if [s.recompute for s in truth.stages] == [s.recompute for s in first.stages] or first.meta.get("interrupted"):
+            return truth  # its load is the relaxation's: its proof carries over (or Ctrl-C: what there is)
         found.append(truth)  # it fits only by recomputing more: the restrictions may do better
-    except InvalidPlanError:
-        pass  # the relaxation's plan needs more memory for the copies than a device has
+    except InvalidPlanError:  # the relaxation's plan needs more memory for the copies than a device has
+        stop_if_interrupted(first.meta)
     errors: list[Exception] = []
 
     def attempt(variants: list[Problem]) -> None:
@@ -197,6 +198,9 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
                 found.append(solve(variant, time_limit=left, **opts))
             except InfeasibleError as e:
                 errors.append(e)
+                continue
+            if found[-1].meta.get("interrupted"):  # Ctrl-C: the best of what was found, and no more
+                return
 
     attempt([colocated(problem), replicated(problem)])
     every = groupings(problem)
