@@ -844,6 +844,25 @@ def test_forward_hooks_that_ran_only_while_tracing_are_named():
         _place(model, (torch.randn(4, 32),), microbatches=1)
 
 
+def test_place_warnings_name_the_callers_line():
+    """Every warning points at the line that called place() (or the placed model), however deep in
+    torchplace it was raised (the one-device choice named a line of torchplace/api.py; a warning of
+    a call, a line of torch's nn.Module)."""
+    import inspect
+
+    model = MLP().eval()
+    model.net[0].register_forward_hook(lambda module, args, out: None)
+    with pytest.warns(PlacementWarning, match="forward hooks") as seen:
+        line = inspect.currentframe().f_lineno + 1
+        torchplace.place(model, DEVICES, (torch.randn(4, 32),), **QUICK)
+    assert [(w.filename, w.lineno) for w in seen if "hooks" in str(w.message)] == [(__file__, line)]
+    placed = _place(MLP().eval(), (torch.randn(8, 32),), microbatches=4)
+    with pytest.warns(RuntimeWarning, match="micro-batches requested for a batch of 2") as seen:
+        line = inspect.currentframe().f_lineno + 1
+        placed(torch.randn(2, 32))  # through nn.Module.__call__
+    assert [(w.filename, w.lineno) for w in seen if "requested" in str(w.message)] == [(__file__, line)]
+
+
 def test_a_keyword_the_export_did_not_see_is_refused_with_the_reason():
     """An exported placed model takes the example's arguments only; the refusal said
     'unexpected keyword argument' without why (found by fuzzing)."""

@@ -28,9 +28,9 @@ from torchplace.errors import (
     InfeasibleError,
     InvalidPlanError,
     MicrobatchError,
-    PlacementWarning,
     UnsupportedError,
     UsageError,
+    warn_caller,
 )
 from torchplace.fxutil import draws_random_numbers, dtype_guards, run_graph
 from torchplace.graph import OpGraph
@@ -70,8 +70,7 @@ def _put_back(modes: list[tuple[nn.Module, bool]]) -> None:
 def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
     ``model`` back to the training mode it had: a placement that does not return leaves the model in
-    the modes it found (a successful one leaves it in the placement's, eval mode for inference).
-    Warnings meant for the caller of ``fn``'s caller count this wrapper's frame (``stacklevel``)."""
+    the modes it found (a successful one leaves it in the placement's, eval mode for inference)."""
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         modes = _modes_of(args[0] if args else kwargs.get("model"))
@@ -824,37 +823,31 @@ def _warn_of_fast_path(model: nn.Module) -> None:
     names = [name or type(model).__name__ for name, m in model.named_modules()
              if isinstance(m, nn.MultiheadAttention) and m.batch_first]
     if names:
-        import warnings
-
-        warnings.warn(f"{len(names)} nn.MultiheadAttention module(s) with batch_first=True ({names[0]}, ...) take "
-                      "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
-                      "contain: there the placed model equals the model to float rounding, not bitwise. Call "
-                      "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too",
-                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
+        warn_caller(f"{len(names)} nn.MultiheadAttention module(s) with batch_first=True ({names[0]}, ...) take "
+                    "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
+                    "contain: there the placed model equals the model to float rounding, not bitwise. Call "
+                    "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too")
 
 
 def _warn_of_hooks(model: nn.Module) -> None:
     """Warn that the forward hooks of ``model``'s modules ran while tracing only: what they put into
     the outputs is in the trace, their other effects (storing activations, logging) are not; and
     that its modules' backward hooks never run on the placed graph."""
-    import warnings
-
     hooked = [name or type(model).__name__ for name, m in model.named_modules()
               if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
         more = ", ..." if len(hooked) > 3 else ""
-        warnings.warn(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
-                      "what they compute into the outputs is in the placed graph, but their other effects (storing "
-                      "activations, logging) will not happen on calls of the placed model; compute such values as "
-                      "outputs of the model instead", PlacementWarning, stacklevel=5)
+        warn_caller(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
+                    "what they compute into the outputs is in the placed graph, but their other effects (storing "
+                    "activations, logging) will not happen on calls of the placed model; compute such values as "
+                    "outputs of the model instead")
     backward = [name or type(model).__name__ for name, m in model.named_modules()
                 if m._backward_hooks or m._backward_pre_hooks]
     if backward:
         more = ", ..." if len(backward) > 3 else ""
-        warnings.warn(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
-                      "the placed model: its traced graph makes no module calls, so a backward through it never "
-                      "reaches them; register tensor hooks on the parameters (p.register_hook) instead",
-                      PlacementWarning, stacklevel=5)  # helper, prepare, its wrapper, place
+        warn_caller(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
+                    "the placed model: its traced graph makes no module calls, so a backward through it never "
+                    "reaches them; register tensor hooks on the parameters (p.register_hook) instead")
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:

@@ -22,14 +22,13 @@ and printed with the plan.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchplace import callmodel, costmodel
 from torchplace.callmodel import CallPrediction, Overheads
-from torchplace.errors import InvalidPlanError, MicrobatchError, PlacementWarning
+from torchplace.errors import InvalidPlanError, MicrobatchError, warn_caller
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
@@ -114,11 +113,10 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
         return Decision(plan, m, call)
     one_plan.meta["call"] = _summary(problem, one_plan.stages, one_call, batch, overheads)
     one_plan.meta["single_device"] = {**record, "chosen": True}
-    warnings.warn(
+    warn_caller(
         f"the whole model on {device} alone is predicted faster than the {len({s.device for s in plan.stages})}"
         f"-device plan ({_ms(one_call.seconds)} vs {_ms(call.seconds)} per call with {best} micro-batches): "
-        f"running it on {device} (m={one_m}); place(..., allow_single_device=False) keeps the split",
-        PlacementWarning, stacklevel=3)
+        f"running it on {device} (m={one_m}); place(..., allow_single_device=False) keeps the split")
     return Decision(one_plan, one_m, one_call)
 
 
@@ -186,10 +184,9 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
         return Decision(plan, 1, None)
     one.meta["call"] = _latency_summary(problem, one, overheads, seconds(one))
     one.meta["single_device"] = {**record, "chosen": True}
-    warnings.warn(f"the whole model on {record['device']} alone is predicted faster than the "
-                  f"{len({s.device for s in plan.stages})}-device plan ({_ms(seconds(one))} vs {_ms(mine)} per call): "
-                  f"running it on {record['device']}; place(..., allow_single_device=False) keeps the split",
-                  PlacementWarning, stacklevel=3)
+    warn_caller(f"the whole model on {record['device']} alone is predicted faster than the "
+                f"{len({s.device for s in plan.stages})}-device plan ({_ms(seconds(one))} vs {_ms(mine)} per call): "
+                f"running it on {record['device']}; place(..., allow_single_device=False) keeps the split")
     return Decision(one, 1, None)
 
 

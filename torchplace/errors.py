@@ -4,6 +4,10 @@ All derive from :class:`TorchplaceError`, so ``except torchplace.TorchplaceError
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "DistributedError",
     "InfeasibleError",
@@ -21,6 +25,7 @@ __all__ = [
     "UnsupportedError",
     "UsageError",
     "WorkloadFormatError",
+    "warn_caller",
 ]
 
 
@@ -134,3 +139,22 @@ class PlacementWarning(UserWarning):
 class DistributedError(TorchplaceError, RuntimeError):
     """A multi-process run (:mod:`torchplace.distributed`) failed or was launched wrongly: the message
     names the rank (and the stage and pass) that failed, or the launch setting to change."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(message: str, category: type[Warning] = PlacementWarning) -> None:
+    """``warnings.warn`` at the user's line: the first frame outside torchplace and torch (so a
+    warning of ``place()``, or of a call through ``nn.Module.__call__``, names the line that made
+    it, however deep inside the package it was raised)."""
+    inside = (_PACKAGE, *_torch_dirs())
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _torch_dirs() -> list[str]:
+    torch = sys.modules.get("torch")
+    return [os.path.dirname(os.path.abspath(torch.__file__)) + os.sep] if torch is not None and torch.__file__ else []

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import tempfile
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchplace import machine
-from torchplace.errors import InvalidPlanError, PlacementWarning, WorkloadFormatError
+from torchplace.errors import InvalidPlanError, WorkloadFormatError, warn_caller
 from torchplace.graph import OpGraph
 from torchplace.profiling.trace import Traced
 
@@ -176,8 +175,8 @@ def load_profile(directory: Path, key: Mapping[str, Any]) -> OpGraph | None:
             raise WorkloadFormatError("not a profile of this key")
         return OpGraph.from_json(data["graph"], str(path))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, WorkloadFormatError) as e:
-        warnings.warn(f"profile cache: {path} cannot be read ({type(e).__name__}: {e}); profiling again "
-                      "and writing it anew", PlacementWarning, stacklevel=3)
+        warn_caller(f"profile cache: {path} cannot be read ({type(e).__name__}: {e}); profiling again and writing "
+                    "it anew")
         return None
 
 

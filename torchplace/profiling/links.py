@@ -31,7 +31,6 @@ import math
 import re
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -41,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from torchplace.devices import Cluster, Link
+from torchplace.errors import warn_caller
 
 __all__ = ["HOST_LINK_SIZES", "LinkFit", "cluster_with_measured_links", "default_sizes", "fit_link",
            "measure_host_links", "measure_links", "time_copies", "with_measured_host_links"]
@@ -225,11 +225,8 @@ def measure_links(
             times = time_copies(src, dst, sizes, repeats, warmup, allocate)
             fits[(src, dst)] = fit = fit_link(sizes, [pick(times[n]) for n in sizes])
             if fit.r2 < _POOR_FIT:
-                warnings.warn(
-                    f"link {src} -> {dst}: times fit latency + bytes / bandwidth poorly (r2 = {fit.r2:.2f}); "
-                    f"measure on a quieter machine or with more repeats (now {repeats})",
-                    RuntimeWarning, stacklevel=2,
-                )
+                warn_caller(f"link {src} -> {dst}: times fit latency + bytes / bandwidth poorly (r2 = {fit.r2:.2f}); "
+                            f"measure on a quieter machine or with more repeats (now {repeats})", RuntimeWarning)
     return fits
 
 

@@ -16,14 +16,13 @@ Rules (as in torchgpipe's ``microbatch.scatter``/``gather``):
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from torchplace.errors import MicrobatchError
+from torchplace.errors import MicrobatchError, warn_caller
 
 __all__ = ["batch_size", "gather", "last_rows", "scatter"]
 
@@ -80,11 +79,7 @@ def scatter(
     if batch is None or batch == 0:
         return [(tuple(args), dict(kwargs))]
     if microbatches > batch:
-        warnings.warn(
-            f"{microbatches} micro-batches requested for a batch of {batch}; using {batch}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn_caller(f"{microbatches} micro-batches requested for a batch of {batch}; using {batch}", RuntimeWarning)
         microbatches = batch
     columns = [_split_leaf(leaf, microbatches) for leaf in leaves]
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(microbatches)]
