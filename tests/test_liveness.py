@@ -915,11 +915,8 @@ def test_a_gradient_added_to_one_sent_back_is_a_new_tensor():
     assert 1.0 <= step.ratio("cpu:0") < 1.05
 
 
-def test_each_read_of_a_tied_weight_makes_its_gradient():
-    # cpu:0 reads a's 256 x 256 weight twice (a, and F.linear(h, a.weight)): each read's backward
-    # makes a weight gradient, and autograd keeps the first until the second is in and sums them
-    # out of place; the tied read's node has no param_bytes (the weight is its owner's), and its
-    # gradient was not charged (0.61 of the measured peak before)
+def _tied() -> Any:
+    """``c(relu(F.linear(relu(a(x)), a.weight)))``: ``a``'s 256 x 256 weight read twice."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -932,9 +929,19 @@ def test_each_read_of_a_tied_weight_makes_its_gradient():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.c(torch.relu(F.linear(torch.relu(self.a(x)), self.a.weight)))
 
-    def build() -> nn.Module:
+    return Tied()
+
+
+def test_each_read_of_a_tied_weight_makes_its_gradient():
+    # cpu:0 reads a's 256 x 256 weight twice (a, and F.linear(h, a.weight)): each read's backward
+    # makes a weight gradient, and autograd keeps the first until the second is in and sums them
+    # out of place; the tied read's node has no param_bytes (the weight is its owner's), and its
+    # gradient was not charged (0.61 of the measured peak before)
+    import torch
+
+    def build() -> Any:
         torch.manual_seed(0)
-        return Tied()
+        return _tied()
 
     step = _forced_step(build, torch.randn(64, 256), ("linear", "relu", "linear_1"), "1f1b", 2)
     assert 1.0 <= step.ratio("cpu:0") < 1.15
@@ -950,21 +957,11 @@ def test_the_restriction_holds_a_tied_weights_gradients_too(batch, m):
     reads): below the truth at small batches, so its plan failed validation and solve() raised
     InvalidPlanError instead of a plan or a memory that surely fits (found by review)."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
     from torchplace import api
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.c = nn.Linear(256, 256), nn.Linear(256, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.c(torch.relu(F.linear(torch.relu(self.a(x)), self.a.weight)))
-
     torch.manual_seed(0)
-    p = api.prepare(Tied(), ["cpu:0", "cpu:1"], (torch.randn(batch, 256),), mode="training", optimizer="sgd",
+    p = api.prepare(_tied(), ["cpu:0", "cpu:1"], (torch.randn(batch, 256),), mode="training", optimizer="sgd",
                     microbatches=m, progress=False, warmup=0, repeats=1, loss_fn=lambda o, t: o.pow(2).mean()).problem
     g = p.graph
     forward = [v for v in g.topological_order() if not g.record(v).backward]
