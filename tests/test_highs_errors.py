@@ -31,21 +31,29 @@ def _knapsack() -> pyo.ConcreteModel:
     return m
 
 
-def _solve_errors(monkeypatch, runs: int) -> list[dict]:
-    """Make HiGHS's first ``runs`` solves end in a solve error; return the options of every run."""
+def _spoil_first_runs(monkeypatch, runs: int, spoil) -> list[dict]:
+    """Pass the results of HiGHS's first ``runs`` solves through ``spoil``; return every run's options."""
     options: list[dict] = []
     postsolve = appsi.solvers.Highs._postsolve
 
-    def failing(self, timer):
+    def spoiled(self, timer):
         options.append(dict(self.highs_options))
         res = postsolve(self, timer)
         if len(options) <= runs:
-            res.termination_condition = _TC.error
-            res.best_feasible_objective = None
+            spoil(res)
         return res
 
-    monkeypatch.setattr(appsi.solvers.Highs, "_postsolve", failing)
+    monkeypatch.setattr(appsi.solvers.Highs, "_postsolve", spoiled)
     return options
+
+
+def _solve_errors(monkeypatch, runs: int) -> list[dict]:
+    """Make HiGHS's first ``runs`` solves end in a solve error; return the options of every run."""
+    def error(res) -> None:
+        res.termination_condition = _TC.error
+        res.best_feasible_objective = None
+
+    return _spoil_first_runs(monkeypatch, runs, error)
 
 
 def test_a_solve_error_is_run_again_without_presolve(monkeypatch):
@@ -87,18 +95,10 @@ def test_auto_goes_on_when_the_ip_fails_and_bounds_keep_their_floor(monkeypatch)
 def _stale_answers(monkeypatch, runs: int) -> list[dict]:
     """Make HiGHS's first ``runs`` solves report an objective better than the values it hands back
     (as 1.16 did from a MIP start, handing back the start's values); return every run's options."""
-    options: list[dict] = []
-    postsolve = appsi.solvers.Highs._postsolve
+    def better(res) -> None:
+        res.best_feasible_objective -= 1.0
 
-    def stale(self, timer):
-        options.append(dict(self.highs_options))
-        res = postsolve(self, timer)
-        if len(options) <= runs:
-            res.best_feasible_objective -= 1.0
-        return res
-
-    monkeypatch.setattr(appsi.solvers.Highs, "_postsolve", stale)
-    return options
+    return _spoil_first_runs(monkeypatch, runs, better)
 
 
 def test_values_not_worth_the_reported_objective_are_solved_again_without_presolve(monkeypatch):

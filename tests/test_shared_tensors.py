@@ -27,13 +27,7 @@ QUICK = {"progress": False, "repeats": 1, "warmup": 0}
 
 def _tie(problem: Problem, owner: str, reader: str, nbytes: int, trainable: bool = False) -> Problem:
     """``problem`` with one tensor of ``nbytes`` read by ``owner`` (charged) and ``reader``."""
-    g = OpGraph(meta={**problem.graph.meta, "state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner,
-                                                            "readers": [owner, reader], "trainable": trainable}}})
-    for v, r in problem.graph.records():
-        g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
-    for u, v in problem.graph.edges:
-        g.add_edge(u, v)
-    return dataclasses.replace(problem, graph=g)
+    return _tie_many(problem, owner, [reader], nbytes, trainable)
 
 
 @st.composite
@@ -64,10 +58,11 @@ def test_a_tied_pair_is_placed_optimally_with_its_copy_counted(problem):
     assert plan.lower_bound <= best * (1 + 1e-9) + 1e-12
 
 
-def _tie_many(problem: Problem, owner: str, readers: list[str], nbytes: int) -> Problem:
+def _tie_many(problem: Problem, owner: str, readers: list[str], nbytes: int, trainable: bool = False) -> Problem:
     """``problem`` with one tensor of ``nbytes`` owned (charged) by ``owner`` and read by it and ``readers``."""
     g = OpGraph(meta={**problem.graph.meta, "state": {"w": {"bytes": nbytes, "names": ["w"], "owner": owner,
-                                                            "readers": sorted({owner, *readers})}}})
+                                                            "readers": sorted({owner, *readers}),
+                                                            "trainable": trainable}}})
     for v, r in problem.graph.records():
         g.add_node(v, NodeRecord(**{**r.__dict__, "param_bytes": r.param_bytes + (nbytes if v == owner else 0)}))
     for u, v in problem.graph.edges:
