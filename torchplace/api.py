@@ -57,31 +57,24 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _modes_of(model: Any) -> list[tuple[nn.Module, bool]]:
-    """Every module of ``model`` with its training flag (none for what is not a module)."""
-    return [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
-
-
-def _put_back(modes: list[tuple[nn.Module, bool]]) -> None:
-    for module, was in modes:
-        module.training = was
-
-
 def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
     ``model`` back to the training mode it had: a placement that does not return leaves the model in
     the modes it found (a successful one leaves it in the placement's, eval mode for inference)."""
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        modes = _modes_of(args[0] if args else kwargs.get("model"))
+        model = args[0] if args else kwargs.get("model")
+        modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
         try:
             return fn(*args, **kwargs)
         except BaseException:
-            _put_back(modes)
+            for module, was in modes:
+                module.training = was
             raise
     return kept
 
 
+@_modes_put_back_on_failure
 def place(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -262,7 +255,6 @@ def place(
         UnsupportedError: ``parallelism="piper"``: its plan runs over many processes, not here.
     """
     check_model(model)  # a model on the meta device is refused here: plan_model() plans it
-    modes = _modes_of(model)
     placement = prepare(
         model, devices, example_inputs, example_kwargs=example_kwargs, objective=objective, mode=mode,
         optimizer=optimizer, schedule=schedule, recompute=recompute, contiguous=contiguous, time_limit=time_limit,
@@ -273,40 +265,30 @@ def place(
         loss_fn=loss_fn, example_target=example_target,
         allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth,
     )
-    try:  # the modes prepare() found are put back when what follows raises, as prepare() does
-        placed = _run_placement(model, placement, parallelism, loss_fn, refine, solver, time_limit, fuse)
-    except BaseException:
-        _put_back(modes)
-        raise
-    placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
-    return placed
-
-
-def _run_placement(model: nn.Module, placement: Placement, parallelism: str, loss_fn: Any, refine: bool,
-                   solver: str, time_limit: float | None, fuse: bool | None) -> PlacedModule:
-    """:func:`place` after :func:`prepare`: the placed module, refined if asked."""
     if parallelism == "piper":
         raise parallelisms.refuse_to_run(placement.plan, placement.problem)
     traced, problem, m = placement.traced, placement.problem, placement.microbatches
     joined, sizes = placement.joined, placement.sizes
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
                           joined_outputs=joined, sizes=sizes)
-    if not refine:
-        return placed
-    from torchplace.refine import refine as closing_the_loop
+    if refine:
+        from torchplace.refine import refine as closing_the_loop
 
-    # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
-    # or written to copies, as every other step of place() leaves the model and the example;
-    # in a finally, since measuring a call that Ctrl-C stops has written them too.
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
-    try:
-        return closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined, sizes=sizes))
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+        # Measuring runs the model: what it writes (buffers, inputs written in place) is put back
+        # or written to copies, as every other step of place() leaves the model and the example;
+        # in a finally, since measuring a call that Ctrl-C stops has written them too.
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
+        try:
+            placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
+                                      build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
+                                                                   sizes=sizes))
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+    placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
+    return placed
 
 
 class Placement(NamedTuple):

@@ -338,9 +338,13 @@ def _kept_to_end(g: OpGraph, members: Collection[str], memories: Memories, order
             if not _reads(g, v, w) or (w in members and not _hops(segments, v, w)):
                 continue  # a reader in the same segment: the walk frees it after the last one
             for k in _kept(g, memories, v, w):  # a view's memory is carried from where it was made
-                hops = _hops(segments, k[0], w)
-                sent[k] = None if k in sent and sent[k] is None or hops is None else max(sent.get(k) or 0, hops)
+                sent[k] = _farther(sent.get(k, 0), _hops(segments, k[0], w))
     return held, {k: hops for k, hops in sent.items() if k not in held}
+
+
+def _farther(a: int | None, b: int | None) -> int | None:
+    """The longer of two distances in segment boundaries, ``None`` (not known: any) the longest."""
+    return None if a is None or b is None else max(a, b)
 
 
 def _hops(segments: Mapping[str, int] | None, u: str, w: str) -> int | None:
