@@ -46,6 +46,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import round_up_bound
 from torchplace.solvers.cut_bound import cut_lower_bound
+from torchplace.solvers.limits import stop_if_interrupted
 from torchplace.solvers.polish import polish
 
 __all__ = ["BRKGA_PATIENCE", "DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
@@ -247,8 +248,7 @@ def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dic
             seconds = max(_remaining(deadline) * share, LAST_RESORT_SECONDS if last_resort else 0.0)
             plans.append(call_method(name, problem, time_limit=seconds, **options))
             tried[name] = plans[-1].objective
-            if plans[-1].meta.get("interrupted"):  # Ctrl-C: a search alone returns its best plan,
-                raise KeyboardInterrupt            # auto (and place()) stop as its other phases do
+            stop_if_interrupted(plans[-1].meta)  # a search alone returns its best plan on Ctrl-C; auto stops
         except SolverLimitError as e:
             tried[name] = f"stopped: {e}"
         except InfeasibleError:

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
 from torchplace.errors import ModelTooLargeError, SolverLimitError
 
-__all__ = ["MEMORY_BUDGET", "MILP_WAY_OUT", "Budget", "ModelSize", "in_phases"]
+__all__ = ["MEMORY_BUDGET", "MILP_WAY_OUT", "Budget", "ModelSize", "in_phases", "stop_if_interrupted"]
 
 MEMORY_BUDGET = 3 * 2**30
 """Bytes a solver may add to the process (tables, Pyomo model, HiGHS): with the interpreter and the
@@ -78,7 +79,7 @@ class ModelSize:
 _PROCESS = psutil.Process()
 
 
-def stop_if_interrupted(meta: dict) -> None:
+def stop_if_interrupted(meta: Mapping[str, Any]) -> None:
     """Raise ``KeyboardInterrupt`` for a plan a search returned on Ctrl-C (``meta["interrupted"]``)
     where a wrapper would go on to another phase: its plan stands alone, a phase after it would
     need a second Ctrl-C."""
