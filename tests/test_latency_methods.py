@@ -74,3 +74,22 @@ def test_auto_keeps_m_etfs_plan_when_m_scts_lp_takes_all_the_time(monkeypatch):
     plan = solve(problem, method="auto", time_limit=0.3)
     assert plan.solver == "m-etf" and plan.meta["auto"]["m-sct"] == "no schedule within the time limit"
     assert plan.objective == solve(problem, method="m-etf").objective
+
+
+def test_auto_skips_m_sct_when_m_etf_used_up_the_time(monkeypatch):
+    """With m-ETF first, m-SCT was still started with 0 s left, and its set-up took seconds past the
+    limit on a 200k-node graph (test_limits caught 6.3 s for a 2 s limit). It is now skipped, and
+    auto says the limit stopped it (not that nothing fits)."""
+    from torchplace.errors import SolverLimitError
+    from torchplace.solvers import baechi
+
+    def slow_etf(p, *, time_limit=None, **opts):
+        time.sleep(time_limit)
+        raise SolverLimitError("m-ETF: no schedule within the time limit", None)
+
+    started = []
+    monkeypatch.setattr(baechi, "m_etf", slow_etf)
+    monkeypatch.setattr(baechi, "m_sct", lambda p, **opts: started.append(opts))
+    with pytest.raises(SolverLimitError, match="no scheduler finished within the time limit"):
+        solve(_random_problem(0), method="auto", time_limit=0.2)
+    assert started == []

@@ -299,6 +299,9 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
     found: dict[str, Plan] = {}
     proven: list[float] = []
     for name in ("m-etf", "m-sct"):  # the list scheduler first: m-SCT's LP may take all the time
+        if _remaining(deadline) <= 0:  # its set-up alone takes seconds on a large graph
+            tried[name] = "skipped: no time left"
+            continue
         try:  # each scheduler runs within the time left
             found[name] = call_method(name, problem, time_limit=_remaining(deadline))
         except InfeasibleError as e:
@@ -313,7 +316,7 @@ def _latency(problem: Problem, deadline: float, milp_nodes: int, t0: float) -> P
         start = min(plans, key=lambda p: p.objective) if plans else None
         _run_milp("moirai", problem, deadline, tried, plans, proven, warm_start=start)
     if not plans:
-        if all(isinstance(t, str) and t.startswith("no schedule") for t in tried.values()):
+        if all(isinstance(t, str) and t.startswith(("no schedule", "skipped")) for t in tried.values()):
             raise SolverLimitError(f"no scheduler finished within the time limit: {tried}; raise the time limit "
                                    f"or coarsen the graph (place(..., fuse=True))", None)
         raise InfeasibleError(f"no scheduler found a placement that fits: {tried}")
