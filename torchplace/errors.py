@@ -130,7 +130,8 @@ class MissingDependencyError(TorchplaceError, ImportError):
 
 class PlacementWarning(UserWarning):
     """``place()`` ran something other than the split it solved for, and says why: the whole model
-    on one device is predicted faster than the plan (:mod:`torchplace.callplan`); pass
+    on one device is predicted faster than the plan, or the plan faster by less than
+    :data:`~torchplace.callplan.SPLIT_MARGIN` (:mod:`torchplace.callplan`); pass
     ``allow_single_device=False`` to keep the split. Also: the model takes a path under
     ``no_grad`` that no trace captures (PyTorch's attention fast path), so there the placed model
     equals it to float rounding only."""

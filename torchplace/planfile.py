@@ -141,6 +141,8 @@ def _meta(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
         if single.get("device"):
             for key in ("seconds", "plan_seconds"):
                 _seconds(_required(single, key, f"{source}: meta.single_device"), f"{source}: meta.single_device.{key}")
+            if "margin" in single:  # absent in plans saved before the margin: printed as none
+                _seconds(single["margin"], f"{source}: meta.single_device.margin")
     return dict(meta)
 
 
