@@ -134,7 +134,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, TypedDict
 
@@ -153,6 +153,7 @@ __all__ = [
     "MEMORY_KINDS",
     "device_memory",
     "device_memory_parts",
+    "memory_elsewhere",
     "evaluate",
     "in_flight",
     "upstream_in_flight",
@@ -872,6 +873,14 @@ def device_memory_parts(problem: Problem, stages: Sequence[StageLike]) -> dict[s
     options = _plan_memory_options(problem, stages)
     return {d: memory_parts(problem, nodes, device=_device(problem, d), **options[d])
             for d, nodes in _nodes_by_device(stages).items()}
+
+
+def memory_elsewhere(problem: Problem, stages: Sequence[StageLike]) -> Callable[[str, Device], int]:
+    """``need(d, device)``: the bytes the nodes a plan runs on device ``d`` would need on ``device``
+    instead, the plan's micro-batches in flight, recomputation and segments kept (a plan with its
+    devices renamed; ``need(d, cluster.device(d))`` is :func:`device_memory`'s ``d``)."""
+    options, nodes = _plan_memory_options(problem, stages), _nodes_by_device(stages)
+    return lambda d, device: memory(problem, nodes[d], device=device, **options[d])
 
 
 def _device(problem: Problem, name: str) -> Device | None:

@@ -23,7 +23,7 @@ from torchplace.errors import InvalidPlanError, UsageError
 from torchplace.files import read_json, write_json
 from torchplace.problem import Problem
 
-__all__ = ["Plan", "Stage", "is_contiguous", "stages_from_order"]
+__all__ = ["Plan", "Stage", "check_contiguity", "is_contiguous", "stages_from_order"]
 
 _FORMAT = "torchplace.plan/1"
 
@@ -184,7 +184,7 @@ class Plan:
     def validate(self, problem: Problem) -> None:
         """Reject a plan that misses or repeats a node, uses an unknown device, runs a node where it
         cannot run, breaks a memory limit or colocation, breaks contiguity when the problem asks for
-        it (see :func:`_check_contiguity`: one piece per device and side, the devices' pieces in an
+        it (see :func:`check_contiguity`: one piece per device and side, the devices' pieces in an
         order where data only flows forward), or whose stage order is not a topological order of
         the stage graph.
 
@@ -219,7 +219,7 @@ class Plan:
             raise InvalidPlanError("a stage recomputes its activations, but the problem has no training pipeline "
                                    "that allows recomputation (Problem.pipeline.recompute)")
         if problem.contiguous:
-            _check_contiguity(problem, per_device)
+            check_contiguity(problem, per_device)
         _check_stage_order(self.stages, g)
 
     # -- text and JSON -------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def is_contiguous(g: Any, nodes: set[str]) -> bool:
     return True
 
 
-def _check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> None:
+def check_contiguity(problem: Problem, per_device: Mapping[str, list[str]]) -> None:
     """Contiguous means what the ideals DP searches (Tarnawski Sec. 5.1.1, Fact 5.2): one piece of
     the forward graph per device and, for training (Sec. 5.3), one of the backward graph; the
     forward pieces in a device order in which data only flows forward (prefix unions are ideals),

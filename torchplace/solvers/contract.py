@@ -17,7 +17,7 @@ supernodes places the matching backward nodes with it (Sec. 5.3).
 Step 3 is where this differs from the paper, which mirrors only the edges with an orphaned end and
 leaves the backward pieces' order to chance: a backward node feeding one of another class in any
 other pattern (both ways between two classes, or across the mirror) then gave backward pieces that
-feed each other in a cycle. A contiguous training split (:func:`torchplace.plan._check_contiguity`)
+feed each other in a cycle. A contiguous training split (:func:`torchplace.plan.check_contiguity`)
 runs its backward pieces in the forward pieces' device order or in its reverse; with every
 backward edge tied in one orientation, each chain of ideals of the contraction is exactly such a
 split with that orientation, so the DP over both contractions (:func:`contractions`) searches

@@ -29,10 +29,14 @@ solved through two problems whose node memory is a sum:
    the relaxation's bound, ``"optimal"`` only where that bound proves it.
 3. the restriction charges every activation a device runs as if all were alive at once, far above
    the peak of a long stage (a chain of ``n`` layers keeps about two outputs alive, not ``n``), so
-   before it the relaxation is solved again with room reserved on every memory-limited device for
-   the working memory its last plan needed (as accelerate reserves room for the largest layer),
-   the reserve growing until a plan fits the liveness memory (at most :data:`RESERVE_ROUNDS`
-   rounds); that plan is kept with the first relaxation's bound.
+   before it the relaxation's plan is made to fit where it can (:mod:`torchplace.solvers.repair`):
+   its pieces on each other's devices (the fastest renaming that fits), then work moved off the
+   full devices one unit at a time, each step priced with the liveness memory (a third of the time
+   left, at most :data:`REPAIR_SECONDS` without a limit); and failing that the relaxation is
+   solved again with room reserved on each memory-limited device for the working memory its last
+   plan needed there (as accelerate reserves room for the largest layer), the reserve growing
+   until a plan fits the liveness memory (at most :data:`RESERVE_ROUNDS` rounds). The fastest plan
+   found so is kept with the first relaxation's bound.
 
 Every returned plan is evaluated and validated on the true problem (liveness memory).
 """
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchplace import costmodel
@@ -49,6 +53,7 @@ from torchplace.graph import NodeRecord, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.limits import in_phases, stop_if_interrupted
+from torchplace.solvers.repair import renamed, repair
 
 __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
@@ -150,21 +155,26 @@ def conservative(problem: Problem) -> Problem:
     return _summed(problem, share)
 
 
+REPAIR_SECONDS = 10.0
+"""The most seconds :func:`~torchplace.solvers.repair.repair` walks without a time limit (with one:
+a third of what is left)."""
+
 RESERVE_ROUNDS = 4
 """Re-solves of the relaxation with room reserved for working memory (module docstring, 3)."""
 
 
-def reserved(problem: Problem, nbytes: int) -> Problem:
-    """The relaxation with ``nbytes`` less memory on every memory-limited device."""
-    devices = tuple(d if d.memory_bytes is None else dataclasses.replace(d, memory_bytes=max(d.memory_bytes - nbytes, 0))
+def reserved(problem: Problem, nbytes: Mapping[str, int]) -> Problem:
+    """The relaxation with ``nbytes[d]`` less memory on each memory-limited device ``d``."""
+    devices = tuple(d if d.memory_bytes is None else
+                    dataclasses.replace(d, memory_bytes=max(d.memory_bytes - nbytes.get(d.name, 0), 0))
                     for d in problem.cluster.devices)
     return dataclasses.replace(relaxed(problem), cluster=dataclasses.replace(problem.cluster, devices=devices))
 
 
-def _working(problem: Problem, plan: Plan) -> int:
-    """The most working memory a device of ``plan`` needs (liveness memory minus parameters)."""
+def _working(problem: Problem, plan: Plan) -> dict[str, int]:
+    """The working memory each device of ``plan`` needs (liveness memory minus parameters)."""
     truth, params = costmodel.device_memory(problem, plan.stages), costmodel.device_memory(relaxed(problem), plan.stages)
-    return max((truth[d] - params[d] for d in truth), default=0)
+    return {d: truth[d] - params[d] for d in truth}
 
 
 def _on_truth(problem: Problem, plan: Plan, bound: float, how: str) -> Plan:
@@ -202,28 +212,68 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
         first = solve(relaxed(problem), time_limit=share, **opts)
     except InfeasibleError as e:
         raise _infeasible(problem, solve, time_limit, opts, e) from e
-    try:
-        return _on_truth(problem, first, first.lower_bound, "relaxed")
-    except InvalidPlanError:
-        stop_if_interrupted(first.meta)  # its working memory does not fit: solve again, counted from above
-    reserve, plan = 0, first
+    fit = _fitting(problem, first, first.lower_bound, "relaxed")
+    if fit is not None and fit.objective <= first.objective * (1 + 1e-9):
+        return fit  # the relaxation's plan fits, on its devices or on others as fast
+    found = [] if fit is None else [fit]
+    stop_if_interrupted(first.meta)  # its working memory does not fit: move work off the full devices
+    left = REPAIR_SECONDS if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 3
+    stages = repair(problem, first, deadline=time.perf_counter() + left)
+    if stages is not None:
+        try:
+            found.append(_on_truth(problem, dataclasses.replace(first, stages=stages), first.lower_bound,
+                                   "relaxed; work moved off full devices"))
+        except InvalidPlanError:
+            pass
+    reserve: dict[str, int] = {}
+    plan = first
     for _ in range(RESERVE_ROUNDS):
-        reserve = max(reserve + 1, _working(problem, plan))
+        if found:
+            break
+        for d, need in _working(problem, plan).items():  # grows on each device its plans used
+            reserve[d] = max(reserve.get(d, 0) + 1, need)
         left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 2
         try:
             plan = solve(reserved(problem, reserve), time_limit=left, **opts)
         except InfeasibleError:
             break  # a larger reserve has no plan either: the restriction states the memory that fits
-        try:
-            return _on_truth(problem, plan, first.lower_bound, f"reserved {reserve} bytes")
-        except InvalidPlanError:
+        fit = _fitting(problem, plan, first.lower_bound,
+                       "reserved " + ", ".join(f"{d}: {n} bytes" for d, n in sorted(reserve.items())))
+        if fit is not None:
+            found.append(fit)
+        else:
             stop_if_interrupted(plan.meta)
+    if found:
+        return min(found, key=lambda p: p.objective)
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0)
     try:
         second = solve(conservative(problem), time_limit=left, **opts)
     except InfeasibleError as e:
         raise _infeasible(problem, solve, None, opts, None, e) from e
     return _on_truth(problem, second, first.lower_bound, "conservative")
+
+
+def _fitting(problem: Problem, plan: Plan, bound: float, how: str) -> Plan | None:
+    """``plan`` on the true problem if it fits; else the fastest of its renamings that fits
+    (:func:`torchplace.solvers.repair.renamed`: the relaxation sees devices that differ only in
+    their memory as alike, and may put the larger piece on the smaller one), or ``None``."""
+    try:
+        return _on_truth(problem, plan, bound, how)
+    except InvalidPlanError:
+        pass
+    best: Plan | None = None
+    for over, stages in renamed(problem, plan.stages):
+        if over:
+            break
+        try:
+            out = _on_truth(problem, dataclasses.replace(plan, stages=stages), bound, f"{how}; devices renamed")
+        except InvalidPlanError:
+            continue
+        if best is None or out.objective < best.objective:
+            best = out
+        if best.objective <= plan.objective * (1 + 1e-9):
+            break
+    return best
 
 
 def _infeasible(problem: Problem, solve: Solve, time_limit: float | None, opts: dict[str, Any],

@@ -30,7 +30,7 @@ follows: ``before(s,i,j) >= x(v,i) + z[v,j] - 1`` for ``j != i``. That covers ev
 not implied by the forward one and colocation: with ``f1 -> f2``, ``f3 -> f4``, ``b1 -> b2``,
 ``b4 -> b3`` and ``(f_i, b_i)`` colocated, ``{1, 3}`` and ``{2, 4}`` have a forward order but feed
 each other backward; so each side has its own ``o``. The two are tied, though: the backward order
-is the forward one or its reverse (:func:`torchplace.plan._check_contiguity`, Sec. 5.3, App. E.1:
+is the forward one or its reverse (:func:`torchplace.plan.check_contiguity`, Sec. 5.3, App. E.1:
 what the DP searches), one binary ``reverse`` and ``o[b,i,j] = o[f,i,j] XOR reverse``
 (:func:`add_device_order`). The order alone already implies per-place contiguity (a path leaving
 a set and coming back is a cycle of the quotient); Lemma A.1's ``z`` is there for the LP bound.

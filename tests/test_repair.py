@@ -1,0 +1,93 @@
+"""torchplace.solvers.repair: a plan that overfills devices made to fit, priced with liveness memory."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchplace import costmodel
+from torchplace.devices import Cluster, Device
+from torchplace.errors import InfeasibleError
+from torchplace.graph import NodeRecord, OpGraph
+from torchplace.plan import Plan
+from torchplace.problem import Problem
+from torchplace.solvers import solve
+from torchplace.solvers.liveness import relaxed
+from torchplace.solvers.repair import renamed, repair
+
+
+@st.composite
+def _dags(draw):
+    """Small DAGs (a chain with skip edges) with liveness memory on 2-3 CPUs with memory limits."""
+    n = draw(st.integers(3, 8))
+    g = OpGraph(meta={"liveness": True, "outputs": [f"v{n - 1}"]})
+    for i in range(n):
+        out = draw(st.sampled_from([4, 10, 40, 100]))
+        g.add_node(f"v{i}", NodeRecord(f"v{i}", fx_nodes=(f"v{i}",), output_bytes=out, temp_bytes=out,
+                                       peak_bytes=out, param_bytes=draw(st.sampled_from([0, 10, 30])),
+                                       times={"cpu": float(draw(st.integers(1, 4)))}))
+        if i:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    for a, b in draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2)):
+        if a + 1 < b:
+            g.add_edge(f"v{a}", f"v{b}")
+    caps = draw(st.lists(st.sampled_from([60, 100, 150, 200]), min_size=2, max_size=3))
+    contiguous = draw(st.booleans())
+    devices = tuple(Device(f"cpu:{i}", "cpu", "cpu", cap) for i, cap in enumerate(caps))
+    return Problem(g, Cluster(devices), contiguous=contiguous)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_dags())
+def test_what_the_repair_returns_is_a_valid_plan_that_fits(p):
+    try:
+        start = solve(relaxed(p), "dp" if p.contiguous else "ip")
+    except InfeasibleError:
+        return
+    stages = repair(p, start)
+    if stages is None:
+        return
+    plan = Plan.build(p, stages, solver="repair", seconds=0.0, lower_bound=0.0, status="feasible")  # validates
+    caps = {d.name: d.memory_bytes for d in p.cluster.devices}
+    assert all(need <= caps[d] for d, need in costmodel.device_memory(p, plan.stages).items())
+
+
+@settings(max_examples=40, deadline=None)
+@given(_dags())
+def test_renamings_report_the_overflow_they_have(p):
+    try:
+        start = solve(relaxed(p), "dp")
+    except InfeasibleError:
+        return
+    caps = {d.name: d.memory_bytes for d in p.cluster.devices}
+    seen = []
+    for over, stages in renamed(p, start.stages):
+        need = costmodel.device_memory(p, stages)
+        assert over == sum(max(n - caps[d], 0) for d, n in need.items())
+        assert sorted(s.nodes for s in stages) == sorted(s.nodes for s in start.stages)
+        assert [s.device for s in stages] != [s.device for s in start.stages]
+        seen.append(over)
+    assert seen == sorted(seen)
+
+
+def test_the_walk_stops_at_its_deadline():
+    from tests.test_liveness import _chain_of
+
+    p = _chain_of([(100, 30, 2.0), (100, 10, 2.0), (40, 0, 3.0), (10, 0, 2.0), (4, 30, 1.0), (40, 0, 1.0),
+                   (4, 10, 1.0)], (150, 200))
+    start = solve(relaxed(p), "dp")
+    assert max(costmodel.device_memory(p, start.stages).values()) > 200  # does not fit as it is
+    assert repair(p, start) is not None
+    assert repair(p, start, deadline=time.perf_counter()) is None
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_fitting_plan_is_returned_as_it_is(contiguous):
+    from tests.test_liveness import _chain_of
+
+    p = dataclasses.replace(_chain_of([(4, 10, 1.0), (4, 10, 1.0), (4, 10, 1.0)], (200, 200)), contiguous=contiguous)
+    start = solve(relaxed(p), "dp" if contiguous else "ip")
+    assert repair(p, start) == list(start.stages)
