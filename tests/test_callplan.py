@@ -271,3 +271,11 @@ def test_a_split_is_kept_from_a_gain_of_exactly_the_margin(micro: float, kept: b
         decision = _two_stage_decision(micro)
     assert (len(decision.plan.stages) == 2) is kept
     assert decision.plan.meta["single_device"]["chosen"] is not kept
+
+
+def test_the_warning_never_rounds_a_gain_up_to_the_margin_nor_calls_a_tie_faster() -> None:
+    from torchplace.callplan import _verdict
+
+    assert "predicted only 9.9% faster" in _verdict("cpu:0", 1.0, 0.90004, 2)  # 9.996%: not "10.0%, under 10%"
+    assert "predicted only 0.0% faster" in _verdict("cpu:0", 1.0, 1.0, 2)
+    assert "alone is predicted faster" in _verdict("cpu:0", 0.9, 1.0, 2)

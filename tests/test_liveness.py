@@ -588,6 +588,35 @@ def test_a_plan_whose_pieces_fit_on_each_others_devices_runs_them_there():
     assert plan.objective == costmodel.evaluate_stages(p, swapped)[0] == 3.0
 
 
+def test_a_repaired_plan_claims_no_proof_its_solver_made_for_its_own_plan():
+    """The DP proves its plan optimal among contiguous splits (``meta``); a plan changed after it
+    was not, and printed "proven optimal among contiguous splits" beside a 40% gap."""
+    p = dataclasses.replace(_chain_of([(100, 30, 2.0), (100, 10, 2.0), (40, 0, 3.0), (10, 0, 2.0), (4, 30, 1.0),
+                                       (40, 0, 1.0), (4, 10, 1.0)], (150, 200)), contiguous=False)
+    plan = solve(p, "dp")
+    assert plan.meta["working_memory"] == "relaxed; work moved off full devices" and plan.solver == "dp+repair"
+    assert not any(k in plan.meta for k in ("optimal_among", "dp_value", "contiguous"))
+    assert "proven" not in str(plan).splitlines()[0]
+
+
+def test_after_a_ctrl_c_a_renaming_that_fits_is_the_answer():
+    """The relaxation's search stopped by Ctrl-C with a plan whose pieces fit on each other's
+    devices: that plan is returned (no other phase runs), where the interrupt used to drop it."""
+    p = _chain_of([(100, 10, 1.0), (100, 10, 1.0), (4, 10, 1.0), (4, 10, 1.0)], (120, 230))
+    swapped = [Stage("cpu:1", ("v0",)), Stage("cpu:0", ("v1", "v2", "v3"))]
+
+    def interrupted(problem: Problem, time_limit: Any = None) -> Plan:
+        return Plan.build(problem, swapped, solver="given", seconds=0.0, lower_bound=2.0, status="time_limit",
+                          meta={"interrupted": True})
+
+    plan = solve_live(p, interrupted, None)
+    assert plan.meta["working_memory"] == "relaxed; devices renamed"
+    assert [s.device for s in plan.stages] == ["cpu:0", "cpu:1"]
+    p = _chain_of([(100, 10, 1.0), (100, 10, 1.0), (4, 10, 1.0), (4, 10, 1.0)], (120, 120))  # none fits
+    with pytest.raises(KeyboardInterrupt):
+        solve_live(p, interrupted, None)
+
+
 def test_where_moving_work_finds_nothing_room_is_reserved_for_activations(monkeypatch):
     # with 200 bytes reserved for activations on the full device the parameters' cap of 25
     # allows two layers there: {l0, l1} | {l2, l3}

@@ -12,11 +12,13 @@ from torchplace import costmodel
 from torchplace.devices import Cluster, Device
 from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph
-from torchplace.plan import Plan
+from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers import solve
 from torchplace.solvers.liveness import relaxed
 from torchplace.solvers.repair import renamed, repair
+
+from tests.test_liveness import _live_training_problems
 
 
 @st.composite
@@ -91,3 +93,49 @@ def test_a_fitting_plan_is_returned_as_it_is(contiguous):
     p = dataclasses.replace(_chain_of([(4, 10, 1.0), (4, 10, 1.0), (4, 10, 1.0)], (200, 200)), contiguous=contiguous)
     start = solve(relaxed(p), "dp" if contiguous else "ip")
     assert repair(p, start) == list(start.stages)
+
+
+def test_the_renamings_that_overflow_least_come_first_however_many_devices():
+    """Six one-node pieces on six devices, the large piece on a small device: the one renaming
+    that fits (it and the first piece swapped) lay past the first 64 in a fixed order."""
+    g = OpGraph(meta={"liveness": True, "outputs": ["v5"]})
+    for i, out in enumerate([4, 100, 4, 4, 4, 4]):
+        g.add_node(f"v{i}", NodeRecord(f"v{i}", fx_nodes=(f"v{i}",), output_bytes=out, temp_bytes=out,
+                                       peak_bytes=out, param_bytes=10, times={"cpu": 1.0}))
+        if i:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    p = Problem(g, Cluster(tuple(Device(f"d{i}", "cpu", "cpu", cap) for i, cap in enumerate([1000] + [60] * 5))))
+    stages = [Stage(f"d{i}", (f"v{i}",)) for i in range(6)]
+    assert costmodel.device_memory(p, stages)["d1"] == 110
+    out = renamed(p, stages)
+    assert out[0][0] == 0 and [s.device for s in out[0][1]][:2] == ["d1", "d0"]
+    assert [over for over, _ in out] == sorted(over for over, _ in out)
+
+
+def test_a_piece_is_never_renamed_onto_a_device_that_cannot_run_it():
+    g = OpGraph(meta={"liveness": True, "outputs": ["b"]})
+    g.add_node("a", NodeRecord("a", fx_nodes=("a",), output_bytes=100, temp_bytes=100, peak_bytes=100,
+                               times={"cpu": 1.0}))  # no accelerator time: runs on CPUs only
+    g.add_node("b", NodeRecord("b", fx_nodes=("b",), output_bytes=4, temp_bytes=4, peak_bytes=4,
+                               times={"cpu": 1.0, "accel": 1.0}))
+    g.add_edge("a", "b")
+    p = Problem(g, Cluster((Device("cpu:0", "cpu", "cpu", 50), Device("acc", "meta", "accel", 1000))))
+    out = renamed(p, [Stage("cpu:0", ("a",)), Stage("acc", ("b",))])
+    assert all(s.device != "acc" for _, stages in out for s in stages if s.nodes == ("a",))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_live_training_problems(), st.lists(st.sampled_from([20, 40, 80, 160]), min_size=2, max_size=2))
+def test_training_plans_stay_valid_each_backward_node_with_its_forward_node(case, caps):
+    p = case[0]
+    for v, r in list(p.graph.records()):
+        p.graph.replace_record(v, dataclasses.replace(r, colocation=f"c{v[1:]}"))  # f3 with b3, as traced
+    p = dataclasses.replace(p, cluster=Cluster(tuple(dataclasses.replace(d, memory_bytes=cap)
+                                                     for d, cap in zip(p.cluster.devices, caps))))
+    try:
+        start = solve(relaxed(p), "dp")
+    except InfeasibleError:
+        return
+    stages = repair(p, start)
+    if stages is not None:
+        Plan.build(p, stages, solver="repair", seconds=0.0, lower_bound=0.0, status="feasible")  # validates

@@ -240,6 +240,10 @@ def _plan_json() -> dict:
     (lambda d: d.update(meta={"call": "fast"}), "meta.call: expected an object"),
     (lambda d: d.update(meta={"call": {"seconds": 1.0}}), "meta.call: missing field"),
     (lambda d: d.update(meta={"single_device": {"device": "acc0"}}), "meta.single_device"),
+    (lambda d: d.update(meta={"single_device": {"device": "acc0", "seconds": 1.0, "plan_seconds": 0.5,
+                                                "margin": 5.0}}), "margin: expected a fraction below 1"),
+    (lambda d: d.update(meta={"single_device": {"device": "acc0", "seconds": 1.0, "plan_seconds": 0.5,
+                                                "margin": -0.1}}), "margin"),
 ])
 def test_plan_files_are_checked_on_load(tmp_path, mutate, fragment):
     data = _plan_json()

@@ -394,7 +394,7 @@ def describe(meta: Mapping[str, Any]) -> list[str]:
     single = meta.get("single_device")
     if single and single.get("device") and single.get("chosen"):
         versus = (f"faster than the split plan's {_ms(single['plan_seconds'])}"
-                  if single["seconds"] <= single["plan_seconds"] else
+                  if single["seconds"] < single["plan_seconds"] else
                   f"and the split plan at {_ms(single['plan_seconds'])}, less than the "
                   f"{single.get('margin', 0.0):.0%} faster a split must be to be kept")
         lines.append(f"one device: the whole model on {single['device']} is predicted at {_ms(single['seconds'])} "

@@ -23,6 +23,7 @@ and printed with the plan.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,10 +141,11 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
 def _verdict(device: str, single: float, split: float, devices: int) -> str:
     """Why one device was chosen, up to the closing parenthesis: predicted faster, or the split
     predicted faster by less than :data:`SPLIT_MARGIN`."""
-    if single <= split:
+    if single < split:
         return (f"the whole model on {device} alone is predicted faster than the {devices}-device plan "
                 f"({_ms(single)} vs {_ms(split)} per call")
-    return (f"the {devices}-device plan is predicted only {(1 - split / single):.1%} faster than the whole "
+    gain = math.floor(1000 * (1 - split / single) + 1e-9) / 10  # floored: 9.96% is not "10.0%, under 10%"
+    return (f"the {devices}-device plan is predicted only {gain:.1f}% faster than the whole "
             f"model on {device} alone, under the {SPLIT_MARGIN:.0%} a split must gain to be kept "
             f"({_ms(split)} vs {_ms(single)} per call")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from torchplace.checks import brief, non_negative_float, non_negative_int, positive_int
+from torchplace.checks import brief, check_float, non_negative_float, non_negative_int, positive_int
 from torchplace.costmodel import StageCost
 from torchplace.errors import WorkloadFormatError
 from torchplace.plan import _FORMAT, Plan, Stage
@@ -142,7 +142,11 @@ def _meta(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
             for key in ("seconds", "plan_seconds"):
                 _seconds(_required(single, key, f"{source}: meta.single_device"), f"{source}: meta.single_device.{key}")
             if "margin" in single:  # absent in plans saved before the margin: printed as none
-                _seconds(single["margin"], f"{source}: meta.single_device.margin")
+                margin = check_float(single["margin"], f"{source}: meta.single_device.margin", low=0.0,
+                                     error=WorkloadFormatError)
+                if margin >= 1:
+                    raise WorkloadFormatError(f"{source}: meta.single_device.margin: expected a fraction below 1 "
+                                              f"(0.1 is 10%), got {brief(single['margin'])}")
     return dict(meta)
 
 

@@ -52,8 +52,8 @@ from torchplace.errors import InfeasibleError, InvalidPlanError, SolverLimitErro
 from torchplace.graph import NodeRecord, saved_producer
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.solvers.limits import in_phases, stop_if_interrupted
-from torchplace.solvers.repair import renamed, repair
+from torchplace.solvers.limits import in_phases
+from torchplace.solvers.repair import least_overflow, repair
 
 __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
@@ -177,11 +177,16 @@ def _working(problem: Problem, plan: Plan) -> dict[str, int]:
     return {d: truth[d] - params[d] for d in truth}
 
 
+_CLAIMS = ("optimal_among", "dp_value", "contiguous")
+"""What a solver's ``meta`` proves of its own plan, dropped from a plan changed after it."""
+
+
 def _on_truth(problem: Problem, plan: Plan, bound: float, how: str) -> Plan:
     exact = how == "relaxed" and plan.status == "optimal"
     status = "optimal" if exact else "time_limit" if plan.status == "time_limit" else "feasible"
+    meta = {k: v for k, v in plan.meta.items() if how == "relaxed" or k not in _CLAIMS}
     out = Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=bound,
-                     status=status, meta={**plan.meta, "working_memory": how})
+                     status=status, meta={**meta, "working_memory": how})
     if out.status == "feasible" and out.objective <= bound * (1 + 1e-9):
         out.status = "optimal"  # the relaxation's bound proves it
     return out
@@ -216,19 +221,21 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
     if fit is not None and fit.objective <= first.objective * (1 + 1e-9):
         return fit  # the relaxation's plan fits, on its devices or on others as fast
     found = [] if fit is None else [fit]
-    stop_if_interrupted(first.meta)  # its working memory does not fit: move work off the full devices
+    if first.meta.get("interrupted"):  # Ctrl-C: what fits now is the answer, no phase goes on
+        return _stop(found)
     left = REPAIR_SECONDS if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0) / 3
     stages = repair(problem, first, deadline=time.perf_counter() + left)
     if stages is not None:
+        moved = dataclasses.replace(first, stages=stages, solver=f"{first.solver}+repair",
+                                    seconds=time.perf_counter() - start)
         try:
-            found.append(_on_truth(problem, dataclasses.replace(first, stages=stages), first.lower_bound,
-                                   "relaxed; work moved off full devices"))
+            found.append(_on_truth(problem, moved, first.lower_bound, "relaxed; work moved off full devices"))
         except InvalidPlanError:
             pass
     reserve: dict[str, int] = {}
     plan = first
-    for _ in range(RESERVE_ROUNDS):
-        if found:
+    for round_ in range(RESERVE_ROUNDS):
+        if found and round_:  # one round beside a plan found (it may do better), more while none is
             break
         for d, need in _working(problem, plan).items():  # grows on each device its plans used
             reserve[d] = max(reserve.get(d, 0) + 1, need)
@@ -241,8 +248,8 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
                        "reserved " + ", ".join(f"{d}: {n} bytes" for d, n in sorted(reserve.items())))
         if fit is not None:
             found.append(fit)
-        else:
-            stop_if_interrupted(plan.meta)
+        if plan.meta.get("interrupted"):
+            return _stop(found)
     if found:
         return min(found, key=lambda p: p.objective)
     left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 0.0)
@@ -254,26 +261,27 @@ def _solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts
 
 
 def _fitting(problem: Problem, plan: Plan, bound: float, how: str) -> Plan | None:
-    """``plan`` on the true problem if it fits; else the fastest of its renamings that fits
-    (:func:`torchplace.solvers.repair.renamed`: the relaxation sees devices that differ only in
-    their memory as alike, and may put the larger piece on the smaller one), or ``None``."""
+    """``plan`` on the true problem if it fits; else its renaming that fits
+    (:func:`torchplace.solvers.repair.least_overflow`: the relaxation sees devices that differ only
+    in their memory as alike, and may put the larger piece on the smaller one), or ``None``."""
     try:
         return _on_truth(problem, plan, bound, how)
     except InvalidPlanError:
         pass
-    best: Plan | None = None
-    for over, stages in renamed(problem, plan.stages):
-        if over:
-            break
-        try:
-            out = _on_truth(problem, dataclasses.replace(plan, stages=stages), bound, f"{how}; devices renamed")
-        except InvalidPlanError:
-            continue
-        if best is None or out.objective < best.objective:
-            best = out
-        if best.objective <= plan.objective * (1 + 1e-9):
-            break
-    return best
+    best = least_overflow(problem, plan.stages)
+    if best.overflow:
+        return None
+    try:
+        return _on_truth(problem, dataclasses.replace(plan, stages=best.stages), bound, f"{how}; devices renamed")
+    except InvalidPlanError:
+        return None
+
+
+def _stop(found: list[Plan]) -> Plan:
+    """After a search stopped by Ctrl-C: the fastest plan found that fits, or ``KeyboardInterrupt``."""
+    if not found:
+        raise KeyboardInterrupt
+    return min(found, key=lambda p: p.objective)
 
 
 def _infeasible(problem: Problem, solve: Solve, time_limit: float | None, opts: dict[str, Any],

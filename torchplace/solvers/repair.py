@@ -29,60 +29,99 @@ Mattheyses (1982), with the overflow in place of the cut.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from torchplace import costmodel
 from torchplace.errors import InvalidPlanError
 from torchplace.plan import Plan, Stage, check_contiguity
 from torchplace.problem import Problem
 
-__all__ = ["RENAME_LIMIT", "renamed", "repair"]
+__all__ = ["RENAME_LIMIT", "Priced", "least_overflow", "priced", "renamed", "repair"]
 
 RENAME_LIMIT = 64
-"""The most ways of putting a plan's pieces on other devices tried for one plan."""
+"""The most ways of putting a plan's pieces on other devices listed for one plan."""
 
 _TIES = 4  # renamings of equal least overflow priced for their objective, per split
+_MOST_POPS = 20_000  # partial renamings the best-first search takes from its heap, at most
 
 
 @dataclasses.dataclass(frozen=True)
-class _Priced:
-    overflow: int  # bytes over the devices' limits, summed
+class Priced:
+    """A plan's stages with their objective and overflow (bytes over the devices' limits, summed)."""
+
+    overflow: int
     objective: float
     stages: list[Stage]
 
 
+def priced(problem: Problem, stages: Sequence[Stage]) -> Priced:
+    """``stages`` priced on ``problem`` (the cost model's objective and memory)."""
+    objective, costs = costmodel.evaluate_stages(problem, stages)
+    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    over = sum(max(c.memory - cap, 0) for c in costs if (cap := caps[c.device]) is not None)
+    return Priced(over, objective, list(stages))
+
+
+def least_overflow(problem: Problem, stages: Sequence[Stage]) -> Priced:
+    """``stages`` as they are, or renamed (:func:`renamed`) where that overflows less: the least
+    overflow, and among up to four renamings of equal overflow the least objective."""
+    here = priced(problem, stages)
+    if not here.overflow:
+        return here
+    others = renamed(problem, stages)
+    least = [s for over, s in others if over == others[0][0] < here.overflow] if others else []
+    options = [here, *(p for s in least[:_TIES] if math.isfinite((p := priced(problem, s)).objective))]
+    return min(options, key=lambda p: (p.overflow, p.objective))
+
+
 def renamed(problem: Problem, stages: Sequence[Stage]) -> list[tuple[int, list[Stage]]]:
-    """``stages`` with their devices renamed, each with its overflow (bytes over the devices'
-    limits, summed), least first: each device's piece on another device (or its own), each device
-    one piece, ``stages`` themselves not among them. The pieces are tried first on the devices
-    where they overflow least, and at most :data:`RENAME_LIMIT` renamings are made."""
+    """``stages`` with their devices renamed, each with its overflow, least first: each device's
+    piece on another device (or its own) that can run all of it, each device one piece, ``stages``
+    themselves not among them; the :data:`RENAME_LIMIT` with the least overflow (a best-first
+    search over the pieces' devices, a piece's overflow on a device being what its memory there,
+    the plan's micro-batches in flight kept, exceeds the device's limit)."""
     need = costmodel.memory_elsewhere(problem, stages)
     pieces = list(dict.fromkeys(s.device for s in stages))
-    devices = problem.cluster.devices
-    over = {(p, d.name): 0 if d.memory_bytes is None else max(need(p, d) - d.memory_bytes, 0)
-            for p in pieces for d in devices}
-    choices = [sorted((d.name for d in devices), key=lambda name: over[p, name]) for p in pieces]
+    nodes = {p: [v for s in stages if s.device == p for v in s.nodes] for p in pieces}
+    cost = [{d.name: 0 if d.memory_bytes is None else max(need(p, d) - d.memory_bytes, 0)
+             for d in problem.cluster.devices if not any(math.isinf(problem.node_time(v, d)) for v in nodes[p])}
+            for p in pieces]
     out = []
-    for names in itertools.islice(_injections(choices), RENAME_LIMIT):
-        rename = dict(zip(pieces, names))
-        if any(p != n for p, n in rename.items()):
-            out.append((sum(over[p, n] for p, n in rename.items()),
-                        [dataclasses.replace(s, device=rename[s.device]) for s in stages]))
-    return sorted(out, key=lambda item: item[0])
+    for total, names in _cheapest_injections(cost, RENAME_LIMIT + 1):
+        if names != tuple(pieces):
+            rename = dict(zip(pieces, names))
+            out.append((total, [dataclasses.replace(s, device=rename[s.device]) for s in stages]))
+    return out[:RENAME_LIMIT]
 
 
-def _injections(choices: Sequence[Sequence[str]], taken: frozenset[str] = frozenset()) -> Iterator[tuple[str, ...]]:
-    """Every tuple with one distinct item of each ``choices[i]`` (none in ``taken``), in order."""
-    if not choices:
-        yield ()
-        return
-    for name in choices[0]:
-        if name not in taken:
-            for rest in _injections(choices[1:], taken | {name}):
-                yield (name, *rest)
+def _cheapest_injections(cost: Sequence[Mapping[str, int]], limit: int) -> list[tuple[int, tuple[str, ...]]]:
+    """Up to ``limit`` tuples with one distinct key of each ``cost[i]``, by least total cost: a
+    best-first search whose bound adds each unplaced position's cheapest key (never more than the
+    truth, so complete tuples come out in order); among equal bounds the deepest goes first."""
+    rest = [0] * (len(cost) + 1)
+    for i in reversed(range(len(cost))):
+        if not cost[i]:
+            return []
+        rest[i] = rest[i + 1] + min(cost[i].values())
+    heap: list[tuple[int, int, int, tuple[str, ...]]] = [(rest[0], 0, 0, ())]
+    count, out = itertools.count(1), []
+    for _ in range(_MOST_POPS):
+        if not heap or len(out) >= limit:
+            break
+        bound, _, _, partial = heapq.heappop(heap)
+        i = len(partial)
+        if i == len(cost):
+            out.append((bound, partial))
+            continue
+        so_far = bound - rest[i]
+        for name, c in cost[i].items():
+            if name not in partial:
+                heapq.heappush(heap, (so_far + c + rest[i + 1], -(i + 1), next(count), (*partial, name)))
+    return out
 
 
 def repair(problem: Problem, plan: Plan, *, deadline: float = math.inf) -> list[Stage] | None:
@@ -96,24 +135,7 @@ def repair(problem: Problem, plan: Plan, *, deadline: float = math.inf) -> list[
 
     g = problem.graph
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
-    recompute = {s.device for s in plan.stages if s.recompute}
-
-    def priced(stages: list[Stage]) -> _Priced:
-        objective, costs = costmodel.evaluate_stages(problem, stages)
-        over = sum(max(c.memory - cap, 0) for c in costs if (cap := caps[c.device]) is not None)
-        return _Priced(over, objective, stages)
-
-    def best_named(stages: list[Stage]) -> _Priced:
-        """``stages`` on the devices where they overflow least (ties: the least objective)."""
-        first = priced(stages)
-        if not first.overflow:
-            return first
-        others = renamed(problem, stages)
-        least = [s for over, s in others if over == others[0][0] < first.overflow] if others else []
-        options = [first, *(p for s in least[:_TIES] if math.isfinite((p := priced(s)).objective))]
-        return min(options, key=lambda p: (p.overflow, p.objective))
-
-    current = best_named(list(plan.stages))
+    current = least_overflow(problem, plan.stages)
     units: dict[str, list[str]] = {}
     for v in g.topological_order():
         key = g.record(v).colocation
@@ -127,7 +149,7 @@ def repair(problem: Problem, plan: Plan, *, deadline: float = math.inf) -> list[
         unused = [d for d in caps if d not in set(assignment.values())]
         _, costs = costmodel.evaluate_stages(problem, current.stages)
         full = {c.device for c in costs if (cap := caps[c.device]) is not None and c.memory > cap}
-        best: tuple[tuple[bool, float, int], _Priced] | None = None
+        best: tuple[tuple[bool, float, int], Priced] | None = None
         for sources in (full, set(caps) - full):  # off the full devices; where that finds none, off any
             for members in units.values():
                 here = assignment[members[0]]
@@ -138,8 +160,8 @@ def repair(problem: Problem, plan: Plan, *, deadline: float = math.inf) -> list[
                     moved = {**assignment, **dict.fromkeys(members, there)}
                     if problem.contiguous and not _contiguous(problem, moved):
                         continue
-                    out = best_named([Stage(s.device, s.nodes, recompute=s.device in recompute)
-                                      for s in stages_from_assignment(problem, moved)])
+                    out = least_overflow(problem, [Stage(s.device, s.nodes, recompute=s.device in recompute)
+                                                   for s in stages_from_assignment(problem, moved)])
                     if out.overflow > current.overflow or not math.isfinite(out.objective):
                         continue
                     rank = (out.overflow == current.overflow, out.objective, out.overflow)  # lower, then level
