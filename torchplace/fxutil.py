@@ -46,6 +46,11 @@ class TensorInfo:
         fresh_bytes: the part of ``output_bytes`` in new memory: not a view of an input (``None``:
             not known, take ``output_bytes``).
         alias_of: the input node whose memory the first output shares (a view), if any.
+        scratch_bytes: the most bytes the node held beyond its new outputs while it ran: tensors
+            its kernels made and freed before returning (``max_pool2d``'s int64 indices, twice
+            its output; a leaf module's own activations), measured by
+            :class:`~torchplace.profiling.livebytes.LiveBytes` (memory a kernel never makes into a
+            tensor, oneDNN's workspaces, is not seen).
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -53,6 +58,7 @@ class TensorInfo:
     output_bytes: int
     fresh_bytes: int | None = None
     alias_of: str | None = None
+    scratch_bytes: int = 0
 
     @property
     def new_bytes(self) -> int:

@@ -48,7 +48,7 @@ FORMAT = "torchplace.profile/2"
 KEY = "profile"
 """The key of a plan's ``meta`` that holds ``{"fingerprint": ..., "graph": ...}``."""
 
-FINGERPRINT = "torchplace.fingerprint/2"
+FINGERPRINT = "torchplace.fingerprint/3"
 """How :func:`fingerprint` hashes a graph, stored beside each fingerprint. Change it whenever what a
 traced graph records changes (a new :class:`~torchplace.graph.NodeRecord` field): a plan saved by
 a torchplace that fingerprinted otherwise is then refused as made by another version, not as made

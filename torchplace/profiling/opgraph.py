@@ -157,7 +157,7 @@ def _roots(group: _Group) -> dict[fx.Node, fx.Node]:
 
 def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
     """(peak, resident parts): the most bytes of new memory the group's fx nodes hold at once
-    while it runs (in graph order), and the new memory its outputs keep alive after it, by the fx
+    while it runs (in graph order; a node's kernel scratch, ``scratch_bytes``, while it runs), and the new memory its outputs keep alive after it, by the fx
     node that made each memory (:func:`_roots`; an output that views memory made outside the
     group is a part of 0 bytes, so that its readers can be told from readers of a size). A view
     takes no new memory but keeps its base's alive; a memory lives from the node that made it
@@ -176,7 +176,7 @@ def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
     live = peak = 0
     for i, n in enumerate(group.nodes):
         size = n.meta["torchplace"].new_bytes
-        peak = max(peak, live + size)
+        peak = max(peak, live + size + n.meta["torchplace"].scratch_bytes)
         if root[n] is n and last[n] > i:
             live += size
             frees[last[n]] = frees.get(last[n], 0) + size
@@ -222,11 +222,12 @@ def _views(groups: Sequence[_Group]) -> tuple[dict[str, str], dict[str, dict[str
 
 
 def _record(group: _Group, param_bytes: int, colocation: str | None, reads: tuple[str, ...]) -> NodeRecord:
-    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes;
+    """The :class:`NodeRecord` of a group. ``temp_bytes`` = all outputs of its fx nodes and their
+    kernels' scratch (so never below the peak);
     ``peak_bytes`` = the most of them alive at once, ``resident_bytes`` = the new memory its
     outputs keep (:func:`_own_peak`), by part where they are several memories."""
     out = group.nodes[0].meta["torchplace"].output_bytes if len(group.nodes) == 1 else _escaping_bytes(group)
-    temp = sum(n.meta["torchplace"].output_bytes for n in group.nodes)
+    temp = sum(n.meta["torchplace"].output_bytes + n.meta["torchplace"].scratch_bytes for n in group.nodes)
     peak, resident = _own_peak(group)
     return NodeRecord(
         name=group.label, op=group.op, fx_nodes=tuple(n.name for n in group.nodes),

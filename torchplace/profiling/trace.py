@@ -48,6 +48,7 @@ from torchplace.fxutil import (
 )
 from torchplace.graph import OpGraph
 from torchplace.interrupts import held_interrupt
+from torchplace.profiling.livebytes import LiveBytes
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.opgraph import build_opgraph
@@ -399,7 +400,9 @@ class _Recorder(Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
             token = self.log.before(n, args, kwargs, module) if is_compute(n) else None
-            out = getattr(self, n.op)(n.target, args, kwargs)
+            counted = LiveBytes() if self.shapes and is_compute(n) else contextlib.nullcontext()
+            with counted:
+                out = getattr(self, n.op)(n.target, args, kwargs)
         if n.op == "placeholder":
             self.log.placeholder(n, out)
         elif n.op == "get_attr":
@@ -416,6 +419,7 @@ class _Recorder(Interpreter):
             output_bytes=tensor_bytes(tensors),
             fresh_bytes=fresh,
             alias_of=alias,
+            scratch_bytes=max(counted.peak - counted.live, 0) if isinstance(counted, LiveBytes) else 0,
         )
         return out
 
