@@ -1,6 +1,6 @@
 """Memory fidelity (issue 17): each device's predicted memory beside the peak measured on the CPU.
 
-Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp gpt2 bert resnet] [--training]
+Run:  HF_HUB_OFFLINE=1 python benchmarks/memory_fidelity.py [--models mlp resnet inception gpt2 bert] [--training]
       [--devices cuda:0,cpu --cap 0.5]
 
 Each model is placed on one and on two logical CPUs (or on the ``--devices`` sets, comma-separated;
@@ -137,7 +137,7 @@ def rows(names: list[str], training: bool = False, device_sets: list[list[str]] 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt2", "bert"])
+    ap.add_argument("--models", nargs="+", default=["mlp", "resnet", "inception", "gpt2", "bert"])
     ap.add_argument("--training", action="store_true", help="one training step (SGD, 1F1B) instead of a call")
     ap.add_argument("--devices", nargs="+", help="device sets, comma-separated (default: cpu:0 and cpu:0,cpu:1)")
     ap.add_argument("--cap", type=float, help="the first device of a set of several: this share of the parameter bytes")
