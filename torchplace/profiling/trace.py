@@ -48,9 +48,9 @@ from torchplace.fxutil import (
 )
 from torchplace.graph import OpGraph
 from torchplace.interrupts import held_interrupt
-from torchplace.profiling.livebytes import LiveBytes
 from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
+from torchplace.profiling.livebytes import LiveBytes
 from torchplace.profiling.opgraph import build_opgraph
 
 __all__ = ["Traced", "trace"]
