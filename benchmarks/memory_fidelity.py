@@ -60,7 +60,7 @@ def measured_peaks(placed: Any, call: tuple[tuple, dict], train: Any = None) -> 
     return peaks
 
 
-def _model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+def example_model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
     if name in ("gpt2", "bert"):
         import transformers
 
@@ -82,7 +82,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def _loss(out: Any, target: Any) -> torch.Tensor:
+def mean_square_loss(out: Any, target: Any) -> torch.Tensor:
     """A mean-square loss of the model's first output (logits, hidden states) against zeros."""
     first = out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
     return first.float().pow(2).mean()
@@ -107,13 +107,13 @@ def rows(names: list[str], training: bool = False, device_sets: list[list[str]] 
     for name in names:
         for devices in device_sets or (["cpu:0"], ["cpu:0", "cpu:1"]):
             for m in (1, 4):
-                model, args, kwargs = _model(name)  # a fresh copy: placing moves the model's own tensors
+                model, args, kwargs = example_model(name)  # a fresh copy: placing moves the model's own tensors
                 if training:
                     model.train()
                 batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
-                train = (torch.zeros(batch), _loss) if training else None
+                train = (torch.zeros(batch), mean_square_loss) if training else None
                 options: dict[str, Any] = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b",
-                                           "loss_fn": _loss, "example_target": train[0]} if train else {}
+                                           "loss_fn": mean_square_loss, "example_target": train[0]} if train else {}
                 if cap is not None and len(devices) > 1:
                     params = sum(p.numel() * p.element_size() for p in model.parameters())
                     options["max_memory"] = {devices[0]: int(cap * params)}

@@ -37,25 +37,25 @@ from torchplace.errors import InfeasibleError
 from torchplace.solvers.repair import Priced
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_fidelity import _loss, _model, measured_peaks  # noqa: E402
+from memory_fidelity import example_model, mean_square_loss, measured_peaks  # noqa: E402
 
 DEVICES = ["cpu:0", "cpu:1"]
 
 
 def _place(name: str, training: bool, m: int, cache: str, caps: dict[str, int] | None) -> Any:
-    model, args, kwargs = _model(name)  # a fresh copy: placing moves the model's own tensors
+    model, args, kwargs = example_model(name)  # a fresh copy: placing moves the model's own tensors
     options: dict[str, Any] = {}
     if training:
         model.train()
         batch = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)).shape[0]
-        options = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b", "loss_fn": _loss,
+        options = {"mode": "training", "optimizer": "sgd", "schedule": "1f1b", "loss_fn": mean_square_loss,
                    "example_target": torch.zeros(batch)}
     if caps is not None:
         options["max_memory"] = caps
     placed = torchplace.place(model, DEVICES, args, example_kwargs=kwargs, microbatches=m, progress=False,
                               allow_single_device=False, repeats=1, warmup=0, time_limit=20, profile_cache=cache,
                               **options)
-    return placed, (args, kwargs), ((options["example_target"], _loss) if training else None)
+    return placed, (args, kwargs), ((options["example_target"], mean_square_loss) if training else None)
 
 
 def _capped(name: str, training: bool, m: int, cache: str, caps: dict[str, int], repair: bool) -> Any:

@@ -139,3 +139,22 @@ def test_training_plans_stay_valid_each_backward_node_with_its_forward_node(case
     stages = repair(p, start)
     if stages is not None:
         Plan.build(p, stages, solver="repair", seconds=0.0, lower_bound=0.0, status="feasible")  # validates
+
+
+def test_a_plan_built_on_the_true_problem_keeps_its_solvers_proofs_only_as_it_was_solved():
+    """The DP's meta says its plan is optimal among contiguous splits, with the table's value: true
+    of the relaxation's plan as solved, not of a restriction's or of a changed plan (a restricted
+    or repaired plan printed "proven optimal among contiguous splits" beside a 40% gap)."""
+    from torchplace.solvers.stand_in import CLAIMS, on_true_problem
+    from tests.test_liveness import _chain_of
+
+    p = _chain_of([(4, 10, 1.0), (4, 10, 1.0), (4, 10, 1.0)], (200, 200))
+    solved = solve(relaxed(p), "dp")
+    claims = {**solved.meta, "optimal_among": "contiguous splits"}
+    solved = dataclasses.replace(solved, meta=claims)
+    kept = on_true_problem(p, solved, 0.0, "relaxed", key="how", kept=True)
+    assert all(k in kept.meta for k in CLAIMS) and kept.status == solved.status == "optimal"
+    changed = on_true_problem(p, solved, 0.0, "conservative", key="how")
+    assert not any(k in changed.meta for k in CLAIMS) and changed.status == "feasible"
+    assert changed.objective == costmodel.evaluate(p, changed) and changed.meta["how"] == "conservative"
+    assert on_true_problem(p, solved, changed.objective, "conservative", key="how").status == "optimal"  # by bound

@@ -54,6 +54,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.limits import in_phases
 from torchplace.solvers.repair import least_overflow, repair
+from torchplace.solvers.stand_in import on_true_problem
 
 __all__ = ["conservative", "relaxed", "reserved", "solve_live"]
 
@@ -177,19 +178,8 @@ def _working(problem: Problem, plan: Plan) -> dict[str, int]:
     return {d: truth[d] - params[d] for d in truth}
 
 
-_CLAIMS = ("optimal_among", "dp_value", "contiguous")
-"""What a solver's ``meta`` proves of its own plan, dropped from a plan changed after it."""
-
-
 def _on_truth(problem: Problem, plan: Plan, bound: float, how: str) -> Plan:
-    exact = how == "relaxed" and plan.status == "optimal"
-    status = "optimal" if exact else "time_limit" if plan.status == "time_limit" else "feasible"
-    meta = {k: v for k, v in plan.meta.items() if how == "relaxed" or k not in _CLAIMS}
-    out = Plan.build(problem, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=bound,
-                     status=status, meta={**meta, "working_memory": how})
-    if out.status == "feasible" and out.objective <= bound * (1 + 1e-9):
-        out.status = "optimal"  # the relaxation's bound proves it
-    return out
+    return on_true_problem(problem, plan, bound, how, key="working_memory", kept=how == "relaxed")
 
 
 def solve_live(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:

@@ -38,6 +38,7 @@ from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.limits import in_phases
 from torchplace.solvers.paircosts import training_pipeline
+from torchplace.solvers.stand_in import on_true_problem
 
 __all__ = ["bounding_problem", "conservative", "fit", "relaxed", "solve_pipelined", "training_pipeline"]
 
@@ -88,14 +89,10 @@ def fit(problem: Problem, stages: Sequence[Stage]) -> list[Stage] | None:
 
 def _on_truth(problem: Problem, plan: Plan, stages: Sequence[Stage], bound: float, how: str) -> Plan:
     """``stages`` (of ``plan``, solved on the relaxation or the restriction ``how``) built on the
-    true problem; its status is ``plan``'s only where that carries over."""
-    exact = how == "relaxed" and plan.status == "optimal" and not any(s.recompute for s in stages)
-    status = "optimal" if exact else "time_limit" if plan.status == "time_limit" else "feasible"
-    out = Plan.build(problem, stages, solver=plan.solver, seconds=plan.seconds, lower_bound=bound, status=status,
-                     meta={**plan.meta, "pipeline_memory": how})
-    if out.status == "feasible" and out.objective <= bound * (1 + 1e-9):
-        out.status = "optimal"  # the relaxation's bound proves it
-    return out
+    true problem; its status and proofs are ``plan``'s only where that carries over (the
+    relaxation's plan, no device recomputing)."""
+    kept = how == "relaxed" and not any(s.recompute for s in stages)
+    return on_true_problem(problem, plan, bound, how, key="pipeline_memory", stages=stages, kept=kept)
 
 
 def solve_pipelined(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:

@@ -51,19 +51,21 @@ _MOST_POPS = 20_000  # partial renamings the best-first search takes from its he
 
 @dataclasses.dataclass(frozen=True)
 class Priced:
-    """A plan's stages with their objective and overflow (bytes over the devices' limits, summed)."""
+    """A plan's stages with their objective, overflow (bytes over the devices' limits, summed) and
+    the devices over their limits."""
 
     overflow: int
     objective: float
     stages: list[Stage]
+    full: frozenset[str] = frozenset()
 
 
 def priced(problem: Problem, stages: Sequence[Stage]) -> Priced:
     """``stages`` priced on ``problem`` (the cost model's objective and memory)."""
     objective, costs = costmodel.evaluate_stages(problem, stages)
     caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
-    over = sum(max(c.memory - cap, 0) for c in costs if (cap := caps[c.device]) is not None)
-    return Priced(over, objective, list(stages))
+    over = {c.device: c.memory - cap for c in costs if (cap := caps[c.device]) is not None and c.memory > cap}
+    return Priced(sum(over.values()), objective, list(stages), frozenset(over))
 
 
 def least_overflow(problem: Problem, stages: Sequence[Stage]) -> Priced:
@@ -147,10 +149,8 @@ def repair(problem: Problem, plan: Plan, *, deadline: float = math.inf) -> list[
         assignment = {v: s.device for s in current.stages for v in s.nodes}
         recompute = {s.device for s in current.stages if s.recompute}
         unused = [d for d in caps if d not in set(assignment.values())]
-        _, costs = costmodel.evaluate_stages(problem, current.stages)
-        full = {c.device for c in costs if (cap := caps[c.device]) is not None and c.memory > cap}
         best: tuple[tuple[bool, float, int], Priced] | None = None
-        for sources in (full, set(caps) - full):  # off the full devices; where that finds none, off any
+        for sources in (current.full, caps.keys() - current.full):  # off the full devices; where none helps, any
             for members in units.values():
                 here = assignment[members[0]]
                 if here not in sources:
