@@ -195,6 +195,8 @@ def test_when_no_device_has_room_for_a_copy_the_readers_share_a_device():
     assert plan.objective == 12.0 == brute_force_contiguous(problem)
     assert [s.device for s in plan.stages] == ["x"]
     assert plan.lower_bound <= 12.0
+    # a grouping's plan: the DP's optimum of that grouping, not of the problem (stand_in.CLAIMS)
+    assert plan.meta["shared_tensors"] == "grouped" and "dp_value" not in plan.meta and "contiguous" not in plan.meta
 
 
 @pytest.mark.parametrize("method", ["moirai", "m-etf", "auto"])

@@ -45,6 +45,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.limits import stop_if_interrupted
 from torchplace.solvers.pipelined import fit, training_pipeline
+from torchplace.solvers.stand_in import on_true_problem
 
 __all__ = ["MAX_GROUPINGS", "colocated", "grouped", "groupings", "readers_apart", "relaxed", "replicated",
            "solve_shared"]
@@ -159,14 +160,15 @@ def readers_apart(problem: Problem) -> Problem:
                              for t in problem.graph.shared_tensors()})
 
 
-def _on_truth(problem: Problem, plan: Plan, lower_bound: float, status: str) -> Plan:
+def _on_truth(problem: Problem, plan: Plan, lower_bound: float, how: str) -> Plan:
+    """``plan`` (of the relaxation, ``how="relaxed"``, or of a grouping) built on the true problem,
+    recomputing where a training pipeline needs it for the copies; its status and proofs are its
+    solver's only for the relaxation's plan with the recomputation it was solved with."""
     stages = plan.stages
     if training_pipeline(problem) is not None:
         stages = fit(problem, plan.stages) or plan.stages  # (a plan that does not fit raises below)
-        if status == "optimal" and any(a.recompute != b.recompute for a, b in zip(stages, plan.stages)):
-            status = "feasible"  # recomputing for the copies added load the variant did not count
-    return Plan.build(problem, stages, solver=plan.solver, seconds=plan.seconds, lower_bound=lower_bound,
-                      status=status, meta=plan.meta)
+    kept = how == "relaxed" and [s.recompute for s in stages] == [s.recompute for s in plan.stages]
+    return on_true_problem(problem, plan, lower_bound, how, key="shared_tensors", stages=stages, kept=kept)
 
 
 def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opts: Any) -> Plan:
@@ -181,8 +183,9 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
     share = None if time_limit is None else time_limit / 2
     first = solve(relaxed(problem), time_limit=share, **opts)
     found: list[Plan] = []
+    truth: Plan | None = None  # the relaxation's plan on the true problem, where it fits
     try:
-        truth = _on_truth(problem, first, first.lower_bound, first.status)
+        truth = _on_truth(problem, first, first.lower_bound, "relaxed")
         if [s.recompute for s in truth.stages] == [s.recompute for s in first.stages] or first.meta.get("interrupted"):
             return truth  # its load is the relaxation's: its proof carries over (or Ctrl-C: what there is)
         found.append(truth)  # it fits only by recomputing more: the restrictions may do better
@@ -223,5 +226,4 @@ def solve_shared(problem: Problem, solve: Solve, time_limit: float | None, **opt
             f"that reads them ({errors[0]}); allow more memory (max_memory) or add a device"
         ) from errors[0]
     best = min(found, key=lambda p: p.objective)  # (ties: the relaxation's, already on the truth)
-    status = "optimal" if best.objective <= first.lower_bound * (1 + 1e-9) else "feasible"
-    return _on_truth(problem, best, first.lower_bound, status)
+    return best if best is truth else _on_truth(problem, best, first.lower_bound, "grouped")

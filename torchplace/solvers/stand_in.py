@@ -1,9 +1,10 @@
 """A plan solved on a stand-in for a problem, built on the problem itself.
 
-The wrappers :mod:`torchplace.solvers.liveness` and :mod:`torchplace.solvers.pipelined` solve a
-problem whose memory no solver models (liveness peaks; micro-batches in flight) through stand-ins
-whose memory is a sum over nodes: a *relaxation* that charges less than the truth (its lower
-bound holds for the problem) and a *restriction* or a changed plan. :func:`on_true_problem`
+The wrappers :mod:`torchplace.solvers.liveness`, :mod:`torchplace.solvers.pipelined` and
+:mod:`torchplace.solvers.shared` solve a problem whose memory no solver models (liveness peaks;
+micro-batches in flight; copies of shared tensors) through stand-ins whose memory is a sum over
+nodes: a *relaxation* that charges less than the truth (its lower bound holds for the problem),
+and *restrictions* (groupings) or a changed plan. :func:`on_true_problem`
 builds such a plan on the problem (its objective is then the cost model's evaluation of it there,
 and the plan is validated) and keeps what its solver proved only where that carries over.
 """
