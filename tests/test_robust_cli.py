@@ -97,6 +97,13 @@ def test_help_still_exits_0(capsys):
     assert "--time-limit" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["solve", "plan", "methods", "run", "show", "report", "demo"])
+def test_every_commands_help_prints(capsys, command):
+    """argparse expands %-formats in help texts: a bare '%' breaks that command's --help."""
+    assert main([command, "--help"]) == 0
+    assert "usage: torchplace " + command in capsys.readouterr().out
+
+
 def test_valid_options_still_work(tmp_path, capsys, workloads_dir):
     path = tmp_path / "plan.json"
     assert main(["solve", BERT24, "--method", "dp", "--time-limit", "30", "--ideal-limit", "1000.0", "-o", str(path)]) == 0

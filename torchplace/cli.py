@@ -498,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
                         "the fastest predicted call")
     p.add_argument("--keep-split", action="store_true",
                    help="keep the split even where the whole model on one device is predicted faster, or the "
-                        "split faster by less than 10%")
+                        "split faster by less than 10%%")
     p.add_argument("--granularity", choices=["operator", "module"], default="module")
     p.add_argument("--mode", choices=["inference", "training"], default="inference",
                    help="training: a plan for training steps (no recomputation, so `torchplace run` can run it)")
