@@ -524,9 +524,13 @@ def test_cli_refuses_a_device_named_twice_and_shows_why_a_config_cannot_be_built
 
 # -- the KV cache, as a real forward pass makes it ------------------------------------------------------
 def real_cache_bytes(model, batch: int, seq: int) -> int:
-    """Bytes of the cache ``model`` (real weights) keeps after a forward pass of ``batch x seq`` tokens."""
+    """Bytes of the cache ``model`` (real weights) keeps after a forward pass of ``batch x seq``
+    tokens (Whisper: of the decoder, after its encoder read ``batch`` clips of the longest audio)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     kwargs = {"input_ids": ids, "use_cache": True}
+    if model.main_input_name == "input_features":
+        frames = 2 * model.config.max_source_positions  # conv2's stride of 2 leaves max_source_positions
+        kwargs = {"input_features": torch.randn(batch, model.config.num_mel_bins, frames), "use_cache": True}
     if model.config.is_encoder_decoder:
         kwargs["decoder_input_ids"] = ids
     with torch.no_grad():
@@ -763,6 +767,52 @@ def test_the_kv_cache_planned_is_the_one_a_forward_pass_keeps(case):
     batch, seq = 2, 32
     problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
     assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(model, batch, seq)
+
+
+def encoder_decoder_cases():
+    return {
+        "bart": (transformers.BartForConditionalGeneration, bart_config(2)),
+        "bart-decoder-only": (transformers.BartForCausalLM, bart_config(2)),
+        "whisper": (transformers.WhisperForConditionalGeneration, whisper_config()),
+        "t5": (transformers.T5ForConditionalGeneration,
+               transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, d_kv=16, num_heads=4,
+                                     vocab_size=VOCAB, decoder_start_token_id=0)),
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", list(encoder_decoder_cases()))
+def test_cross_attention_caches_are_sized_by_the_encoders_output(case, device):
+    """A cross-attention layer caches the encoder's output once: Whisper's is as long as its audio
+    (2 x 32 frames here, 1500 positions in the real model), not as the tokens generated, and was
+    charged as 16 tokens (a third of the cache missed). BartForCausalLM's decoder has
+    cross-attention modules that never run without an encoder, and was charged for them (2x)."""
+    cls, cfg = encoder_decoder_cases()[case]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(cfg).eval()
+    batch, seq = 2, 16
+    problem = build_problem(model, {"cpu": "1GiB"}, batch_size=batch, sequence_length=seq, repeats=0)
+    torch.manual_seed(0)
+    assert sum(problem.graph.meta["hf"]["kv_cache"].values()) == real_cache_bytes(cls(cfg).eval(), batch, seq)
+
+
+def test_cli_plans_whisper_from_its_config(tmp_path, capsys):
+    """Whisper's forward takes audio features, not token ids: the CLI makes them (mel bins x the
+    frames its encoder takes) and plans it; a sequence past its decoder's positions is refused."""
+    import json
+
+    from torchplace.cli import main
+
+    config = tmp_path / "config.json"
+    whisper_config().to_json_file(config)
+    args = ["plan", "--hf", str(config), "--max-memory", "cpu=1GiB", "--json"]
+    assert main([*args, "--sequence-length", "16", "--batch", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = transformers.WhisperForConditionalGeneration(whisper_config()).eval()
+    assert out["device_map"] and sum(out["kv_cache"].values()) == real_cache_bytes(model, 2, 16)
+    assert main([*args, "--sequence-length", "65"]) == 2
+    assert "max_target_positions" in capsys.readouterr().err
 
 
 def test_a_meta_model_s_latent_cache_is_sized_as_its_layers_keep_it():

@@ -5,7 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(name, device_map=device_map)
 
 :mod:`.blocks` turns a model (real weights or the meta device) into a chain of blocks with
-costs; :mod:`.budget` maps accelerate's ``max_memory`` onto a cluster and sizes the KV cache;
+costs; :mod:`.budget` maps accelerate's ``max_memory`` onto a cluster; :mod:`.kvcache` sizes the KV cache;
 :mod:`.infer` solves; :mod:`.maps` writes the map and prices any map. accelerate itself is needed only to dispatch the map
 (``pip install torchplace[hf]``).
 """

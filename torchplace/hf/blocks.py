@@ -39,7 +39,7 @@ import re
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,7 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
 from torchplace.profiling.livebytes import LiveBytes
 
-__all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of", "kept_in_fp32"]
+__all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of", "forward", "kept_in_fp32"]
 
 HF_DEVICE_SPECS: dict[str, DeviceSpec] = {
     **DEVICE_SPECS,
@@ -244,6 +244,32 @@ def _quiet_fake_tensors() -> Iterator[None]:
         log.setLevel(level)
 
 
+def forward(model: nn.Module, kwargs: Mapping[str, Any], *contexts: Any, fake_dtype: torch.dtype | None = None) -> Any:
+    """One forward pass of ``model`` on keyword inputs ``kwargs``, without gradients, inside the
+    context managers ``contexts`` (entered in order). A model on the meta device runs on fake
+    tensors (:class:`FakeTensorMode`, swapped in with :func:`torch.func.functional_call`): shapes,
+    FLOPs and bytes without memory, and transformers skips its data-dependent checks on them as it
+    does while tracing; ``fake_dtype``: its floating tensors are made in that dtype instead of
+    their own."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        with ExitStack() as stack:
+            for c in (torch.no_grad(), *contexts):
+                stack.enter_context(c)
+            return model(**kwargs)
+
+    def dtype_of(t: torch.Tensor) -> torch.dtype:
+        return fake_dtype if fake_dtype is not None and t.is_floating_point() else t.dtype
+
+    with ExitStack() as stack:
+        for c in (_quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), *contexts):
+            stack.enter_context(c)
+        state = {n: torch.empty_strided(t.shape, t.stride(), dtype=dtype_of(t), device="cpu")
+                 for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+                               if isinstance(v, torch.Tensor) else v, dict(kwargs))
+        return functional_call(model, state, (), fake, strict=False)
+
+
 _FAKE_ERRORS = (RuntimeError, NotImplementedError)
 """What a forward pass on fake tensors raises besides :data:`_INPUT_ERRORS`: a kernel that cannot
 run on fake tensors (:data:`_FAKE_ONLY`), a fake kernel that takes another dtype (grouped expert
@@ -321,33 +347,16 @@ def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: Any
 
 def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any], repeats: int,
            fake_dtype: torch.dtype | None = None) -> _Probe:
-    """One counted pass (FLOPs per block, bytes, call order), then ``repeats`` timed passes on the CPU.
-
-    A model on the meta device runs on fake tensors (:class:`FakeTensorMode`, swapped in with
-    :func:`torch.func.functional_call`): shapes, FLOPs and bytes without memory, and transformers
-    skips its data-dependent checks on them as it does while tracing; ``fake_dtype``: its floating
-    tensors are made in that dtype instead of their own."""
+    """One counted pass (FLOPs per block, bytes, call order; on fake tensors for a model on the meta
+    device, see :func:`forward`), then ``repeats`` timed passes on the CPU."""
     live = LiveBytes()
     probe = _Probe(model, blocks, live)
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-    def dtype_of(t: torch.Tensor) -> torch.dtype:
-        return fake_dtype if fake_dtype is not None and t.is_floating_point() else t.dtype
     # attention as the math kernel runs it (its score matrices materialised): the most memory any
     # backend takes (an H100 ran GPT-2's fp32 attention so, 108 MiB per block where CPU's flash
     # kernel's outputs and the submodules' said 36)
-    if on_meta:
-        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
-                sdpa_kernel(SDPBackend.MATH), probe, counter, live:
-            state = {n: torch.empty_strided(t.shape, t.stride(), dtype=dtype_of(t), device="cpu")
-                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
-            fake = pytree.tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
-                                   if isinstance(v, torch.Tensor) else v, dict(kwargs))
-            functional_call(model, state, (), fake, strict=False)
-    else:
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), probe, counter, live:
-            model(**kwargs)
+    forward(model, kwargs, sdpa_kernel(SDPBackend.MATH), probe, counter, live, fake_dtype=fake_dtype)
     probe.live = None  # the timed passes below run as the model runs
     flops = counter.get_flop_counts()
     root = type(model).__name__

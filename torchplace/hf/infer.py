@@ -22,6 +22,7 @@ Every plan is validated by the solver; the map is checked by accelerate's own
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 import time
 from collections.abc import Iterable, Mapping
@@ -43,10 +44,10 @@ from torchplace.hf.budget import (
     OFFLOAD_KINDS,
     accelerate_name,
     hf_cluster,
-    kv_cache_bytes,
     offload_times,
 )
 from torchplace.hf.budget import main_device as budget_main
+from torchplace.hf.kvcache import kv_cache_bytes
 from torchplace.hf.maps import (
     budgets,
     dispatched_memory,
@@ -133,9 +134,11 @@ def _device_of(model: nn.Module) -> torch.device:
 def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None, batch_size: int,
              sequence_length: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass: the caller's, else random ``input_ids`` of the stated
-    batch and length with an all-ones ``attention_mask`` (plus ``decoder_input_ids`` for
-    encoder-decoder models), with ``use_cache`` off where the model takes it (the KV cache is sized separately) and, for a model that generates,
-    ``logits_to_keep=1`` as ``generate()`` passes it (logits of the last token only)."""
+    batch and length with an all-ones ``attention_mask`` (a speech encoder's
+    :func:`_audio_features` instead), plus ``decoder_input_ids`` of that length for
+    encoder-decoder models; with ``use_cache`` off where the model takes it (the KV cache is sized
+    separately) and, for a model that generates, ``logits_to_keep=1`` as ``generate()`` passes it
+    (logits of the last token only)."""
     kwargs = dict(example_kwargs or {})
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -148,23 +151,48 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
         names = [n for n in params if n not in kwargs]
         kwargs.update(dict(zip(names, args)))
     if not kwargs:
-        if "input_ids" not in params:
+        config = getattr(model, "config", None)
+        encdec = bool(getattr(config, "is_encoder_decoder", False))
+        features = _audio_features(model, batch_size)
+        if "input_ids" not in params and features is None:
             raise UsageError(f"{type(model).__name__}.forward takes no input_ids, so no example inputs can be made "
                              "for it: pass example_inputs= or example_kwargs= (one forward call, e.g. "
                              "{'pixel_values': ...} for a vision model)")
-        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+        vocab = int(getattr(config, "vocab_size", 0) or 2)
         ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
-        kwargs["input_ids"] = ids.to(_device_of(model))
-        if "attention_mask" in inspect.signature(model.forward).parameters:
-            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = kwargs["input_ids"]
+        ids = ids.to(_device_of(model))
+        if features is not None:
+            kwargs["input_features"] = features
+        else:
+            kwargs["input_ids"] = ids
+            if "attention_mask" in params:
+                kwargs["attention_mask"] = torch.ones_like(ids)
+        if encdec and "decoder_input_ids" in params:
+            kwargs["decoder_input_ids"] = ids
     if "use_cache" in params:
         kwargs.setdefault("use_cache", False)
     can = getattr(model, "can_generate", None)
     if "logits_to_keep" in params and callable(can) and can():
         kwargs.setdefault("logits_to_keep", 1)  # as generate() runs its prefill: the last token's logits
     return kwargs
+
+
+def _audio_features(model: nn.Module, batch_size: int) -> torch.Tensor | None:
+    """Random ``input_features`` of a Whisper-style speech encoder (``main_input_name``
+    ``"input_features"``, a config with ``num_mel_bins`` and ``max_source_positions``):
+    ``batch x num_mel_bins x frames``, the frames the encoder's convolutions take down to its
+    ``max_source_positions`` positions (Whisper: 3000 frames of 10 ms, 1500 positions); None for
+    any other model."""
+    config = getattr(model, "config", None)
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if getattr(model, "main_input_name", None) != "input_features" or not isinstance(mels, int) \
+            or not isinstance(positions, int):
+        return None
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
+    stride = math.prod(m.stride[0] for m in encoder.children() if isinstance(m, nn.Conv1d))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    features = torch.randn(batch_size, mels, positions * stride, generator=torch.Generator().manual_seed(0))
+    return features.to(device=_device_of(model), dtype=dtype)
 
 
 def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
@@ -191,10 +219,11 @@ def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[st
 
 def _check_positions(model: nn.Module, sequence_length: int) -> None:
     """Raise if ``sequence_length`` is beyond the positions the model's config gives
-    (``n_positions`` / ``max_position_embeddings``): the model cannot run, or generate, that far."""
+    (``n_positions`` / ``max_position_embeddings``, a speech decoder's ``max_target_positions``):
+    the model cannot run, or generate, that far."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in ("n_positions", "max_position_embeddings"):
+    for attr in ("n_positions", "max_position_embeddings", "max_target_positions"):
         limit = getattr(text, attr, None)
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
             if sequence_length > limit:
@@ -263,7 +292,7 @@ def build_problem(
         for m, was in modes.items():
             m.training = was
     graph = _follow_inputs(model, graph)
-    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache, prefill_peak)
+    graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache, prefill_peak, kwargs)
     graph.meta["hf"]["phase"] = phase
     if phase == "decode":
         graph = _kv_reads(graph, specs)
@@ -303,7 +332,7 @@ def _follow_inputs(model: nn.Module, graph: OpGraph) -> OpGraph:
 
 
 def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype: torch.dtype | None,
-                  kv_cache: bool, least_peak: int = 0) -> OpGraph:
+                  kv_cache: bool, least_peak: int = 0, example: Mapping[str, Any] | None = None) -> OpGraph:
     """``graph`` with each block's memory beyond its weights split into what stays and what passes.
 
     The KV cache of a block stays for the whole generation: it becomes the block's ``temp_bytes``,
@@ -312,11 +341,12 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     intermediate) lives only while the block runs, and blocks run one after the other: a device
     needs room for the largest block's, not for the sum. That peak, ``meta["hf"]["activations"]``,
     is kept free on every device that computes (:func:`_reserve`); at least ``least_peak`` (the
-    prompt's, when the graph is one decoding step)."""
+    prompt's, when the graph is one decoding step). ``example`` is the forward pass's keyword
+    inputs (:func:`~torchplace.hf.kvcache.kv_cache_bytes`)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
     whole = [p for v, p in paths.items() if graph.record(v).op != "block:<direct>"]
-    cache = kv_cache_bytes(model, whole, batch, seq, itemsize) if kv_cache else {}
+    cache = kv_cache_bytes(model, whole, batch, seq, itemsize, example) if kv_cache else {}
     graph.meta["hf"]["kv_cache"] = {v: cache[p] for v, p in paths.items() if cache.get(p)}
     graph.meta["hf"]["activations"] = max([least_peak, *(r.temp_bytes for _, r in graph.records())])
     for v, path in paths.items():
