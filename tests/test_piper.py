@@ -306,6 +306,24 @@ def test_exact_knapsack_takes_an_optimum_that_fills_memory_exactly():
     assert values[0] == 6.0 and sorted(picks[:, 0]) == [0, 1]
 
 
+def test_the_exact_knapsack_prints_nothing():
+    """The first highspy.Highs of a process writes HiGHS's banner to stdout from C++: it opened
+    `torchplace solve --method piper --knapsack exact --json`'s output, which no JSON reader took.
+    Run in a fresh process, where that first Highs is the knapsack's."""
+    import subprocess
+    import sys
+
+    script = ("import numpy as np\n"
+              "from torchplace.solvers import piper_knapsack\n"
+              "cost = np.array([[[1.0], [5.0]], [[1.0], [5.0]]])\n"
+              "a, b = np.zeros((2, 2)), np.array([[10.0, 5.0], [10.0, 5.0]])\n"
+              "values, _ = piper_knapsack.exact(cost, a, b, 15.0, np.array([1.0]))\n"
+              "print(values[0])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "6.0\n"
+
+
 def test_equi_keeps_a_node_among_the_layers_with_the_layer_before_it():
     """A non-layer node between layers (a dropout named apart) went to the first stage: a plan
     with data flowing backward, refused by its own validation, and piper.solve (which prunes with

@@ -16,6 +16,9 @@ slot of every node per column.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+from typing import Any
 
 import numpy as np
 
@@ -147,14 +150,32 @@ def exact(cost: np.ndarray, a: np.ndarray, b: np.ndarray, limit: float,
     return values, picks
 
 
+def _silent_highs() -> Any:
+    """A ``highspy.Highs`` that prints nothing. The first one made in a process writes HiGHS's
+    banner to file descriptor 1 from C++, before ``silent()`` can run: it would open
+    ``torchplace solve --json``'s output. So it is made with that descriptor on ``os.devnull``."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.silent()
+    return h
+
+
 def _exact_one(cost: np.ndarray, mem: np.ndarray, limit: float) -> tuple[float, np.ndarray]:
     import highspy
 
     n, slots = cost.shape
     pick = np.zeros(n, dtype=np.int64)
     cells = [(i, s) for i in range(n) for s in range(slots) if np.isfinite(cost[i, s])]
-    h = highspy.Highs()
-    h.silent()
+    h = _silent_highs()
     inf = highspy.kHighsInf
     for i, s in cells:
         h.addVar(0.0, 1.0)
