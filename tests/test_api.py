@@ -357,3 +357,16 @@ def test_attention_that_takes_the_fast_path_under_no_grad_is_named_in_a_warning(
         torch.testing.assert_close(out, fast)  # to float rounding ...
         torch.backends.mha.set_fastpath_enabled(False)
         assert torch.equal(out, model(*inputs))  # ... and bitwise on the ordinary path
+
+
+def test_every_error_and_warning_is_reachable_from_the_package():
+    """README names the errors as ``torchplace.X``: each class in torchplace.errors is exported."""
+    import inspect
+
+    import torchplace
+    from torchplace import errors
+
+    defined = {name for name, c in inspect.getmembers(errors, inspect.isclass)
+               if c.__module__ == errors.__name__ and issubclass(c, (errors.TorchplaceError, Warning))}
+    assert defined and all(getattr(torchplace, n) is getattr(errors, n) for n in defined)
+    assert defined <= set(torchplace.__all__)

@@ -72,7 +72,7 @@ def test_the_default_allows_one_device() -> None:
 def test_one_device_is_chosen_when_predicted_faster() -> None:
     """Two stages that sleep 20 ms per call whatever the batch: split into 4 micro-batches a call
     takes 5 x 20 ms, on one device unsplit 2 x 20 ms."""
-    with pytest.warns(PlacementWarning, match=r"allow_single_device=False\) keeps the split"):
+    with pytest.warns(PlacementWarning, match=r"allow_single_device=False \(torchplace plan: --keep-split\) keeps the split"):
         placed = _place(nn.Sequential(Sleep(0.02), Sleep(0.02)), microbatches=4)
     assert len({s.device for s in placed.plan.stages}) == 1
     assert placed.microbatches == 1
@@ -90,7 +90,7 @@ def test_allow_single_device_false_keeps_the_split_and_says_what_one_device_woul
     assert [s.device for s in placed.plan.stages] == ["cpu:0", "cpu:1"]
     assert placed.microbatches == 4
     assert placed.plan.meta["single_device"]["chosen"] is False
-    assert "kept the split because allow_single_device=False" in str(placed.plan)
+    assert "kept the split because of allow_single_device=False (torchplace plan: --keep-split)" in str(placed.plan)
     # the stage times are measured on one micro-batch: 5 ticks of 20 ms, not 5 ticks of 20 / 4 ms
     predicted = placed.plan.meta["call"]["seconds"]
     assert predicted == pytest.approx(0.1, rel=0.25)

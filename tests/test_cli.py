@@ -48,6 +48,31 @@ def test_plan_example_model(capsys):
     assert "Plan by dp" in out and "device_map" in out
 
 
+def test_torchplaces_warnings_print_on_one_line(capsys, monkeypatch):
+    """A PlacementWarning printed as `<frozen runpy>:88: PlacementWarning: ...` (its Python location)
+    under `python -m torchplace`; the command line prints `torchplace: warning: ...`, and other
+    warnings as Python does."""
+    import warnings
+
+    import torchplace.cli
+    from torchplace.callmodel import KEEP_SPLIT
+    from torchplace.errors import PlacementWarning, warn_caller
+
+    def plan(args):
+        warn_caller(f"one device is faster; {KEEP_SPLIT} keeps the split")
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(torchplace.cli, "_plan", plan)
+    with pytest.warns(UserWarning, match="something else") as seen:  # shown as Python shows it
+        assert main(["plan", "mlp"]) == 0
+    assert [w.category for w in seen] == [UserWarning]
+    err = capsys.readouterr().err
+    assert err == "torchplace: warning: one device is faster; allow_single_device=False (torchplace plan: " \
+                  "--keep-split) keeps the split\n"
+    assert PlacementWarning.__name__ not in err
+
+
 def test_plan_for_latency_runs_each_call_whole(capsys):
     """`plan MODEL --objective latency` passed the pipeline's default of 4 micro-batches, which
     place() now refuses for latency: the default is left to place(), and a given count refused."""

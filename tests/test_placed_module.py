@@ -546,6 +546,19 @@ def test_the_decorator_refuses_conversions_once_placed_and_plan_before():
         assert torch.equal(net(x), net.module(x))
 
 
+def test_the_decorated_model_offers_the_placed_models_methods():
+    """An instance of a @placed class is a wrapper: its device_map() was an AttributeError."""
+    net = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(MLP)()
+    with pytest.raises(UsageError, match=r"call it once before using \.device_map"):
+        net.device_map()
+    x = torch.randn(4, 32)
+    net(x)
+    assert net.device_map() == net.placed.device_map() and net.device_map()
+    assert net.plot_memory is not None and net.microbatches == net.placed.microbatches
+    with pytest.raises(AttributeError):
+        net.no_such_attribute
+
+
 def test_a_placed_model_is_not_placed_again():
     """Placing a placed module (or a model holding one) failed inside fx with a message about
     control flow or about `is None` branches (found by fuzzing)."""

@@ -437,7 +437,7 @@ def prepare(
     if objective == "latency" and microbatches not in (None, 1):
         raise UsageError(f"microbatches={brief(microbatches)} splits each call into a pipeline of micro-batches "
                          "(objective='throughput'); objective='latency' runs each call whole, its devices working "
-                         "on independent branches at once: leave microbatches out")
+                         "on independent branches at once: leave microbatches out (torchplace plan: --microbatches)")
     if microbatches is None:
         microbatches = DEFAULT_MICROBATCHES if given is None else given.microbatches
     if microbatches == "auto":
@@ -917,6 +917,19 @@ class _LazyPlaced(nn.Module):
         if self.placed is None:
             raise UsageError("the model is placed on its first call; call it once before reading .plan")
         return self.placed.plan
+
+    def __getattr__(self, name: str) -> Any:
+        """The placed model's own methods and attributes (``device_map()``, ``step()``,
+        ``report()``, ...) once it is placed; before, a :class:`UsageError` saying to call it."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            placed = self.__dict__.get("placed")
+            if name.startswith("_") or not hasattr(PlacedModule if placed is None else placed, name):
+                raise
+        if placed is None:
+            raise UsageError(f"the model is placed on its first call; call it once before using .{name}")
+        return getattr(placed, name)
 
 
 def placed(devices: Any, **options: Any):

@@ -49,6 +49,7 @@ from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 
 __all__ = [
+    "KEEP_SPLIT",
     "CallPrediction",
     "Overheads",
     "core_pools",
@@ -62,6 +63,9 @@ __all__ = [
     "steady_per_sample",
     "training_microbatch_times",
 ]
+
+KEEP_SPLIT = "allow_single_device=False (torchplace plan: --keep-split)"
+"""What keeps a split that one device is predicted to beat, in the API and on the command line."""
 
 
 @dataclass(frozen=True)
@@ -399,11 +403,11 @@ def describe(meta: Mapping[str, Any]) -> list[str]:
                   f"{single.get('margin', 0.0):.0%} faster a split must be to be kept")
         lines.append(f"one device: the whole model on {single['device']} is predicted at {_ms(single['seconds'])} "
                      f"per call, {versus}: running on "
-                     f"{single['device']} alone (place(..., allow_single_device=False) keeps the split)")
+                     f"{single['device']} alone; {KEEP_SPLIT} keeps the split")
     elif single and single.get("device") and single["seconds"] < single["plan_seconds"]:
         lines.append(f"one device: the whole model on {single['device']} is predicted at {_ms(single['seconds'])} "
-                     f"per call, faster than this split ({_ms(single['plan_seconds'])}); kept the split because "
-                     "allow_single_device=False")
+                     f"per call, faster than this split ({_ms(single['plan_seconds'])}); kept the split because of "
+                     f"{KEEP_SPLIT}")
     elif single and single.get("device"):
         lines.append(f"one device: the split plan ({_ms(single['plan_seconds'])} per call) beats the whole model "
                      f"on the best single device, {single['device']} ({_ms(single['seconds'])})")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchplace import callmodel, costmodel
-from torchplace.callmodel import CallPrediction, Overheads
+from torchplace.callmodel import KEEP_SPLIT, CallPrediction, Overheads
 from torchplace.errors import InvalidPlanError, MicrobatchError, warn_caller
 from torchplace.graph import OpGraph
 from torchplace.plan import Plan, Stage
@@ -134,7 +134,7 @@ def decide(problem: Problem, plan: Plan, microbatches: int | str, batch: int | N
     one_plan.meta["single_device"] = {**record, "chosen": True}
     warn_caller(f"{_verdict(device, one_call.seconds, call.seconds, len({s.device for s in plan.stages}))} "
                 f"with {best} micro-batches): running it on {device} (m={one_m}); "
-                "place(..., allow_single_device=False) keeps the split")
+                f"{KEEP_SPLIT} keeps the split")
     return Decision(one_plan, one_m, one_call)
 
 
@@ -216,7 +216,7 @@ def _decide_latency(problem: Problem, plan: Plan, overheads: Overheads, allow_si
     one.meta["call"] = _latency_summary(problem, one, overheads, seconds(one))
     one.meta["single_device"] = {**record, "chosen": True}
     warn_caller(f"{_verdict(record['device'], seconds(one), mine, len({s.device for s in plan.stages}))}): "
-                f"running it on {record['device']}; place(..., allow_single_device=False) keeps the split")
+                f"running it on {record['device']}; {KEEP_SPLIT} keeps the split")
     return Decision(one, 1, None)
 
 

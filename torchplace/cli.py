@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from torchplace.checks import positive_float, positive_int
-from torchplace.errors import TorchplaceError, UsageError
+from torchplace.errors import PlacementWarning, TorchplaceError, UsageError
 
 __all__ = ["main"]
 
@@ -554,6 +555,19 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _one_line_warnings(shown: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` printing torchplace's own warnings as one line,
+    ``torchplace: warning: ...``, without the Python file and line they were raised at
+    (``<frozen runpy>:88:`` under ``python -m``); others go to ``shown``."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if issubclass(category, PlacementWarning):
+            print(f"torchplace: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; return its exit status (0 done, 2 a user error, 130 interrupted).
 
@@ -564,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a usage error already reported on one line (2)
         return e.code if isinstance(e.code, int) else int(e.code is not None) * 2
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            return int(args.func(args))
     except BrokenPipeError:  # `torchplace solve W --json | head`: the reader left; end quietly
         try:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not raise again
