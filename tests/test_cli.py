@@ -198,7 +198,7 @@ def test_plan_options_of_the_other_path_are_refused_not_ignored(capsys, tmp_path
     """plan MODEL --max-memory ... planned without the cap, and --hf ignored --devices, silently
     (found by fuzzing)."""
     assert main(["plan", "mlp", "--max-memory", "cpu=1KiB"]) == 2
-    assert "--max-memory apply with --hf only" in capsys.readouterr().err
+    assert "--max-memory applies with --hf only" in capsys.readouterr().err
     config = tmp_path / "config.json"
     config.write_text("{}")
     assert main(["plan", "--hf", str(config), "--devices", "cpu:0", "cpu:1", "cpu:2", "--mode", "training"]) == 2

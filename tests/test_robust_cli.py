@@ -76,6 +76,8 @@ CASES = [
     (["show", "{twice.json}"], "stages[1].nodes[0]: node '1' is also in stages[0]"),
     (["solve", "{fraction.json}"], "top level.maxFPGAs: expected a non-negative whole number, got 2.7"),
     (["solve", BERT24, "--method", "simplex"], "argument --method: invalid choice: 'simplex'"),
+    (["solve", BERT24, "--method", "dp", "--bounds", "mip"], "--bounds mip applies with --method auto only"),
+    (["solve", BERT24, "--method", "moirai"], "ask for objective='latency' (command line: --objective latency)"),
     (["solve"], "the following arguments are required: workload"),
     ([], "the following arguments are required: command"),
 ]

@@ -193,8 +193,11 @@ def _solve(args: argparse.Namespace) -> int:
     else:
         given = [f"--{o.replace('_', '-')}" for o in (*_PIPER_OPTIONS, "baseline", "knapsack") if getattr(args, o)]
         if given:
-            raise UsageError(f"{', '.join(given)} apply to Piper workloads only (a JSON with 'mbsInBatch')")
+            raise UsageError(f"{', '.join(given)} {_apply(given)} to Piper workloads only (a JSON with 'mbsInBatch')")
         problem = _read_workload(args.workload, args.objective, args.noncontiguous, args.accelerators, args.cpus)
+        if args.bounds != "combinatorial" and args.method != "auto":
+            raise UsageError(f"--bounds {args.bounds} applies with --method auto only (method {args.method!r} proves "
+                             "its own bound): leave it out")
         opts = {"ideal_limit": args.ideal_limit, "bounds": args.bounds if args.method == "auto" else None}
     plan = solvers.solve(problem, method=args.method, time_limit=args.time_limit, **opts)
     for name in ("accelerators", "cpus"):  # for `report --workload` to rebuild the same problem
@@ -293,7 +296,7 @@ def _plan(args: argparse.Namespace) -> int:
     hf = args.hf is not None
     given = [flag for flag, dest, default in _PLAN_ONLY[not hf] if getattr(args, dest) != default]
     if given and (hf or args.model is not None):
-        raise UsageError(f"{', '.join(given)} apply {'to a built-in MODEL, not with --hf' if hf else 'with --hf only'}"
+        raise UsageError(f"{', '.join(given)} {_apply(given)} {'to a built-in MODEL, not with --hf' if hf else 'with --hf only'}"
                          f"{'' if hf else '; a built-in MODEL is planned on --devices (place(..., max_memory=) caps them)'}")
     if hf:
         return _plan_hf(args)
@@ -553,6 +556,11 @@ def _parser() -> argparse.ArgumentParser:
 def _fail(message: str) -> int:
     print(f"torchplace: error: {_one_line(message)}", file=sys.stderr)
     return 2
+
+
+def _apply(options: Sequence[str]) -> str:
+    """The verb for a list of command-line options: one "applies", several "apply"."""
+    return "applies" if len(options) == 1 else "apply"
 
 
 def _one_line_warnings(shown: Callable[..., None]) -> Callable[..., None]:

@@ -126,8 +126,9 @@ def check_method(method: str, objective: str) -> None:
     if method != "auto" and METHODS[method].objective != objective:
         others = [m for m, spec in METHODS.items() if spec.objective == objective]
         raise UsageError(
-            f"method {method!r} optimises {METHODS[method].objective}, but the objective is {objective!r}; "
-            f"use one of {['auto', *others]}"
+            f"method {method!r} optimises {METHODS[method].objective}, but the objective is {objective!r}: ask for "
+            f"objective={METHODS[method].objective!r} (command line: --objective {METHODS[method].objective}), "
+            f"or use one of {['auto', *others]}"
         )
 
 
