@@ -1,6 +1,8 @@
 """One placed model serves every sequence length (issue 17, item 5)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,9 +106,62 @@ def test_a_length_beyond_what_the_model_allows_says_so_not_to_declare_dims():
     torch.manual_seed(0)
     placed = torchplace.place(AddsPositions().eval(), ["cpu:0", "cpu:1"], (torch.randint(0, 50, (4, 16)),),
                               dynamic_dims={"ids": [1]}, allow_single_device=False, trace_method="export", **QUICK)
-    with torch.no_grad(), pytest.raises(UsageError, match=r"ids.size\(\)\[1\] <= 32.*runs only within that range") as e:
+    with torch.no_grad(), pytest.raises(UsageError, match=r"ids.size\(\)\[1\] <= 32.*holds only within that range") as e:
         placed(torch.randint(0, 50, (4, 40)))
     assert "dynamic_dims" not in str(e.value)
+
+
+class PadsToEven(torch.nn.Module):
+    """Pads an odd sequence by one: the export takes the example's side of the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n % 2:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+        return self.lin(x)[:, :n]
+
+
+class ScalesByLength(torch.nn.Module):
+    """Divides by sqrt(length), a Python float: the export fixes the length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) / math.sqrt(x.shape[1])
+
+
+@pytest.mark.parametrize("model, dims, length", [(PadsToEven, {"x": [1]}, 13), (ScalesByLength, "auto", 8)],
+                         ids=["branch-on-parity", "python-float-of-the-length"])
+def test_a_declared_length_the_code_fixed_says_so_not_to_declare_it(model, dims, length):
+    """A size asked dynamic that the model's code fixed while tracing (a branch on its parity, a
+    Python number of it) was refused with advice to declare the dims that were declared."""
+    torch.manual_seed(0)
+    model = model().eval()
+    x = torch.randn(4, length, model.lin.in_features)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), dynamic_dims=dims, allow_single_device=False,
+                              trace_method="export", **QUICK)
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+        with pytest.raises(UsageError, match=r"dim 1 of 'x' was asked dynamic, but the model's code fixed it") as e:
+            placed(torch.randn(4, length + 1, model.lin.in_features))
+    assert "dynamic_dims" not in str(e.value)
+
+
+def test_a_declared_dim_the_code_fixes_is_a_trace_error_saying_so():
+    """torch.export's reason (the dim was fixed to a constant) was cut to its first line, and the
+    hints were about use_cache and data-dependent control flow."""
+    from torchplace.errors import TraceError
+
+    x = torch.randn(4, 8, 8)
+    with pytest.raises(TraceError, match=r"specialized it to be a constant \(8\).*Leave that dim out of dynamic_dims"):
+        torchplace.place(ScalesByLength().eval(), ["cpu:0", "cpu:1"], (x,), dynamic_dims={"x": [1]},
+                         trace_method="export", **QUICK)
 
 
 @pytest.mark.parametrize("dims, message", [

@@ -168,9 +168,11 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
     return tuple(joined)
 
 
-def guard_error(guard: str) -> UsageError:
+def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
     """The :class:`UsageError` for a call that breaks ``guard``, a guard of the exported graph
-    (``input_ids.size()[1] == 16``), saying what to do."""
+    (``input_ids.size()[1] == 16``), saying what to do; ``dynamic_dims``: the placement's (see
+    :mod:`torchplace.profiling.dynamic`). A size the user declared dynamic (or ``"auto"``) that the
+    model's code fixed while tracing gets no advice to declare it."""
     # dim 0 is asked dynamic: only the model fixes it to a number (not two inputs' batches compared)
     if "==" in guard and re.search(r"size\(\)\[0\]", guard) and guard.count("size()") == 1:
         return UsageError(
@@ -182,16 +184,39 @@ def guard_error(guard: str) -> UsageError:
             f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
             "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
             "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
-    if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, say)
+    if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, a size branch)
         return UsageError(
-            f"the placed model was traced for inputs with {guard}, which this call breaks: the export found that the "
-            "model runs only within that range (a table of that many positions, say); call it within the range")
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the exported graph holds "
+            "only within that range (the model has a table of that many positions, or its code branches on the "
+            "size and the trace took the example's side); call it within the range, or place it again with an "
+            "example on the side this call needs")
     named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
+    if named and _declared(dynamic_dims, named.group(1), int(named.group(2))):
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: dim {named.group(2)} of "
+            f"{named.group(1)!r} was asked dynamic, but the model's code fixed it while tracing (a branch on its size, "
+            "or a Python number computed from it, such as math.sqrt(x.shape[1]) or x.shape[1] % 2); call it with "
+            "inputs that keep that condition, or compute with the size as a tensor or torch.sym_* function and no "
+            "branch on it, and place it again")
     example = f"dynamic_dims={{{named.group(1)!r}: [{named.group(2)}]}}" if named else "dynamic_dims={input: [dims]}"
     return UsageError(
         f"the placed model was traced for inputs with {guard}, which this call breaks; declare the dimensions that "
         f"vary when placing (place(..., {example}) or dynamic_dims='auto'), or place the model again with an "
         "example of this shape")
+
+
+def _declared(dynamic_dims: Any, name: str, dim: int) -> bool:
+    """Whether ``dynamic_dims`` (a placement's) asked dim ``dim`` of input ``name`` dynamic:
+    ``"auto"`` asks for every dim that varies."""
+    if dynamic_dims == "auto":
+        return True
+    if not isinstance(dynamic_dims, Mapping):
+        return False
+    dims = dynamic_dims.get(name)
+    try:
+        return dims is not None and dim in {int(d) for d in dims}
+    except (TypeError, ValueError):
+        return False
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -394,13 +419,14 @@ class CallSizes:
         self._check_kinds(bound)
         self._check_ones(bound)
 
-    def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic_dims: Any = None) -> None:
         """Refuse a call whose inputs break a size the exported graph fixed (a sequence length
         not declared dynamic), as its guard would, or a kind or constant :meth:`check` refuses,
         for runtimes that run no guard before they communicate (``torch.distributed.pipelining``).
 
         Raises:
-            UsageError: naming the input and what to do (:func:`guard_error` for a size).
+            UsageError: naming the input and what to do (:func:`guard_error` for a size, with the
+                placement's ``dynamic_dims``).
         """
         if self.gm is None:
             return
@@ -415,7 +441,7 @@ class CallSizes:
                                  f"{example.dim()}: call it with inputs shaped as the example")
             for dim, size in enumerate(example.shape):
                 if isinstance(size, int) and value.shape[dim] != size:
-                    raise guard_error(f"{node.name}.size()[{dim}] == {size}")
+                    raise guard_error(f"{node.name}.size()[{dim}] == {size}", dynamic_dims)
 
     def _check_kinds(self, bound: Mapping[str, Any]) -> None:
         """Refuse a non-tensor for an input of ``tensors``, and a value for one of ``nones``."""

@@ -431,6 +431,7 @@ class DistributedPlaced:
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
+        self._dynamic_dims = traced.dynamic_dims
         self._model = traced.model
         self._dtype_guards = dtype_guards(traced.gm) if traced.method == "export" else ()
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
@@ -494,7 +495,8 @@ class DistributedPlaced:
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
-        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
+        # as the graph's guards would, before any communication
+        self._sizes.check_fixed(args, kwargs, self._dynamic_dims)
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
@@ -522,7 +524,8 @@ class DistributedPlaced:
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
-        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
+        # as the graph's guards would, before any communication
+        self._sizes.check_fixed(args, kwargs, self._dynamic_dims)
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:

@@ -11,7 +11,6 @@ placement exists, ``load_state_dict(assign=True)``.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -212,7 +211,7 @@ class PlacedModule(nn.Module):
                 return executor.run(args, kwargs)
             return executor.run(args, kwargs, self.microbatches)
         except StageError as e:
-            raise _shape_error(e) or e
+            raise _shape_error(e, self._traced.dynamic_dims) or e
 
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -254,7 +253,7 @@ class PlacedModule(nn.Module):
             return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                       schedule or self.problem.pipeline.schedule)
         except StageError as e:
-            raise _shape_error(e) or e
+            raise _shape_error(e, self._traced.dynamic_dims) or e
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph
@@ -456,11 +455,12 @@ class PlacedModule(nn.Module):
                 f"batch{predicted}")
 
 
-def _shape_error(error: StageError) -> UsageError | None:
+def _shape_error(error: StageError, dynamic_dims: Any = None) -> UsageError | None:
     """The :class:`UsageError` to raise for a call whose input shapes the traced graph's guards
-    refuse (torch.export's ``Guard failed: ...``), or ``None`` for any other failure."""
+    refuse (torch.export's ``Guard failed: ...``; ``dynamic_dims``: the placement's), or ``None``
+    for any other failure."""
     cause = error.__cause__
     text = str(cause).strip() if cause is not None else ""
     if not (isinstance(cause, AssertionError) and "Guard failed" in text):
         return None
-    return batchdim.guard_error(text.split("Guard failed:", 1)[1].strip().splitlines()[0])
+    return batchdim.guard_error(text.split("Guard failed:", 1)[1].strip().splitlines()[0], dynamic_dims)

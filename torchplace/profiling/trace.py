@@ -312,6 +312,18 @@ def _returns_a_cache(failures: list[_CaptureFailure]) -> str | None:
     return None
 
 
+def _sizes_fixed(failures: list[_CaptureFailure]) -> list[str]:
+    """torch.export's reasons where it refused dims asked dynamic because the model's code fixed
+    them (``Constraints violated``: "You marked L as dynamic but your code specialized it to be a
+    constant (8)"), one per dim; empty for any other failure."""
+    for f in failures:
+        text = str(f.error)
+        if f.method == "export" and "Constraints violated" in text:
+            return [line.strip()[2:].split(". If you're using")[0] for line in text.splitlines()
+                    if line.strip().startswith("- ")]
+    return []
+
+
 def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords: Sequence[str] = ()) -> TraceError:
     """A :class:`TraceError` naming the failing module, the errors, and what to try
     (``var_keywords``: the example's keywords ``forward`` takes through ``**kwargs``)."""
@@ -323,6 +335,15 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords
             f"use_cache=False, or build the model with use_cache=False (from_pretrained(..., use_cache=False); "
             f"setting model.config.use_cache afterwards misses the copies of the config that submodules keep, "
             f"as T5's decoder does)"
+        )
+    fixed = _sizes_fixed(failures)
+    if fixed:
+        return TraceError(
+            f"could not trace {type(model).__qualname__} with the dims dynamic_dims asks dynamic: the model's code "
+            f"fixes them ({'; '.join(fixed)}): a branch on a size, or a Python number computed from "
+            "one (math.sqrt(x.shape[1]), x.shape[1] % 2). Leave that dim out of dynamic_dims (a placed model then "
+            "serves the example's size only), compute with the size as a tensor or a torch.sym_* function, or try "
+            "trace_method='fx'"
         )
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
