@@ -22,8 +22,8 @@ Every plan is validated by the solver; the map is checked by accelerate's own
 from __future__ import annotations
 
 import difflib
-import math
 import inspect
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
