@@ -612,7 +612,7 @@ def prepare(
             solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
     ones = () if runs is None else dims_of_one(runs)
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined,
-                     call_sizes(rows, ones, traced.gm, args, kwargs))
+                     call_sizes(rows, ones, traced.gm, args, kwargs, traced.dynamic_dims))
 
 
 def _check_splittable(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int | str) -> None:

@@ -395,13 +395,15 @@ class CallSizes:
     ``ones`` of size one (:func:`dims_of_one`), a tensor for each input in ``tensors``, and
     ``None`` for each input in ``nones`` (an fx trace takes the branches of ``None`` there:
     :func:`~torchplace.profiling.trace.example_nones`). Inputs are placeholders of ``gm``;
-    :func:`call_sizes` reads the last two from the example."""
+    :func:`call_sizes` reads the last two from the example. ``dynamic_dims``: the placement's
+    (:mod:`torchplace.profiling.dynamic`), for :func:`guard_error`."""
 
     rows: int = 1
     ones: tuple[tuple[str, int], ...] = ()
     gm: fx.GraphModule | None = field(default=None, compare=False, repr=False)
     tensors: tuple[str, ...] = ()
     nones: tuple[str, ...] = ()
+    dynamic_dims: Any = field(default=None, compare=False, repr=False)
 
     def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int, *,
               fix: str = "placed.microbatches") -> None:
@@ -419,14 +421,13 @@ class CallSizes:
         self._check_kinds(bound)
         self._check_ones(bound)
 
-    def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic_dims: Any = None) -> None:
+    def check_fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a call whose inputs break a size the exported graph fixed (a sequence length
         not declared dynamic), as its guard would, or a kind or constant :meth:`check` refuses,
         for runtimes that run no guard before they communicate (``torch.distributed.pipelining``).
 
         Raises:
-            UsageError: naming the input and what to do (:func:`guard_error` for a size, with the
-                placement's ``dynamic_dims``).
+            UsageError: naming the input and what to do (:func:`guard_error` for a size).
         """
         if self.gm is None:
             return
@@ -441,7 +442,7 @@ class CallSizes:
                                  f"{example.dim()}: call it with inputs shaped as the example")
             for dim, size in enumerate(example.shape):
                 if isinstance(size, int) and value.shape[dim] != size:
-                    raise guard_error(f"{node.name}.size()[{dim}] == {size}", dynamic_dims)
+                    raise guard_error(f"{node.name}.size()[{dim}] == {size}", self.dynamic_dims)
 
     def _check_kinds(self, bound: Mapping[str, Any]) -> None:
         """Refuse a non-tensor for an input of ``tensors``, and a value for one of ``nones``."""
@@ -482,13 +483,14 @@ class CallSizes:
 
 
 def call_sizes(rows: int, ones: tuple[tuple[str, int], ...], gm: fx.GraphModule, args: tuple[Any, ...],
-               kwargs: Mapping[str, Any]) -> CallSizes:
+               kwargs: Mapping[str, Any], dynamic_dims: Any = None) -> CallSizes:
     """The :class:`CallSizes` of a trace ``gm`` of the example ``(args, kwargs)``: its inputs that
     were tensors, and those that were ``None`` (an fx trace takes the branches of ``None`` there;
     an exported graph has no placeholder for one)."""
     bound = bind_placeholders(gm, args, kwargs)
     tensors = tuple(name for name, value in bound.items() if isinstance(value, torch.Tensor))
-    return CallSizes(rows, ones, gm, tensors, tuple(name for name, value in bound.items() if value is None))
+    return CallSizes(rows, ones, gm, tensors, tuple(name for name, value in bound.items() if value is None),
+                     dynamic_dims)
 
 
 def _difference(theirs: Any, mine: Any) -> str | None:

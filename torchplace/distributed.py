@@ -431,7 +431,6 @@ class DistributedPlaced:
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
-        self._dynamic_dims = traced.dynamic_dims
         self._model = traced.model
         self._dtype_guards = dtype_guards(traced.gm) if traced.method == "export" else ()
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
@@ -495,8 +494,7 @@ class DistributedPlaced:
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
-        # as the graph's guards would, before any communication
-        self._sizes.check_fixed(args, kwargs, self._dynamic_dims)
+        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
@@ -524,8 +522,7 @@ class DistributedPlaced:
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
-        # as the graph's guards would, before any communication
-        self._sizes.check_fixed(args, kwargs, self._dynamic_dims)
+        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:
