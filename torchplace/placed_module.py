@@ -211,7 +211,7 @@ class PlacedModule(nn.Module):
                 return executor.run(args, kwargs)
             return executor.run(args, kwargs, self.microbatches)
         except StageError as e:
-            raise _shape_error(e, self._traced.dynamic_dims) or e
+            raise _shape_error(e, self._sizes.dynamic_dims) or e
 
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -253,7 +253,7 @@ class PlacedModule(nn.Module):
             return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                       schedule or self.problem.pipeline.schedule)
         except StageError as e:
-            raise _shape_error(e, self._traced.dynamic_dims) or e
+            raise _shape_error(e, self._sizes.dynamic_dims) or e
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph

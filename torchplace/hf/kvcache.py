@@ -107,21 +107,21 @@ def _windows(config: Any) -> dict[int, int]:
             if isinstance(w := getattr(layer, "sliding_window", None), int) and w > 0}
 
 
-def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values of each layer of a transformers cache that holds 4-d tensors
-    (batch x heads x tokens x dim)."""
-    out = []
-    for layer in getattr(cache, "layers", ()):
+def _layer_tensors(cache: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer index -> keys and values, for each layer of a transformers cache that holds 4-d
+    tensors (batch x heads x tokens x dim)."""
+    out = {}
+    for i, layer in enumerate(getattr(cache, "layers", ())):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4:
-            out.append((keys, values))
+            out[i] = (keys, values)
     return out
 
 
 def _held(cache: Any) -> tuple[int, int]:
     """(self-attention, cross-attention) key and value elements ``cache`` holds."""
     def total(c: Any) -> int:
-        return sum(k.numel() + v.numel() for k, v in _layer_tensors(c))
+        return sum(k.numel() + v.numel() for k, v in _layer_tensors(c).values())
 
     cross = getattr(cache, "cross_attention_cache", None)
     if cross is None:
@@ -214,17 +214,12 @@ def _probe(model: Any, config: Any, attentions: list[str], example: Mapping[str,
     finally:
         for h in handles:
             h.remove()
-    selfs = cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache
-    by_layer = {}
-    for i, layer in enumerate(getattr(selfs, "layers", ())):
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4 \
-                and keys.shape[-2] == _PROBE_TOKENS and values.shape[-2] == _PROBE_TOKENS:
-            by_layer[i] = (keys.numel() + values.numel()) // _PROBE_TOKENS
+    layers = _layer_tensors(cache.self_attention_cache if hasattr(cache, "self_attention_cache") else cache)
+    by_layer = {i: (k.numel() + v.numel()) // _PROBE_TOKENS for i, (k, v) in layers.items()
+                if k.shape[-2] == _PROBE_TOKENS and v.shape[-2] == _PROBE_TOKENS}
     whole = _held(cache)
-    tokens_ok = all(k.shape[-2] == _PROBE_TOKENS and v.shape[-2] == _PROBE_TOKENS for k, v in _layer_tensors(selfs))
     accounted = (sum(s for s, _ in gained.values()), sum(c for _, c in gained.values())) == whole
-    if not (tokens_ok and accounted and any(whole)):
+    if not (len(by_layer) == len(layers) and accounted and any(whole)):  # every layer holds the probe's tokens
         return {}, by_layer, False
     by_module = {p: CacheShape(s // _PROBE_TOKENS, c) for p, (s, c) in gained.items() if s or c}
     return by_module, by_layer, complete

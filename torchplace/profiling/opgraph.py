@@ -157,9 +157,10 @@ def _roots(group: _Group) -> dict[fx.Node, fx.Node]:
 
 def _own_peak(group: _Group) -> tuple[int, dict[str, int]]:
     """(peak, resident parts): the most bytes of new memory the group's fx nodes hold at once
-    while it runs (in graph order; a node's kernel scratch, ``scratch_bytes``, while it runs), and the new memory its outputs keep alive after it, by the fx
-    node that made each memory (:func:`_roots`; an output that views memory made outside the
-    group is a part of 0 bytes, so that its readers can be told from readers of a size). A view
+    while it runs (in graph order; a node's kernel scratch, ``scratch_bytes``, while it runs), and
+    the new memory its outputs keep alive after it, by the fx node that made each memory
+    (:func:`_roots`; an output that views memory made outside the group is a part of 0 bytes, so
+    that its readers can be told from readers of a size). A view
     takes no new memory but keeps its base's alive; a memory lives from the node that made it
     until the last reader of it or of any view of it in the group, or to the group's end when
     something outside reads one of them."""
