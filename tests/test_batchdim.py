@@ -334,3 +334,50 @@ def test_a_number_read_from_the_batch_s_values_is_refused_for_micro_batches(trac
     placed = torchplace.place(model, DEVICES, (x,), microbatches=1, trace_method=trace_method, **OPTIONS)
     with torch.no_grad():
         assert placed(x)[1] == model(x)[1]
+
+
+class RoundingNoise(nn.Module):
+    """Returns, beside a linear layer's output, its difference from the same map by another kernel:
+    rounding noise with nothing larger to measure it against, which a batch of one and of two may
+    round differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.a(x)
+        return y, y - ((x.unsqueeze(1) * self.a.weight).sum(-1) + self.a.bias)
+
+
+class DividesByTheBatch(RoundingNoise):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.a(x)
+        return y, y / x.shape[0]  # every row computed alone, but by the batch's size
+
+
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_an_output_of_rounding_noise_is_not_taken_for_mixing(trace_method: str) -> None:
+    """Its rows differ alone and beside another by more than rounding at its own scale, and were
+    refused as mixing the batch (found by fuzzing); beside a copy of themselves and in float64 they
+    show that they do not."""
+    torch.manual_seed(0)
+    model, x = RoundingNoise().eval(), torch.randn(8, 64)
+    with torch.no_grad():
+        single, pair = model(x[-1:])[1], model(x[-2:])[1]
+    assert float((single - pair[1:]).abs().max()) > 1e-3 * float(pair[1:].abs().max())  # what was refused
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=4, trace_method=trace_method, **OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(placed(x)[1], torch.cat([model(part)[1] for part in x.chunk(4)]))
+    loss = lambda out, target: ((out[0] - target) ** 2).mean() + out[1].abs().mean()  # noqa: E731
+    trained = torchplace.place(model.train(), DEVICES, (x,), mode="training", microbatches=4, loss_fn=loss,
+                               example_target=torch.zeros(8, 64), trace_method=trace_method, **OPTIONS)
+    trained.step(x, target=torch.zeros(8, 64))
+
+
+def test_an_output_scaled_by_the_batch_size_is_still_refused() -> None:
+    """Beside a copy of themselves its rows do not change (the batch's size is the same): the
+    float64 runs show that the difference alone is not rounding."""
+    torch.manual_seed(0)
+    with pytest.raises(MicrobatchError, match=r"model output \[1\] for the example.s last 1 sample alone differs"):
+        torchplace.place(DividesByTheBatch().eval(), DEVICES, (torch.randn(8, 64),), microbatches=4, **OPTIONS)
