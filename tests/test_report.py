@@ -358,7 +358,19 @@ def test_report_cli_errors_are_one_line(tmp_path, capsys, workload_plan):
     assert main(["report", str(tmp_path / "plan.json")]) == 2  # -o is required
     other = str(LAYERS / "bert24_inference.json")
     assert main(["report", str(tmp_path / "plan.json"), "--workload", other, "-o", str(tmp_path / "x.html")]) == 2
-    assert capsys.readouterr().err.count("torchplace: error:") == 2
+    err = capsys.readouterr().err
+    assert err.count("torchplace: error:") == 2
+    assert "the plan was solved for another workload; give the workload file it was solved for" in err  # not a node
+
+
+def test_report_of_a_plan_for_other_devices_names_the_options(tmp_path, capsys):
+    bert = str(LAYERS / "bert24_inference.json")
+    plan = str(tmp_path / "eight.json")
+    assert main(["solve", bert, "--accelerators", "8", "--method", "dp", "-o", plan]) == 0
+    capsys.readouterr()
+    assert main(["report", plan, "--workload", bert, "--accelerators", "2", "-o", str(tmp_path / "x.html")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a valid plan of" in err and "unknown device" in err and "--accelerators" in err
 
 
 def test_report_rebuilds_the_problem_the_plan_was_solved_for(tmp_path, capsys):

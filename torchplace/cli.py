@@ -426,7 +426,7 @@ def _report(args: argparse.Namespace) -> int:
                   (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None)
                   for name, value in recorded.items()}
         problem = _read_workload(args.workload, args.objective, noncontiguous=noncontiguous, **counts)
-        plan.validate(problem)  # a plan of another graph would draw nonsense
+        _check_plan_of(plan, problem, args.plan, args.workload)  # a plan of another graph would draw nonsense
         value = costmodel.evaluate(problem, plan)
         if not math.isclose(value, plan.objective, rel_tol=1e-6, abs_tol=1e-12):
             raise UsageError(f"{args.plan}: its objective {plan.objective:.6g} is not its {problem.objective} on "
@@ -436,6 +436,23 @@ def _report(args: argparse.Namespace) -> int:
                  microbatches=args.microbatches)
     print(f"wrote {args.output}")
     return 0
+
+
+def _check_plan_of(plan: Any, problem: Any, plan_path: str, workload: str) -> None:
+    """Refuse, as a :class:`UsageError` saying which, a plan solved for another workload (other
+    nodes) or for other devices of it (``plan.validate`` names the broken constraint)."""
+    from torchplace.errors import InvalidPlanError
+
+    nodes, placed = set(problem.graph), {v for s in plan.stages for v in s.nodes}
+    if nodes != placed:
+        raise UsageError(f"{plan_path} places {len(placed)} nodes and {workload} has {len(nodes)} "
+                         f"({len(nodes - placed)} not in the plan, {len(placed - nodes)} of the plan's not in the "
+                         "workload): the plan was solved for another workload; give the workload file it was solved for")
+    try:
+        plan.validate(problem)
+    except InvalidPlanError as error:
+        raise UsageError(f"{plan_path} is not a valid plan of {workload} as read now ({error}): give the --objective, "
+                         "--accelerators, --cpus and --noncontiguous it was solved with") from error
 
 
 def _demo(args: argparse.Namespace) -> int:
