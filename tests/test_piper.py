@@ -254,8 +254,12 @@ def test_methods_and_problems_must_match():
         solvers.solve(p, method="dp")
     other = copy.copy(p)
     object.__setattr__(other, "parallel", None)
-    with pytest.raises(UsageError, match="needs a Piper problem"):
+    with pytest.raises(UsageError, match="needs a Piper problem") as refused:
         solvers.solve(other, method="piper")
+    assert "'dp'" in str(refused.value) and "piper-equi" not in str(refused.value)  # the methods for this problem
+    with pytest.raises(UsageError, match="optimises latency") as refused:
+        solvers.solve(other, method="moirai")
+    assert "'dp'" in str(refused.value) and "piper" not in str(refused.value)  # the list was every throughput method
 
 
 def test_cli_solves_a_piper_workload(capsys):

@@ -118,13 +118,24 @@ def _claim_no_more(problem: Problem, plan: Plan) -> Plan:
     return plan
 
 
-def check_method(method: str, objective: str) -> None:
+def check_method(method: str, objective: str, parallel: bool | None = None) -> None:
     """Raise :class:`~torchplace.errors.UsageError` unless ``method`` is ``"auto"`` or a method
-    of :data:`METHODS` that optimises ``objective`` (the message lists the ones that do)."""
+    of :data:`METHODS` that optimises ``objective``, and, where ``parallel`` says whether the
+    problem is a Piper problem, one of that problem's family (:data:`PARALLEL_METHODS` or the
+    others). The message lists the methods that apply."""
     if method != "auto" and method not in METHODS:
         raise UsageError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
+    family = [m for m in METHODS if parallel is None or (m in PARALLEL_METHODS) == parallel]
+    if method != "auto" and parallel is not None and method not in family:
+        fits = [m for m in family if METHODS[m].objective == objective]
+        if parallel:
+            raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
+                             f"x pipeline); use one of {['auto', *fits]}")
+        raise UsageError(f"method {method!r} needs a Piper problem (Problem.parallel, e.g. from "
+                         f"torchplace.workloads.read_piper: a JSON with 'mbsInBatch'); for this problem use one of "
+                         f"{['auto', *fits]}")
     if method != "auto" and METHODS[method].objective != objective:
-        others = [m for m, spec in METHODS.items() if spec.objective == objective]
+        others = [m for m in family if METHODS[m].objective == objective]
         raise UsageError(
             f"method {method!r} optimises {METHODS[method].objective}, but the objective is {objective!r}: ask for "
             f"objective={METHODS[method].objective!r} (command line: --objective {METHODS[method].objective}), "
@@ -147,14 +158,9 @@ def solve(problem: Problem, method: str = "auto", *, time_limit: float | None = 
         UsageError: for an unknown method (the message lists the known ones) or a method that
             optimises the other objective (:func:`check_method`).
     """
-    check_method(method, problem.objective)
+    check_method(method, problem.objective, parallel=problem.parallel is not None)
     if problem.parallel is not None:
-        if method == "auto":
-            method = "piper"
-        if method not in PARALLEL_METHODS:
-            raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
-                             f"x pipeline); use one of {list(PARALLEL_METHODS)}")
-        return call_method(method, problem, time_limit=time_limit, **opts)
+        return call_method("piper" if method == "auto" else method, problem, time_limit=time_limit, **opts)
     if opts.get("contiguous") is False and problem.contiguous:
         # the method may give a device several pieces (Tarnawski Sec. 5.2): its plan is a plan of the
         # problem that allows them, as the method checks it, and so in the wrappers below too
