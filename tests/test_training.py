@@ -690,3 +690,64 @@ def test_values_that_take_no_gradient_are_probed_without_one():
     placed.step(x, target=torch.zeros(8))
     _reference_step(reference, (x,), torch.zeros(8), lambda out, _: out.pow(2).mean(), 4)
     _close_grads(model, reference)
+
+
+class CountsItsCalls(nn.Module):
+    """BatchNorm first, then a buffer of its own written in forward and read in the same call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.bn = nn.Linear(6, 16), nn.BatchNorm1d(16)
+        self.mid = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        self.register_buffer("count", torch.zeros(()))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.bn(self.inp(x)))
+        self.count.add_(1)
+        return self.head(h * (1 + 0.01 * self.count))
+
+
+def _writes_of(graph, buffer: str) -> list[str]:
+    """The nodes that write ``buffer`` in place (an export graph's ``add_`` on its placeholder)."""
+    return [n.name for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("aten.add_")
+            and buffer in n.args[0].name]
+
+
+def test_the_eval_graph_is_matched_to_the_training_graph_by_what_nodes_compute():
+    """The eval trace has no BatchNorm counter update, so the model's own count.add_ took that
+    update's name there, and its stage: it ran on the first device, away from its reader and from
+    the buffer's home, and the model's buffer was never written in eval calls (found by fuzzing)."""
+    from torchplace.profiling import trace
+    from torchplace.runtime.remap import matched_nodes, stage_assignment
+
+    torch.manual_seed(0)
+    model, x = CountsItsCalls(), torch.randn(4, 6)
+    train = trace(model.train(), (x,), method="export", training=True)
+    other = trace(model.eval(), (x,), method="export")
+    mine, bn = _writes_of(train.gm.graph, "count"), _writes_of(train.gm.graph, "num_batches_tracked")
+    assert len(mine) == len(bn) == 1 and _writes_of(other.gm.graph, "count") == bn  # the name it takes
+    assert matched_nodes(other.gm.graph, train.gm.graph)[bn[0]] == mine[0]
+    order = [n.name for n in train.gm.graph.nodes if n.op == "call_function"]
+    known = {name: int(i >= order.index(mine[0])) for i, name in enumerate(order)}  # cut just before count.add_
+    stage = stage_assignment(other.gm.graph, other.effects, train.gm.graph, known, ["cpu:0", "cpu:1"])
+    assert stage[bn[0]] == 1
+
+
+def test_a_buffer_written_in_forward_is_written_in_eval_calls_too():
+    torch.manual_seed(0)
+    model, x, y = CountsItsCalls(), torch.randn(8, 6), torch.randn(8, 5)
+    reference = copy.deepcopy(model)
+    placed = _place(model, (x,), 2, loss_fn=nn.functional.mse_loss, example_target=y, allow_single_device=False)
+    writes = {buffer: {i for i, stage in enumerate(placed._stages) if _writes_of(stage.graph, buffer)}
+              for buffer in ("count", "num_batches_tracked")}
+    assert writes["count"] != writes["num_batches_tracked"]  # the case: the two writes on two devices
+    placed.step(x, target=y)
+    for part in x.tensor_split(4):
+        reference(part)
+    placed.eval()
+    reference.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(placed(x), torch.cat([reference(part) for part in x.tensor_split(4)]))
+    assert model.count.item() == reference.count.item() == 16

@@ -268,7 +268,7 @@ class PlacedModule(nn.Module):
                 other = trace(model, args, kwargs, granularity=traced.granularity, leaf_modules=traced.leaf_types,
                               method=traced.method, dynamic_dims=traced.dynamic_dims)
             known = {f: i for i, stage in enumerate(self._stages) for f in _fx_names(stage)}
-            stage_of = stage_assignment(other.gm.graph, other.effects, known, self._workers)
+            stage_of = stage_assignment(other.gm.graph, other.effects, self._traced.gm.graph, known, self._workers)
             stages = split_stages(other.gm, stage_of, len(self._stages), other.effects)
             params = StageParameters(stages, [normalize_device(d) for d in self._torch_devices], self._workers,
                                      self._isolate, homes=self._executor.stage_params)

@@ -1,47 +1,101 @@
 """Carry a placement over to another trace of the same model (its eval-mode graph).
 
 A model placed for training is traced in training mode: dropout and BatchNorm's batch statistics
-are part of its graph. Its eval-mode graph is a second trace whose nodes are almost all the same
-(fx and torch.export name nodes by operator and count, so most names match) with a few added or
-left out (an eval-only ``contiguous``, BatchNorm's counter update). :func:`stage_assignment` gives
-each node of the second graph the stage of the same-named node of the first, and a node without one
-the stage of its latest input; a node that would read from a later stage moves to that stage, so the
-assignment runs in stage order. Nodes that must share a device because of in-place writes must end
-up on one device; if they do not, the carried-over placement is refused.
+are part of its graph. Its eval-mode graph is a second trace whose nodes are almost all the same,
+with a few added or left out (an eval-only ``contiguous``, BatchNorm's counter update).
+
+Names do not say which nodes are the same: fx and torch.export name nodes by operator and count,
+so one node left out renames every later node of its operator (without BatchNorm's counter update,
+a model's own ``self.count.add_(1)`` takes that update's name). :func:`matched_nodes` pairs nodes
+by what they compute instead: the same operator on the same constants and on inputs that are
+themselves paired (model inputs, parameters and buffers by name). :func:`stage_assignment` gives
+each node the stage of its pair, and a node without one the stage of its latest input; a node that
+would read from a later stage moves to that stage, so the assignment runs in stage order. The
+nodes that access one written parameter or buffer run on one stage (so micro-batches see the state
+in order, as the model run on the same micro-batches does; :mod:`torchplace.profiling.effects`),
+and nodes that in-place writes tie to one device must end up on one device; if they do not, the
+carried-over placement is refused.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from torchplace.errors import UnsupportedError
 from torchplace.fxutil import is_compute
 from torchplace.profiling.effects import Effects
 
-__all__ = ["stage_assignment"]
+__all__ = ["matched_nodes", "stage_assignment"]
 
 
-def stage_assignment(graph: fx.Graph, effects: Effects, known: Mapping[str, int], devices: Sequence[str]) -> dict[str, int]:
-    """The stage of every compute node of ``graph``, from the stages ``known`` by node name.
+def matched_nodes(graph: fx.Graph, reference: fx.Graph) -> dict[str, str]:
+    """Each compute node of ``graph`` that computes what a node of ``reference`` does -> that
+    node's name: the same operator on the same constants and on matched inputs (a placeholder or
+    attribute matches the one of its name). Among several such nodes, the one of the same name,
+    else the first in graph order; each reference node is taken once."""
+    pool: dict[Hashable, list[str]] = {}
+    for n in reference.nodes:
+        if is_compute(n):
+            pool.setdefault(_key(n, lambda a: a.name), []).append(n.name)
+    matched: dict[str, str] = {}
+    for n in graph.nodes:
+        if not is_compute(n):
+            continue
+        names = pool.get(_key(n, lambda a: matched.get(a.name, f"<unmatched {a.name}>") if is_compute(a) else a.name))
+        if names:
+            pick = n.name if n.name in names else names[0]
+            names.remove(pick)
+            matched[n.name] = pick
+    return matched
+
+
+def _key(node: fx.Node, name_of: Callable[[fx.Node], str]) -> Hashable:
+    """What ``node`` computes: its operator, and its arguments with each input node as ``name_of`` it."""
+    args = pytree.tree_map_only(fx.Node, name_of, (node.args, node.kwargs))
+    target: Any = node.target
+    try:
+        hash(target)
+    except TypeError:
+        target = repr(target)
+    return node.op, target, repr(args)
+
+
+def stage_assignment(graph: fx.Graph, effects: Effects, reference: fx.Graph, known: Mapping[str, int],
+                     devices: Sequence[str]) -> dict[str, int]:
+    """The stage of every compute node of ``graph``, carried over from ``reference``'s placement.
 
     Args:
         graph: the graph to place.
-        effects: its in-place writes (ordering edges; sets that must share a device).
-        known: stage index by node name, from the placement being carried over.
+        effects: its in-place writes (ordering edges; nodes that must share a stage or a device).
+        reference: the graph that was placed (:func:`matched_nodes` pairs their nodes).
+        known: stage index of ``reference``'s nodes, by name.
         devices: the device of each stage.
 
     Raises:
         UnsupportedError: if nodes that in-place writes tie to one device land on several.
     """
-    stage: dict[str, int] = {}
-    for n in graph.nodes:
-        if not is_compute(n):
-            continue
-        inputs = [stage[a.name] for a in n.all_input_nodes if a.name in stage]
-        inputs += [stage[u] for u in effects.after.get(n.name, ()) if u in stage]
-        lowest = max(inputs, default=0)
-        stage[n.name] = max(known.get(n.name, lowest), lowest)
+    carried = {name: known[ref] for name, ref in matched_nodes(graph, reference).items() if ref in known}
+    floor: dict[str, int] = {}
+    while True:
+        stage: dict[str, int] = {}
+        for n in graph.nodes:
+            if not is_compute(n):
+                continue
+            inputs = [stage[a.name] for a in n.all_input_nodes if a.name in stage]
+            inputs += [stage[u] for u in effects.after.get(n.name, ()) if u in stage]
+            lowest = max([*inputs, floor.get(n.name, 0)])
+            stage[n.name] = max(carried.get(n.name, lowest), lowest)
+        raised = False
+        for members in effects.merged:  # a written parameter's or buffer's accessors: one stage, the latest
+            top = max((stage[m] for m in members if m in stage), default=0)
+            for m in members:
+                if m in stage and stage[m] < top:
+                    floor[m], raised = top, True
+        if not raised:  # floors only rise, at most to the last stage: this ends
+            break
     for members in effects.colocated:
         on = {devices[stage[m]] for m in members if m in stage}
         if len(on) > 1:
