@@ -242,6 +242,30 @@ def test_an_edited_profile_in_a_plan_file_is_named(tmp_path):
         _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
 
 
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda e: "nan", ": expected an object"),
+    (lambda e: {**e, "readers": 1}, ".readers: expected a list of strings"),
+    (lambda e: {**e, "bytes": -4}, ".bytes"),
+    (lambda e: {**e, "owner": 3}, ".owner: expected a node id"),
+])
+def test_an_edited_tensor_entry_in_a_plan_file_is_named(tmp_path, edit, field):
+    """A tensor entry of the stored profile was read unchecked: AttributeError or TypeError deep
+    in the cost model (found by fuzzing)."""
+    import re
+
+    from torchplace.errors import WorkloadFormatError
+
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    state = data["meta"]["profile"]["graph"]["meta"]["state"]
+    name = next(iter(state))
+    state[name] = edit(state[name])
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError, match=re.escape(f"meta.profile.graph: meta.state[{name!r}]{field}")):
+        _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
+
+
 class WritesAValueInPlace(nn.Module):
     """``h`` is written in place twice after another layer read it: its writers share a device."""
 

@@ -438,6 +438,7 @@ class OpGraph:
                 raise WorkloadFormatError(f"{source}: field {key!r} must be a list, got {brief(data.get(key))}")
         if not isinstance(data.get("meta", {}), Mapping):
             raise WorkloadFormatError(f"{source}: meta: expected an object, got {brief(data['meta'])}")
+        _check_state(data.get("meta", {}).get("state"), f"{source}: meta.state")
         g = cls(meta=data.get("meta"))
         for i, nd in enumerate(data["nodes"]):
             where = f"{source}: nodes[{i}]"
@@ -489,3 +490,25 @@ class OpGraph:
 
     def __repr__(self) -> str:
         return f"OpGraph({len(self)} nodes, {self.nx.number_of_edges()} edges)"
+
+
+def _check_state(state: Any, source: str) -> None:
+    """Raise :class:`WorkloadFormatError` unless ``state`` is ``meta["state"]`` as
+    :func:`torchplace.profiling.tensors.state_meta` writes it (or absent)."""
+    if state is None:
+        return
+    if not isinstance(state, Mapping):
+        raise WorkloadFormatError(f"{source}: expected an object of tensors by name, got {brief(state)}")
+    for name, entry in state.items():
+        where = f"{source}[{name!r}]"
+        if not isinstance(entry, Mapping):
+            raise WorkloadFormatError(f"{where}: expected an object with 'bytes', 'owner' and 'readers', got {brief(entry)}")
+        non_negative_int(entry.get("bytes"), f"{where}.bytes", unit="of bytes", error=WorkloadFormatError)
+        if entry.get("owner") is not None and not isinstance(entry["owner"], str):
+            raise WorkloadFormatError(f"{where}.owner: expected a node id or null, got {brief(entry['owner'])}")
+        for key in ("readers", "names"):
+            value = entry.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise WorkloadFormatError(f"{where}.{key}: expected a list of strings, got {brief(value)}")
+        if not isinstance(entry.get("trainable", False), bool):
+            raise WorkloadFormatError(f"{where}.trainable: expected true or false, got {brief(entry['trainable'])}")
