@@ -11,8 +11,8 @@ model needs more): two small forwards, not the example's.
 - an output that reads no batched input (a constant, a parameter, a size other than the batch's)
   is the same on every micro-batch: the placed model returns it once, not ``m`` copies joined;
 - every other tensor output must have a dim 0 that scales with the rows, and a floating-point one
-  must hold for the last sample alone what it holds for it beside another, up to rounding (an
-  output that is rounding noise itself is run twice more to tell, :func:`_rounding_only`). Where
+  must hold for the last sample alone what it holds for it beside another, up to rounding (of an
+  output that is rounding noise itself, relative to its operands: :class:`_Recheck`). Where
   it does not (a reduction over the batch, batch statistics, attention over dim 0 because the model
   puts the sequence first, a layout that is not batch-major), :class:`~torchplace.errors.MicrobatchError`
   names the output and says what to do.
@@ -28,10 +28,7 @@ on a size of one does (``if x.shape[1] == 1:``, ``L - 1 if L > 1 else 1``). For 
 """
 from __future__ import annotations
 
-import copy
-import math
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +39,8 @@ from torch.utils import _pytree as pytree
 
 from torchplace.checks import brief
 from torchplace.errors import MicrobatchError, TraceError, UsageError
-from torchplace.fxutil import bind_call, bind_placeholders, draws_random_numbers, flat_inputs, run_graph, symbolic_sizes
+from torchplace.fxutil import (Interpreter, bind_call, bind_placeholders, draws_random_numbers, flat_inputs, run_graph,
+                               symbolic_sizes)
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime.microbatch import batch_size, last_rows
 
@@ -73,74 +71,88 @@ class Runs:
             self.batch = batch_size(args, kwargs)
         except ValueError:
             self.batch = None
-        self._outputs: dict[tuple[bool, int, str], Any] = {}
-        self._wide: dict[bool, torch.nn.Module] = {}
+        self._outputs: dict[tuple[str, int], Any] = {}
 
     def graph(self, n: int) -> Any:
         """The graph's output on the last ``n`` samples (raises what the graph raises)."""
-        return self._get(False, n)
+        return self._get("graph", n)
 
     def eager(self, n: int) -> Any:
         """The model's own output on the last ``n`` samples."""
-        return self._get(True, n)
+        return self._get("eager", n)
 
-    def twice(self, eager: bool, n: int) -> Any:
-        """The model's (``eager``) or the graph's output on the last ``n`` samples followed by a copy
-        of them: the batch of ``graph(2 * n)``, so the same kernels, with other rows beside the
-        last ``n``."""
-        return self._get(eager, n, "twice")
+    def beside_copy(self, n: int) -> Any:
+        """The graph's output on the last ``n`` samples followed by a copy of them: the batch of
+        ``graph(2 * n)``, so the same kernels, with other rows beside the last ``n``."""
+        return self._get("beside_copy", n)
 
-    def wide(self, eager: bool, n: int) -> Any:
-        """The model's (``eager``) or the graph's output on the last ``n`` samples, computed on a
-        copy with float64 parameters, buffers and inputs: rounding a million times smaller."""
-        return self._get(eager, n, "wide")
+    def magnitudes(self, n: int) -> dict[fx.Node, float]:
+        """The largest finite magnitude of every floating-point tensor value of the graph (its
+        nodes' outputs, parameters and inputs among them) on the last ``n`` samples."""
+        return self._get("magnitudes", n)
 
     def last(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The example call cut to its last ``n`` samples."""
         return last_rows(self.args, self.kwargs, self.batch, n) if self.batch else (self.args, dict(self.kwargs))
 
-    def run(self, eager: bool, call: tuple[tuple[Any, ...], Mapping[str, Any]],
-            module: torch.nn.Module | None = None) -> Any:
-        """The model's (``eager``) or the graph's output on ``call`` (``module``: a copy of it to
-        run instead), from the seed every run uses."""
+    def run(self, eager: bool, call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> Any:
+        """The model's (``eager``) or the graph's output on ``call``, from the seed every run uses."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             if eager:
-                return _run(module or self.model, _copies(call), call=True)  # type: ignore[arg-type]
-            return _run(module or self.gm, self.flat(*call))
+                return _run(self.model, _copies(call), call=True)  # type: ignore[arg-type]
+            return _run(self.gm, self.flat(*call))
 
-    def _call(self, eager: bool, n: int, how: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call :meth:`_get` runs: the last ``n`` samples (``how="twice"``: twice over;
-        ``"wide"``: every floating-point tensor as float64)."""
-        if how == "twice":
-            batch = self.batch
-
-            def doubled(t: torch.Tensor) -> torch.Tensor:
-                return torch.cat([t[batch - n:]] * 2) if batch and t.dim() > 0 and t.shape[0] == batch else t
-
-            return pytree.tree_map_only(torch.Tensor, doubled, (self.args, dict(self.kwargs)))
-        call = self.last(n)
-        if how == "wide":
-            return pytree.tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, call)
-        return call
-
-    def _get(self, eager: bool, n: int, how: str = "last") -> Any:
-        key = (eager, n, how)
+    def _get(self, what: str, n: int) -> Any:
+        key = (what, n)
         if key not in self._outputs:
             try:
-                module = None
-                if how == "wide":
-                    if eager not in self._wide:
-                        with warnings.catch_warnings():  # torch's own pytree specs warn as they are copied
-                            warnings.simplefilter("ignore", FutureWarning)
-                            self._wide[eager] = copy.deepcopy(self.model if eager else self.gm).double()
-                    module = self._wide[eager]
-                self._outputs[key] = self.run(eager, self._call(eager, n, how), module)
+                if what == "magnitudes":
+                    self._outputs[key] = self._magnitudes(n)
+                elif what == "beside_copy":
+                    self._outputs[key] = self.run(False, self._beside_copy(n))
+                else:
+                    self._outputs[key] = self.run(what == "eager", self.last(n))
             except Exception as error:  # noqa: BLE001 - kept, to raise again on the next ask
                 self._outputs[key] = error
         out = self._outputs[key]
         if isinstance(out, Exception):
             raise out
+        return out
+
+    def _beside_copy(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The example call with each batched tensor cut to its last ``n`` rows, twice over."""
+        def doubled(whole: Any, cut: Any) -> Any:
+            batched = isinstance(whole, torch.Tensor) and whole.dim() > 0 and whole.shape[0] == self.batch
+            return torch.cat([cut, cut]) if batched else cut
+
+        return pytree.tree_map(doubled, (self.args, dict(self.kwargs)), self.last(n))
+
+    def _magnitudes(self, n: int) -> dict[fx.Node, float]:
+        recorder = _Magnitudes(self.gm)
+        snapshot = StateSnapshot(self.gm)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(0)
+                recorder.run(*self.flat(*self.last(n)))
+        finally:
+            snapshot.restore()
+        return recorder.largest
+
+
+class _Magnitudes(Interpreter):
+    """Runs a graph and keeps the largest finite magnitude of each floating-point tensor value."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.largest: dict[fx.Node, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()):
+            finite = out.detach().abs()
+            finite = finite[finite.isfinite()]
+            self.largest[n] = float(finite.max()) if finite.numel() else 0.0
         return out
 
 
@@ -203,7 +215,7 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
             joined.append(False)
             continue
         _check_output(what, both, single, one, values=values and not random,
-                      again=_Again(runs, False, one, index))
+                      recheck=_Recheck(runs, one, index))
         joined.append(True)
     return tuple(joined)
 
@@ -300,28 +312,21 @@ def check_rows_apart(runs: Runs) -> None:
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        _check_rows_apart(runs)
-    finally:
-        for m, was in modes.items():
-            m.training = was
-
-
-def _check_rows_apart(runs: Runs) -> None:
-    """:func:`check_rows_apart` with the model in eval mode."""
-    try:
         both, single = runs.eager(2), runs.eager(1)
     except Exception:  # noqa: BLE001 - the eval-mode model needs more rows: the training checks say what it needs
         return
+    finally:
+        for m, was in modes.items():
+            m.training = was
     pairs, _ = pytree.tree_flatten_with_path(both)
     alone = pytree.tree_leaves(single)
     if len(pairs) != len(alone):
         return
-    for index, ((path, pair), one) in enumerate(zip(pairs, alone)):
+    for (path, pair), one in zip(pairs, alone):
         if (isinstance(pair, torch.Tensor) and isinstance(one, torch.Tensor) and pair.dim() > 0 and one.dim() > 0
                 and pair.shape[0] == 2 * one.shape[0] and pair.shape[1:] == one.shape[1:]):
             what = f"in eval mode, model output {pytree.keystr(path)}" if path else "in eval mode, the model's output"
-            _check_output(what, pair, one, 1, values=True,
-                          again=_Again(runs, True, 1, index))
+            _check_output(what, pair, one, 1, values=True)
 
 
 def joined_outputs(runs: Runs, m: int) -> tuple[bool, ...] | MicrobatchError | None:
@@ -582,10 +587,11 @@ def _run(module: torch.nn.Module, inputs: Any, call: bool = False) -> Any:
 
 
 def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, values: bool,
-                  again: _Again | None = None) -> None:
+                  recheck: _Recheck | None = None) -> None:
     """Refuse an output that reads the batch but is not its parts joined along dim 0: ``both`` on
-    ``2 rows`` samples, ``single`` on the last ``rows`` of them; ``again`` runs it on other calls
-    where the two differ by more than rounding at the output's scale (:func:`_rounding_only`)."""
+    ``2 rows`` samples, ``single`` on the last ``rows`` of them. Where the two differ by more
+    than rounding at the output's own scale, ``recheck`` (the graph's runs) may still show that
+    the difference is rounding (:meth:`_Recheck.rounding_only`)."""
     advice = "place it with microbatches=1"
     if not isinstance(single, torch.Tensor) or both.dim() == 0 or single.dim() == 0:
         raise MicrobatchError(f"{what} is a scalar computed from the batch (a reduction over it?): micro-batches "
@@ -596,92 +602,92 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
                               f"{advice}, or return the batch first")
     if not values or both.numel() == 0 or single.dtype != both.dtype:
         return
+    mixes = (f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
+             f"rows computed beside {rows} more")
+    tail = both[single.shape[0]:]
     if not (both.is_floating_point() or both.is_complex()):  # exact: nothing to round
-        if not torch.equal(both[single.shape[0]:], single):
-            raise MicrobatchError(
-                f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
-                f"rows computed beside {rows} more: the model mixes the samples of a batch; {advice}")
+        if not torch.equal(tail, single):
+            raise MicrobatchError(f"{mixes}: the model mixes the samples of a batch; {advice}")
         return
+    finite = tail.isfinite()
+    if not torch.equal(finite, single.isfinite()) or not _same_values(tail[~finite], single[~finite]):
+        raise MicrobatchError(f"{mixes} in which values are inf or nan: the model mixes the samples of a batch (or "
+                              f"overflows on one batch size only); {advice}")
     wide = torch.complex128 if both.is_complex() else torch.float64
-    tail = both[single.shape[0]:].to(wide)
-    scale = float(tail.abs().max()) or 1.0
-    diff = float((tail - single.to(wide)).abs().max())
-    if not math.isfinite(diff) and torch.equal(tail.isfinite(), single.isfinite()):
-        return  # inf and nan where the pair has them too
-    limit = TOLERANCE.get(both.real.dtype if both.is_complex() else both.dtype, HALF_TOLERANCE) * scale
-    if diff > limit:
-        if again is not None and _rounding_only(both, single, again, limit):
+    tail, single = tail[finite].to(wide), single[finite].to(wide)
+    scale = float(tail.abs().max()) if tail.numel() else 0.0
+    diff = float((tail - single).abs().max()) if tail.numel() else 0.0
+    tolerance = TOLERANCE.get(both.real.dtype if both.is_complex() else both.dtype, HALF_TOLERANCE)
+    if diff > tolerance * (scale or 1.0):
+        if recheck is not None and recheck.rounding_only(both, diff, tolerance):
             return
         raise MicrobatchError(
-            f"{what} for the example's last {rows} sample{'s' if rows > 1 else ''} alone differs from the same "
-            f"rows computed beside {rows} more by {diff:.3g} (values up to {scale:.3g}): the model mixes the samples "
+            f"{mixes} by {diff:.3g} (values up to {scale:.3g}): the model mixes the samples "
             f"of a batch (batch statistics, a reduction or attention over dim 0, the sequence first where the batch "
             f"should be); {advice}, or put the batch first (e.g. batch_first=True)")
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values, nan where the other has nan."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @dataclass(frozen=True)
-class _Again:
-    """Output leaf ``index`` (``tree_flatten`` order) of the model's (``eager``) or the graph's
-    runs on the example's last ``rows`` samples, on the calls :func:`_rounding_only` asks for."""
+class _Recheck:
+    """Output leaf ``index`` (``tree_flatten`` order) of the graph's runs on the example's last
+    ``rows`` samples alone and beside ``rows`` more, looked at again where the two differ by more
+    than rounding relative to the output's own largest value.
+
+    That happens without mixing samples where the output is rounding noise itself: ``a(x) - b(x)``,
+    ``b`` the same map by another kernel, which a batch of another size may pick. Its scale is
+    then not the output's but its operands' (:func:`_operand_scale`)."""
 
     runs: Runs
-    eager: bool
     rows: int
     index: int
 
-    def beside_copy(self) -> Any:
-        """The leaf on the last ``rows`` samples beside a copy of themselves."""
-        return _leaf(self.runs.twice(self.eager, self.rows), self.index)
-
-    def in_float64(self) -> tuple[Any, Any]:
-        """The leaf on twice the rows and on the rows alone, computed in float64."""
-        return (_leaf(self.runs.wide(self.eager, 2 * self.rows), self.index),
-                _leaf(self.runs.wide(self.eager, self.rows), self.index))
-
-
-def _rounding_only(both: torch.Tensor, single: torch.Tensor, again: _Again, limit: float) -> bool:
-    """Whether rows computed alone (``single``) and beside others (``both``) differ by rounding
-    only, where the difference passes ``limit`` (the tolerance at the output's own scale). That
-    happens without mixing where the output is rounding noise itself (``a(x) - b(x)``, ``b`` the
-    same map by another kernel, which a batch of another size may pick): there is no larger value
-    to measure rounding against. Two more runs tell:
-
-    - beside a copy of themselves, the batch of ``both`` (so the same kernels), rows that the model
-      keeps apart come out bitwise as in ``both``: a change means the rows mix;
-    - in float64 (a copy of the model, parameters and inputs), rounding shrinks a million-fold
-      and an output that depends on the batch's size (``x / x.shape[0]``) does not: the rows must
-      then agree alone and beside others within ``limit``.
-
-    Any run that fails, or a model that computes the output in another dtype anyway, counts as
-    mixing: the refusal stands."""
-    rows = single.shape[0]
-    try:
-        if not _same_rows(both, again.beside_copy(), rows):
+    def rounding_only(self, both: torch.Tensor, diff: float, tolerance: float) -> bool:
+        """Whether ``diff``, the largest difference between the rows alone and in ``both`` (on
+        twice the rows), is rounding: the rows do not change beside a copy of themselves (the
+        batch of ``both``, so the same kernels: a change means they mix), and ``diff`` is within
+        ``tolerance`` of the largest operand of the operation that computes the output. A
+        threshold or branch on the noise (``torch.where(noise.abs() > eps, y, -y)``) turns it
+        into a difference as large as its operands, and is refused. A run that fails counts as
+        mixing: the refusal stands."""
+        rows = self.rows
+        try:
+            copy = pytree.tree_leaves(self.runs.beside_copy(rows))
+            if len(copy) <= self.index or not isinstance(copy[self.index], torch.Tensor):
+                return False
+            other = copy[self.index]
+            if other.shape != both.shape or other.dtype != both.dtype:
+                return False
+            if not _same_values(both[both.shape[0] - rows:], other[other.shape[0] - rows:]):
+                return False
+            scale = _operand_scale(self.runs.gm, self.runs.magnitudes(2 * rows), self.index)
+        except Exception:  # noqa: BLE001 - a run that fails: the refusal stands
             return False
-        pair, alone = again.in_float64()
-    except Exception:  # noqa: BLE001 - a model that cannot run so (or be copied): the refusal stands
-        return False
-    wide = torch.complex128 if both.is_complex() else torch.float64
-    if not all(isinstance(t, torch.Tensor) and t.dtype == wide for t in (pair, alone)):
-        return False
-    if pair.shape != both.shape or alone.shape != single.shape:
-        return False
-    return float((pair[pair.shape[0] - rows:] - alone).abs().max()) <= limit
+        return diff <= tolerance * scale
 
 
-def _leaf(output: Any, index: int) -> Any:
-    """Leaf ``index`` of ``output`` in ``tree_flatten`` order (``None`` where it has fewer)."""
-    leaves = pytree.tree_leaves(output)
-    return leaves[index] if index < len(leaves) else None
-
-
-def _same_rows(both: torch.Tensor, other: Any, rows: int) -> bool:
-    """Whether ``other`` holds bitwise the last ``rows`` of ``both`` (nan where ``both`` has nan):
-    the rows did not change when the rows beside them did."""
-    if not isinstance(other, torch.Tensor) or other.shape != both.shape or other.dtype != both.dtype:
-        return False
-    mine, theirs = both[both.shape[0] - rows:], other[other.shape[0] - rows:]
-    return bool(((mine == theirs) | (mine.isnan() & theirs.isnan())).all())
+def _operand_scale(gm: fx.GraphModule, largest: Mapping[fx.Node, float], index: int) -> float:
+    """The largest magnitude among the values output leaf ``index`` of ``gm`` is computed from:
+    the output, the nodes it comes from through operations of one floating-point operand (views,
+    casts, scaling, unary functions), and the operands of the first operation with several
+    (the subtraction where a difference cancels); ``largest``: :meth:`Runs.magnitudes`."""
+    leaves = pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args[0])
+    node = leaves[index] if index < len(leaves) else None
+    seen = [0.0]
+    for _ in range(64):
+        if not isinstance(node, fx.Node) or node not in largest:
+            break
+        seen.append(largest[node])
+        operands = [a for a in node.all_input_nodes if a in largest]
+        if len(operands) != 1:
+            seen += [largest[a] for a in operands]
+            break
+        node = operands[0]
+    return max(seen)
 
 
 def reads_batch(gm: fx.GraphModule, flat: Sequence[Any], batch: int, count: int) -> list[bool]:
