@@ -350,12 +350,6 @@ class RoundingNoise(nn.Module):
         return y, y - ((x.unsqueeze(1) * self.a.weight).sum(-1) + self.a.bias)
 
 
-class DividesByTheBatch(RoundingNoise):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self.a(x)
-        return y, y / x.shape[0]  # every row computed alone, but by the batch's size
-
-
 @pytest.mark.parametrize("trace_method", ["fx", "export"])
 def test_an_output_of_rounding_noise_is_not_taken_for_mixing(trace_method: str) -> None:
     """Its rows differ alone and beside another by more than rounding at its own scale, and were
