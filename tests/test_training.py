@@ -751,3 +751,39 @@ def test_a_buffer_written_in_forward_is_written_in_eval_calls_too():
         for _ in range(3):
             assert torch.equal(placed(x), torch.cat([reference(part) for part in x.tensor_split(4)]))
     assert model.count.item() == reference.count.item() == 16
+
+
+class EvalDiffers(nn.Module):
+    """Dropout and BatchNorm, whose eval-mode nodes differ from their training-mode ones."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.norm = nn.BatchNorm1d(8) if norm else nn.Identity()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.norm(torch.relu(self.layers[0](x))))
+        for layer in self.layers[1:]:
+            x = torch.relu(layer(x))
+        return x
+
+
+@pytest.mark.parametrize(("method", "norm"), [("fx", False), ("export", False), ("export", True)])
+def test_the_eval_graph_keeps_the_training_split(method, norm):
+    """Matched by what they compute, dropout and batch norm (another flag, another operator in
+    eval mode) matched nothing, nor did every node after them: the whole eval graph from there on
+    ran on one device (found in review)."""
+    from torchplace.profiling import trace
+    from torchplace.runtime.remap import stage_assignment
+
+    torch.manual_seed(0)
+    model, x = EvalDiffers(norm), torch.randn(4, 8)
+    train = trace(model.train(), (x,), method=method, training=True)
+    other = trace(model.eval(), (x,), method=method)
+    order = [n.name for n in train.gm.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
+    known = {name: int(i >= len(order) // 2) for i, name in enumerate(order)}
+    stage = stage_assignment(other.gm.graph, other.effects, train.gm.graph, known, ["cpu:0", "cpu:1"])
+    linears = [n.name for n in other.gm.graph.nodes if "linear" in str(n.target)]
+    assert len(linears) == 6 and [stage[name] for name in linears] == [known[name] for name in linears]
+    assert {stage[name] for name in linears} == {0, 1}

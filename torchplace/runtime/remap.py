@@ -19,7 +19,6 @@ carried-over placement is refused.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
 
 from torch import fx
 from torch.utils import _pytree as pytree
@@ -32,35 +31,84 @@ __all__ = ["matched_nodes", "stage_assignment"]
 
 
 def matched_nodes(graph: fx.Graph, reference: fx.Graph) -> dict[str, str]:
-    """Each compute node of ``graph`` that computes what a node of ``reference`` does -> that
-    node's name: the same operator on the same constants and on matched inputs (a placeholder or
-    attribute matches the one of its name). Among several such nodes, the one of the same name,
-    else the first in graph order; each reference node is taken once."""
-    pool: dict[Hashable, list[str]] = {}
+    """Each compute node of ``graph`` that has a counterpart in ``reference`` -> its name.
+
+    Nodes are paired in graph order, each reference node once, by the first of these that finds an
+    unpaired one (among several, the one of the same name, else the first in graph order):
+
+    1. the same operator on the same constants and on paired inputs (a placeholder or attribute
+       pairs with the one of its name): the node computes the same thing;
+    2. the same, constants aside (dropout's ``training`` flag, batch norm's);
+    3. the same operator in the same module, as often called there before (a node whose input
+       has no counterpart: what follows a batch norm that eval mode computes by another operator);
+    4. the same operator under the same name.
+    """
+    tiers = (_computes, _shape_of, _in_module, _named)
+    pools: list[dict[Hashable, list[str]]] = [{} for _ in tiers]
+    places = _places(reference)
     for n in reference.nodes:
         if is_compute(n):
-            pool.setdefault(_key(n, lambda a: a.name), []).append(n.name)
+            for pool, key in zip(pools, tiers):
+                pool.setdefault(key(n, lambda a: a.name, places), []).append(n.name)
     matched: dict[str, str] = {}
+    taken: set[str] = set()
+
+    def name_of(a: fx.Node) -> str:
+        return matched.get(a.name, f"<unmatched {a.name}>") if is_compute(a) else a.name
+
+    places = _places(graph)
     for n in graph.nodes:
         if not is_compute(n):
             continue
-        names = pool.get(_key(n, lambda a: matched.get(a.name, f"<unmatched {a.name}>") if is_compute(a) else a.name))
-        if names:
-            pick = n.name if n.name in names else names[0]
-            names.remove(pick)
-            matched[n.name] = pick
+        for pool, key in zip(pools, tiers):
+            free = [name for name in pool.get(key(n, name_of, places), ()) if name not in taken]
+            if free:
+                matched[n.name] = n.name if n.name in free else free[0]
+                taken.add(matched[n.name])
+                break
     return matched
 
 
-def _key(node: fx.Node, name_of: Callable[[fx.Node], str]) -> Hashable:
-    """What ``node`` computes: its operator, and its arguments with each input node as ``name_of`` it."""
-    args = pytree.tree_map_only(fx.Node, name_of, (node.args, node.kwargs))
-    target: Any = node.target
+_Names = Callable[[fx.Node], str]
+
+
+def _operator(node: fx.Node) -> tuple[str, Hashable]:
     try:
-        hash(target)
+        hash(node.target)
+        return node.op, node.target
     except TypeError:
-        target = repr(target)
-    return node.op, target, repr(args)
+        return node.op, repr(node.target)
+
+
+def _places(graph: fx.Graph) -> dict[fx.Node, Hashable]:
+    """Each compute node's module (the innermost of its ``nn_module_stack``), operator, and how
+    many nodes of that operator the module ran before it."""
+    seen: dict[Hashable, int] = {}
+    out: dict[fx.Node, Hashable] = {}
+    for n in graph.nodes:
+        if is_compute(n):
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            key = (stack[-1][0] if stack and isinstance(stack[-1], tuple) else "", _operator(n))
+            seen[key] = seen.get(key, -1) + 1
+            out[n] = (key, seen[key])
+    return out
+
+
+def _computes(node: fx.Node, name_of: _Names, places: Mapping[fx.Node, Hashable]) -> Hashable:
+    return _operator(node), repr(pytree.tree_map_only(fx.Node, name_of, (node.args, node.kwargs)))
+
+
+def _shape_of(node: fx.Node, name_of: _Names, places: Mapping[fx.Node, Hashable]) -> Hashable:
+    inputs = pytree.tree_map(lambda a: name_of(a) if isinstance(a, fx.Node) else "", (node.args, node.kwargs))
+    return _operator(node), repr(inputs)
+
+
+def _in_module(node: fx.Node, name_of: _Names, places: Mapping[fx.Node, Hashable]) -> Hashable:
+    return places[node]
+
+
+def _named(node: fx.Node, name_of: _Names, places: Mapping[fx.Node, Hashable]) -> Hashable:
+    return node.name, _operator(node)
 
 
 def stage_assignment(graph: fx.Graph, effects: Effects, reference: fx.Graph, known: Mapping[str, int],
