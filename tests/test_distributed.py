@@ -1024,3 +1024,19 @@ def test_a_plan_for_the_engine_keeps_a_container_with_the_nodes_that_take_its_it
     together = labels(sends_tensors_only=True)
     assert len(together) == 1 and None not in together
     assert labels() != together
+
+
+def test_zero_bubble_is_refused_where_a_later_stage_computes_from_a_model_input():
+    """torch.distributed.pipelining's zero-bubble backward finds a stage's weights through its
+    inputs' gradients, except at engine stage 0: a plan whose first piece was on rank 1 (engine
+    stage 0 a pass-through) left that piece's weights with no gradient, silently (found by fuzzing)."""
+    from torchplace.runtime.distributed import _check_zero_bubble
+
+    passing = [EngineSlot(0, 0, (), ("x",), ("x",)), EngineSlot(1, 1, (0,), ("x",), ("h",)),
+               EngineSlot(2, 0, (1,), ("h",), ("y",)), EngineSlot(3, 1, (), ("y",), ("y",))]
+    with pytest.raises(UnsupportedError, match=r"engine stage 1 \(rank 1\) computes from model input\(s\) \['x'\].*'1f1b'"):
+        _check_zero_bubble(passing, ("x",))
+    ids_later = [EngineSlot(0, 0, (0,), ("x", "ids"), ("h", "ids")), EngineSlot(1, 1, (1,), ("h", "ids"), ("y",))]
+    with pytest.raises(UnsupportedError, match=r"\['ids'\]"):  # an embedding of token ids on a later stage
+        _check_zero_bubble(ids_later, ("x", "ids"))
+    _check_zero_bubble([EngineSlot(0, 0, (0,), ("x",), ("h",)), EngineSlot(1, 1, (1,), ("h",), ("y",))], ("x",))

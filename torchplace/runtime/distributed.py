@@ -102,6 +102,23 @@ class EngineSlot:
     numbers: tuple[NumberRule, ...] = ()
 
 
+def _check_zero_bubble(slots: Sequence[EngineSlot], fed: Sequence[str]) -> None:
+    """Refuse the zero-bubble schedule where it would lose gradients: it splits each backward into
+    an input part and a weight part, and torch.distributed.pipelining finds the weights of the
+    weight part through the inputs' gradients, except at engine stage 0. A later stage that
+    computes from a model input (which carries no gradient: token ids into an embedding, or every
+    input where the first engine stage is a pass-through) would leave its weights without one."""
+    fed_names = set(fed)
+    for slot in slots[1:]:
+        read = sorted(fed_names.intersection(slot.inputs))
+        if slot.pieces and read:
+            raise UnsupportedError(
+                f"schedule 'zero-bubble' would leave weights without gradients: engine stage {slot.index} (rank "
+                f"{slot.rank}) computes from model input(s) {read}, and torch.distributed.pipelining finds a stage's "
+                "weights through its inputs' gradients except at its first stage; use schedule '1f1b' or "
+                "'interleaved-1f1b', or a plan that reads the model inputs in its first piece, on rank 0")
+
+
 def engine_layout(stage_ranks: Sequence[int], world: int) -> list[tuple[int, tuple[int, ...]]]:
     """``(rank, pieces)`` of each engine stage for pieces on ``stage_ranks`` (see the module docs).
 
@@ -424,6 +441,8 @@ class DistributedPipeline:
         self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
                                                   self.fed, graph_io.output_names, order),
                                       stages, examples or {})
+        if schedule == "zero-bubble":
+            _check_zero_bubble(self.slots, self.fed)
         self.activity = faults.activity if faults is not None else Activity()
         self.modules = [EngineStage(s, [stages[p] for p in s.pieces], self.activity, dict.fromkeys(nones))
                         for s in self.slots if s.rank == rank]
