@@ -41,7 +41,7 @@ from torchplace.checks import brief
 from torchplace.errors import MicrobatchError, TraceError, UsageError
 from torchplace.fxutil import (Interpreter, bind_call, bind_placeholders, draws_random_numbers, flat_inputs, run_graph,
                                symbolic_sizes)
-from torchplace.profiling.effects import StateSnapshot
+from torchplace.profiling.effects import StateSnapshot, same_values
 from torchplace.runtime.microbatch import batch_size, last_rows
 
 __all__ = ["CallSizes", "Runs", "check_rows", "check_split", "dims_of_one", "joined_outputs", "reads_batch",
@@ -95,13 +95,15 @@ class Runs:
         """The example call cut to its last ``n`` samples."""
         return last_rows(self.args, self.kwargs, self.batch, n) if self.batch else (self.args, dict(self.kwargs))
 
-    def run(self, eager: bool, call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> Any:
-        """The model's (``eager``) or the graph's output on ``call``, from the seed every run uses."""
+    def run(self, eager: bool, call: tuple[tuple[Any, ...], Mapping[str, Any]],
+            interpreter: Interpreter | None = None) -> Any:
+        """The model's (``eager``) or the graph's output on ``call`` (run by ``interpreter`` where
+        given), from the seed every run uses."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             if eager:
                 return _run(self.model, _copies(call), call=True)  # type: ignore[arg-type]
-            return _run(self.gm, self.flat(*call))
+            return _run(self.gm, self.flat(*call), interpreter=interpreter)
 
     def _get(self, what: str, n: int) -> Any:
         key = (what, n)
@@ -130,13 +132,7 @@ class Runs:
 
     def _magnitudes(self, n: int) -> dict[fx.Node, float]:
         recorder = _Magnitudes(self.gm)
-        snapshot = StateSnapshot(self.gm)
-        try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(0)
-                recorder.run(*self.flat(*self.last(n)))
-        finally:
-            snapshot.restore()
+        self.run(False, self.last(n), recorder)
         return recorder.largest
 
 
@@ -575,13 +571,15 @@ def _copies(call: tuple[tuple[Any, ...], Mapping[str, Any]]) -> tuple[tuple[Any,
     return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), (tuple(call[0]), dict(call[1])))
 
 
-def _run(module: torch.nn.Module, inputs: Any, call: bool = False) -> Any:
-    """The graph's output on ``inputs`` (its flat placeholders), or with ``call`` the module's on
-    ``inputs = (args, kwargs)``; its buffers left as they were."""
+def _run(module: torch.nn.Module, inputs: Any, call: bool = False, interpreter: Interpreter | None = None) -> Any:
+    """The graph's output on ``inputs`` (its flat placeholders; run by ``interpreter`` where given),
+    or with ``call`` the module's on ``inputs = (args, kwargs)``; its buffers left as they were."""
     snapshot = StateSnapshot(module)
     try:
         with torch.no_grad():
-            return module(*inputs[0], **inputs[1]) if call else run_graph(module, inputs)  # type: ignore[arg-type]
+            if call:
+                return module(*inputs[0], **inputs[1])
+            return run_graph(module, inputs) if interpreter is None else interpreter.run(*inputs)  # type: ignore[arg-type]
     finally:
         snapshot.restore()
 
@@ -610,7 +608,7 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
             raise MicrobatchError(f"{mixes}: the model mixes the samples of a batch; {advice}")
         return
     finite = tail.isfinite()
-    if not torch.equal(finite, single.isfinite()) or not _same_values(tail[~finite], single[~finite]):
+    if not torch.equal(finite, single.isfinite()) or not same_values(tail[~finite], single[~finite]):
         raise MicrobatchError(f"{mixes} in which values are inf or nan: the model mixes the samples of a batch (or "
                               f"overflows on one batch size only); {advice}")
     wide = torch.complex128 if both.is_complex() else torch.float64
@@ -625,11 +623,6 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
             f"{mixes} by {diff:.3g} (values up to {scale:.3g}): the model mixes the samples "
             f"of a batch (batch statistics, a reduction or attention over dim 0, the sequence first where the batch "
             f"should be); {advice}, or put the batch first (e.g. batch_first=True)")
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the same values, nan where the other has nan."""
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 @dataclass(frozen=True)
@@ -662,7 +655,7 @@ class _Recheck:
             other = copy[self.index]
             if other.shape != both.shape or other.dtype != both.dtype:
                 return False
-            if not _same_values(both[both.shape[0] - rows:], other[other.shape[0] - rows:]):
+            if not same_values(both[both.shape[0] - rows:], other[other.shape[0] - rows:]):
                 return False
             scale = _operand_scale(self.runs.gm, self.runs.magnitudes(2 * rows), self.index)
         except Exception:  # noqa: BLE001 - a run that fails: the refusal stands

@@ -45,8 +45,8 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import UnsupportedError
 from torchplace.fxutil import is_compute
 
-__all__ = ["AccessLog", "Effects", "StateSnapshot", "StorageKeys", "analyse", "named_state", "storage_address", "union",
-           "version_of"]
+__all__ = ["AccessLog", "Effects", "StateSnapshot", "StorageKeys", "analyse", "named_state", "same_values",
+           "storage_address", "union", "version_of"]
 
 StorageKey = int
 """A storage's identity within one run (:class:`StorageKeys`): unique even where a freed
@@ -191,7 +191,7 @@ class AccessLog:
         access = self.access[node.name]
         for t, version, copy in token:
             moved = version is not None and version_of(t) != version
-            if moved or (copy is not None and not _same(t, copy)):
+            if moved or (copy is not None and not same_values(t, copy)):
                 key = self._keys.key(t)
                 if key is not None:
                     access.writes.add(key)
@@ -217,12 +217,15 @@ def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaNs included (a NaN that stays a NaN is no write); sparse and other
-    non-strided tensors are compared dense."""
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, a NaN where the other has a NaN (a NaN that stays a NaN is no
+    write); sparse and other non-strided tensors are compared dense."""
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
-    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
+    equal = a == b
+    if a.is_floating_point() or a.is_complex():
+        equal |= a.isnan() & b.isnan()
+    return a.shape == b.shape and bool(equal.all())
 
 
 @dataclass(frozen=True)
@@ -369,7 +372,7 @@ class StateSnapshot:
         for name, t in self._tensors.items():
             before = self._versions[name]
             saved = self._saved.get(name)
-            if name not in out and (_identity(t) != before or (saved is not None and not _same(t, saved))):
+            if name not in out and (_identity(t) != before or (saved is not None and not same_values(t, saved))):
                 out.append(name)
         return out
 

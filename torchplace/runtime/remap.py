@@ -45,11 +45,11 @@ def matched_nodes(graph: fx.Graph, reference: fx.Graph) -> dict[str, str]:
     """
     tiers = (_computes, _shape_of, _in_module, _named)
     pools: list[dict[Hashable, list[str]]] = [{} for _ in tiers]
-    places = _places(reference)
+    reference_places = _places(reference)
     for n in reference.nodes:
         if is_compute(n):
             for pool, key in zip(pools, tiers):
-                pool.setdefault(key(n, lambda a: a.name, places), []).append(n.name)
+                pool.setdefault(key(n, lambda a: a.name, reference_places), []).append(n.name)
     matched: dict[str, str] = {}
     taken: set[str] = set()
 

@@ -126,8 +126,8 @@ def check_method(method: str, objective: str, parallel: bool | None = None) -> N
     if method != "auto" and method not in METHODS:
         raise UsageError(f"unknown solver {method!r}; choose one of {['auto', *METHODS]}")
     family = [m for m in METHODS if parallel is None or (m in PARALLEL_METHODS) == parallel]
+    fits = [m for m in family if METHODS[m].objective == objective]
     if method != "auto" and parallel is not None and method not in family:
-        fits = [m for m in family if METHODS[m].objective == objective]
         if parallel:
             raise UsageError(f"method {method!r} places nodes on devices, but this is a Piper problem (data x tensor "
                              f"x pipeline); use one of {['auto', *fits]}")
@@ -135,11 +135,10 @@ def check_method(method: str, objective: str, parallel: bool | None = None) -> N
                          f"torchplace.workloads.read_piper: a JSON with 'mbsInBatch'); for this problem use one of "
                          f"{['auto', *fits]}")
     if method != "auto" and METHODS[method].objective != objective:
-        others = [m for m in family if METHODS[m].objective == objective]
         raise UsageError(
             f"method {method!r} optimises {METHODS[method].objective}, but the objective is {objective!r}: ask for "
             f"objective={METHODS[method].objective!r} (command line: --objective {METHODS[method].objective}), "
-            f"or use one of {['auto', *others]}"
+            f"or use one of {['auto', *fits]}"
         )
 
 
