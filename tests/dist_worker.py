@@ -218,6 +218,40 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]))
+    elif scenario == "refused-on-one-rank":  # rank 1 passes a target of other rows; then a good step
+        expected = reference_training(model, x, y, m, steps=1)
+        model.train()
+        placed = tpd.place(model, (x,), mode="training", **opts)
+        start = time.monotonic()
+        try:
+            placed.step(x, target=y if placed.rank == 0 else y[:4], loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+        result["took"] = time.monotonic() - start
+        params = placed.parameters()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        placed.step(x, target=y, loss_fn=nn.functional.mse_loss)  # the placement is still usable
+        opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        result["allclose"] = all(torch.allclose(p, expected[names[id(p)]], atol=1e-6) for p in params)
+    elif scenario == "one-microbatch":  # no schedule given: 1F1B needs a micro-batch per engine stage, GPipe runs
+        expected = reference_training(model, x, y, 1, steps=2)
+        model.train()
+        one = {**opts, "microbatches": 1}
+        try:
+            tpd.place(copy.deepcopy(model), (x,), mode="training", schedule="1f1b", **one)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+        placed = tpd.place(model, (x,), mode="training", **one)
+        result["schedule"] = placed.pipeline.schedule
+        params = placed.parameters()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+            opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        result["allclose"] = all(torch.allclose(p, expected[names[id(p)]], atol=1e-6) for p in params)
     elif scenario == "dp-buffers":  # data-parallel copies of batch norms: their buffers agree after each step
         placed = _dp_buffers(result, opts)
     elif scenario == "stateful":  # buffers written in forward: batch norm's statistics and a call counter

@@ -256,6 +256,26 @@ def test_allow_single_device_is_refused_where_each_device_has_its_process(monkey
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("option, message", [
+    (dict(timeout=-1), r"timeout: expected a positive finite number of seconds, got -1"),
+    (dict(plan_timeout=float("nan")), r"plan_timeout: expected a positive finite number of seconds, got nan"),
+    (dict(schedule="pipedream"), r"schedule must be one of \['gpipe', '1f1b'.*got 'pipedream'"),
+    (dict(backend="nccl"), r"backend 'nccl' runs on GPUs only.*use backend='gloo'"),
+])
+def test_bad_launch_options_are_refused_before_communication(monkeypatch, option, message):
+    """timeout=-1 reached init_process_group; backend='nccl' on the CPU failed inside torch (found
+    by fuzzing)."""
+    import torch.distributed as dist
+
+    import torchplace.distributed as tpd
+
+    _env(monkeypatch, 0, 2)
+    model, x, _ = dist_worker.build()
+    with pytest.raises(UsageError, match=message):
+        tpd.place(model, (x,), devices=["cpu:0", "cpu:1"], **option)
+    assert not dist.is_initialized()
+
+
 def test_a_plan_of_another_model_is_refused_before_communication(monkeypatch, nc_plans):
     import torch.distributed as dist
 
@@ -311,11 +331,12 @@ def two_ranks(tmp_path_factory, nc_plans):
     tied_one_rank = tmp / "tied-one-rank.json"  # the tied weight's two readers both on rank 0
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
-                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,raise")
+                 "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
+                 "refused-on-one-rank,one-microbatch,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      str(infer)],
+                                      "-", "-", str(infer)],
                   timeout_s=120)
 
 
@@ -429,6 +450,30 @@ def test_a_reduction_the_model_returns_runs_with_one_micro_batch(two_ranks):
     assert [r[1]["16:scalar-output"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
 
 
+def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_the_next_runs(two_ranks):
+    """Rank 1's target had 4 rows: it raised UsageError before any communication, and rank 0 waited
+    in the engine for the process group's timeout, then blamed a lost peer (found by fuzzing)."""
+    results = [r[1]["17:refused-on-one-rank"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert results[1]["refused"].startswith("UsageError: target has 4 rows where the inputs have 8"), results[1]
+    assert results[0]["refused"].startswith("DistributedError: rank 1 refused this call before any rank ran it: "
+                                            "UsageError: target has 4 rows"), results[0]
+    assert all(r["took"] < 10 for r in results), results  # not the group's timeout of 120 s
+    assert all(r["allclose"] for r in results), results  # the next step ran as one process's
+
+
+def test_the_default_schedule_runs_one_micro_batch_and_a_refused_one_is_refused_when_placing(two_ranks):
+    """microbatches=1 on 2 ranks was placed with the default 1F1B, which the engine refuses for fewer
+    micro-batches than stages, at the first step (found by fuzzing). Now GPipe runs it; 1F1B asked
+    for is refused by place()."""
+    results = [r[1]["18:one-microbatch"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert all(r["schedule"] == "gpipe" and r["allclose"] for r in results), results
+    for r in results:
+        assert r["refused"].startswith("UnsupportedError: torch.distributed.pipelining refuses schedule '1f1b' "
+                                       "(Schedule1F1B) for 2 engine stages on 2 ranks and 1 micro-batches"), r
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -455,7 +500,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["17:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["19:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
@@ -791,12 +836,9 @@ def test_a_rank_refuses_micro_batches_smaller_than_the_trace_holds_for():
     from torchplace.distributed import DistributedPlaced
     from torchplace.errors import MicrobatchError
 
-    class Engine:  # the rank's engine, without a process group
-        def run(self, *args, **kwargs):
-            return "ran"
-
     placed = DistributedPlaced.__new__(DistributedPlaced)
-    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(rows=2), 4, Engine()
+    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(rows=2), 4, _Ran()
+    placed.pipeline.check_call = placed._check_call
     placed._record_model(None)
     assert placed.run(torch.zeros(8, 3)) == "ran"
     with pytest.raises(MicrobatchError, match="4 micro-batches of 4 samples would hold one each; set "
@@ -824,19 +866,26 @@ def test_step_on_a_model_placed_for_inference_is_refused():
     placed = DistributedPlaced.__new__(DistributedPlaced)
     placed.problem = Problem.__new__(Problem)
     object.__setattr__(placed.problem, "mode", "inference")
+    placed.pipeline = _Ran()
+    placed.pipeline.check_call = placed._check_call
     with pytest.raises(UnsupportedError, match="placed for inference.*mode='training'"):
         placed.step(torch.zeros(8, 3), target=torch.zeros(8), loss_fn=nn.functional.mse_loss)
 
 
 class _Ran:
-    """A rank's engine stand-in, without a process group: says that it ran."""
+    """A rank's engine stand-in, without a process group: runs the caller's checks of a call
+    (as :class:`DistributedPipeline` does before its vote), then says that it ran."""
 
     read_by_several: list = []
+    check_call: Any = None
 
     def run(self, *args, **kwargs):
+        self.check_call(args, kwargs, False)
         return "ran"
 
-    step = run
+    def step(self, *args, target, loss_fn, **kwargs):
+        self.check_call(args, kwargs, True)
+        return "ran"
 
 
 def _placed_without_processes(model: nn.Module, mode: str) -> Any:
@@ -849,6 +898,7 @@ def _placed_without_processes(model: nn.Module, mode: str) -> Any:
     placed.problem = Problem.__new__(Problem)
     object.__setattr__(placed.problem, "mode", mode)
     placed._sizes, placed._microbatches, placed.pipeline = CallSizes(), 4, _Ran()
+    placed.pipeline.check_call = placed._check_call
     placed._record_model(model)
     return placed
 
@@ -993,6 +1043,7 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
     # a target of other rows failed inside the loss, labelled as the forward pass
     pipeline.replicas, pipeline.microbatches, pipeline._shape = None, 2, None
     pipeline.slots, pipeline.rank, pipeline.device = [EngineSlot(0, 1, (), ("x", "bias"), ())], 0, torch.device("cpu")
+    pipeline.faults, pipeline.check_call = None, None  # one process: no vote
     with pytest.raises(UsageError, match=r"target has 4 rows where the inputs have 8"):
         pipeline.step(torch.zeros(8, 8), torch.zeros(8, 8), target=torch.zeros(4), loss_fn=nn.functional.mse_loss)
 

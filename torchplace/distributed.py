@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace.checks import brief, positive_int
+from torchplace.checks import brief, positive_float, positive_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
@@ -117,10 +117,14 @@ def place(
             ``microbatches / d``.
         schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
             training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
-            the cost model counted, looped where a rank holds several stages.
+            the cost model counted, looped where a rank holds several stages, or ``"gpipe"`` where
+            the engine does not run that one for this many micro-batches (1F1B needs one per
+            engine stage at least). A schedule given here that the engine refuses is refused
+            while placing.
         timeout: seconds of the process group's timeout: the longest any rank waits for a peer.
         plan_timeout: seconds the other ranks wait for rank 0 to solve.
-        backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU).
+        backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU; NCCL on the
+            CPU is refused).
         state_dict: a checkpoint of the model (mapping, or a ``torch.save`` file read with
             ``mmap=True``): each rank copies in only the tensors of its own stages. Required for a
             model built on the meta device (``with torch.device("meta"): model = Net()``), which
@@ -140,7 +144,9 @@ def place(
         UsageError, UnsupportedError: as :func:`torchplace.place`, and for plans the engine cannot
             run (recomputation, a model that writes its inputs in place, degrees that differ
             between devices, ``microbatches`` not a multiple of ``d``, a stage with ``t > 1`` but
-            no Linear pair to split, ``state_dict`` with ``t > 1``).
+            no Linear pair to split, ``state_dict`` with ``t > 1``, a ``schedule`` the engine
+            refuses for this layout and micro-batch count); a ``timeout`` or ``plan_timeout`` that
+            is not a positive number of seconds; ``backend="nccl"`` on the CPU.
 
     Example::
 
@@ -151,6 +157,7 @@ def place(
     import torch.distributed as dist
 
     from torchplace import api
+    from torchplace.runtime.distributed import SCHEDULES
 
     given = api._load_plan(plan) if plan is not None else None
     if given is not None:  # before asking for torchrun: a Piper plan runs under no launch
@@ -158,6 +165,10 @@ def place(
     rank, world, local_rank = launch_env()
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    timeout = positive_float(timeout, "timeout", unit="of seconds")
+    plan_timeout = positive_float(plan_timeout, "plan_timeout", unit="of seconds")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise UsageError(f"schedule must be one of {list(SCHEDULES)} (or None: the plan's), got {brief(schedule)}")
     if options.get("allow_single_device") not in (None, False) and world > 1:
         raise UsageError(f"allow_single_device={brief(options['allow_single_device'])}: {world} processes were launched, "
                          "one per device, and a one-device plan would leave all but one with nothing to run; leave it "
@@ -328,10 +339,21 @@ def _rank_devices(devices: Sequence[str | Device] | Cluster | None, plan: Plan |
 
 
 def _torch_device(rank_devices: Sequence[str | Device], local_rank: int, backend: str | None) -> tuple[torch.device, str]:
+    """This rank's torch device and the process group's backend (checked before any communication).
+
+    Raises:
+        UsageError: ``backend`` is not a string, or is ``"nccl"`` where the ranks run on the CPU.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise UsageError(f"backend must be a torch.distributed backend name ('gloo', 'nccl') or None, got {brief(backend)}")
     gpus = all(_name(d).startswith("cuda") for d in rank_devices)
     if gpus and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), backend or "nccl"
+    if backend is not None and backend.lower() == "nccl":
+        why = "CUDA is not available here" if gpus else f"the devices are {[_name(d) for d in rank_devices]}"
+        raise UsageError(f"backend 'nccl' runs on GPUs only, but this rank runs on the CPU ({why}): use backend='gloo' "
+                         "(the default on the CPU), or place on cuda devices")
     return torch.device("cpu"), backend or "gloo"
 
 
@@ -428,6 +450,9 @@ class DistributedPlaced:
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
             replicas=replicas, tensor_group=tensor_group,
             examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
+        if problem.mode == "training":  # refused now, not at the first step (no user schedule: GPipe will do)
+            self.pipeline.check_schedule(fallback="gpipe" if schedule is None else None)
+        self.pipeline.check_call = self._check_call
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
@@ -487,43 +512,55 @@ class DistributedPlaced:
         """The model's output for this batch on the last rank; ``None`` on the others (see
         :meth:`DistributedPipeline.run <torchplace.runtime.distributed.DistributedPipeline.run>`).
 
+        Every rank checks the call (:meth:`_check_call`) before any runs it: where one rank's
+        checks refuse it, that rank raises their error and every other rank a
+        :class:`DistributedError` naming it, and the placement stays usable.
+
         Raises:
-            UnsupportedError: the model changed since placing (:meth:`_check_model`).
+            UnsupportedError, UsageError: this rank's checks refuse the call.
+            DistributedError: another rank refused it, or a rank failed while running it.
         """
-        check_eager_call()
-        self._check_model()
-        check_autocast(self._dtype_guards)
-        self._sizes.check(args, kwargs, self._microbatches)
-        self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
         return self.pipeline.run(*args, **kwargs)
 
     __call__ = run
 
     def step(self, *args: Any, target: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor],
              **kwargs: Any) -> list[torch.Tensor]:
-        """One training step of the batch; the losses of its micro-batches on the last rank.
+        """One training step of the batch; the losses of its micro-batches on the last rank. Checked
+        on every rank before any runs it, as :meth:`run` is.
 
         Raises:
-            UnsupportedError: the model was placed for inference (its eval-mode graph would train), or
-                changed since placing (:meth:`_check_model`); a parameter several engine stages read
-                (a tied weight) has a gradient hook, which would run on each stage's part of its
-                gradient (the same refusal on every rank, before any communication).
+            UnsupportedError, UsageError: this rank's checks refuse the call (:meth:`_check_call`).
+            DistributedError: another rank refused it, or a rank failed while running it.
+        """
+        return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+
+    def _check_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], training: bool) -> None:
+        """The checks of a call (``training``: a ``step``) that need the placement, before any rank runs it.
+
+        Raises:
+            UnsupportedError: a step of a model placed for inference (its eval-mode graph would
+                train); the model changed since placing (:meth:`_check_model`); a parameter several
+                engine stages read (a tied weight) has a gradient hook, which would run on each
+                stage's part of its gradient; a call under a function transform or autocast the
+                graph cannot follow.
+            UsageError, MicrobatchError: inputs the traced graph does not hold for.
         """
         from torchplace.placed_module import _check_gradient_hooks
 
-        if self.problem.mode != "training":
-            raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place it "
-                                   "with mode='training' to train it")
-        named = self._model.named_parameters() if self._model is not None else ()
-        _check_gradient_hooks(self.pipeline.read_by_several, named,
-                              fix="remove the hook, and apply what it did to p.grad after step() (the gradient of "
-                                  "all uses, summed over the ranks)")
+        if training:
+            if self.problem.mode != "training":
+                raise UnsupportedError("this model was placed for inference, whose graph is the eval-mode one: place "
+                                       "it with mode='training' to train it")
+            named = self._model.named_parameters() if self._model is not None else ()
+            _check_gradient_hooks(self.pipeline.read_by_several, named,
+                                  fix="remove the hook, and apply what it did to p.grad after step() (the gradient "
+                                      "of all uses, summed over the ranks)")
         check_eager_call()
         self._check_model()
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
-        return self.pipeline.step(*args, target=target, loss_fn=loss_fn, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (the model's own objects): build this rank's optimizer on them."""

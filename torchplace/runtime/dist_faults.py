@@ -39,7 +39,7 @@ from typing import Any
 
 from torchplace.errors import DistributedError
 
-__all__ = ["BEAT_S", "GRACE_S", "SETTLE_S", "Activity", "Faults"]
+__all__ = ["BEAT_S", "GRACE_S", "SETTLE_S", "Activity", "Faults", "first_line"]
 
 BEAT_S = 0.25
 """Seconds between heartbeats."""
@@ -127,8 +127,8 @@ class Faults:
         if reported is None:
             cause = error.__cause__ or error.__context__
             reported = self._publish(f"rank {self.rank} failed in {self.activity.now}: "
-                                     f"{type(error).__name__}: {_first_line(error)}"
-                                     + (f" (from {type(cause).__name__}: {_first_line(cause)})" if cause else ""))
+                                     f"{type(error).__name__}: {first_line(error)}"
+                                     + (f" (from {type(cause).__name__}: {first_line(cause)})" if cause else ""))
         if not reported.startswith(f"rank {self.rank} "):
             reported = f"{reported}; rank {self.rank} stopped in {self.activity.now}"
         return DistributedError(reported)
@@ -167,10 +167,10 @@ class Faults:
             after = self._beats_of_others()
         except Exception:  # noqa: BLE001
             return ("rank 0 stopped (killed or crashed): the rendezvous store it hosts no longer answers "
-                    f"(rank {self.rank} saw {type(error).__name__}: {_first_line(error)})")
+                    f"(rank {self.rank} saw {type(error).__name__}: {first_line(error)})")
         dead = [r for r in before if before[r][0] == after.get(r, ("", ""))[0]]
         if not dead:
-            return f"rank {self.rank} lost a peer in {self.activity.now}: {type(error).__name__}: {_first_line(error)}"
+            return f"rank {self.rank} lost a peer in {self.activity.now}: {type(error).__name__}: {first_line(error)}"
         return "; ".join(f"rank {r} stopped (killed or crashed) in {before[r][1]}" for r in dead)
 
     def _beats_of_others(self) -> dict[int, tuple[str, str]]:
@@ -212,7 +212,7 @@ class Faults:
             os._exit(1)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """The error's message on one line, at most 400 characters (the engine's run over several)."""
     text = " ".join(str(error).split())
     return text if len(text) <= 400 else text[:397] + "..."

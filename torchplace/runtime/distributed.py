@@ -39,16 +39,17 @@ naming the rank that stopped (found by its heartbeat in the store). See
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchplace.errors import UnsupportedError, UsageError
-from torchplace.runtime.dist_faults import Activity
+from torchplace.errors import DistributedError, UnsupportedError, UsageError
+from torchplace.runtime.dist_faults import Activity, first_line
 from torchplace.runtime.dist_numbers import NumberRule, is_number, number_rule
 from torchplace.runtime.dist_random import RandomStream, call_seed
 from torchplace.runtime.dist_replicas import Replicas
@@ -472,6 +473,10 @@ class DistributedPipeline:
         self.written: list[torch.Tensor] = []
         """This rank's buffers the forward writes (the same on every copy), which ``replicas``
         make agree after every call; set by the caller, who knows their names."""
+        self.check_call: Callable[[tuple[Any, ...], Mapping[str, Any], bool], None] | None = None
+        """The caller's checks of a call's arguments, ``check_call(args, kwargs, training)``, run
+        with this pipeline's own before a call starts (see :meth:`_agreement`); set by the caller."""
+        self._calls = 0  # calls so far: every rank makes the same ones, in the same order
 
     # -- tensors -----------------------------------------------------------------------------------------
     def _place_tensors(self, stages: Sequence[StageModule], free_others: bool) -> None:
@@ -532,9 +537,18 @@ class DistributedPipeline:
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for the batch ``(args, kwargs)``, split into micro-batches; returned on
         the rank of the last engine stage (``None`` elsewhere); with ``replicas``, the whole batch's
-        on the last rank of every copy."""
-        flat = self._inputs(args, kwargs)
-        schedule = self._get_schedule(None)
+        on the last rank of every copy.
+
+        Raises:
+            UsageError, UnsupportedError: this rank's checks of the call refuse it (every other rank
+                then raises :class:`DistributedError`: see :meth:`_agreement`).
+            DistributedError: another rank refused the call, or a rank failed while running it.
+        """
+        with self._agreement():
+            if self.check_call is not None:
+                self.check_call(args, kwargs, False)
+            flat = self._inputs(args, kwargs)
+            schedule = self._get_schedule(None)
         before = self._counters()
         self._start_streams()
         with torch.no_grad():
@@ -555,18 +569,30 @@ class DistributedPipeline:
         batch's micro-batches). A model input that requires grad gets the gradient of that mean
         too, added to what it had. Returns each micro-batch's loss on the last rank (on the
         last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
-        rank's ``optimizer.step()`` after it."""
-        if not isinstance(target, torch.Tensor):
-            raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got {type(target).__name__}")
-        flat = self._inputs(args, kwargs)
-        rows = self._shape[0][0] if self._shape else None
-        if rows is not None and (target.dim() == 0 or target.shape[0] != rows):
-            have = target.shape[0] if target.dim() else "no"
-            raise UsageError(f"target has {have} rows where the inputs have {rows}: the engine splits the target "
-                             "along dim 0 as it splits the batch; pass one row per sample")
+        rank's ``optimizer.step()`` after it.
+
+        Raises:
+            UsageError, UnsupportedError: this rank's checks of the call refuse it (every other rank
+                then raises :class:`DistributedError`: see :meth:`_agreement`).
+            DistributedError: another rank refused the call, or a rank failed while running it.
+        """
+        with self._agreement():
+            if self.check_call is not None:
+                self.check_call(args, kwargs, True)
+            if not isinstance(target, torch.Tensor):
+                raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got "
+                                 f"{type(target).__name__}")
+            if not callable(loss_fn):
+                raise UsageError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+            flat = self._inputs(args, kwargs)
+            rows = self._shape[0][0] if self._shape else None
+            if rows is not None and (target.dim() == 0 or target.shape[0] != rows):
+                have = target.shape[0] if target.dim() else "no"
+                raise UsageError(f"target has {have} rows where the inputs have {rows}: the engine splits the target "
+                                 "along dim 0 as it splits the batch; pass one row per sample")
+            schedule = self._get_schedule(loss_fn)
         copies = self.replicas.count if self.replicas is not None else 1
         flat = tuple(_ScaledGrad.apply(t, 1 / (self.microbatches * copies)) if t.requires_grad else t for t in flat)
-        schedule = self._get_schedule(loss_fn)
         losses: list[torch.Tensor] = []
         target = self._share_of(target)
         target = target.to(self.device) if self.is_last else target
@@ -600,6 +626,74 @@ class DistributedPipeline:
             return []
         gathered = self._guard(lambda: replicas.gather([torch.stack([loss.detach() for loss in losses])]), agree=False)
         return list(gathered[0])
+
+    @contextlib.contextmanager
+    def _agreement(self) -> Iterator[None]:
+        """Run a call's checks (the ``with`` block) on every rank, then agree whether the call runs.
+
+        Every rank checks its own arguments, and they may differ (a script that passes rank-specific
+        targets): a rank that refused alone would leave the others blocked in the engine until the
+        process group's timeout, with an error that never names the cause. So after the checks,
+        one all-reduce over all the launch's ranks counts the refusals: a refusing rank first writes
+        its reason to the rendezvous store, then raises its own error; every other rank raises
+        :class:`DistributedError` naming it. No rank has run anything, no fault is published, and
+        the placement stays usable for the next call. What the checks recorded of the call
+        (the batch shape and dtypes the engine will size its buffers by) is put back.
+        """
+        saved = (self._shape, self._first_kinds)
+        try:
+            yield
+        except Exception as error:
+            self._shape, self._first_kinds = saved
+            self._vote(error)
+            raise
+        try:
+            self._vote(None)
+        except DistributedError:
+            self._shape, self._first_kinds = saved
+            raise
+
+    def _vote(self, refusal: BaseException | None) -> None:
+        """Tell every rank whether this one refuses the call; raise where another rank did."""
+        import torch.distributed as dist
+
+        faults = self.faults
+        if faults is None:  # one process: nothing to agree with
+            return
+        self._calls += 1
+        key = f"{faults.key}/refused/{self._calls}"
+        if refusal is not None:
+            faults.store.set(f"{key}/{faults.rank}", f"{type(refusal).__name__}: {first_line(refusal)}")
+        votes = torch.zeros(faults.world, dtype=torch.int32, device=self.device)
+        votes[faults.rank] = int(refusal is not None)
+        faults.guard(lambda: dist.all_reduce(votes))  # over every rank of the launch: copies too
+        refused = [r for r, v in enumerate(votes.tolist()) if v]
+        if refusal is not None or not refused:
+            return
+        reason = faults.store.get(f"{key}/{refused[0]}").decode()
+        more = f" (and {len(refused) - 1} more rank(s))" if len(refused) > 1 else ""
+        raise DistributedError(f"rank {refused[0]}{more} refused this call before any rank ran it: {reason}; "
+                               f"rank {faults.rank} did not run it either")
+
+    def check_schedule(self, fallback: str | None = None) -> None:
+        """Build the training schedule now, so that a schedule the engine refuses for this layout
+        and micro-batch count (``Schedule1F1B`` needs at least one micro-batch per engine stage) is
+        refused when placing, not at the first ``step``; or, with ``fallback`` (the schedule was not
+        chosen by the user), run ``fallback`` instead. Building one communicates nothing.
+
+        Raises:
+            UnsupportedError: the engine refuses the schedule (and ``fallback``, if given).
+        """
+        def nothing(output: Any, target: Any) -> torch.Tensor:
+            raise AssertionError("a schedule built to check it computes no loss")
+
+        try:
+            self._make_schedule(nothing)
+        except UnsupportedError:
+            if fallback is None or fallback == self.schedule:
+                raise
+            self.schedule = fallback
+            self._make_schedule(nothing)
 
     def _start_streams(self) -> None:
         """Start this call's random streams (:mod:`~torchplace.runtime.dist_random`): one seed drawn
