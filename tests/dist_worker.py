@@ -234,6 +234,26 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         opt.step()
         names = {id(p): n for n, p in model.named_parameters()}
         result["allclose"] = all(torch.allclose(p, expected[names[id(p)]], atol=1e-6) for p in params)
+    elif scenario == "raise-then-place":  # the last stage raises; every rank catches it, closes, places again
+        expected = reference_output(model, x, m)
+        placed = tpd.place(copy.deepcopy(model), (x,), **opts)  # a copy: the next placement needs every tensor
+        Bomb.armed = "raise"
+        start = time.monotonic()
+        try:
+            placed.run(x)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["failed"] = f"{type(error).__name__}: {error}"
+        result["took"] = time.monotonic() - start
+        Bomb.armed = ""
+        try:
+            placed.run(x)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["again"] = f"{type(error).__name__}: {error}"
+        placed.close()  # frees a peer still blocked on this rank in the failed call
+        placed = tpd.place(model, (x,), **opts)
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
     elif scenario == "one-microbatch":  # no schedule given: 1F1B needs a micro-batch per engine stage, GPipe runs
         expected = reference_training(model, x, y, 1, steps=2)
         model.train()

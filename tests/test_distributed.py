@@ -332,11 +332,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     dist_worker.noncontiguous_plan(str(tied_one_rank), "training", tied=True, devices=("cpu:0", "cpu:1", "cpu:0"))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
                  "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
-                 "refused-on-one-rank,one-microbatch,raise")
+                 "refused-on-one-rank,one-microbatch,raise-then-place,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      "-", "-", str(infer)],
+                                      "-", "-", str(infer), str(infer)],
                   timeout_s=120)
 
 
@@ -474,6 +474,21 @@ def test_the_default_schedule_runs_one_micro_batch_and_a_refused_one_is_refused_
                                        "(Schedule1F1B) for 2 engine stages on 2 ranks and 1 micro-batches"), r
 
 
+def test_after_a_failed_call_every_rank_is_freed_and_a_new_placement_runs(two_ranks):
+    """After a stage raised and every rank caught the error, a new placement's first run waited for
+    the group's timeout and failed with 'lost a peer': the failed run's pending sends and receives
+    were still posted on the default group (found by fuzzing). Each placement now has groups of
+    its own, a failed one refuses later calls, and closing it frees a peer blocked on it at once."""
+    results = [r[1]["19:raise-then-place"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    for r in results:
+        assert r["failed"].startswith("DistributedError: rank 1 failed in stage 3"), r
+        assert r["again"].startswith("DistributedError: an earlier call of this placement failed (rank 1 failed"), r
+        assert "place the model again" in r["again"], r
+    assert results[0]["took"] < GRACE_S, results  # freed by rank 1's close(), not by its own watchdog
+    assert [r.get("equal") for r in results] == [None, True], results
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -500,7 +515,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["19:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["20:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
@@ -1043,7 +1058,7 @@ def test_a_model_input_without_the_batch_rows_is_refused_by_name():
     # a target of other rows failed inside the loss, labelled as the forward pass
     pipeline.replicas, pipeline.microbatches, pipeline._shape = None, 2, None
     pipeline.slots, pipeline.rank, pipeline.device = [EngineSlot(0, 1, (), ("x", "bias"), ())], 0, torch.device("cpu")
-    pipeline.faults, pipeline.check_call = None, None  # one process: no vote
+    pipeline.faults, pipeline.check_call, pipeline.broken = None, None, None  # one process: no vote
     with pytest.raises(UsageError, match=r"target has 4 rows where the inputs have 8"):
         pipeline.step(torch.zeros(8, 8), torch.zeros(8, 8), target=torch.zeros(4), loss_fn=nn.functional.mse_loss)
 

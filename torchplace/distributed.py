@@ -157,7 +157,7 @@ def place(
     import torch.distributed as dist
 
     from torchplace import api
-    from torchplace.runtime.distributed import SCHEDULES
+    from torchplace.runtime.distributed import SCHEDULES, release_abandoned
 
     given = api._load_plan(plan) if plan is not None else None
     if given is not None:  # before asking for torchrun: a Piper plan runs under no launch
@@ -200,6 +200,7 @@ def place(
                                 plan=given, **_quick(common))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    release_abandoned()  # an earlier placement's failed call: free the peers it left blocked on this rank
     from torchplace.runtime.dist_faults import FAULT, Faults
 
     global _CALLS
@@ -439,10 +440,11 @@ class DistributedPlaced:
         self.plan, self.problem, self.rank, self.world, self.device = plan, problem, rank, world, device
         self.faults = faults
         copies, tensor = degrees
-        group, replicas, tensor_group = None, None, None
-        if copies * tensor > 1:  # rank (k * d + j) * t + i: position k, copy j (torchplace.runtime.dist_replicas)
-            group, replicas, tensor_group = grid_groups(len(rank_devices), copies, tensor, rank,
-                                                        datetime.timedelta(seconds=timeout))
+        # rank (k * d + j) * t + i: position k, copy j (torchplace.runtime.dist_replicas). Groups of
+        # this placement's own, even for one pipeline: a failed run leaves its pending sends and
+        # receives posted on its group, where they would pair with a later placement's messages
+        group, replicas, tensor_group = grid_groups(len(rank_devices), copies, tensor, rank,
+                                                    datetime.timedelta(seconds=timeout))
         self.replica = replicas.index if replicas is not None else 0
         self.pipeline = DistributedPipeline(
             stages, [index[s.device] for s in run], GraphIO(traced.gm, traced.output_spec), [n.name for n in traced.gm.graph.nodes],
@@ -567,12 +569,17 @@ class DistributedPlaced:
         return self.pipeline.parameters()
 
     def close(self, destroy: bool = False) -> None:
-        """Stop the heartbeat thread; with ``destroy`` (at the end of the script), also destroy the
-        process group after a barrier. Keep the group to place another model in the same launch:
-        initialising it again under torchrun is not supported."""
+        """Stop the heartbeat thread; after a failed call, also destroy this placement's own process
+        groups, which frees a peer still blocked on this rank at once
+        (:meth:`~torchplace.runtime.distributed.DistributedPipeline.release`); with ``destroy`` (at
+        the end of the script), also destroy the default process group after a barrier. Keep that
+        to place another model in the same launch: initialising it again under torchrun is not
+        supported."""
         import torch.distributed as dist
 
         self.faults.close()
+        if self.pipeline.broken is not None:  # a failed call: free the peers it left blocked on this rank
+            self.pipeline.release()
         if destroy and dist.is_initialized():
             dist.barrier()  # no rank leaves while a peer still sends to it
             dist.destroy_process_group()

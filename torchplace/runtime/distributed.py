@@ -40,6 +40,7 @@ naming the rank that stopped (found by its heartbeat in the store). See
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ __all__ = [
     "computed_numbers",
     "engine_layout",
     "live_values",
+    "release_abandoned",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble")
@@ -437,7 +439,9 @@ class DistributedPipeline:
                                    "tensor is on one rank only: run it with torchplace.place (threads) instead")
         self.graph_io, self.rank, self.world, self.device = graph_io, rank, world, torch.device(device)
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
-        self.replicas = replicas
+        self.replicas, self.tensor_group = replicas, tensor_group
+        self.broken: str | None = None
+        """The error that ended a call of this placement (then every later call is refused), or ``None``."""
         self.fed = tuple(n for n in graph_io.placeholder_names if n not in set(nones))
         self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
                                                   self.fed, graph_io.output_names, order),
@@ -640,6 +644,9 @@ class DistributedPipeline:
         the placement stays usable for the next call. What the checks recorded of the call
         (the batch shape and dtypes the engine will size its buffers by) is put back.
         """
+        if self.broken is not None:
+            raise DistributedError(f"an earlier call of this placement failed ({self.broken}), which left its ranks "
+                                   "out of step: place the model again (a new placement starts clean)")
         saved = (self._shape, self._first_kinds)
         try:
             yield
@@ -807,15 +814,71 @@ class DistributedPipeline:
         of leaving quietly. ``agree=False`` for a collective only some ranks call (a replicas' gather)."""
         if self.faults is None:
             return fn()
-        out = self.faults.guard(fn)
-        if agree:
-            self.faults.guard(self._agree)
+        try:
+            out = self.faults.guard(fn)
+            if agree:
+                self.faults.guard(self._agree)
+        except DistributedError as error:
+            self._abandon(error)
+            raise
         return out
+
+    def _abandon(self, error: DistributedError) -> None:
+        """After a failed call: refuse every later call of this placement (its ranks are out of
+        step), and release its groups at the next chance (:func:`release_abandoned`)."""
+        self.broken = str(error)
+        _ABANDONED.add(self)
+
+    def release(self) -> None:
+        """Destroy this placement's own process groups (not the default one) and drop what holds
+        them. After a failed call this closes their connections, so a peer still blocked in a
+        receive from this rank gets the backend's error at once (and raises the published fault)
+        instead of waiting for its watchdog to end its process; and no send or receive the failed
+        run left posted can pair with a later placement's messages. Not while the failure's
+        exception is alive: its frames hold the engine's pending work, which holds the groups."""
+        import gc
+
+        import torch.distributed as dist
+
+        _ABANDONED.discard(self)
+        groups = self._groups()
+        self.group = self.tensor_group = None
+        if self.replicas is not None:
+            self.replicas.group = None
+        self._schedules.clear()  # the engine's schedules hold its stages and pending work
+        self.engine_stages = []
+        gc.collect()  # the groups close their connections when the last reference goes
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - a group the failure already took down
+                pass
+        del groups
+        gc.collect()
+
+    def _groups(self) -> list[Any]:
+        """This placement's own process groups (not the default one, which outlives it)."""
+        import torch.distributed as dist
+
+        found = (self.group, self.tensor_group, self.replicas.group if self.replicas is not None else None)
+        return list(dict.fromkeys(g for g in found if g is not None and g is not dist.GroupMember.WORLD))
 
     def _agree(self) -> None:
         import torch.distributed as dist
 
         dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+
+_ABANDONED: weakref.WeakSet[DistributedPipeline] = weakref.WeakSet()
+"""Pipelines of this process whose call failed and whose groups are not released yet."""
+
+
+def release_abandoned() -> None:
+    """Release the process groups of every pipeline of this process whose call failed
+    (:meth:`DistributedPipeline.release`): a new placement does so first, so a peer blocked on
+    this rank in the failed one is freed even where the script never closed it."""
+    for pipeline in list(_ABANDONED):
+        pipeline.release()
 
 
 class _AsIs:
