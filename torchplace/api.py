@@ -401,8 +401,9 @@ def prepare(
     plan (trace, profile, solve, choose the micro-batch count or one device), with
     :func:`place`'s arguments and errors. A model on the meta device is planned from shapes
     (:func:`plan_model`). ``sends_tensors_only``: the stages will run where only tensors cross
-    between them (``torch.distributed.pipelining``): a node that makes a tuple or a list shares a
-    device with the nodes that take its items (:func:`keep_containers_together`)."""
+    between them (``torch.distributed.pipelining``): a node that makes a tuple or a list, or in an
+    fx graph a Python number, shares a device with the nodes that read it
+    (:func:`keep_unsendable_together`)."""
     model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
@@ -557,7 +558,7 @@ def prepare(
     if graph is None:
         graph = profiled(args, kwargs)
     if sends_tensors_only:
-        graph = keep_containers_together(graph, traced.gm)
+        graph = keep_unsendable_together(graph, traced.gm)
     if training:
         graph.meta["loss_bytes"] = assumed_loss_bytes(graph) if measured_loss is None else measured_loss
     if parallelism == "piper":
@@ -762,24 +763,42 @@ REPLAN_BOUND_SECONDS = 1.0
 """How long a saved plan's lower bound may take (the cut bound's exact cuts) when it is reused."""
 
 
-def keep_containers_together(graph: OpGraph, gm: torch.fx.GraphModule) -> OpGraph:
-    """``graph`` with every node that makes a container (a tuple or list: ``chunk``, ``split``,
-    a multi-output module; its fx users all take items with ``getitem``) colocated with the nodes
-    that take its items, so no stage boundary falls between them (their colocation groups,
-    backward nodes included, merge into one)."""
+def keep_unsendable_together(graph: OpGraph, gm: torch.fx.GraphModule) -> OpGraph:
+    """``graph`` with every node that makes a value ``torch.distributed.pipelining`` cannot send
+    colocated with the nodes that read it, so no stage boundary falls between them (their
+    colocation groups, backward nodes included, merge into one). The engine sends only tensors, so:
+
+    * a node that makes a container (a tuple or list: ``chunk``, ``split``, a multi-output module;
+      its fx users all take items with ``getitem``) stays with the nodes that take its items;
+    * in an fx graph, a node that makes a Python number (``n = x.shape[0]``,
+      :attr:`~torchplace.fxutil.TensorInfo.number`) stays with the nodes that read it. An
+      exported graph's numbers are symbolic, and a stage that reads one computes it from the sizes
+      it receives (:mod:`torchplace.runtime.dist_numbers`); an fx graph's are plain numbers of
+      the traced call, which no other stage can compute.
+
+    With ``contiguous=True`` (one piece per device) this keeps them in one stage; a
+    non-contiguous plan may still put them in two pieces of one device, which the engine's bridge
+    refuses before any communication."""
     import operator
 
     node_of = {f: v for v, record in graph.records() if not record.backward for f in record.fx_nodes}
-    pairs = []
+    pairs, why = [], {}
     for n in gm.graph.nodes:
-        if n.name not in node_of or not n.users or isinstance(n.meta.get("val"), torch.Tensor):
+        if n.name not in node_of or not n.users:
             continue
-        if all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
-            pairs += [(node_of[n.name], node_of[u.name]) for u in n.users if u.name in node_of]
+        info = n.meta.get("torchplace")
+        if not isinstance(n.meta.get("val"), torch.Tensor) and all(
+                u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            why.setdefault(node_of[n.name], "items")
+        elif "val" not in n.meta and info is not None and info.number:
+            why.setdefault(node_of[n.name], "number")
+        else:
+            continue
+        pairs += [(node_of[n.name], node_of[u.name]) for u in n.users if u.name in node_of]
     pairs = [(a, b) for a, b in pairs if a != b]
     if not pairs:
         return graph
-    label = {v: record.colocation or f"items:{v}" for v, record in graph.records()}
+    label = {v: record.colocation or f"{why.get(v, 'unsent')}:{v}" for v, record in graph.records()}
     parent = {g: g for g in set(label.values())}
 
     def root(g: str) -> str:

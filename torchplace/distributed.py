@@ -418,6 +418,7 @@ class DistributedPlaced:
                  degrees: tuple[int, int] = (1, 1), timeout: float = 60.0) -> None:
         from torchplace.placed_module import _forward_stages
         from torchplace.runtime import GraphIO, split_stages
+        from torchplace.runtime.dist_numbers import example_of
         from torchplace.runtime.dist_replicas import grid_groups
         from torchplace.runtime.distributed import DistributedPipeline
         from torchplace.runtime.params import _slots
@@ -451,7 +452,7 @@ class DistributedPlaced:
             rank=rank // (copies * tensor), world=len(rank_devices), device=device,
             microbatches=placement.microbatches // copies, schedule=schedule or default, faults=faults, group=group,
             replicas=replicas, tensor_group=tensor_group,
-            examples={n.name: n.meta.get("val") for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
+            examples={n.name: example_of(n) for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
         if problem.mode == "training":  # refused now, not at the first step (no user schedule: GPipe will do)
             self.pipeline.check_schedule(fallback="gpipe" if schedule is None else None)
         self.pipeline.check_call = self._check_call

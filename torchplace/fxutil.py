@@ -25,6 +25,7 @@ __all__ = [
     "flat_inputs",
     "run_graph",
     "is_compute",
+    "is_python_number",
     "pin_arguments",
     "pin_devices",
     "relax_views",
@@ -51,6 +52,13 @@ class TensorInfo:
             its output; a leaf module's own activations), measured by
             :class:`~torchplace.profiling.livebytes.LiveBytes` (memory a kernel never makes into a
             tensor, oneDNN's workspaces, is not seen).
+        number: the output is a Python number (``int``, ``float``, ``bool``: a size read with
+            ``x.shape[0]``) or a sequence of them (``x.shape``, a ``torch.Size``), not a tensor.
+            ``torch.distributed.pipelining`` sends only tensors between stages, and an fx graph,
+            unlike an exported one, holds no symbolic sizes from which the reading stage could
+            compute such a number (its value here is the traced call's, not a later call's): a
+            plan for the engine keeps its producer and its readers on one device
+            (:func:`torchplace.api.keep_unsendable_together`).
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -59,11 +67,22 @@ class TensorInfo:
     fresh_bytes: int | None = None
     alias_of: str | None = None
     scratch_bytes: int = 0
+    number: bool = False
 
     @property
     def new_bytes(self) -> int:
         """:attr:`fresh_bytes`, or :attr:`output_bytes` where not known."""
         return self.output_bytes if self.fresh_bytes is None else self.fresh_bytes
+
+
+def is_python_number(value: Any) -> bool:
+    """Whether ``value`` is what :attr:`TensorInfo.number` records: a Python ``int``, ``float`` or
+    ``bool``, or a non-empty tuple or list of them, or a ``torch.Size`` (an empty one too: a 0-dim
+    tensor's shape)."""
+    if isinstance(value, (int, float, bool)):
+        return True
+    return isinstance(value, torch.Size) or (isinstance(value, (tuple, list)) and bool(value)
+                                             and all(isinstance(v, (int, float, bool)) for v in value))
 
 
 def bind_placeholders(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from torchplace.fxutil import (
     TensorInfo,
     flat_inputs,
     is_compute,
+    is_python_number,
     relax_views,
     symbolic_sizes,
     tensor_bytes,
@@ -409,7 +410,8 @@ def _through_var_keyword(model: nn.Module, example_kwargs: Mapping[str, Any]) ->
 
 # -- shapes and in-place writes ------------------------------------------------------------------
 class _Recorder(Interpreter):
-    """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]``, and what
+    """Runs the graph once: a :class:`TensorInfo` in each node's ``meta["torchplace"]`` (which
+    nodes make Python numbers too: an fx graph has no ``meta["val"]`` that would say so), and what
     each node reads and writes in an :class:`AccessLog`."""
 
     def __init__(self, gm: fx.GraphModule, log: AccessLog, shapes: bool = True) -> None:
@@ -441,6 +443,7 @@ class _Recorder(Interpreter):
             fresh_bytes=fresh,
             alias_of=alias,
             scratch_bytes=max(counted.peak - counted.live, 0) if isinstance(counted, LiveBytes) else 0,
+            number=is_python_number(out),
         )
         return out
 

@@ -196,14 +196,16 @@ def computed_numbers(slots: Sequence[EngineSlot], stages: Sequence[StageModule],
                      examples: Mapping[str, Any]) -> list[EngineSlot]:
     """``slots`` with the Python numbers that cross between them computed by their readers.
 
-    A number (``examples[name]``, a node's ``meta["val"]``, is a symbolic or plain ``int``,
-    ``float`` or ``bool``) leaves no engine stage; each engine stage computes the numbers its
-    pieces read, and that it does not make itself, from the sizes of the tensors it receives
-    (:mod:`torchplace.runtime.dist_numbers`). The first stage receives the model inputs as they are.
+    A number (``examples[name]``, a node's :func:`~torchplace.runtime.dist_numbers.example_of`, is
+    a symbolic or plain ``int``, ``float`` or ``bool``, or a number of an fx graph) leaves no engine
+    stage; each engine stage computes the numbers its pieces read, and that it does not make itself,
+    from the sizes of the tensors it receives (:mod:`torchplace.runtime.dist_numbers`). The first
+    stage receives the model inputs as they are.
 
     Raises:
-        UnsupportedError: a number no received tensor's shape determines, or one the model returns
-            (the engine returns only tensors); before any communication.
+        UnsupportedError: a number no received tensor's shape determines (any number of an fx graph
+            that crosses engine stages), or one the model returns (the engine returns only tensors);
+            before any communication.
     """
     numbers = {n for n, v in examples.items() if is_number(v)}
     out = []
@@ -412,8 +414,9 @@ class DistributedPipeline:
             ``rank``, ``world`` and ``group`` are those of this rank's own pipeline.
         tensor_group: the process group of the ranks that run this rank's stages together, tensor
             parallel (:mod:`torchplace.runtime.dist_tensor`); ``None``: this rank alone.
-        examples: each value's trace-time example by name (``node.meta["val"]``): the Python numbers
-            among them are computed by the engine stages that read them (:func:`computed_numbers`);
+        examples: each value's trace-time example by name
+            (:func:`~torchplace.runtime.dist_numbers.example_of`): the Python numbers among them are
+            computed by the engine stages that read them (:func:`computed_numbers`), or refused;
             without them, a number that crosses engine stages is refused when it is sent.
         nones: the model inputs traced as ``None`` (:attr:`torchplace.batchdim.CallSizes.nones`,
             checked ``None`` before a call): not sent; the stages bind ``None`` to them.
