@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
-from torchplace.plan import Plan
+from torchplace.plan import Plan, Stage
 from torchplace.runtime.dist_faults import GRACE_S, SETTLE_S
 from torchplace.runtime.distributed import EngineSlot, EngineStage, engine_layout, live_values
 from torchplace.runtime.split import split_stages
@@ -1115,6 +1115,15 @@ def test_a_plan_for_the_engine_keeps_a_container_with_the_nodes_that_take_its_it
     together = labels(sends_tensors_only=True)
     assert len(together) == 1 and None not in together
     assert labels() != together
+    if mode == "inference":  # a plan given by hand that splits them is refused, saying why
+        placement = api.prepare(SplitsInTwo().eval(), ["cpu:0", "cpu:1"], (torch.randn(4, 8),), progress=False,
+                                warmup=0, repeats=1, allow_single_device=False, sends_tensors_only=True)
+        order = list(placement.problem.graph.topological_order())
+        cut = next(i for i, v in enumerate(order) if v.startswith("chunk")) + 1
+        with pytest.raises(InvalidPlanError, match=r"colocation group 'items:chunk.*is split.*sends only tensors "
+                                                   r"between stages.*put them on one device"):
+            Plan.build(placement.problem, [Stage("cpu:0", tuple(order[:cut])), Stage("cpu:1", tuple(order[cut:]))],
+                       solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
 
 
 @pytest.mark.parametrize("mode, devices, solver", [("inference", 2, "auto"), ("inference", 3, "dpl"),

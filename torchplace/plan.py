@@ -394,6 +394,12 @@ def _check_coverage(stages: Sequence[Stage], g: Any) -> dict[str, str]:
     return assignment
 
 
+_UNSENDABLE = ("; torch.distributed.pipelining sends only tensors between stages, so a node that makes a tuple or "
+               "list, or an fx graph's Python number (x.shape[0]), shares a device with the nodes that read it "
+               "(torchplace.api.keep_unsendable_together): put them on one device, or place with "
+               "trace_method='export', whose numbers the reading stage computes from the sizes it receives")
+
+
 def _check_colocation(g: Any, assignment: Mapping[str, str]) -> None:
     seen: dict[str, tuple[str, str]] = {}
     for v, r in g.records():
@@ -401,8 +407,9 @@ def _check_colocation(g: Any, assignment: Mapping[str, str]) -> None:
             continue
         if r.colocation in seen and seen[r.colocation][1] != assignment[v]:
             other, dev = seen[r.colocation]
+            why = _UNSENDABLE if r.colocation.split(":")[0] in ("items", "number", "unsent") else ""
             raise InvalidPlanError(
-                f"colocation group {r.colocation!r} is split: {other!r} on {dev!r}, {v!r} on {assignment[v]!r}"
+                f"colocation group {r.colocation!r} is split: {other!r} on {dev!r}, {v!r} on {assignment[v]!r}{why}"
             )
         seen.setdefault(r.colocation, (v, assignment[v]))
 
