@@ -315,6 +315,8 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(ids)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
+    elif scenario == "aux-output":  # outputs the loss ignores, a value a later stage detaches: grads None
+        placed = _aux_output(result, {**opts, "schedule": schedule or None})
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     placed.close()
@@ -646,6 +648,95 @@ def _gpt2(training: bool, result: dict, opts: dict) -> Any:
     result["params"], result["all"] = sorted(mine), sorted(expected)
     result["max_diff"] = max((float((p - expected[n]).abs().max()) for n, p in model.named_parameters() if n in mine),
                              default=0.0)
+    return placed
+
+
+class AuxHeads(nn.Module):
+    """Three auxiliary outputs beside the main one and a gate a later stage detaches (stop-gradient).
+    In :func:`aux_plan`'s pieces (rank 0: ``a``, ``gate``, ``aux``; rank 1: ``b``, ``aux2`` and
+    ``aux``'s weight again; rank 0: ``c``; rank 1: ``d``) ``aux``'s and ``gate``'s outputs cross
+    engine stages, ``aux.weight`` is read on both ranks, and :func:`aux_loss` reads ``aux2``'s
+    output in some micro-batches only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.aux = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 3)
+        self.b, self.aux2 = nn.Linear(16, 16), nn.Linear(16, 3)
+        self.c, self.d = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h, g = torch.relu(self.a(x)), self.gate(x)
+        aux = self.aux(h)
+        h = torch.tanh(self.b(h))
+        aux2, echo = self.aux2(h), nn.functional.linear(h, self.aux.weight)
+        h = torch.tanh(self.c(h)) * torch.sigmoid(g.detach())
+        return self.d(h), aux, aux2, echo
+
+
+def aux_loss(out: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    """The main output's error, and ``aux2``'s size where the micro-batch's ``target[0, 2] > 0``
+    (the first of :func:`build_aux`'s 4 micro-batches: in 2 data-parallel copies, the first
+    copy's); the other auxiliary outputs never."""
+    loss = nn.functional.mse_loss(out[0], target)
+    return loss + out[2].square().mean() if target[0, 2] > 0 else loss
+
+
+def build_aux() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """:class:`AuxHeads` and :func:`build`'s inputs."""
+    torch.manual_seed(0)
+    model = AuxHeads().train()
+    torch.manual_seed(0)
+    return model, torch.randn(8, 8), torch.randn(8, 4)
+
+
+def aux_plan(path: str, data_parallel: int = 1) -> None:
+    """Save a training plan of :class:`AuxHeads` in four pieces on cpu:0, cpu:1, cpu:0, cpu:1
+    (its class docs; the backward of each piece on its device, in reverse order), every stage
+    with ``data_parallel``."""
+    from torchplace import api
+    from torchplace.plan import Plan, Stage
+
+    model, x, _ = build_aux()
+    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode="training", contiguous=False, microbatches=4,
+                            progress=False, warmup=0, repeats=1, recompute=False, sends_tensors_only=True)
+    graph = placement.problem.graph
+    forward = [v for v in graph.topological_order() if not graph.record(v).backward]
+    cuts = [forward.index(v) for v in ("linear_3", "linear_6", "linear_7")]  # b's, c's and d's (fx names)
+    pieces = [tuple(forward[i:j]) for i, j in zip([0, *cuts], [*cuts, len(forward)])]
+    devices = ["cpu:0", "cpu:1", "cpu:0", "cpu:1"]
+    back = {v: [b for b in graph if graph.record(b).backward and b.split(":")[0] == v] for v in forward}
+    stages = [Stage(d, p, data_parallel=data_parallel) for d, p in zip(devices, pieces)]
+    stages += [Stage(d, tuple(b for v in p for b in back[v]), data_parallel=data_parallel)
+               for d, p in reversed(list(zip(devices, pieces)))]
+    Plan.build(placement.problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible").save(path)
+
+
+def _aux_output(result: dict, opts: dict) -> Any:
+    """Three AdamW steps of :class:`AuxHeads` on :func:`aux_plan`'s plan: which parameters have no
+    gradient after each step, and the parameters after the last, beside one process's."""
+    import torchplace.distributed as tpd
+
+    model, x, y = build_aux()
+    m = opts["microbatches"]
+    reference = copy.deepcopy(model)
+    placed = tpd.place(model, (x,), mode="training", **opts)
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {names[id(p)]: p for p in placed.parameters()}
+    expected = dict(reference.named_parameters())
+    ropt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(placed.parameters(), lr=1e-2)
+    result["none"], result["expected_none"] = [], []
+    for _ in range(3):
+        ropt.zero_grad()
+        sum(aux_loss(reference(c), t) / m for c, t in zip(x.tensor_split(m), y.tensor_split(m))).backward()
+        ropt.step()
+        opt.zero_grad()
+        placed.step(x, target=y, loss_fn=aux_loss)
+        opt.step()
+        result["none"].append(sorted(n for n, p in mine.items() if p.grad is None))
+        result["expected_none"].append(sorted(n for n in mine if expected[n].grad is None))
+    result["params"] = sorted(mine)
+    result["allclose"] = all(torch.allclose(p, expected[n], atol=1e-6) for n, p in mine.items())
+    result["max_diff"] = max((float((p - expected[n]).abs().max()) for n, p in mine.items()), default=0.0)
     return placed
 
 

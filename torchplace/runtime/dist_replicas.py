@@ -73,12 +73,22 @@ class Replicas:
     @torch.no_grad()
     def average_grads(self, params: Iterable[nn.Parameter]) -> None:
         """Replace each gradient by its mean over the copies: one all-reduce per dtype of the
-        gradients flattened in ``params`` order (the same order, and the same parameters with a
-        gradient, on every copy: they run the same stages)."""
+        gradients flattened in ``params`` order (the same order on every copy: they run the same
+        stages). Which parameters have a gradient may differ between copies (a loss that reads an
+        output for some samples only): that is all-reduced first, a copy without one takes zeros,
+        and a parameter no copy has one for keeps ``None``, as in the plain model."""
         import torch.distributed as dist
 
+        params = list(params)
+        if not params:
+            return
+        first = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+        held = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=first.device)
+        dist.all_reduce(held, group=self.group)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
+        for p, anyone in zip(params, held.tolist()):
+            if anyone and p.grad is None:
+                p.grad = torch.zeros_like(p)
             if p.grad is not None:  # a tensor-parallel slice (DTensor) averages its own slice
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 by_dtype.setdefault(grad.dtype, []).append(grad)

@@ -28,6 +28,20 @@ this module turns them into the engine's stages and schedules
    averaged over the copies after the backward and outputs joined (:mod:`~torchplace.runtime.dist_replicas`).
    Tensor parallelism: with a ``tensor_group``, the Linear pairs of this rank's stages are split
    over its ranks before the engine's stages are built (:mod:`~torchplace.runtime.dist_tensor`).
+7. Gradients that are ``None``: where no gradient reaches a value that engine stage ``k + 1``
+   received (an output the loss ignores, a value the stage detaches), the engine sends zeros back
+   to stage ``k``, whose backward would give every parameter reached only through that value
+   ``.grad`` zeros where the plain model leaves ``None`` (an optimizer then treats it as trained:
+   AdamW's weight decay moves it, Adam counts a step). So every engine stage but the last sends,
+   after its values, a *token* (:class:`_Sent`: zeros, one per value), and every one but the first
+   receives it after its inputs (:class:`_Received`), in inference too (the inference and training
+   schedules share the engine's stages, whose inputs and outputs keep their number). The token's
+   gradient, made by the receiver's backward and sent back by the engine as any other, is 1 for
+   each value a gradient reached and 0 for the others; the sender's backward passes on only the
+   values flagged 1 (``None`` for the others), per micro-batch, and a gradient of zeros that
+   exists is flagged 1. A tied weight (:meth:`DistributedPipeline._sync_shared_grads`) and a
+   data-parallel copy (:meth:`~torchplace.runtime.dist_replicas.Replicas.average_grads`) keep
+   ``None`` where no rank's stages, no copy, gave a gradient.
 
 Failures: an exception on a rank is written to the rendezvous store under ``torchplace/fault/N``
 (naming the rank, the engine stage and the pass) before it is raised as
@@ -95,6 +109,8 @@ class EngineSlot:
         outputs: names of the values it sends on (for the last one, the values the model output reads).
         numbers: Python numbers its pieces read that it neither makes nor receives: computed from
             the sizes of the tensors it receives (:func:`computed_numbers`).
+        last: whether it is the last engine stage; every other one sends a gradient token after
+            its ``outputs`` (module docs), and every one but the first receives one after its ``inputs``.
     """
 
     index: int
@@ -103,6 +119,7 @@ class EngineSlot:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     numbers: tuple[NumberRule, ...] = ()
+    last: bool = False
 
 
 def _check_zero_bubble(slots: Sequence[EngineSlot], fed: Sequence[str]) -> None:
@@ -188,7 +205,7 @@ def live_values(
     for k, (r, pieces) in enumerate(layout):
         entering = tuple(placeholders) if k == 0 else _crossing(made, last, k, rank)
         leaving = tuple(output_names) if k == len(layout) - 1 else _crossing(made, last, k + 1, rank)
-        slots.append(EngineSlot(k, r, pieces, entering, leaving))
+        slots.append(EngineSlot(k, r, pieces, entering, leaving, last=k == len(layout) - 1))
     return slots
 
 
@@ -220,7 +237,7 @@ def computed_numbers(slots: Sequence[EngineSlot], stages: Sequence[StageModule],
         if last and numbers.intersection(outputs):
             raise UnsupportedError(_returned_number(sorted(numbers.intersection(outputs))[0]))
         rules = tuple(number_rule(n, examples[n], inputs, examples, slot.index) for n in needed)
-        out.append(EngineSlot(slot.index, slot.rank, slot.pieces, inputs, outputs, rules))
+        out.append(EngineSlot(slot.index, slot.rank, slot.pieces, inputs, outputs, rules, slot.last))
     return out
 
 
@@ -255,12 +272,14 @@ class EngineStage(nn.Module):
         self.fresh_outputs = False  # send copies: the zero-bubble backward detaches what it sent in place
         self._written: Any = None  # the buffers before the engine's shape inference ran
         self.random: RandomStream | None = None  # the stream its forward draws from (set by the pipeline)
+        self.device = torch.device("cpu")  # where it makes the token it sends (set by the pipeline: the rank's)
 
     def forward(self, *flat: Any) -> tuple[torch.Tensor, ...]:
         slot = self.slot
-        if len(flat) != len(slot.inputs):
-            raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)}), "
-                             f"got {len(flat)}")
+        token = slot.index > 0
+        if len(flat) != len(slot.inputs) + token:
+            raise UsageError(f"engine stage {slot.index} takes {len(slot.inputs)} values ({list(slot.inputs)})"
+                             f"{' and a gradient token' if token else ''}, got {len(flat)}")
         if not self.inferring:
             if self.random is None:
                 return self._run(flat)
@@ -299,16 +318,17 @@ class EngineStage(nn.Module):
 
     def _run(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         slot = self.slot
-        if torch.is_grad_enabled():  # the gradients it sends back are contiguous, as gloo needs
-            flat = tuple(_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
-                         for t in flat)
+        if slot.index > 0:  # the values, then the previous stage's token (module docs)
+            *values, token = flat
+            flat = _received(token, values)
         env = {**self.constants, **dict(zip(slot.inputs, flat))}
         env.update((rule.name, rule.value(flat)) for rule in slot.numbers)
         for piece in self.pieces:
             outputs = piece.forward(*(env[n] for n in piece.inputs))  # not piece(): fx prints the failing line
             env.update(zip(piece.outputs, outputs))
         received = {id(v) for v in flat}
-        return tuple(_sendable(n, env[n], slot, self.fresh_outputs or id(env[n]) in received) for n in slot.outputs)
+        sent = tuple(_sendable(n, env[n], slot, self.fresh_outputs or id(env[n]) in received) for n in slot.outputs)
+        return sent if slot.last else _as_tuple(_Sent.apply(self.device, *sent))
 
 
 class _ScaledGrad(torch.autograd.Function):
@@ -327,17 +347,61 @@ class _ScaledGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward makes the gradient contiguous: a received value's gradient is
-    sent back, and gloo sends only contiguous tensors (a transposed view's gradient is not)."""
+class _Sent(torch.autograd.Function):
+    """The values an engine stage sends, then its token: zeros, one per value (module docs, 7).
+    The token's gradient, which the next stage makes (:class:`_Received`) and the engine sends
+    back, is 1 for each value that got a gradient there and 0 for each that got none (for which
+    the engine sends zeros). The backward passes on the gradients flagged 1 and ``None`` for the
+    others, so that what only those reach keeps ``.grad`` ``None``, as in the plain model; it reads
+    the flags on the host (on CUDA a wait for the received flags, once per micro-batch: whether a
+    gradient is ``None`` is decided there). The outputs are new tensors on the values' memory
+    (``detach``), not views: the zero-bubble backward detaches them in place, which a view refuses."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
+    def forward(ctx: Any, device: torch.device, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        out = tuple(v.detach() for v in values)
+        ctx.mark_non_differentiable(*(o for o, needs in zip(out, ctx.needs_input_grad[1:]) if not needs))
+        return (*out, torch.zeros(len(values), device=device))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        *grads, flags = grads
+        return (None, *(g if reached else None for g, reached in zip(grads, flags.tolist())))
+
+
+class _Received(torch.autograd.Function):
+    """The values an engine stage received, whose backward makes the previous stage's token's
+    gradient (:class:`_Sent`): 1 for each value a gradient reached, 0 for each it did not (autograd
+    gives ``None`` there, with ``set_materialize_grads(False)``). Where no gradient reaches any
+    value this backward never runs, and the engine sends zeros for the token: all 0, as it should.
+    The gradients it passes on are contiguous: gloo sends only contiguous tensors (a transposed
+    view's gradient is not)."""
+
+    @staticmethod
+    def forward(ctx: Any, token: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.device = token.device
+        out = tuple(v.view_as(v) for v in values)
+        ctx.mark_non_differentiable(*(o for o, needs in zip(out, ctx.needs_input_grad[1:]) if not needs))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        flags = torch.tensor([float(g is not None) for g in grads], device=ctx.device)
+        return (flags, *(g.contiguous() if g is not None else None for g in grads))
+
+
+def _received(token: torch.Tensor, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``values`` through :class:`_Received` where gradients may come back (training); else as they are."""
+    if not (values and torch.is_grad_enabled() and token.requires_grad):
+        return tuple(values)
+    return _as_tuple(_Received.apply(token, *values))
+
+
+def _as_tuple(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """An autograd Function's outputs as a tuple (``apply`` returns a single output as it is)."""
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _sendable(name: str, value: Any, slot: EngineSlot, copy: bool) -> torch.Tensor:
@@ -459,6 +523,7 @@ class DistributedPipeline:
         for module in self.modules:
             module.fresh_outputs = schedule == "zero-bubble"
             module.random = RandomStream(module.slot.index, copy, cuda)
+            module.device = self.device
         self.is_last = self.slots[-1].rank == rank
         self._place_tensors(stages, free_others)
         self._shared = _shared_across_ranks(self.slots, stages)
@@ -529,13 +594,19 @@ class DistributedPipeline:
 
     def _sync_shared_grads(self) -> None:
         """Sum the gradients of parameters that stages on several ranks read (a tied weight), so each
-        copy takes the gradient of all its uses; every rank takes part, in the same order."""
+        copy takes the gradient of all its uses; every rank takes part, in the same order. Which
+        ranks hold a gradient is summed first: a parameter no use gave one keeps ``.grad`` ``None``,
+        as in the plain model (a sum of zeros would be a gradient to the optimizer)."""
         import torch.distributed as dist
 
         mine = {id(p) for p in self.parameters()}
-        for param in self._shared:
-            held = id(param) in mine and param.grad is not None
-            buffer = param.grad if held else torch.zeros(param.shape, dtype=param.dtype, device=self.device)
+        held = [id(param) in mine and param.grad is not None for param in self._shared]
+        holders = torch.tensor(held, dtype=torch.float32, device=self.device)
+        dist.all_reduce(holders, group=self.group)
+        for param, own, anyone in zip(self._shared, held, holders.tolist()):
+            if not anyone:
+                continue
+            buffer = param.grad if own else torch.zeros(param.shape, dtype=param.dtype, device=self.device)
             dist.all_reduce(buffer, group=self.group)
             if id(param) in mine:
                 param.grad = buffer
