@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -239,10 +240,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         placed = tpd.place(copy.deepcopy(model), (x,), **opts)  # a copy: the next placement needs every tensor
         Bomb.armed = "raise"
         start = time.monotonic()
+        kept = None  # the script keeps the error (its frames hold the engine's stages) while it closes
         try:
             placed.run(x)
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["failed"] = f"{type(error).__name__}: {error}"
+            kept = error
         result["took"] = time.monotonic() - start
         Bomb.armed = ""
         try:
@@ -250,7 +253,21 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["again"] = f"{type(error).__name__}: {error}"
         placed.close()  # frees a peer still blocked on this rank in the failed call
+        result["kept"] = type(kept).__name__ if kept is not None else None
+        del kept
         placed = tpd.place(model, (x,), **opts)
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
+    elif scenario == "different-calls":  # rank 0 calls run(), rank 1 step(): refused on both, then both run
+        expected = reference_output(model, x, m)
+        placed = tpd.place(model.train(), (x,), mode="training", **opts)
+        start = time.monotonic()
+        try:
+            placed.run(x) if placed.rank == 0 else placed.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+        result["took"] = time.monotonic() - start
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
@@ -262,7 +279,10 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             tpd.place(copy.deepcopy(model), (x,), mode="training", schedule="1f1b", **one)
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
-        placed = tpd.place(model, (x,), mode="training", **one)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            placed = tpd.place(model, (x,), mode="training", **one)
+        result["warned"] = [str(w.message) for w in caught if "instead" in str(w.message)]
         result["schedule"] = placed.pipeline.schedule
         params = placed.parameters()
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)

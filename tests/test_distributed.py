@@ -352,11 +352,12 @@ def two_ranks(tmp_path_factory, nc_plans):
     dist_worker.aux_plan(str(aux))
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
                  "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
-                 "refused-on-one-rank,one-microbatch,raise-then-place,aux-output,aux-output@zero-bubble,raise")
+                 "refused-on-one-rank,one-microbatch,raise-then-place,aux-output,aux-output@zero-bubble,"
+                 "different-calls,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      "-", "-", str(infer), str(aux), str(aux), str(infer)],
+                                      "-", "-", str(infer), str(aux), str(aux), "-", str(infer)],
                   timeout_s=120)
 
 
@@ -489,6 +490,7 @@ def test_the_default_schedule_runs_one_micro_batch_and_a_refused_one_is_refused_
     results = [r[1]["18:one-microbatch"] for r in two_ranks]
     assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
     assert all(r["schedule"] == "gpipe" and r["allclose"] for r in results), results
+    assert all(len(r["warned"]) == 1 and "running 'gpipe' instead" in r["warned"][0] for r in results), results
     for r in results:
         assert r["refused"].startswith("UnsupportedError: torch.distributed.pipelining refuses schedule '1f1b' "
                                        "(Schedule1F1B) for 2 engine stages on 2 ranks and 1 micro-batches"), r
@@ -528,6 +530,18 @@ def test_parameters_no_gradient_reaches_keep_grad_none_as_the_models_do(two_rank
     assert held == {n for n, _ in dist_worker.AuxHeads().named_parameters()}
 
 
+def test_ranks_that_make_different_calls_are_refused_at_once(two_ranks):
+    """Rank 0 calling run() while rank 1 called step() passed the vote, then both waited for the
+    group's timeout and blamed a lost peer (found by review)."""
+    results = [r[1]["22:different-calls"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    for r in results:
+        assert r["refused"].startswith("DistributedError: the ranks made different calls (rank 0 run(), rank 1 "
+                                       "step())"), r
+        assert r["took"] < 10, r
+    assert [r.get("equal") for r in results] == [None, True], results
+
+
 def test_a_model_built_on_the_meta_device_runs_from_the_ranks_slices(two_ranks):
     _check(two_ranks, "9:meta", 2)
 
@@ -554,7 +568,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["22:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["23:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

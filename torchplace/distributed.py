@@ -117,10 +117,11 @@ def place(
             ``microbatches / d``.
         schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
             training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
-            the cost model counted, looped where a rank holds several stages, or ``"gpipe"`` where
-            the engine does not run that one for this many micro-batches (1F1B needs one per
-            engine stage at least). A schedule given here that the engine refuses is refused
-            while placing.
+            the cost model counted, looped where a rank holds several stages, or ``"gpipe"``, with
+            a :class:`~torchplace.errors.PlacementWarning`, where the engine does not run that one
+            for this layout and micro-batch count (1F1B needs one per engine stage at least, the
+            interleaved form a multiple of ``max(1, m // ranks)``). A schedule given here that the
+            engine refuses is refused while placing.
         timeout: seconds of the process group's timeout: the longest any rank waits for a peer.
         plan_timeout: seconds the other ranks wait for rank 0 to solve.
         backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU; NCCL on the

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace.errors import DistributedError, UnsupportedError, UsageError
+from torchplace.errors import DistributedError, PlacementWarning, UnsupportedError, UsageError, warn_caller
 from torchplace.runtime.dist_faults import Activity, first_line
 from torchplace.runtime.dist_numbers import NumberRule, is_number, number_rule
 from torchplace.runtime.dist_random import RandomStream, call_seed
@@ -622,7 +622,7 @@ class DistributedPipeline:
                 then raises :class:`DistributedError`: see :meth:`_agreement`).
             DistributedError: another rank refused the call, or a rank failed while running it.
         """
-        with self._agreement():
+        with self._agreement("run"):
             if self.check_call is not None:
                 self.check_call(args, kwargs, False)
             flat = self._inputs(args, kwargs)
@@ -654,7 +654,7 @@ class DistributedPipeline:
                 then raises :class:`DistributedError`: see :meth:`_agreement`).
             DistributedError: another rank refused the call, or a rank failed while running it.
         """
-        with self._agreement():
+        with self._agreement("step"):
             if self.check_call is not None:
                 self.check_call(args, kwargs, True)
             if not isinstance(target, torch.Tensor):
@@ -706,7 +706,7 @@ class DistributedPipeline:
         return list(gathered[0])
 
     @contextlib.contextmanager
-    def _agreement(self) -> Iterator[None]:
+    def _agreement(self, kind: str) -> Iterator[None]:
         """Run a call's checks (the ``with`` block) on every rank, then agree whether the call runs.
 
         Every rank checks its own arguments, and they may differ (a script that passes rank-specific
@@ -726,16 +726,17 @@ class DistributedPipeline:
             yield
         except Exception as error:
             self._shape, self._first_kinds = saved
-            self._vote(error)
+            self._vote(error, kind)
             raise
         try:
-            self._vote(None)
+            self._vote(None, kind)
         except DistributedError:
             self._shape, self._first_kinds = saved
             raise
 
-    def _vote(self, refusal: BaseException | None) -> None:
-        """Tell every rank whether this one refuses the call; raise where another rank did."""
+    def _vote(self, refusal: BaseException | None, kind: str) -> None:
+        """Tell every rank whether this one refuses the call, and which call (``"run"`` or
+        ``"step"``) it makes; raise where another rank refused, or made the other call."""
         import torch.distributed as dist
 
         faults = self.faults
@@ -745,10 +746,16 @@ class DistributedPipeline:
         key = f"{faults.key}/refused/{self._calls}"
         if refusal is not None:
             faults.store.set(f"{key}/{faults.rank}", f"{type(refusal).__name__}: {first_line(refusal)}")
-        votes = torch.zeros(faults.world, dtype=torch.int32, device=self.device)
-        votes[faults.rank] = int(refusal is not None)
+        votes = torch.zeros(2, faults.world, dtype=torch.int32, device=self.device)
+        votes[0, faults.rank] = int(refusal is not None)
+        votes[1, faults.rank] = ("run", "step").index(kind) + 1  # every rank must make the same call
         faults.guard(lambda: dist.all_reduce(votes))  # over every rank of the launch: copies too
-        refused = [r for r, v in enumerate(votes.tolist()) if v]
+        refused = [r for r, v in enumerate(votes[0].tolist()) if v]
+        kinds = [("run", "step")[k - 1] for k in votes[1].tolist()]
+        if refusal is None and not refused and len(set(kinds)) > 1:
+            calls = ", ".join(f"rank {r} {k}()" for r, k in enumerate(kinds))
+            raise DistributedError(f"the ranks made different calls ({calls}): every rank must call run() or every "
+                                   "rank step(), in the same order; no rank ran it")
         if refusal is not None or not refused:
             return
         reason = faults.store.get(f"{key}/{refused[0]}").decode()
@@ -758,9 +765,11 @@ class DistributedPipeline:
 
     def check_schedule(self, fallback: str | None = None) -> None:
         """Build the training schedule now, so that a schedule the engine refuses for this layout
-        and micro-batch count (``Schedule1F1B`` needs at least one micro-batch per engine stage) is
-        refused when placing, not at the first ``step``; or, with ``fallback`` (the schedule was not
-        chosen by the user), run ``fallback`` instead. Building one communicates nothing.
+        and micro-batch count (``Schedule1F1B`` needs at least one micro-batch per engine stage, the
+        interleaved ones a count that is a multiple of ``max(1, m // ranks)``) is refused when
+        placing, not at the first ``step``; or, with ``fallback`` (the schedule was not passed to
+        ``place``), run ``fallback`` instead, with a :class:`PlacementWarning` (the plan's memory
+        counted the other schedule's in-flight activations). Building one communicates nothing.
 
         Raises:
             UnsupportedError: the engine refuses the schedule (and ``fallback``, if given).
@@ -770,9 +779,13 @@ class DistributedPipeline:
 
         try:
             self._make_schedule(nothing)
-        except UnsupportedError:
+        except UnsupportedError as error:
             if fallback is None or fallback == self.schedule:
                 raise
+            warn_caller(f"{str(error).rstrip('.')}; running {fallback!r} instead, which keeps every micro-batch's "
+                        f"activations in flight where the plan counted {self.schedule!r}'s fewer: a device may need "
+                        "more memory than the plan says; pass schedule= (or another micro-batch count) to choose",
+                        PlacementWarning)
             self.schedule = fallback
             self._make_schedule(nothing)
 
@@ -915,10 +928,13 @@ class DistributedPipeline:
         import torch.distributed as dist
 
         _ABANDONED.discard(self)
+        self.broken = self.broken or "its process groups were released"  # nothing runs on it any more
         groups = self._groups()
         self.group = self.tensor_group = None
         if self.replicas is not None:
             self.replicas.group = None
+        for stage in self.engine_stages:  # a live exception's frames may still hold a stage: not its group
+            stage.group = None
         self._schedules.clear()  # the engine's schedules hold its stages and pending work
         self.engine_stages = []
         gc.collect()  # the groups close their connections when the last reference goes
