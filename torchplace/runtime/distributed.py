@@ -508,7 +508,7 @@ class DistributedPipeline:
         self.microbatches, self.schedule, self.group, self.faults = microbatches, schedule, group, faults
         self.replicas, self.tensor_group = replicas, tensor_group
         self.broken: str | None = None
-        """The error that ended a call of this placement (then every later call is refused), or ``None``."""
+        """Why this placement runs no more calls (a call failed, or its groups were released), or ``None``."""
         self.fed = tuple(n for n in graph_io.placeholder_names if n not in set(nones))
         self.slots = computed_numbers(live_values(engine_layout(stage_ranks, world), stages,
                                                   self.fed, graph_io.output_names, order),
@@ -615,16 +615,9 @@ class DistributedPipeline:
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output for the batch ``(args, kwargs)``, split into micro-batches; returned on
         the rank of the last engine stage (``None`` elsewhere); with ``replicas``, the whole batch's
-        on the last rank of every copy.
-
-        Raises:
-            UsageError, UnsupportedError: this rank's checks of the call refuse it (every other rank
-                then raises :class:`DistributedError`: see :meth:`_agreement`).
-            DistributedError: another rank refused the call, or a rank failed while running it.
-        """
-        with self._agreement("run"):
-            if self.check_call is not None:
-                self.check_call(args, kwargs, False)
+        on the last rank of every copy. Raises as :meth:`_agreement` says where a rank refuses the
+        call, and :class:`DistributedError` where a rank fails while running it."""
+        with self._agreement("run", args, kwargs):
             flat = self._inputs(args, kwargs)
             schedule = self._get_schedule(None)
         before = self._counters()
@@ -647,16 +640,8 @@ class DistributedPipeline:
         batch's micro-batches). A model input that requires grad gets the gradient of that mean
         too, added to what it had. Returns each micro-batch's loss on the last rank (on the
         last rank of every copy, all copies' losses in batch order; ``[]`` elsewhere); call the
-        rank's ``optimizer.step()`` after it.
-
-        Raises:
-            UsageError, UnsupportedError: this rank's checks of the call refuse it (every other rank
-                then raises :class:`DistributedError`: see :meth:`_agreement`).
-            DistributedError: another rank refused the call, or a rank failed while running it.
-        """
-        with self._agreement("step"):
-            if self.check_call is not None:
-                self.check_call(args, kwargs, True)
+        rank's ``optimizer.step()`` after it. Raises as :meth:`run` does."""
+        with self._agreement("step", args, kwargs):
             if not isinstance(target, torch.Tensor):
                 raise UsageError(f"target must be a tensor (the engine splits it along dim 0), got "
                                  f"{type(target).__name__}")
@@ -706,8 +691,9 @@ class DistributedPipeline:
         return list(gathered[0])
 
     @contextlib.contextmanager
-    def _agreement(self, kind: str) -> Iterator[None]:
-        """Run a call's checks (the ``with`` block) on every rank, then agree whether the call runs.
+    def _agreement(self, kind: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator[None]:
+        """Run a call's checks (the caller's :attr:`check_call`, then the ``with`` block) on every
+        rank, then agree whether the call (``kind``: ``"run"`` or ``"step"``) runs.
 
         Every rank checks its own arguments, and they may differ (a script that passes rank-specific
         targets): a rank that refused alone would leave the others blocked in the engine until the
@@ -716,13 +702,20 @@ class DistributedPipeline:
         its reason to the rendezvous store, then raises its own error; every other rank raises
         :class:`DistributedError` naming it. No rank has run anything, no fault is published, and
         the placement stays usable for the next call. What the checks recorded of the call
-        (the batch shape and dtypes the engine will size its buffers by) is put back.
+        (the batch shape and dtypes the engine will size its buffers by) is put back. Ranks that
+        make different calls (``run`` on one, ``step`` on another) all raise too.
+
+        Raises:
+            UsageError, UnsupportedError: this rank's checks refuse the call.
+            DistributedError: another rank refused it or made the other call; or this placement
+                can run no more calls (:attr:`broken`).
         """
         if self.broken is not None:
-            raise DistributedError(f"an earlier call of this placement failed ({self.broken}), which left its ranks "
-                                   "out of step: place the model again (a new placement starts clean)")
+            raise DistributedError(f"{self.broken}: place the model again (a new placement starts clean)")
         saved = (self._shape, self._first_kinds)
         try:
+            if self.check_call is not None:
+                self.check_call(args, kwargs, kind == "step")
             yield
         except Exception as error:
             self._shape, self._first_kinds = saved
@@ -913,7 +906,7 @@ class DistributedPipeline:
     def _abandon(self, error: DistributedError) -> None:
         """After a failed call: refuse every later call of this placement (its ranks are out of
         step), and release its groups at the next chance (:func:`release_abandoned`)."""
-        self.broken = str(error)
+        self.broken = f"an earlier call of this placement failed ({error}), which left its ranks out of step"
         _ABANDONED.add(self)
 
     def release(self) -> None:
@@ -921,14 +914,15 @@ class DistributedPipeline:
         them. After a failed call this closes their connections, so a peer still blocked in a
         receive from this rank gets the backend's error at once (and raises the published fault)
         instead of waiting for its watchdog to end its process; and no send or receive the failed
-        run left posted can pair with a later placement's messages. Not while the failure's
-        exception is alive: its frames hold the engine's pending work, which holds the groups."""
+        run left posted can pair with a later placement's messages. The failure's exception, if the
+        script keeps it, holds the engine's stages in its frames: their groups are dropped too.
+        Later calls are refused (:attr:`broken`)."""
         import gc
 
         import torch.distributed as dist
 
         _ABANDONED.discard(self)
-        self.broken = self.broken or "its process groups were released"  # nothing runs on it any more
+        self.broken = self.broken or "this placement's process groups were released"
         groups = self._groups()
         self.group = self.tensor_group = None
         if self.replicas is not None:
@@ -937,14 +931,13 @@ class DistributedPipeline:
             stage.group = None
         self._schedules.clear()  # the engine's schedules hold its stages and pending work
         self.engine_stages = []
-        gc.collect()  # the groups close their connections when the last reference goes
         for group in groups:
             try:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - a group the failure already took down
                 pass
         del groups
-        gc.collect()
+        gc.collect()  # the groups close their connections when the last reference goes
 
     def _groups(self) -> list[Any]:
         """This placement's own process groups (not the default one, which outlives it)."""
