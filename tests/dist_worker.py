@@ -259,7 +259,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))
-    elif scenario == "different-calls":  # rank 0 calls run(), rank 1 step(): refused on both, then both run
+    elif scenario == "different-calls":  # run()/step() on different ranks, then other batch shapes: refused, then run
         expected = reference_output(model, x, m)
         placed = tpd.place(model.train(), (x,), mode="training", **opts)
         start = time.monotonic()
@@ -268,6 +268,12 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
         result["took"] = time.monotonic() - start
+        start = time.monotonic()  # and different batch shapes (each rank would size its buffers by its own)
+        try:
+            placed.run(x if placed.rank == 0 else torch.cat([x, x]))
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused_shapes"] = f"{type(error).__name__}: {error}"
+        result["took_shapes"] = time.monotonic() - start
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got, expected))

@@ -532,13 +532,18 @@ def test_parameters_no_gradient_reaches_keep_grad_none_as_the_models_do(two_rank
 
 def test_ranks_that_make_different_calls_are_refused_at_once(two_ranks):
     """Rank 0 calling run() while rank 1 called step() passed the vote, then both waited for the
-    group's timeout and blamed a lost peer (found by review)."""
+    group's timeout and blamed a lost peer (found by review). Ranks passing batches of different
+    shapes failed in the engine with a size mismatch that broke the placement."""
     results = [r[1]["22:different-calls"] for r in two_ranks]
     assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
     for r in results:
         assert r["refused"].startswith("DistributedError: the ranks made different calls (rank 0 run(), rank 1 "
                                        "step())"), r
         assert r["took"] < 10, r
+        assert r["refused_shapes"].startswith("DistributedError: the ranks passed batches of different shapes or "
+                                              "dtypes (rank 0: inputs of shapes [(8, 8)]"), r
+        assert "rank 1: inputs of shapes [(16, 8)]" in r["refused_shapes"], r
+        assert r["took_shapes"] < 10, r
     assert [r.get("equal") for r in results] == [None, True], results
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -703,12 +704,13 @@ class DistributedPipeline:
         :class:`DistributedError` naming it. No rank has run anything, no fault is published, and
         the placement stays usable for the next call. What the checks recorded of the call
         (the batch shape and dtypes the engine will size its buffers by) is put back. Ranks that
-        make different calls (``run`` on one, ``step`` on another) all raise too.
+        make different calls (``run`` on one, ``step`` on another), or pass batches of different
+        shapes or dtypes (each rank would size its buffers by its own), all raise too.
 
         Raises:
             UsageError, UnsupportedError: this rank's checks refuse the call.
-            DistributedError: another rank refused it or made the other call; or this placement
-                can run no more calls (:attr:`broken`).
+            DistributedError: another rank refused it, made the other call or passed a batch of
+                other shapes or dtypes; or this placement can run no more calls (:attr:`broken`).
         """
         if self.broken is not None:
             raise DistributedError(f"{self.broken}: place the model again (a new placement starts clean)")
@@ -739,9 +741,11 @@ class DistributedPipeline:
         key = f"{faults.key}/refused/{self._calls}"
         if refusal is not None:
             faults.store.set(f"{key}/{faults.rank}", f"{type(refusal).__name__}: {first_line(refusal)}")
-        votes = torch.zeros(2, faults.world, dtype=torch.int32, device=self.device)
+        batch = self._batch_text() if refusal is None else ""
+        votes = torch.zeros(3, faults.world, dtype=torch.int32, device=self.device)
         votes[0, faults.rank] = int(refusal is not None)
         votes[1, faults.rank] = ("run", "step").index(kind) + 1  # every rank must make the same call
+        votes[2, faults.rank] = zlib.crc32(batch.encode()) & 0x7FFFFFFF  # ... with the same batch shape
         faults.guard(lambda: dist.all_reduce(votes))  # over every rank of the launch: copies too
         refused = [r for r, v in enumerate(votes[0].tolist()) if v]
         kinds = [("run", "step")[k - 1] for k in votes[1].tolist()]
@@ -749,12 +753,25 @@ class DistributedPipeline:
             calls = ", ".join(f"rank {r} {k}()" for r, k in enumerate(kinds))
             raise DistributedError(f"the ranks made different calls ({calls}): every rank must call run() or every "
                                    "rank step(), in the same order; no rank ran it")
+        if refusal is None and not refused and len(set(votes[2].tolist())) > 1:
+            faults.store.set(f"{key}/batch/{faults.rank}", batch)  # every rank saw the same votes: each tells its own
+            batches = [faults.store.get(f"{key}/batch/{r}").decode() for r in range(faults.world)]
+            told = "; ".join(f"rank {r}: {b}" for r, b in enumerate(batches))
+            raise DistributedError(f"the ranks passed batches of different shapes or dtypes ({told}): the engine "
+                                   "sizes each rank's buffers by its own batch, so pass every rank the same batch; "
+                                   "no rank ran it")
         if refusal is not None or not refused:
             return
         reason = faults.store.get(f"{key}/{refused[0]}").decode()
         more = f" (and {len(refused) - 1} more rank(s))" if len(refused) > 1 else ""
         raise DistributedError(f"rank {refused[0]}{more} refused this call before any rank ran it: {reason}; "
                                f"rank {faults.rank} did not run it either")
+
+    def _batch_text(self) -> str:
+        """The shapes and dtypes this call's checks recorded (what the engine sizes its buffers by)."""
+        if self._shape is None or self._first_kinds is None:
+            return "no batch"
+        return f"inputs of shapes {list(self._shape)}, dtypes {_kinds_text(self._first_kinds)}"
 
     def check_schedule(self, fallback: str | None = None) -> None:
         """Build the training schedule now, so that a schedule the engine refuses for this layout
