@@ -22,6 +22,7 @@ from torchplace.costmodel import StageCost
 from torchplace.errors import InvalidPlanError, UsageError
 from torchplace.files import read_json, write_json
 from torchplace.problem import Problem
+from torchplace.units import format_bytes
 
 __all__ = ["Plan", "Stage", "check_contiguity", "is_contiguous", "stages_from_order"]
 
@@ -242,7 +243,7 @@ class Plan:
             if c is None:
                 continue
             rows.append((str(i), s.device, str(len(s.nodes)), f"{c.compute:.6g}", f"{c.transfer_in:.6g}",
-                         f"{c.transfer_out:.6g}", _fmt_bytes(c.memory), f"{c.load:.6g}"))
+                         f"{c.transfer_out:.6g}", format_bytes(c.memory), f"{c.load:.6g}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
         if len({s.device for s in self.stages}) < len(self.stages):
@@ -335,7 +336,7 @@ def _parallel_rows(plan: Plan) -> list[str]:
     for i, (s, c) in enumerate(zip(plan.stages, plan.costs)):
         rows.append((str(i), s.device, str(s.data_parallel), str(s.tensor_parallel), str(len(s.nodes)),
                      f"{recomputed_nodes(s)}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in + c.transfer_out:.4g}",
-                     f"{c.allreduce:.4g}", _fmt_bytes(c.memory), f"{c.load:.6g}"))
+                     f"{c.allreduce:.4g}", format_bytes(c.memory), f"{c.load:.6g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
 
@@ -369,14 +370,6 @@ def _check_parallel(problem: Problem, stages: Sequence[Stage]) -> None:
         for i, s in enumerate(stages):
             if not is_contiguous(problem.graph, set(s.nodes)):
                 raise InvalidPlanError(f"stage {i} is not contiguous (Piper Def. 3.1)")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _check_coverage(stages: Sequence[Stage], g: Any) -> dict[str, str]:

@@ -19,7 +19,7 @@ from typing import Any
 from torchplace.checks import brief, non_negative_float, non_negative_int, positive_float
 from torchplace.errors import UsageError
 
-__all__ = ["parse_bandwidth", "parse_memory", "parse_seconds", "parse_torch_device"]
+__all__ = ["format_bytes", "parse_bandwidth", "parse_memory", "parse_seconds", "parse_torch_device"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -165,3 +165,12 @@ def parse_torch_device(text: Any) -> tuple[str, int | None]:
             f"of {', '.join(sorted(_TORCH_TYPES))}, e.g. 'cpu', 'cuda:0'"
         )
     return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as people read them: ``"512 B"``, ``"1.5 KiB"``, ... ``"2.0 GiB"`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

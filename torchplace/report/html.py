@@ -15,13 +15,14 @@ from typing import Any
 from torchplace import costmodel
 from torchplace.errors import UnsupportedError
 from torchplace.files import write_text
-from torchplace.plan import Plan, _fmt_bytes, recomputed_nodes
+from torchplace.plan import Plan, recomputed_nodes
 from torchplace.problem import Problem
 from torchplace.report.figure import device_colors
 from torchplace.report.fidelity import Measurement
 from torchplace.report.pictures import plot_graph, plot_memory, plot_schedule, plot_timeline
 from torchplace.report.timeline import Bar
 from torchplace.runtime.spans import StageSpan
+from torchplace.units import format_bytes
 
 __all__ = ["render", "write_report"]
 
@@ -83,10 +84,10 @@ def _stage_table(plan: Plan, problem: Problem | None) -> str:
         if piper:  # Piper: a stage is d x t devices; its load is the time per sample (Sec. 4), all-reduce included
             rows.append((str(i), swatch + _e(s.device), s.data_parallel, s.tensor_parallel, len(s.nodes),
                          f"{recomputed_nodes(s)}/{len(s.nodes)}", f"{c.compute:.4g}", f"{c.transfer_in:.4g}",
-                         f"{c.transfer_out:.4g}", f"{c.allreduce:.4g}", f"{c.load:.4g}", _e(_fmt_bytes(c.memory))))
+                         f"{c.transfer_out:.4g}", f"{c.allreduce:.4g}", f"{c.load:.4g}", _e(format_bytes(c.memory))))
             continue
         rows.append((str(i), swatch + _e(s.device), len(s.nodes), f"{c.compute:.4g}", f"{c.transfer_in:.4g}",
-                     f"{c.transfer_out:.4g}", f"{c.load:.4g}", _e(_fmt_bytes(memory.get(s.device, 0))),
+                     f"{c.transfer_out:.4g}", f"{c.load:.4g}", _e(format_bytes(memory.get(s.device, 0))),
                      "yes" if s.recompute else ""))
     if piper:
         head = ("stage", "devices", "d", "t", "#nodes", "recomputed nodes", "compute s", "xfer in s", "xfer out s",

@@ -15,10 +15,11 @@ from typing import Any
 import networkx as nx
 
 from torchplace import costmodel
-from torchplace.plan import Plan, _fmt_bytes
+from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.report.figure import Picture, device_colors, new_figure
 from torchplace.report.timeline import Bar, drawn_microbatches, drawn_schedule, predicted_timeline
+from torchplace.units import format_bytes
 
 __all__ = ["graph_groups", "plot_graph", "plot_memory", "plot_schedule", "plot_timeline"]
 
@@ -125,7 +126,7 @@ def plot_memory(plan: Plan, problem: Problem | None = None) -> Picture:
                       label=None if labelled else "cap")
             labelled = True
         elif caps.get(d):
-            ax.annotate(f"cap {_fmt_bytes(caps[d])}", (i, bottom[i]), xytext=(0, 3), textcoords="offset points",
+            ax.annotate(f"cap {format_bytes(caps[d])}", (i, bottom[i]), xytext=(0, 3), textcoords="offset points",
                         ha="center", fontsize=8)
     ax.set_ylim(0, peak * scale * 1.15)
     ax.set_ylabel(f"memory ({unit})")
