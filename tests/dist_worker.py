@@ -289,7 +289,7 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
             warnings.simplefilter("always")
             placed = tpd.place(model, (x,), mode="training", **one)
         result["warned"] = [str(w.message) for w in caught if "instead" in str(w.message)]
-        result["schedule"] = placed.pipeline.schedule
+        result["schedule"], result["plan_schedule"] = placed.pipeline.schedule, placed.plan.meta.get("schedule")
         params = placed.parameters()
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
         for _ in range(2):
@@ -628,6 +628,7 @@ def _one_step(model: nn.Module, result: dict, opts: dict) -> Any:
     names = {id(p): n for n, p in model.named_parameters()}
     result["params"] = sorted(names[id(p)] for p in placed.parameters())
     result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]], atol=1e-6) for p in placed.parameters())
+    result["plan_schedule"] = placed.plan.meta.get("schedule")  # whose activations in flight the plan counted
     return placed
 
 

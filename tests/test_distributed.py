@@ -233,6 +233,46 @@ def test_not_launched_by_torchrun_says_how_to_launch(monkeypatch):
         tpd.place(model, (x,))
 
 
+def test_the_gpipe_fallback_counts_its_memory_and_is_refused_where_it_does_not_fit():
+    """The engine refuses 1F1B with fewer micro-batches than engine stages and runs GPipe, which
+    keeps every micro-batch's activations on every stage: the plan is counted again for it (it
+    counted 1F1B's fewer), the warning names what grew, and a device too small for it is refused."""
+    import warnings
+
+    from torchplace import api, costmodel
+    from torchplace.distributed import _priced_for_fallback
+    from torchplace.errors import InfeasibleError, PlacementWarning
+    from torchplace.units import format_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)]).train()
+    devices = ["cpu:0", "cpu:1", "cpu:2"]
+    placement = api.prepare(model, devices, (torch.randn(32, 64),), mode="training", microbatches=2,
+                            contiguous=True, allow_single_device=False, progress=False, warmup=0, repeats=1)
+    problem, plan = placement.problem, placement.plan
+    assert problem.pipeline.schedule == "1f1b" and len({s.device for s in plan.stages}) == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ran, repriced = _priced_for_fallback(problem, plan, "the engine refuses 1F1B")
+    before, after = costmodel.device_memory(problem, plan.stages), costmodel.device_memory(ran, plan.stages)
+    grown = [d for d in after if after[d] > before[d]]
+    assert grown and all(after[d] >= before[d] for d in after)  # a later stage held 1 of 2 under 1F1B
+    assert ran.pipeline.schedule == "gpipe" and repriced.meta["schedule"] == "gpipe"
+    assert {c.device: c.memory for c in repriced.costs} == after
+    assert repriced.objective == plan.objective and repriced.stages == plan.stages
+    (warning,) = [w for w in caught if issubclass(w.category, PlacementWarning)]
+    assert str(warning.message).startswith("the engine refuses 1F1B; running 'gpipe' instead, which keeps every "
+                                           "micro-batch's activations in flight: memory ")
+    assert f"{grown[0]} {format_bytes(before[grown[0]])} -> {format_bytes(after[grown[0]])}" in str(warning.message)
+    tight = (before[grown[0]] + after[grown[0]]) // 2  # holds the plan under 1F1B, not under GPipe
+    capped = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, devices=tuple(
+        dataclasses.replace(d, memory_bytes=tight) if d.name == grown[0] else d for d in problem.cluster.devices)))
+    Plan.build(capped, plan.stages, solver="check", seconds=0.0, lower_bound=0.0)  # fits as planned
+    with pytest.raises(InfeasibleError, match=rf"GPipe, which would run instead, .* does not fit: {grown[0]} needs "
+                                              rf"{re.escape(format_bytes(after[grown[0]]))} where it has "):
+        _priced_for_fallback(capped, plan, "the engine refuses 1F1B")
+
+
 @pytest.fixture(scope="module")
 def nc_plans(tmp_path_factory) -> tuple[Path, Path]:
     """Plan files of SkipNet in 4 pieces on cpu:0, cpu:1, cpu:0, cpu:1: inference and training."""
@@ -490,7 +530,9 @@ def test_the_default_schedule_runs_one_micro_batch_and_a_refused_one_is_refused_
     results = [r[1]["18:one-microbatch"] for r in two_ranks]
     assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
     assert all(r["schedule"] == "gpipe" and r["allclose"] for r in results), results
-    assert all(len(r["warned"]) == 1 and "running 'gpipe' instead" in r["warned"][0] for r in results), results
+    assert all(r["plan_schedule"] == "gpipe" for r in results), results  # placed.plan counts what runs
+    assert all(len(r["warned"]) == 1 and "running 'gpipe' instead (it keeps no more activations in flight than the "
+               "plan counted)" in r["warned"][0] for r in results), results  # one micro-batch: as many as 1F1B's
     for r in results:
         assert r["refused"].startswith("UnsupportedError: torch.distributed.pipelining refuses schedule '1f1b' "
                                        "(Schedule1F1B) for 2 engine stages on 2 ranks and 1 micro-batches"), r
@@ -840,6 +882,9 @@ def test_gpt2_and_models_that_tried_the_engine_run_and_train_on_two_ranks(tmp_pa
     for key in ("3:transposed", "4:zero-bubble-output"):
         for _, results, err in ranks:
             assert "error" not in results[key] and results[key]["allclose"], (key, results[key], err[-2000:])
+    # the plan counts the activations in flight of the schedule that runs: zero-bubble's as GPipe's
+    assert [r[1][k]["plan_schedule"] for r in ranks for k in ("3:transposed", "4:zero-bubble-output")] == [
+        "1f1b", "gpipe"] * 2
     # an fx graph's blocks read B, T, C = x.shape, plain ints the engine cannot send: solved plans cut
     # between them and their readers, and the first forward failed (found by fuzzing)
     for _, results, err in ranks:

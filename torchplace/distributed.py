@@ -20,6 +20,7 @@ are :mod:`torchplace.runtime.dist_faults`.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -34,8 +35,10 @@ from torch import nn
 
 from torchplace.checks import brief, positive_float, positive_int
 from torchplace.devices import Cluster, Device
-from torchplace.errors import DistributedError, InvalidPlanError, UnsupportedError, UsageError
+from torchplace.errors import (DistributedError, InfeasibleError, InvalidPlanError, PlacementWarning, UnsupportedError,
+                               UsageError, warn_caller)
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
+from torchplace.problem import Problem
 from torchplace.fxutil import dtype_guards
 from torchplace.runtime.devices import check_autocast, check_eager_call
 from torchplace.runtime.structure import Structure
@@ -115,13 +118,15 @@ def place(
         microbatches: micro-batches per batch (the engine's ``n_microbatches``; default the given
             plan's, else 4); with ``d`` copies, a multiple of ``d``, and each copy runs
             ``microbatches / d``.
-        schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`; default: the plan's
-            training schedule (``"1f1b"`` unless ``schedule`` is given in ``options``) whose memory
-            the cost model counted, looped where a rank holds several stages, or ``"gpipe"``, with
-            a :class:`~torchplace.errors.PlacementWarning`, where the engine does not run that one
-            for this layout and micro-batch count (1F1B needs one per engine stage at least, the
-            interleaved form a multiple of ``max(1, m // ranks)``). A schedule given here that the
-            engine refuses is refused while placing.
+        schedule: one of :data:`torchplace.runtime.distributed.SCHEDULES`, whose activations in
+            flight the plan counts (:data:`~torchplace.runtime.distributed.PRICED_AS`); default: the
+            given plan's training schedule, else ``"1f1b"``, looped where a rank holds several
+            stages; or ``"gpipe"`` where the engine does not run that one for this layout and
+            micro-batch count (1F1B needs one per engine stage at least, the interleaved form a
+            multiple of ``max(1, m // ranks)``): then the plan's memory is counted again for GPipe,
+            with a :class:`~torchplace.errors.PlacementWarning` naming what grew, and
+            :class:`~torchplace.errors.InfeasibleError` where a device cannot hold it. A schedule
+            given here that the engine refuses is refused while placing.
         timeout: seconds of the process group's timeout: the longest any rank waits for a peer.
         plan_timeout: seconds the other ranks wait for rank 0 to solve.
         backend: ``"gloo"`` or ``"nccl"`` (default: NCCL on GPUs, gloo on the CPU; NCCL on the
@@ -148,6 +153,8 @@ def place(
             no Linear pair to split, ``state_dict`` with ``t > 1``, a ``schedule`` the engine
             refuses for this layout and micro-batch count); a ``timeout`` or ``plan_timeout`` that
             is not a positive number of seconds; ``backend="nccl"`` on the CPU.
+        InfeasibleError: as :func:`torchplace.place`; and where the engine runs GPipe instead of
+            the planned schedule (see ``schedule``) and a device cannot hold its activations.
 
     Example::
 
@@ -158,7 +165,7 @@ def place(
     import torch.distributed as dist
 
     from torchplace import api
-    from torchplace.runtime.distributed import SCHEDULES, release_abandoned
+    from torchplace.runtime.distributed import PRICED_AS, SCHEDULES, release_abandoned
 
     given = api._load_plan(plan) if plan is not None else None
     if given is not None:  # before asking for torchrun: a Piper plan runs under no launch
@@ -195,6 +202,10 @@ def place(
         common.setdefault("contiguous", False)
     if mode == "training":
         common.setdefault("recompute", False)  # the bridge does not recompute; the cost model must not count on it
+        # the plan counts the activations in flight of the schedule that runs: the one given here, else the plan's
+        planned = PRICED_AS[schedule] if schedule is not None else given.meta.get("schedule") if given else None
+        if planned is not None:
+            common["schedule"] = planned
     placement = None
     if given is not None:  # check the plan on every rank before any communication
         placement = api.prepare(model, devices if devices is not None else rank_devices, example_inputs,
@@ -217,6 +228,40 @@ def place(
         faults._publish(f"rank {rank} failed while placing: {type(error).__name__}: {error}")
         faults.close()
         raise
+
+
+def _priced_for_fallback(problem: Problem, plan: Plan, refused: str) -> tuple[Problem, Plan]:
+    """The problem and plan as the engine runs them when it refused the planned schedule
+    (``refused`` says why) and runs GPipe instead: the plan's memory re-counted with every
+    micro-batch's activations in flight, and a :class:`PlacementWarning` naming what grew.
+
+    Raises:
+        InfeasibleError: a device cannot hold what GPipe keeps in flight.
+    """
+    from torchplace import costmodel
+    from torchplace.units import format_bytes
+
+    planned = problem.pipeline
+    if planned is None or planned.schedule == "gpipe":
+        return problem, plan
+    ran = dataclasses.replace(problem, pipeline=dataclasses.replace(planned, schedule="gpipe"))
+    before, after = costmodel.device_memory(problem, plan.stages), costmodel.device_memory(ran, plan.stages)
+    caps = {d.name: d.memory_bytes for d in problem.cluster.devices}
+    over = [d for d, need in after.items() if caps.get(d) is not None and need > caps[d]]
+    if over:
+        raise InfeasibleError(
+            f"{refused}; GPipe, which would run instead, keeps every micro-batch's activations in flight where the plan "
+            f"counted {planned.schedule!r}'s fewer, and does not fit: "
+            + ", ".join(f"{d} needs {format_bytes(after[d])} where it has {format_bytes(caps[d])}" for d in over)
+            + "; pass microbatches= at least the number of engine stages, or fewer micro-batches' worth of memory")
+    grew = ", ".join(f"{d} {format_bytes(before[d])} -> {format_bytes(after[d])}"
+                     for d in after if after[d] != before[d])
+    warn_caller(f"{refused}; running 'gpipe' instead"
+                + (f", which keeps every micro-batch's activations in flight: memory {grew} (placed.plan counts it; it "
+                   "fits)" if grew else " (it keeps no more activations in flight than the plan counted)")
+                + "; pass schedule= or another micro-batch count to choose", PlacementWarning)
+    return ran, Plan.build(ran, plan.stages, solver=plan.solver, seconds=plan.seconds, lower_bound=plan.lower_bound,
+                           status=plan.status, meta={**plan.meta, "schedule": "gpipe"})
 
 
 _FREED: weakref.WeakSet = weakref.WeakSet()
@@ -455,7 +500,9 @@ class DistributedPlaced:
             replicas=replicas, tensor_group=tensor_group,
             examples={n.name: example_of(n) for n in traced.gm.graph.nodes}, nones=placement.sizes.nones)
         if problem.mode == "training":  # refused now, not at the first step (no user schedule: GPipe will do)
-            self.pipeline.check_schedule(fallback="gpipe" if schedule is None else None)
+            refused = self.pipeline.check_schedule(fallback="gpipe" if schedule is None else None)
+            if refused is not None:
+                self.problem, self.plan = _priced_for_fallback(problem, plan, refused)
         self.pipeline.check_call = self._check_call
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)

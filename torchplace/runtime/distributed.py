@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchplace.errors import DistributedError, PlacementWarning, UnsupportedError, UsageError, warn_caller
+from torchplace.errors import DistributedError, UnsupportedError, UsageError
 from torchplace.runtime.dist_faults import Activity, first_line
 from torchplace.runtime.dist_numbers import NumberRule, is_number, number_rule
 from torchplace.runtime.dist_random import RandomStream, call_seed
@@ -73,6 +73,7 @@ from torchplace.runtime.params import _slots, move_in_place
 from torchplace.runtime.split import StageModule
 
 __all__ = [
+    "PRICED_AS",
     "SCHEDULES",
     "DistributedPipeline",
     "EngineSlot",
@@ -94,8 +95,14 @@ SCHEDULES = ("gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble")
 * ``"zero-bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB1P, Qi et al. 2023, arXiv:2401.10241),
   which splits each backward into input and weight gradients.
 
-The cost model's in-flight activations are GPipe's and 1F1B's (exact with one stage per rank); the
-looped and zero-bubble forms keep a similar number per stage but are not modelled exactly."""
+The cost model's in-flight activations are GPipe's and 1F1B's (exact with one stage per rank);
+:data:`PRICED_AS` says which of the two counts each schedule's."""
+
+PRICED_AS = {"gpipe": "gpipe", "looped-bfs": "gpipe", "zero-bubble": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "1f1b"}
+"""The cost model's schedule (:data:`torchplace.problem.SCHEDULES`) whose in-flight activations a
+plan counts for each engine schedule: the breadth-first ones keep every micro-batch's, as GPipe
+does; the interleaved 1F1B starts its backwards as 1F1B does; zero-bubble defers its weight
+gradients, which keeps activations longer than 1F1B: it is counted as GPipe, which bounds it."""
 
 
 @dataclass(frozen=True)
@@ -773,13 +780,14 @@ class DistributedPipeline:
             return "no batch"
         return f"inputs of shapes {list(self._shape)}, dtypes {_kinds_text(self._first_kinds)}"
 
-    def check_schedule(self, fallback: str | None = None) -> None:
+    def check_schedule(self, fallback: str | None = None) -> str | None:
         """Build the training schedule now, so that a schedule the engine refuses for this layout
         and micro-batch count (``Schedule1F1B`` needs at least one micro-batch per engine stage, the
         interleaved ones a count that is a multiple of ``max(1, m // ranks)``) is refused when
         placing, not at the first ``step``; or, with ``fallback`` (the schedule was not passed to
-        ``place``), run ``fallback`` instead, with a :class:`PlacementWarning` (the plan's memory
-        counted the other schedule's in-flight activations). Building one communicates nothing.
+        ``place``), run ``fallback`` instead and return why the engine refused the first (``None``
+        where it runs it). The caller re-counts the plan's memory for the fallback. Building one
+        communicates nothing.
 
         Raises:
             UnsupportedError: the engine refuses the schedule (and ``fallback``, if given).
@@ -792,12 +800,10 @@ class DistributedPipeline:
         except UnsupportedError as error:
             if fallback is None or fallback == self.schedule:
                 raise
-            warn_caller(f"{str(error).rstrip('.')}; running {fallback!r} instead, which keeps every micro-batch's "
-                        f"activations in flight where the plan counted {self.schedule!r}'s fewer: a device may need "
-                        "more memory than the plan says; pass schedule= (or another micro-batch count) to choose",
-                        PlacementWarning)
             self.schedule = fallback
             self._make_schedule(nothing)
+            return str(error).removesuffix("; pick another schedule or micro-batch count")
+        return None
 
     def _start_streams(self) -> None:
         """Start this call's random streams (:mod:`~torchplace.runtime.dist_random`): one seed drawn
