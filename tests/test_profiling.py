@@ -191,6 +191,29 @@ def test_auto_reports_both_methods() -> None:
     assert "fx failed in gate" in str(info.value) and "export failed" in str(info.value)
 
 
+def test_a_failed_export_prints_no_partial_graph_and_passes_other_output_on(capfd) -> None:
+    """torch.export printed the partial graph of a failed export to stderr, twice per try (its
+    wrapper is nested), before torchplace's TraceError: hundreds of lines for a transformer. A
+    batch norm without momentum reads its counter as a Python float, which export cannot trace."""
+    import sys
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.ReLU()).train()
+    with pytest.raises(TraceError, match=r"leaf_modules=\(BatchNorm1d,\)"):
+        trace(model, (torch.randn(8, 8),), method="auto")
+    err = capfd.readouterr().err
+    assert "def forward(self" not in err and "aten.linear" not in err, err
+
+    from torchplace.profiling.trace import _without_partial_graph
+
+    with _without_partial_graph():
+        print("a warning written meanwhile", file=sys.stderr)
+    with pytest.raises(ValueError), _without_partial_graph():
+        print("written before the failure", file=sys.stderr)
+        raise ValueError("no partial graph here")
+    err = capfd.readouterr().err
+    assert "a warning written meanwhile" in err and "written before the failure" in err
+
+
 def test_leaf_module_makes_untraceable_model_traceable() -> None:
     model, x = Gated().eval(), torch.randn(2, 4)
     traced = trace(model, (x,), method="fx", leaf_modules=(Gate,))

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import operator
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -273,13 +275,32 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
     args, kwargs = pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
     snapshot = StateSnapshot(model)
     try:
-        ep = torch.export.export(model, args, kwargs=kwargs or None,
-                                 dynamic_shapes=dynamic_shapes(model, args, kwargs, dims), strict=False)
+        with _without_partial_graph():
+            ep = torch.export.export(model, args, kwargs=kwargs or None,
+                                     dynamic_shapes=dynamic_shapes(model, args, kwargs, dims), strict=False)
         return ep.module()
     except Exception as e:
         raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
     finally:
         snapshot.restore()
+
+
+@contextlib.contextmanager
+def _without_partial_graph() -> Iterator[None]:
+    """Pass on what is written to ``sys.stderr`` inside, but for the partial graph a failed
+    ``torch.export`` prints there before it raises (``partial_fx_graph``, once per nested export
+    call; hundreds of lines for a transformer): the failure is reported as a :class:`TraceError`
+    that names the module and the fix, and tracing tries export more than once while it looks for
+    the failing module."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except Exception as error:
+        partial = getattr(error, "partial_fx_graph", None)
+        sys.stderr.write(buffer.getvalue().replace(f"{partial}\n", "") if partial is not None else buffer.getvalue())
+        raise
+    sys.stderr.write(buffer.getvalue())
 
 
 def _import_torch_internals() -> None:
