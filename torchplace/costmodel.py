@@ -965,13 +965,10 @@ def plan_segments(stages: Sequence[StageLike]) -> dict[str, int]:
     """The segment of each node of an inference plan: segments are the runs of consecutive stages
     on one device (:func:`torchplace.runtime.schedule.segments`), numbered in order; a micro-batch
     crosses a queue between two (:func:`queued`)."""
-    out: dict[str, int] = {}
-    segment, device = -1, None
-    for s in stages:
-        if s.device != device:
-            segment, device = segment + 1, s.device
-        out.update(dict.fromkeys(s.nodes, segment))
-    return out
+    from torchplace.runtime.schedule import segments  # pure data, as the executors run them
+
+    runs = segments([s.device for s in stages])
+    return {v: i for i, (_, members) in enumerate(runs) for k in members for v in stages[k].nodes}
 
 
 def _recomputes(stages: Iterable[StageLike]) -> set[str]:
