@@ -233,6 +233,14 @@ def test_not_launched_by_torchrun_says_how_to_launch(monkeypatch):
         tpd.place(model, (x,))
 
 
+def test_every_engine_schedule_is_priced_as_a_schedule_of_the_cost_model():
+    from torchplace.problem import SCHEDULES as PRICED
+    from torchplace.runtime.distributed import PRICED_AS, SCHEDULES
+
+    assert set(PRICED_AS) == set(SCHEDULES) and set(PRICED_AS.values()) <= set(PRICED)
+    assert PRICED_AS["zero-bubble"] == "gpipe"  # its deferred weight passes keep activations longer than 1F1B
+
+
 def test_the_gpipe_fallback_counts_its_memory_and_is_refused_where_it_does_not_fit():
     """The engine refuses 1F1B with fewer micro-batches than engine stages and runs GPipe, which
     keeps every micro-batch's activations on every stage: the plan is counted again for it (it

@@ -253,7 +253,8 @@ def _priced_for_fallback(problem: Problem, plan: Plan, refused: str) -> tuple[Pr
             f"{refused}; GPipe, which would run instead, keeps every micro-batch's activations in flight where the plan "
             f"counted {planned.schedule!r}'s fewer, and does not fit: "
             + ", ".join(f"{d} needs {format_bytes(after[d])} where it has {format_bytes(caps[d])}" for d in over)
-            + "; pass microbatches= at least the number of engine stages, or fewer micro-batches' worth of memory")
+            + "; pass microbatches= at least the number of engine stages (1F1B then runs), or give the devices more "
+              "memory")
     grew = ", ".join(f"{d} {format_bytes(before[d])} -> {format_bytes(after[d])}"
                      for d in after if after[d] != before[d])
     warn_caller(f"{refused}; running 'gpipe' instead"
