@@ -290,6 +290,20 @@ def test_a_stage_is_predicted_as_the_call_runs_it(pipelined):
     assert [s.predicted for s in old.stages] == [c.load for c in costmodel.stage_costs(placed.problem, plan.stages)]
 
 
+def test_measure_counts_the_micro_batches_the_runs_made():
+    """(found by fuzzing) placed with more micro-batches than the example has rows, the executor runs one
+    per row and place() predicts that call; measure() labelled the runs with the m asked for, missed the
+    prediction and fell back to whole-batch steady-state costs."""
+    model, inputs = build("mlp", batch=4)
+    with pytest.warns(RuntimeWarning, match="8 micro-batches requested for a batch of 4"):
+        placed = torchplace.place(model, ["cpu:0", "cpu:1"], inputs, microbatches=8, **QUICK)
+        m = placed.measure(inputs, runs=1, warmup=0)
+    call = placed.plan.meta["call"]
+    assert placed.microbatches == 8 and call["microbatches"] == 4
+    assert m.microbatches == 4 and m.predicted_wall == call["seconds"]
+    assert [[s.stage, s.kind, s.predicted] for s in m.stages] == call["stage_seconds"]
+
+
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):
     placed, inputs = latency
     m = placed.measure(inputs, runs=2)

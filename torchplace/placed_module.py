@@ -339,7 +339,10 @@ class PlacedModule(nn.Module):
             self._run_recorded(inputs, kwargs, target, loss_fn)
         recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]
         spans = [s for s, _ in recorded]
-        self.last_measurement = compare(self.plan, self.problem, spans, [w for _, w in recorded], self.microbatches,
+        # the micro-batches the runs made: fewer than self.microbatches when the batch has fewer rows
+        # (the executor clamps m to them), and place() predicted the example's call with that count
+        ran = max((s.microbatch + 1 for s in spans[-1]), default=self.microbatches)
+        self.last_measurement = compare(self.plan, self.problem, spans, [w for _, w in recorded], ran,
                                         training=self._for_training)
         self._last_spans = spans[-1]
         return self.last_measurement
