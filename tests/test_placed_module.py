@@ -583,6 +583,40 @@ def test_the_decorated_model_offers_the_placed_models_methods():
         net.no_such_attribute
 
 
+def test_the_decorated_model_has_the_models_state_dict_keys():
+    """(found by fuzzing) a @placed instance's state_dict had 'module.'-prefixed keys, so a checkpoint of
+    the model did not load into it (a raw RuntimeError) nor its checkpoint into the model."""
+    net = torchplace.placed(devices=DEVICES, microbatches=1, **QUICK)(MLP)()
+    plain = MLP()
+    assert list(net.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in net.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    net.load_state_dict(plain.state_dict())  # before the first call: the model's own
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(net(x), plain(x))
+    assert not net.training and not net.module.training  # placed for inference: in eval mode, as the model
+    other = MLP()
+    net.load_state_dict(other.state_dict())  # once placed: the placed model's, which copies onto the devices
+    with torch.no_grad():
+        assert torch.equal(net(x), other(x))
+    plain.load_state_dict(net.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
+    with pytest.raises(UsageError, match="Missing key"):
+        net.load_state_dict({"x": torch.zeros(1)})
+
+
+def test_a_decorated_training_model_switches_modes_with_its_model():
+    net = torchplace.placed(devices=DEVICES, microbatches=1, mode="training", **QUICK)(MLP)()
+    x = torch.randn(4, 32)
+    net(x)
+    net.eval()
+    assert not net.training and not any(m.training for m in net.module.modules())
+    with torch.no_grad():
+        assert torch.equal(net(x), net.module(x))
+    net.train()
+    assert net.training and all(m.training for m in net.module.modules())
+
+
 def test_a_placed_model_is_not_placed_again():
     """Placing a placed module (or a model holding one) failed inside fx with a message about
     control flow or about `is None` branches (found by fuzzing)."""

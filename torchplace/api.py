@@ -905,24 +905,48 @@ def _solve(problem: Problem, solver: str, time_limit: float | None, fuse: bool |
 
 
 class _LazyPlaced(nn.Module):
-    """Holds a model and places it on its first call, using that call's inputs as examples."""
+    """Holds a model and places it on its first call, using that call's inputs as examples.
+
+    Like a :class:`PlacedModule`, it is the model as far as its state goes: it shares the model's
+    children, parameters and buffers (the same dicts, so a conversion before placing changes the
+    model's own tensors), so ``state_dict()`` has the model's keys and a checkpoint of the model
+    loads into it (and the other way round)."""
 
     def __init__(self, module: nn.Module, devices: Any, options: Mapping[str, Any]) -> None:
         super().__init__()
-        self.module = module
+        self.__dict__["module"] = module  # not a child: its children, parameters and buffers are ours
+        for slots in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            self.__dict__[slots] = getattr(module, slots)
+        self.training = module.training
         self._devices, self._options = devices, dict(options)
         self.__dict__["placed"] = None  # not a registered child: it shares the module's tensors
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.placed is None:
             self.__dict__["placed"] = place(self.module, self._devices, args, example_kwargs=kwargs, **self._options)
+            self.training = self.module.training  # place() puts a model placed for inference in eval mode
         return self.placed(*args, **kwargs)
 
     def train(self, mode: bool = True) -> _LazyPlaced:
         if mode and self._options.get("mode", "inference") != "training":
             raise UnsupportedError("this model is placed for inference on its first call, with its graph traced in "
                                    "eval mode: train() would change nothing; decorate with mode='training' to train it")
-        return super().train(mode)
+        # the model's root (no child of ours) and its children; once placed, frozen modules go back
+        # to the modes they were placed with
+        (self.module if self.placed is None else self.placed).train(mode)
+        self.training = mode
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``state_dict`` (the model's keys, its hooks)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """The model's own ``load_state_dict`` (once placed, the placed model's: a mismatch is a
+        :class:`UsageError`, ``assign=True`` is refused)."""
+        if self.placed is not None:
+            return self.placed.load_state_dict(state_dict, strict=strict, assign=assign)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     _torchplace_placed = True  # torchplace.arguments.check_model refuses to place it (it places itself)
 
