@@ -68,6 +68,32 @@ def test_refine_runs_both_plans_and_keeps_the_faster(monkeypatch, tmp_path):
     assert "kept" in str(r)
 
 
+def test_the_plan_solved_on_measured_costs_keeps_the_placements_micro_batches(monkeypatch, tmp_path):
+    """(found by fuzzing) the plan solved on measured costs had no predicted call: kept, it said it
+    runs with the default 4 micro-batches where the placed model ran 2, printed no predicted call,
+    and saved and reused with plan= it ran with 4."""
+    real = refine.measured_graph
+
+    def slower_stage(problem, plan, measurement):  # as above: the second solve gives another plan
+        slow = max(range(len(plan.stages)), key=lambda i: len(plan.stages[i].nodes))
+        stages = [dataclasses.replace(s, measured=s.predicted * (1000 if s.stage == slow else 1)) for s in measurement.stages]
+        return real(problem, plan, dataclasses.replace(measurement, stages=stages))
+
+    monkeypatch.setattr(refine, "measured_graph", slower_stage)
+    monkeypatch.setattr(refine.RefinedPlan, "wall", property(lambda r: 0.0 if r.costs == "measured" else 1.0))
+    model, (x,) = build("mlp", batch=4)
+    options = {**QUICK, "microbatches": 2}
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), refine=True, allow_single_device=False, **options)
+    assert placed.refinement.kept == 1 and placed.microbatches == 2
+    assert placed.plan.microbatches == 2 and "predicted call" in str(placed.plan)
+    assert placed.measure(x, runs=1, warmup=0).predicted_wall == placed.plan.meta["call"]["seconds"]
+    placed.plan.save(tmp_path / "plan.json")
+    again = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), plan=tmp_path / "plan.json", **QUICK | {"microbatches": None})
+    assert again.microbatches == 2
+    with torch.no_grad():
+        assert torch.equal(again(x), torch.cat([model(c) for c in x.tensor_split(2)]))
+
+
 def test_refine_keeps_the_plan_when_the_measured_costs_give_it_again():
     model, (x,) = build("mlp", batch=4)
     placed = torchplace.place(model, ["cpu:0"], (x,), refine=True, **QUICK)  # one device: one plan

@@ -281,14 +281,29 @@ def place(
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (placement.args, placement.kwargs))
         try:
             placed = closing_the_loop(placed, args, kwargs, solve=lambda p: _solve(p, solver, time_limit, fuse),
-                                      build=lambda p: PlacedModule(traced, problem, p, m, joined_outputs=joined,
-                                                                   sizes=sizes))
+                                      build=lambda p: PlacedModule(traced, problem,
+                                                                   _with_call(problem, p, m, _batch(args, kwargs)), m,
+                                                                   joined_outputs=joined, sizes=sizes))
         finally:
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
     placed.plan.meta[CACHE_KEY] = placement.cache  # so plan= can skip profiling next time
     return placed
+
+
+def _with_call(problem: Problem, plan: Plan, microbatches: int, batch: int | None) -> Plan:
+    """``plan`` with the prediction of its call in ``meta["call"]``, made here where it has none (a
+    plan ``refine=True`` solved on measured costs): without it the plan said it runs with
+    :data:`~torchplace.plan.DEFAULT_MICROBATCHES` (``plan.microbatches``, which a saved plan is run
+    with), printed no predicted call and measure() compared with steady-state costs. No profile of
+    one micro-batch is at hand, so its stage times are the whole batch's divided by ``m``."""
+    if "call" not in plan.meta:
+        callplan.decide(problem, plan, microbatches, batch, lambda _: None, overheads=executor_overheads(), given=True)
+        if plan.meta["call"].get("notes"):
+            plan.meta["call"]["notes"] = [f"m={microbatches}: solved by refine=True on measured costs; stage times "
+                                          "are the whole batch's divided by m"]
+    return plan
 
 
 class Placement(NamedTuple):
