@@ -201,6 +201,29 @@ def test_a_model_that_fixes_its_batch_places_unsplit_and_says_why_it_cannot_spli
         torchplace.place(FixedBatch().eval(), DEVICES, (x,), microbatches=2, **OPTIONS)
 
 
+class Pairs(nn.Module):
+    """Takes its samples in pairs: runs on an even number of them, mixes none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).reshape(-1, 2, 4).relu().reshape(-1, 4))
+
+
+def test_the_last_smaller_micro_batch_must_run_too() -> None:
+    """(found by fuzzing) only the first micro-batch was run (timed): 4 micro-batches of 6 samples hold 2, 2,
+    1 and 1, the graph fails on 1, and every call of the example's batch raised StageError after place()."""
+    x = torch.randn(6, 4)
+    with pytest.raises(MicrobatchError, match=r"does not run on one of 4 micro-batches \(1 of the example's 6"):
+        torchplace.place(Pairs().eval(), DEVICES, (x,), microbatches=4, **OPTIONS)
+    model = Pairs().eval()
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=3, **OPTIONS)  # 2 samples each
+    with torch.no_grad():
+        assert torch.equal(placed(x), torch.cat([model(c) for c in x.tensor_split(3)]))
+
+
 class OneSampleBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -609,9 +609,14 @@ def prepare(
     m = split
     if len(graph) > 0 and not shapes_only:
         def profile_microbatch(m: int) -> Any:  # the graph's times on one of m micro-batches (None: costs cached)
+            chunks = scatter(args, kwargs, m)
+            if len(chunks) > 1 and _batch(*chunks[-1]) != _batch(*chunks[0]):
+                # the last micro-batch is the smallest, and only the first is timed: a graph that fixes a
+                # size there (a guard, an index) would fail on every call of the example's size
+                _check_runs_on_microbatch(traced, *chunks[-1], m, _batch(args, kwargs))
             if cached:
                 return None
-            chunk_args, chunk_kwargs = scatter(args, kwargs, m)[0]
+            chunk_args, chunk_kwargs = chunks[0]
             try:
                 return profiled(chunk_args, chunk_kwargs)  # training: forward and backward of one micro-batch
             except Exception:
