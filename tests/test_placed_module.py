@@ -106,6 +106,21 @@ def test_a_plan_for_another_graph_is_refused():
         _place(other, other_inputs, plan=plan)
 
 
+def test_a_non_contiguous_plan_given_without_contiguous_false_says_to_pass_it(tmp_path):
+    """(found by fuzzing) a saved plan with two pieces on one device was refused as 'not contiguous
+    (Tarnawski Def. 3.1)', without saying that place() needs contiguous=False to run it."""
+    model, inputs = build("mlp", batch=4)
+    probe = _place(model, inputs, ["cpu:0"], microbatches=2)
+    order = probe.problem.graph.topological_order()
+    stages = [torchplace.Stage(("cpu:0", "cpu:1")[i % 2], (v,)) for i, v in enumerate(order)]
+    plan = Plan(stages, objective=0.0, lower_bound=0.0, solver="manual", seconds=0.0, status="feasible")
+    with pytest.raises(InvalidPlanError, match="place it with contiguous=False"):
+        _place(model, inputs, plan=plan, microbatches=2)
+    placed = _place(model, inputs, plan=plan, microbatches=2, contiguous=False)
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), torch.cat([model(c) for c in inputs[0].tensor_split(2)]))
+
+
 # -- issue 13, item 6: a saved plan skips profiling ---------------------------------------------------
 def _count_profiling(monkeypatch):
     """Count the calls of what times operators (forward, and backward for training)."""

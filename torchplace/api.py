@@ -895,6 +895,17 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
         )
     from torchplace.solvers.bounds import combinatorial_lower_bound
 
+    if problem.contiguous:  # a plan of several pieces per device (contiguous=False) says what to pass
+        try:
+            plan.validate(problem)
+        except InvalidPlanError as error:
+            try:
+                plan.validate(dataclasses.replace(problem, contiguous=False))
+            except InvalidPlanError:
+                pass  # broken otherwise too: Plan.build below says how
+            else:
+                raise InvalidPlanError(f"{error}: the given plan puts several pieces on one device, as a plan solved "
+                                       "with contiguous=False does; place it with contiguous=False") from error
     return Plan.build(problem, plan.stages, solver=f"{plan.solver} (given)", seconds=0.0,
                       lower_bound=combinatorial_lower_bound(problem, time_limit=REPLAN_BOUND_SECONDS),
                       status="feasible")
