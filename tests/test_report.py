@@ -304,6 +304,22 @@ def test_measure_counts_the_micro_batches_the_runs_made():
     assert [[s.stage, s.kind, s.predicted] for s in m.stages] == call["stage_seconds"]
 
 
+def test_a_placed_model_with_more_micro_batches_than_a_picture_holds_is_measured_and_reported(
+        pipelined, monkeypatch, tmp_path):
+    """(found by fuzzing) with more micro-batches than MOST_MICROBATCHES, report() and plot_schedule()
+    raised UsageError ('not readable'), and so did measure() on a batch of another size (its wall
+    prediction was the end of a picture's timeline)."""
+    import torchplace.report.timeline as timeline
+
+    placed, (x,) = pipelined  # 4 micro-batches
+    monkeypatch.setattr(timeline, "MOST_MICROBATCHES", 2)
+    bars = placed.plot_schedule()  # drawn with 2
+    assert bars is not None
+    assert "Predicted schedule" in placed.report(tmp_path / "plan.html").read_text()
+    m = placed.measure((x[:3],), runs=1, warmup=0)  # 3 micro-batches of one sample: no call predicted for them
+    assert m.microbatches == 3 and m.predicted_wall == timeline.predicted_end(placed.plan, placed.problem, 3) > 0
+
+
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):
     placed, inputs = latency
     m = placed.measure(inputs, runs=2)

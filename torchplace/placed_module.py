@@ -351,7 +351,15 @@ class PlacedModule(nn.Module):
         """The plan's predicted schedule (:func:`torchplace.report.plot_schedule`)."""
         from torchplace.report import plot_schedule
 
-        return plot_schedule(self.plan, self.problem, self.microbatches if self.problem.mode != "training" else None)
+        return plot_schedule(self.plan, self.problem, self._drawn_microbatches())
+
+    def _drawn_microbatches(self) -> int | None:
+        """The micro-batches a picture of an inference call draws: this model's, at most what a
+        picture holds (:data:`~torchplace.report.timeline.MOST_MICROBATCHES`); ``None`` for
+        training (the plan's pipeline)."""
+        from torchplace.report.timeline import MOST_MICROBATCHES
+
+        return min(self.microbatches, MOST_MICROBATCHES) if self.problem.mode != "training" else None
 
     def plot_memory(self) -> Any:
         """Memory per device by kind (:func:`torchplace.report.plot_memory`)."""
@@ -377,7 +385,7 @@ class PlacedModule(nn.Module):
             device_map = None
         name = type(self._traced.model).__name__ if self._traced.model is not None else "model"
         return write_report(path, self.plan, self.problem, title=title or f"torchplace plan: {name}",
-                            microbatches=self.microbatches if self.problem.mode != "training" else None,
+                            microbatches=self._drawn_microbatches(),
                             device_map=device_map, measurement=self.last_measurement, spans=self._last_spans,
                             refinement=self.refinement)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from torchplace import costmodel
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.report.timeline import predicted_timeline
+from torchplace.report.timeline import predicted_end
 from torchplace.runtime.spans import StageSpan
 
 __all__ = ["Measurement", "StageFidelity", "compare", "pearson"]
@@ -153,6 +153,6 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
     if call.get("microbatches") == microbatches and "seconds" in call:  # place()'s prediction of this call
         wall = float(call["seconds"])
     else:
-        wall = max((b.finish for b in predicted_timeline(plan, problem, microbatches)), default=0.0)
+        wall = predicted_end(plan, problem, microbatches)
     return Measurement(stages, problem.objective, plan.objective, measured, wall,
                        statistics.median(walls) if walls else math.nan, len(runs), microbatches)

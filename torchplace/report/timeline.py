@@ -24,7 +24,7 @@ from torchplace.errors import UnsupportedError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "predicted_timeline", "stage_times"]
+__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "predicted_end", "predicted_timeline", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,24 @@ def predicted_timeline(plan: Plan, problem: Problem | None = None, microbatches:
         if microbatches > MOST_MICROBATCHES:
             raise UsageError(f"microbatches: a timeline of {microbatches} micro-batches is not readable; draw at "
                              f"most {MOST_MICROBATCHES}")
+    return _bars(plan, problem, microbatches)
+
+
+def predicted_end(plan: Plan, problem: Problem | None = None, microbatches: int | None = None) -> float:
+    """When :func:`predicted_timeline`'s run ends (0 for an empty one), for any number of
+    micro-batches: a number to compare with, not a picture, so :data:`MOST_MICROBATCHES` does not
+    bound it.
+
+    Raises:
+        UsageError: ``microbatches`` is not a positive whole number.
+        UnsupportedError: as :func:`predicted_timeline`.
+    """
+    microbatches = None if microbatches is None else positive_int(microbatches, "microbatches")
+    return max((b.finish for b in _bars(plan, problem, microbatches)), default=0.0)
+
+
+def _bars(plan: Plan, problem: Problem | None, microbatches: int | None) -> list[Bar]:
+    """:func:`predicted_timeline` without the bound on ``microbatches``."""
     if any(s.tmpcs for s in plan.stages) or (problem is not None and problem.parallel is not None):
         raise UnsupportedError("a Piper plan's schedule is not drawn (its stages run d data-parallel copies and "
                                "recompute per node, which no timeline here lays out): its stage table gives each "
