@@ -320,6 +320,25 @@ def test_a_placed_model_with_more_micro_batches_than_a_picture_holds_is_measured
     assert m.microbatches == 3 and m.predicted_wall == timeline.predicted_end(placed.plan, placed.problem, 3) > 0
 
 
+def test_eval_calls_of_a_training_placement_are_set_beside_the_forward_passes(training):
+    """(found by fuzzing) measure() in eval mode of a model placed for training set its forward calls
+    beside the predicted training step (objective and wall with every backward pass)."""
+    placed, inputs = training
+    step = placed.measure(inputs, target=torch.randn(8, 10), loss_fn=torch.nn.functional.mse_loss, runs=1, warmup=0)
+    placed.eval()
+    try:
+        calls = placed.measure(inputs, runs=1, warmup=0)
+    finally:
+        placed.train()
+    forward = costmodel.training_stage_times(placed.problem, placed.plan.stages)
+    load = defaultdict(float)
+    for device, seconds, _ in forward:
+        load[device] += seconds
+    assert {s.kind for s in calls.stages} == {"F"}
+    assert calls.predicted_objective == max(load.values()) < step.predicted_objective == placed.plan.objective
+    assert 0 < calls.predicted_wall < step.predicted_wall
+
+
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):
     placed, inputs = latency
     m = placed.measure(inputs, runs=2)

@@ -11,7 +11,9 @@ bottleneck (the busiest device's seconds per call, for throughput) or makespan (
 the plan's objective; and the wall time per call against the call ``place()`` predicted
 (:mod:`torchplace.callmodel`: the schedule's clock with micro-batch stage times and the executor's
 overheads, ``plan.meta["call"]``) when it was for this many micro-batches, else the predicted
-timeline's end.
+timeline's end. Calls of a model placed for training, run in eval mode, are forward passes
+alone: their objective is the busiest device's forward time and their wall the pipeline of the
+stages' predicted forward times, not the training step ``place()`` predicted.
 Predictions are for the graph's unit of work, the example inputs the model was profiled with:
 measure with inputs of that size.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from torchplace import costmodel
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.report.timeline import predicted_end
+from torchplace.report.timeline import pipeline_end, predicted_end
 from torchplace.runtime.spans import StageSpan
 
 __all__ = ["Measurement", "StageFidelity", "compare", "pearson"]
@@ -123,7 +125,8 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
         runs: each run's spans; walls: each run's wall seconds.
         microbatches: micro-batches per run (1 for latency).
         training: the plan is a training plan: stages are its forward stages, compared pass by
-            pass (forward only when the runs have no backward spans).
+            pass (forward only when the runs have no backward spans: eval-mode calls, set beside
+            the forward passes alone).
     """
     predicted = _predicted_stages(plan, problem, training)
     call = plan.meta.get("call") or {}
@@ -131,8 +134,9 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
         in_call = {(int(i), str(kind)): float(secs) for i, kind, secs in call["stage_seconds"]}
         if set(predicted) <= set(in_call):
             predicted = {key: (dev, in_call[key]) for key, (dev, _) in predicted.items()}
-    if training:  # an eval-mode run of a training plan measures the forward passes only
-        kinds = {s.kind for spans in runs for s in spans}
+    kinds = {s.kind for spans in runs for s in spans}
+    forward_only = training and "B" not in kinds  # an eval-mode run of a training plan: forward calls, no step
+    if training:
         predicted = {k: v for k, v in predicted.items() if k[1] in kinds}
     per_stage: dict[tuple[int, str], list[float]] = defaultdict(list)
     busy: list[float] = []
@@ -150,9 +154,16 @@ def compare(plan: Plan, problem: Problem, runs: Sequence[Sequence[StageSpan]], w
     stages = [StageFidelity(i, dev, kind, secs, statistics.median(per_stage[(i, kind)]))
               for (i, kind), (dev, secs) in sorted(predicted.items())]
     measured = statistics.median(makespans if problem.objective == "latency" else busy) if runs else math.nan
-    if call.get("microbatches") == microbatches and "seconds" in call:  # place()'s prediction of this call
+    objective = plan.objective
+    if forward_only:  # the busiest device's forward passes, and their pipeline, not the training step's
+        load: dict[str, float] = defaultdict(float)
+        for device, forward, _ in costmodel.training_stage_times(problem, plan.stages):
+            load[device] += forward
+        objective = max(load.values(), default=0.0)
+        wall = pipeline_end([predicted[key] for key in sorted(predicted)], microbatches, problem)
+    elif call.get("microbatches") == microbatches and "seconds" in call:  # place()'s prediction of this call
         wall = float(call["seconds"])
     else:
         wall = predicted_end(plan, problem, microbatches)
-    return Measurement(stages, problem.objective, plan.objective, measured, wall,
+    return Measurement(stages, problem.objective, objective, measured, wall,
                        statistics.median(walls) if walls else math.nan, len(runs), microbatches)

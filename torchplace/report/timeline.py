@@ -24,7 +24,7 @@ from torchplace.errors import UnsupportedError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "predicted_end", "predicted_timeline", "stage_times"]
+__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "pipeline_end", "predicted_end", "predicted_timeline", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,13 @@ def predicted_end(plan: Plan, problem: Problem | None = None, microbatches: int 
     """
     microbatches = None if microbatches is None else positive_int(microbatches, "microbatches")
     return max((b.finish for b in _bars(plan, problem, microbatches)), default=0.0)
+
+
+def pipeline_end(times: Sequence[tuple[str, float]], microbatches: int, problem: Problem | None = None) -> float:
+    """When a fill-drain pipeline of stages taking ``times`` (``(device, seconds per call)``, in
+    plan order) over ``microbatches`` micro-batches ends, on the clock of an inference pipeline
+    (a training plan's forward passes, run in eval mode, are one)."""
+    return max((b.finish for b in _pipeline(times, positive_int(microbatches, "microbatches"), problem)), default=0.0)
 
 
 def _bars(plan: Plan, problem: Problem | None, microbatches: int | None) -> list[Bar]:
