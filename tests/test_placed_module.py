@@ -281,6 +281,22 @@ def test_an_edited_tensor_entry_in_a_plan_file_is_named(tmp_path, edit, field):
         _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
 
 
+@pytest.mark.parametrize(("key", "value"), [("outputs", float("nan")), ("outputs", [{}]), ("inputs", 3),
+                                            ("aliases", {"linear": ["nowhere"]})])
+def test_an_edited_graph_record_in_a_plan_file_is_named(tmp_path, key, value):
+    """(found by fuzzing) the stored profile's record of the graph's inputs, outputs and views was read
+    unchecked: a TypeError deep in the cost model, or memory priced for another graph."""
+    from torchplace.errors import WorkloadFormatError
+
+    model, inputs = build("mlp", batch=4)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["meta"]["profile"]["graph"]["meta"][key] = value
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError, match=rf"meta\.profile\.graph\.meta\.{key} is not this model's"):
+        _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json")
+
+
 class WritesAValueInPlace(nn.Module):
     """``h`` is written in place twice after another layer read it: its writers share a device."""
 

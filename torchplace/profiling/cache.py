@@ -115,6 +115,7 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
         raise WorkloadFormatError(f"{source}: meta.{KEY}.graph does not hold the nodes its fingerprint names; "
                                   "the file was edited: save the plan again")
     _check_structure(traced.graph, graph, f"{source}: meta.{KEY}.graph")
+    _check_graph_meta(traced.graph, graph, f"{source}: meta.{KEY}.graph.meta")
     if not set(kinds) <= graph.device_kinds():
         return None
     return graph
@@ -142,6 +143,22 @@ def _check_structure(traced: OpGraph, stored: OpGraph, where: str) -> None:
             raise WorkloadFormatError(f"{where} no longer keeps {', '.join(map(repr, members))} on one device "
                                       f"(colocation {label!r}: they write one memory); the file was edited: save the "
                                       "plan again")
+
+
+def _check_graph_meta(traced: OpGraph, stored: OpGraph, where: str) -> None:
+    """Refuse a stored graph whose record of the model's inputs, outputs, state and memory views
+    (``graph.meta``, structure the fingerprint covers) is not the traced graph's: the cost model
+    reads them as they are, and an edited one failed deep inside it (a ``TypeError``) or priced
+    memory for another model. A training graph's own additions (``loss_bytes``) are not compared.
+
+    Raises:
+        WorkloadFormatError: naming the field.
+    """
+    mine, theirs = traced.to_json().get("meta") or {}, stored.to_json().get("meta") or {}
+    for key, value in json.loads(json.dumps(mine, default=str)).items():
+        if json.loads(json.dumps(theirs.get(key), default=str)) != value:
+            raise WorkloadFormatError(f"{where}.{key} is not this model's (the fingerprint matches, so the file was "
+                                      "edited): save the plan again")
 
 
 def disk_key(traced: Traced, mode: str, call: Any, kinds: Iterable[str], settings: Mapping[str, Any],
