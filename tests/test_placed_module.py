@@ -741,6 +741,31 @@ def test_an_unreadable_profile_is_profiled_again_and_said(tmp_path):
     assert all(json.loads(f.read_text())["format"] == PROFILE_FORMAT for f in tmp_path.glob("*.json"))
 
 
+@pytest.mark.parametrize("edit", ["colocation", "outputs"])
+def test_a_profile_on_disk_that_lost_the_models_structure_is_profiled_again(tmp_path, monkeypatch, edit):
+    """(found by fuzzing) a profile_cache file was trusted whole: with its colocation labels removed, the
+    solver split the in-place writers of h from its readers (outputs differed); with its record of the
+    outputs edited, the cost model raised a TypeError. Both are unreadable, as for a plan file's profile."""
+    monkeypatch.setenv("TORCHPLACE_ISOLATE_DEVICES", "1")
+    torch.manual_seed(0)
+    model, x = WritesAValueInPlace().eval(), torch.randn(8, 16)
+    _place(copy.deepcopy(model), (x,), microbatches=1, profile_cache=tmp_path)
+    for f in tmp_path.glob("*.json"):
+        data = json.loads(f.read_text())
+        if edit == "colocation":
+            assert any(n["colocation"] for n in data["graph"]["nodes"])
+            for n in data["graph"]["nodes"]:
+                n["colocation"] = None
+        else:
+            data["graph"]["meta"]["outputs"] = 3
+        f.write_text(json.dumps(data))
+    with pytest.warns(PlacementWarning, match="cannot be read"):
+        placed = _place(copy.deepcopy(model), (x,), ["cpu:0", "cpu:1", "cpu:2"], microbatches=1, contiguous=False,
+                        profile_cache=tmp_path, allow_single_device=False)
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+
+
 def test_a_profile_cache_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "profile", _never_profile)
     (tmp_path / "f").write_text("")

@@ -558,7 +558,7 @@ def prepare(
         cache when it has them."""
         key = None if cache_dir is None else disk_key(traced, mode, (call_args, call_kwargs), kinds, settings,
                                                       exhaustive)
-        hit = None if key is None else load_profile(cache_dir, key)  # type: ignore[arg-type]
+        hit = None if key is None else load_profile(cache_dir, key, traced.graph)  # type: ignore[arg-type]
         if hit is not None:
             return hit
         costs = profile(traced, call_args, call_kwargs, kinds=kinds, warmup=warmup, repeats=repeats,

@@ -180,9 +180,13 @@ def _path(directory: Path, key: Mapping[str, Any]) -> Path:
     return directory / f"{digest[:32]}.json"
 
 
-def load_profile(directory: Path, key: Mapping[str, Any]) -> OpGraph | None:
+def load_profile(directory: Path, key: Mapping[str, Any], traced: OpGraph | None = None) -> OpGraph | None:
     """The graph stored for ``key`` in ``directory``, or ``None`` (none stored, or unreadable:
-    then a :class:`~torchplace.errors.PlacementWarning` names the file, and it is profiled anew)."""
+    then a :class:`~torchplace.errors.PlacementWarning` names the file, and it is profiled anew).
+    With ``traced`` (the traced model's graph), a stored graph that lost a node, edge or colocation
+    of it, or records other inputs, outputs or views, is unreadable too: its costs are a cache, but
+    the problem is built from it, and a lost colocation let the solver split in-place writers from
+    their readers (wrong outputs)."""
     path = _path(directory, key)
     if not path.exists():
         return None
@@ -190,7 +194,13 @@ def load_profile(directory: Path, key: Mapping[str, Any]) -> OpGraph | None:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(key)):
             raise WorkloadFormatError("not a profile of this key")
-        return OpGraph.from_json(data["graph"], str(path))
+        graph = OpGraph.from_json(data["graph"], str(path))
+        if traced is not None:
+            if not set(traced) <= set(graph):
+                raise WorkloadFormatError("it lacks nodes of this model's graph")
+            _check_structure(traced, graph, "graph")
+            _check_graph_meta(traced, graph, "graph.meta")
+        return graph
     except (OSError, ValueError, KeyError, TypeError, AttributeError, WorkloadFormatError) as e:
         warn_caller(f"profile cache: {path} cannot be read ({type(e).__name__}: {e}); profiling again and writing "
                     "it anew")
