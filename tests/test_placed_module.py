@@ -312,7 +312,7 @@ class WritesAValueInPlace(nn.Module):
         return self.d(self.c(h))
 
 
-@pytest.mark.parametrize("edit", ["colocation", "edge"])
+@pytest.mark.parametrize("edit", ["colocation", "edge", "fx_nodes"])
 def test_a_plan_file_whose_profile_lost_a_constraint_is_refused(tmp_path, monkeypatch, edit):
     """The stored graph's costs are a cache, but the Problem was built from the file's graph, so a
     file with its colocation labels removed let the in-place writes of h run on another device than
@@ -330,9 +330,14 @@ def test_a_plan_file_whose_profile_lost_a_constraint_is_refused(tmp_path, monkey
         for n in graph["nodes"]:
             n["colocation"] = None
         message = r"no longer keeps .*'mul_' on one device"
-    else:
+    elif edit == "edge":
         graph["edges"] = graph["edges"][1:]
         message = r"lacks the edge"
+    else:  # (found by fuzzing) the split follows each node's operators: another node's were taken on trust
+        runs = [n for n in graph["nodes"] if n.get("fx_nodes")]
+        runs[0]["fx_nodes"] += runs[-1]["fx_nodes"]
+        runs[-1]["fx_nodes"] = []
+        message = r"runs other operators than in this model's graph"
     (tmp_path / "plan.json").write_text(json.dumps(data))
     with pytest.raises(WorkloadFormatError, match=message):
         _place(model, (x,), microbatches=1, plan=tmp_path / "plan.json")

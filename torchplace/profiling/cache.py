@@ -122,13 +122,19 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
 
 
 def _check_structure(traced: OpGraph, stored: OpGraph, where: str) -> None:
-    """Refuse a stored graph that lost a constraint of the traced one: an edge (an order the
+    """Refuse a stored graph that lost a constraint of the traced one: the operators a node runs
+    (``fx_nodes``, which the split follows), an edge (an order the
     values or the in-place writes need), or a colocation (writers of one memory share a device;
     the runtime relies on it). Its costs are the cache; its structure must be the model's.
 
     Raises:
         WorkloadFormatError: naming the lost edge or colocation.
     """
+    for v, record in traced.records():  # which traced operators each node runs: the split follows it
+        if tuple(stored.record(v).fx_nodes) != tuple(record.fx_nodes):
+            raise WorkloadFormatError(f"{where}: node {v!r} runs other operators than in this model's graph "
+                                      f"({list(stored.record(v).fx_nodes)} for {list(record.fx_nodes)}); the file was "
+                                      "edited: save the plan again")
     edges = set(stored.edges())
     for u, v in traced.edges():
         if (u, v) not in edges:
