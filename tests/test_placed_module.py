@@ -641,6 +641,17 @@ def test_the_decorated_model_has_the_models_state_dict_keys():
         net.load_state_dict({"x": torch.zeros(1)})
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"microbatch": 2}, "did you mean 'microbatches'"),
+    ({"example_kwargs": {}}, "first call's inputs are the examples"),
+])
+def test_the_decorator_refuses_an_option_place_does_not_take_at_once(options, message):
+    """(found by fuzzing) a misspelt option was kept until the first call of each instance, which then
+    raised a raw TypeError from place()."""
+    with pytest.raises(UsageError, match=message):
+        torchplace.placed(devices=DEVICES, **options)
+
+
 def test_a_decorated_training_model_switches_modes_with_its_model():
     net = torchplace.placed(devices=DEVICES, microbatches=1, mode="training", **QUICK)(MLP)()
     x = torch.randn(4, 32)

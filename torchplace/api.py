@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -1015,8 +1017,21 @@ def placed(devices: Any, **options: Any):
         >>> net = Net(); y = net(x); print(net.plan)                          # doctest: +SKIP
 
     ``Net(...)`` returns a wrapper module holding the real instance as ``.module``; the
-    undecorated class is ``Net.__wrapped__``. Options are those of :func:`place`.
+    undecorated class is ``Net.__wrapped__``. Options are those of :func:`place`, checked by name
+    here (the first call's inputs are the examples).
+
+    Raises:
+        UsageError: an option :func:`place` does not take, or one the first call gives.
     """
+    names = set(inspect.signature(place).parameters) - {"model", "devices", "example_inputs", "example_kwargs"}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        if unknown[0] in ("example_inputs", "example_kwargs", "model", "devices"):
+            why = "the decorated instance is the model and its first call's inputs are the examples"
+        else:
+            close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+            why = f"did you mean {close[0]!r}?" if close else "see torchplace.place for its options"
+        raise UsageError(f"@placed: option {unknown[0]!r} is not one @placed passes to place(): {why}")
 
     def decorate(cls: type[nn.Module]):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
