@@ -986,7 +986,8 @@ class _LazyPlaced(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> _LazyPlaced:
         if self.placed is not None:  # refused as for any placed model: the tensors live on their devices
             self.placed._apply(fn, recurse)
-        return super()._apply(fn, recurse)
+        self.module._apply(fn, recurse)  # the model's own (an override of its class too): its tensors are ours
+        return self
 
     @property
     def plan(self) -> Plan:
