@@ -24,7 +24,8 @@ from torchplace.errors import UnsupportedError, UsageError
 from torchplace.plan import Plan
 from torchplace.problem import Problem
 
-__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "pipeline_end", "predicted_end", "predicted_timeline", "stage_times"]
+__all__ = ["Bar", "drawn_microbatches", "drawn_schedule", "pipeline_end", "predicted_end", "predicted_timeline",
+           "stage_times"]
 
 
 @dataclass(frozen=True)
