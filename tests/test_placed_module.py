@@ -94,6 +94,9 @@ def test_a_plan_file_and_a_state_dict_rebuild_the_placed_model(tmp_path):
     rebuilt = _place(fresh, inputs, plan=tmp_path / "plan.json", microbatches=2)
     rebuilt.load_state_dict(torch.load(tmp_path / "weights.pt"))
     assert [s.nodes for s in rebuilt.plan.stages] == [s.nodes for s in placed.plan.stages]
+    rebuilt.plan.save(tmp_path / "again.json")  # a restarted job saves the plan it ran: it says "(given)" once
+    again = _place(fresh, inputs, plan=tmp_path / "again.json", microbatches=2)
+    assert again.plan.solver == rebuilt.plan.solver == f"{placed.plan.solver} (given)"
     with torch.no_grad():
         assert torch.equal(rebuilt(*inputs), placed(*inputs))
 

@@ -908,7 +908,8 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
             else:
                 raise InvalidPlanError(f"{error}: the given plan puts several pieces on one device, as a plan solved "
                                        "with contiguous=False does; place it with contiguous=False") from error
-    return Plan.build(problem, plan.stages, solver=f"{plan.solver} (given)", seconds=0.0,
+    solver = plan.solver if plan.solver.endswith(" (given)") else f"{plan.solver} (given)"  # saved again: once
+    return Plan.build(problem, plan.stages, solver=solver, seconds=0.0,
                       lower_bound=combinatorial_lower_bound(problem, time_limit=REPLAN_BOUND_SECONDS),
                       status="feasible")
 
