@@ -323,3 +323,28 @@ def test_writing_into_a_missing_directory_is_a_usage_error(tmp_path):
     """It raised FileNotFoundError naming a temporary file the user never gave (found by fuzzing)."""
     with pytest.raises(UsageError, match="does not exist; create it first"):
         files.write_text(tmp_path / "missing" / "plan.json", "{}")
+
+
+def test_writing_through_a_symbolic_link_replaces_the_file_it_names_and_keeps_the_link(tmp_path):
+    """The rename put a regular file where the link was, and left the linked file as it was (found by fuzzing)."""
+    (tmp_path / "real.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("real.json")
+    files.write_json(tmp_path / "link.json", [1])
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "real.json").read_text()) == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_target_that_is_no_regular_file_is_written_in_place(tmp_path):
+    """A FIFO (as /dev/stdout, or as root /dev/null) was replaced by a regular file and its reader
+    got nothing (found by fuzzing)."""
+    import threading
+
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    files.write_json(fifo, [1])
+    reader.join(5)
+    assert got == ["[\n 1\n]\n"] and not fifo.is_file()

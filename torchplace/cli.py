@@ -111,11 +111,17 @@ def _input_file(text: str) -> str:
 
 
 def _output_file(text: str) -> str:
-    """Type of ``-o``: not a directory, in a directory that exists and can be written."""
-    parent = os.path.dirname(text) or "."
+    """Type of ``-o``: not a directory, in a directory that exists and can be written (the
+    directory of the file a symbolic link names), or a writable file that is no regular file
+    (``/dev/stdout``), which :func:`torchplace.files.write_text` writes in place."""
     if not text or os.path.isdir(text):
         example = os.path.join(text, "plan.json")
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, e.g. {example!r}")
+    if os.path.exists(text) and not os.path.isfile(text):
+        if not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+        return text
+    parent = os.path.dirname(os.path.realpath(text)) if os.path.islink(text) else os.path.dirname(text) or "."
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK):

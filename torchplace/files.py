@@ -91,17 +91,24 @@ def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file next to it, then a rename.
 
     The temporary file is created with the usual permissions (``0o666`` less the umask) and is
-    removed if writing fails or is interrupted.
+    removed if writing fails or is interrupted. A symbolic link is followed (the file it names is
+    replaced, the link kept), and a target that exists but is no regular file (``/dev/stdout``,
+    ``/dev/null``, a FIFO) is written in place: a rename would put a regular file where the link
+    or the device was (as root, ``-o /dev/null`` replaced the device; found by fuzzing).
 
     Raises:
         UsageError: if ``path`` is a directory.
         OSError: if the directory does not exist or cannot be written.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory; give a file name")
+    given, path = path, Path(os.path.realpath(path))
+    if os.path.isdir(given):
+        raise UsageError(f"cannot write {given}: it is a directory; give a file name")
+    if os.path.exists(given) and not os.path.isfile(given):
+        with open(given, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
     if not path.parent.is_dir():
-        raise UsageError(f"cannot write {path}: directory {str(path.parent)!r} does not exist; create it first")
+        raise UsageError(f"cannot write {given}: directory {str(path.parent)!r} does not exist; create it first")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
