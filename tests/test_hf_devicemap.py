@@ -128,6 +128,15 @@ def test_a_budget_without_room_for_the_kv_cache_says_how_much_is_needed():
     assert err.value.min_memory_bytes > 600 * 2**10
 
 
+
+def test_a_meta_model_is_planned_for_a_batch_no_ram_could_hold_without_allocating_its_inputs():
+    """The example input_ids were drawn on the CPU, then moved to the meta device: a batch of 1e11
+    failed with the allocator's RuntimeError (a traceback from `torchplace plan --hf`; found by fuzzing)."""
+    model = build(llama_config(1), "meta")
+    with pytest.raises(InfeasibleError, match="lower batch_size") as err:
+        plan_device_map(model, {"cpu": "1GiB"}, batch_size=10**11, sequence_length=16, repeats=0)
+    assert err.value.min_memory_bytes > 2**40
+
 def test_meta_model_is_planned_without_weights():
     model = build(llama_config(4), "meta")
     device_map = torchplace.infer_device_map(model, {0: "1MiB", "cpu": "1GiB"}, batch_size=1, sequence_length=16)

@@ -159,8 +159,7 @@ def _example(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str,
                              "for it: pass example_inputs= or example_kwargs= (one forward call, e.g. "
                              "{'pixel_values': ...} for a vision model)")
         vocab = int(getattr(config, "vocab_size", 0) or 2)
-        ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(_device_of(model))
+        ids = _random(torch.randint, 0, vocab, (batch_size, sequence_length), device=_device_of(model))
         if features is not None:
             kwargs["input_features"] = features
         else:
@@ -191,8 +190,17 @@ def _audio_features(model: nn.Module, batch_size: int) -> torch.Tensor | None:
     encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
     stride = math.prod(m.stride[0] for m in encoder.children() if isinstance(m, nn.Conv1d))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    features = torch.randn(batch_size, mels, positions * stride, generator=torch.Generator().manual_seed(0))
-    return features.to(device=_device_of(model), dtype=dtype)
+    features = _random(torch.randn, batch_size, mels, positions * stride, device=_device_of(model))
+    return features.to(dtype=dtype)
+
+
+def _random(make: Any, *args: Any, device: torch.device) -> torch.Tensor:
+    """``make(*args)`` (``torch.randint`` / ``torch.randn``) on ``device``, seeded: drawn on the CPU
+    and moved, except on the meta device, where it is made there (a model planned from shapes alone
+    allocates no example input: a large ``batch_size`` took that much RAM, or failed to)."""
+    if device.type == "meta":
+        return make(*args, device=device)
+    return make(*args, generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
