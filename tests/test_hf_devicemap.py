@@ -146,6 +146,20 @@ def test_meta_model_is_planned_without_weights():
     assert problem.graph.meta["hf"]["costs"] == "estimated"
 
 
+
+@pytest.mark.parametrize("gpu", [0, "1KiB"])
+def test_a_gpu_too_small_for_anything_gives_the_map_that_computes_on_the_cpu(gpu):
+    """With a GPU named, "cpu" only stored offloaded weights, so a GPU without room for their KV cache
+    was InfeasibleError, though {"": "cpu"} (accelerate's own answer) fits and dispatch_model runs it
+    on the CPU (found by fuzzing)."""
+    model = build(gpt2_config(2), "meta")
+    plan = plan_device_map(model, {0: gpu, "cpu": "1GiB"}, sequence_length=16, repeats=0)
+    assert plan.device_map == {"": "cpu"} and set(plan.memory) == {"cpu"}
+    assert "no map fits GPU(s) 0: the CPU computes every block" in str(plan)
+    check_device_map(model, plan.device_map)
+    with pytest.raises(InfeasibleError):  # a CPU too small as well is still refused
+        plan_device_map(model, {0: gpu, "cpu": "10KiB"}, sequence_length=16, repeats=0)
+
 def test_no_split_classes_are_kept_whole():
     model = build(gpt2_config(2), "meta")
     device_map = torchplace.infer_device_map(model, {0: "10MiB", "cpu": "1GiB"}, sequence_length=8,

@@ -103,6 +103,9 @@ class DeviceMapPlan:
             cap = caps.get(dev)
             lines.append(f"{dev!s:>8} {_gib(used):>12} {_gib(self.kv_cache.get(dev, 0)):>12} "
                          f"{_gib(cap) if cap is not None else 'unlimited':>12}")
+        left_out = self.problem.graph.meta["hf"].get("left_out")
+        if left_out:
+            lines.append(f"no map fits GPU(s) {', '.join(map(str, left_out))}: the CPU computes every block")
         return "\n".join(lines)
 
 
@@ -441,7 +444,37 @@ def plan_device_map(
                             no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                             sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
                             specs=specs, disk_bandwidth=disk_bandwidth, repeats=repeats, phase=phase)
-    return solve_device_map(model, problem, time_limit=time_limit)
+    try:
+        return solve_device_map(model, problem, time_limit=time_limit)
+    except InfeasibleError as error:
+        on_cpu = _computing_on_the_cpu(problem, disk_bandwidth)
+        if on_cpu is None:
+            raise
+        try:
+            return solve_device_map(model, on_cpu, time_limit=time_limit)
+        except InfeasibleError:
+            raise error from None
+
+
+def _computing_on_the_cpu(problem: Problem, disk_bandwidth: float = DISK_BANDWIDTH) -> Problem | None:
+    """``problem`` without its GPUs, so that the CPU computes (``"disk"`` offloading to it), or
+    ``None`` when it has no GPU or no ``"cpu"`` budget.
+
+    With a GPU in ``max_memory`` the CPU only stores offloaded weights (:mod:`torchplace.hf.budget`);
+    but a map naming no GPU (``{"": "cpu"}``, as accelerate's ``infer_auto_device_map`` gives for
+    ``{0: "1KiB", "cpu": "30GiB"}``) is dispatched on the CPU, which then computes every block:
+    the last resort when no map fits the GPUs (a GPU too small for even the offloaded blocks' KV
+    cache was refused, found by fuzzing). The blocks' costs are the ones measured or estimated
+    for ``problem``."""
+    given = problem.graph.meta["hf"]["budgets"]
+    if "cpu" not in given or not any(name.startswith("cuda:") for name in given):
+        return None
+    hw = hf_cluster({name: given[name] for name in ("cpu", "disk") if name in given})
+    gpus = [accelerate_name(name) for name in given if name.startswith("cuda:")]
+    graph = problem.graph.with_records(lambda v, r: r, meta={**problem.graph.meta,
+                                                             "hf": {**problem.graph.meta["hf"], "left_out": gpus}})
+    hw = _reserve(hw, graph)
+    return replace(problem, graph=offload_times(graph, hw, disk_bandwidth), cluster=hw)
 
 
 def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | None = 10.0) -> DeviceMapPlan:
@@ -621,7 +654,9 @@ def infer_device_map(
             weights on the CPU (CPU times are measured) or built on the meta device (every time is
             estimated; nothing is allocated, so a model larger than this machine can be planned).
         max_memory: accelerate's form, ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB"}``; ``"disk"`` is
-            used only when named. ``None``: the visible GPUs and the CPU.
+            used only when named. ``None``: the visible GPUs and the CPU. When no map fits the
+            GPUs, the map names none, and the CPU computes every block (as accelerate's
+            ``infer_auto_device_map`` gives ``{"": "cpu"}`` for a GPU too small for anything).
         example_inputs, example_kwargs: one forward call (on the model's device); default: random
             ``input_ids`` of ``(batch_size, sequence_length)`` (of ``(batch_size, 1)`` with
             ``phase="decode"``).
