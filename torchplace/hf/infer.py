@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from torchplace import solvers
-from torchplace.checks import brief, positive_int
+from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster
 from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError
 from torchplace.graph import OpGraph
@@ -280,6 +280,8 @@ def build_problem(
                          "model (whose encoder does not run per token) use phase='prefill'")
     batch_size = positive_int(batch_size, "batch_size")
     sequence_length = positive_int(sequence_length, "sequence_length")
+    disk_bandwidth = positive_float(disk_bandwidth, "disk_bandwidth", unit="of bytes/s")
+    repeats = non_negative_int(repeats, "repeats")
     _check_positions(model, sequence_length)
     torch_dtype = _dtype(dtype)
     hw = hf_cluster(max_memory, _load_cluster(cluster))
@@ -440,6 +442,8 @@ def plan_device_map(
 ) -> DeviceMapPlan:
     """Solve a device map for ``model`` (see :func:`infer_device_map`) and return it with its plan,
     predicted time and memory per device."""
+    if time_limit is not None:  # checked before the model is probed
+        time_limit = positive_float(time_limit, "time_limit", unit="of seconds")
     problem = build_problem(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
                             no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                             sequence_length=sequence_length, dtype=dtype, cluster=cluster, kv_cache=kv_cache,
@@ -481,8 +485,11 @@ def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | 
     """Solve ``problem`` (from :func:`build_problem` for ``model``) and write the map.
 
     Raises:
+        UsageError: ``time_limit`` is not a positive number of seconds (or None).
         InfeasibleError: the budgets cannot hold the model; the message says how much is needed.
     """
+    if time_limit is not None:
+        time_limit = positive_float(time_limit, "time_limit", unit="of seconds")
     _check_fits(problem)
     plan = _solve_dispatched(problem, time_limit)
     kv = problem.graph.meta["hf"].get("kv_cache", {})
