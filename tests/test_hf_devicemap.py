@@ -492,6 +492,18 @@ def test_accelerates_memory_strings_are_read_as_accelerate_reads_them():
         assert caps["cuda:0"] == convert_file_size_to_int(amount), amount
 
 
+
+def test_a_cluster_without_memory_for_max_memory_to_take_says_to_give_max_memory():
+    """With max_memory left out, a cluster naming no cuda:i / cpu / disk device with a memory was
+    "max_memory must be a non-empty dict ..., got {}", of a max_memory the user never gave (found by fuzzing)."""
+    from torchplace.devices import Cluster, Device
+    from torchplace.hf.budget import hf_cluster
+
+    for devices in ([Device("cuda:0", "meta", "cuda"), Device("cpu", "cpu", "cpu")],
+                    [Device("gpu-a", "meta", "cuda", 2**30)]):
+        with pytest.raises(UsageError, match=r"no max_memory is given.*give max_memory \(command line: --max-memory"):
+            hf_cluster(None, Cluster(tuple(devices)))
+
 def bad_input_cases():
     ids = torch.randint(0, VOCAB, (2, 8))
     vit = transformers.ViTConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,

@@ -62,6 +62,11 @@ def _budgets(max_memory: Mapping[Any, int | str] | None, cluster: Cluster | None
     if max_memory is None and cluster is not None:
         max_memory = {d.name: d.memory_bytes for d in cluster.devices
                       if d.memory_bytes is not None and (d.name in ("cpu", "disk") or _GPU.fullmatch(d.name))}
+        if not max_memory:  # was "max_memory must be a non-empty dict ..., got {}", of a max_memory never given
+            names = [d.name for d in cluster.devices]
+            raise UsageError(f"no max_memory is given, and the cluster names no device 'cuda:0', 'cuda:1', ..., 'cpu' "
+                             f"or 'disk' with a memory to take it from (its devices: {names}): give max_memory "
+                             "(command line: --max-memory 0=10GiB cpu=30GiB), or give those devices their memory")
     if max_memory is None:
         caps = {f"cuda:{i}": machine.cuda_memory(i) for i in range(machine.cuda_count())}
         caps["cpu"] = machine.cpu_memory()
