@@ -924,3 +924,21 @@ def test_a_disk_only_plan_reports_the_ram_of_the_cpu_that_computes():
     assert plan.memory == {"disk": sum(r.param_bytes for _, r in g.records()),
                            "cpu": kv + largest + g.meta["hf"]["activations"]}
     assert "cpu" in str(plan) and evaluate_device_map(plan.problem, plan.device_map).memory == plan.memory
+
+
+def test_cli_never_asks_to_run_the_remote_code_a_configs_auto_map_names(tmp_path, capsys, monkeypatch):
+    """transformers asked on the terminal "Do you wish to run the custom code? [y/N]" and waited 15 s
+    (a 'y' would fetch and run it; found by fuzzing)."""
+    import json
+
+    from torchplace.cli import main
+
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "n")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mymodel", "hidden_size": 8,
+                                "auto_map": {"AutoConfig": "someone/repo--configuration_my.MyConfig",
+                                             "AutoModelForCausalLM": "someone/repo--modeling_my.MyModel"}}))
+    assert main(["plan", "--hf", str(path), "--max-memory", "cpu=1GiB"]) == 2
+    assert asked == []
+    assert "custom code" in capsys.readouterr().err

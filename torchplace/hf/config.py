@@ -1,6 +1,7 @@
 """A Hugging Face model built from its ``config.json`` on the meta device: no weights, no download."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ def meta_model(config_path: str | Path) -> Any:
     first of ``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``, ``AutoModel`` whose mapping has
     the config's class; for an encoder-decoder config (``is_encoder_decoder``: BART, T5, Whisper)
     ``AutoModelForSeq2SeqLM`` and ``AutoModelForSpeechSeq2Seq`` come first (its ``...ForCausalLM``
-    is the decoder alone, without the encoder ``from_pretrained`` loads).
+    is the decoder alone, without the encoder ``from_pretrained`` loads). Code a config's
+    ``auto_map`` names (``trust_remote_code``) is never fetched or run, nor asked about.
 
     Raises:
         MissingDependencyError: transformers is not installed.
@@ -32,8 +34,14 @@ def meta_model(config_path: str | Path) -> Any:
         raise MissingDependencyError("--hf needs transformers: pip install torchplace[hf]") from e
     invalid = _invalid_config_errors()
     try:
-        config = transformers.AutoConfig.from_pretrained(str(config_path))
+        # never remote code: without trust_remote_code=False, transformers asks on the terminal whether to
+        # fetch and run the code a config's auto_map names, and waits for an answer (found by fuzzing)
+        config = transformers.AutoConfig.from_pretrained(str(config_path), trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError, AssertionError, *invalid) as e:
+        if "trust_remote_code" in str(e):
+            raise UsageError(f"{config_path}: its model is custom code its auto_map names, which torchplace does not "
+                             "fetch or run: build the model in Python (from_config(..., trust_remote_code=True) under "
+                             "torch.device('meta')) and pass it to torchplace.infer_device_map") from None
         raise UsageError(f"{config_path}: not a Hugging Face config.json transformers can read "
                          f"({type(e).__name__}: {e}): fix the config") from None
     named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
@@ -43,7 +51,7 @@ def meta_model(config_path: str | Path) -> Any:
     if getattr(config, "is_encoder_decoder", False):
         autos = (transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForSpeechSeq2Seq,
                  transformers.AutoModelForCausalLM, transformers.AutoModel)
-    factories += [(auto.__name__, auto.from_config) for auto in autos
+    factories += [(auto.__name__, functools.partial(auto.from_config, trust_remote_code=False)) for auto in autos
                   if type(config) in getattr(auto, "_model_mapping", {type(config)})]
     failed: list[str] = []
     for name, make in factories:
