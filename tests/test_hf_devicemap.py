@@ -136,6 +136,8 @@ def test_a_meta_model_is_planned_for_a_batch_no_ram_could_hold_without_allocatin
     with pytest.raises(InfeasibleError, match="lower batch_size") as err:
         plan_device_map(model, {"cpu": "1GiB"}, batch_size=10**11, sequence_length=16, repeats=0)
     assert err.value.min_memory_bytes > 2**40
+    with pytest.raises(UsageError, match=r"lower batch_size or sequence_length"):  # was a TypeError: int64 overflow
+        plan_device_map(model, {"cpu": "1GiB"}, batch_size=10**30, sequence_length=16, repeats=0)
 
 def test_meta_model_is_planned_without_weights():
     model = build(llama_config(4), "meta")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchplace.errors import UsageError
 from torchplace.model_names import NAMES
 
 __all__ = ["MLP", "NAMES", "InceptionBlock", "InceptionCNN", "ResidualBlock", "ResidualCNN", "build"]
@@ -212,11 +213,25 @@ def build(name: str, batch: int = 2, seed: int = 0) -> Built:
 
     Raises:
         ValueError: for an unknown name (the message lists the valid ones).
+        UsageError: for a batch whose example inputs cannot be allocated or sized.
         ImportError: for ``"gpt2"`` and ``"bert"`` when transformers is not installed.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown example model {name!r}; choose one of {list(NAMES)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, inputs = _BUILDERS[name](batch)
+        try:
+            model, inputs = _BUILDERS[name](batch)
+        except (RuntimeError, MemoryError, OverflowError, TypeError) as e:
+            if not isinstance(e, (MemoryError, OverflowError)) and not _too_large(str(e)):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"batch {batch}: the example inputs of {name!r} cannot be made ({first}); lower the "
+                             "batch (torchplace plan/run: --batch)") from None
     return model.eval(), inputs
+
+
+def _too_large(message: str) -> bool:
+    """Whether torch's ``message`` says a tensor was too large to allocate or to size (a batch of
+    1e12 samples: the allocator's RuntimeError; of 1e30: a size that overflows int64)."""
+    return "allocate" in message or "Overflow" in message or "overflow" in message

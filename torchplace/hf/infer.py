@@ -200,10 +200,22 @@ def _audio_features(model: nn.Module, batch_size: int) -> torch.Tensor | None:
 def _random(make: Any, *args: Any, device: torch.device) -> torch.Tensor:
     """``make(*args)`` (``torch.randint`` / ``torch.randn``) on ``device``, seeded: drawn on the CPU
     and moved, except on the meta device, where it is made there (a model planned from shapes alone
-    allocates no example input: a large ``batch_size`` took that much RAM, or failed to)."""
-    if device.type == "meta":
-        return make(*args, device=device)
-    return make(*args, generator=torch.Generator().manual_seed(0)).to(device)
+    allocates no example input: a large ``batch_size`` took that much RAM, or failed to).
+
+    Raises:
+        UsageError: the tensor cannot be allocated (or its size overflows torch's int64): lower
+            ``batch_size`` or ``sequence_length``, or pass example inputs.
+    """
+    try:
+        if device.type == "meta":
+            return make(*args, device=device)
+        return make(*args, generator=torch.Generator().manual_seed(0)).to(device)
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as e:  # the allocator's error; an int64 overflow
+        shape = next((a for a in args if isinstance(a, tuple)), args[-3:])
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"example inputs of shape {tuple(shape)} (batch_size first) cannot be made on {device} "
+                         f"({type(e).__name__}: {first}): lower batch_size or sequence_length, or pass "
+                         "example_inputs / example_kwargs") from None
 
 
 def _no_split(model: nn.Module, classes: Iterable[type | str] | None) -> list[str]:
