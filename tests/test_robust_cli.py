@@ -122,3 +122,23 @@ def test_no_traceback_from_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torchplace", "show", str(deep)], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"torchplace: error: {deep}: JSON nested too deeply to read (arrays or objects inside each other)\n"
+
+
+def test_output_that_is_an_input_file_is_refused_and_the_input_kept(tmp_path, capsys):
+    """`solve W -o W` wrote the plan over the workload, `report P -o P` the HTML over the plan (found by fuzzing)."""
+    import shutil
+
+    workload = tmp_path / "w.json"
+    shutil.copy(BERT24, workload)
+    original = workload.read_text()
+    (tmp_path / "link.json").symlink_to("w.json")
+    for target in (str(workload), str(tmp_path / "link.json")):
+        assert main(["solve", str(workload), "-o", target]) == 2
+        assert "is the workload file this command reads" in capsys.readouterr().err
+    assert workload.read_text() == original
+    plan = tmp_path / "plan.json"
+    assert main(["solve", str(workload), "-o", str(plan)]) == 0
+    saved = plan.read_text()
+    assert main(["report", str(plan), "-o", str(plan)]) == 2
+    assert "is the plan file this command reads" in capsys.readouterr().err
+    assert plan.read_text() == saved

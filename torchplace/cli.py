@@ -576,6 +576,19 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_output_is_no_input(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` when ``-o`` names a file the command reads (``solve W -o W``
+    wrote the plan over the workload; ``report P -o P`` the HTML over the plan: found by fuzzing)."""
+    output = getattr(args, "output", None)
+    if not output or not os.path.exists(output):
+        return
+    for flag, dest in (("the workload", "workload"), ("the plan", "plan"), ("the --hf", "hf"), ("the --cluster", "cluster")):
+        given = getattr(args, dest, None)
+        if isinstance(given, str) and os.path.exists(given) and os.path.samefile(output, given):
+            raise UsageError(f"-o {output} is {flag} file this command reads ({given}): writing there would replace "
+                             "it; give another file name")
+
+
 def _fail(message: str) -> int:
     print(f"torchplace: error: {_one_line(message)}", file=sys.stderr)
     return 2
@@ -609,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a usage error already reported on one line (2)
         return e.code if isinstance(e.code, int) else int(e.code is not None) * 2
     try:
+        _check_output_is_no_input(args)
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(warnings.showwarning)
             return int(args.func(args))
