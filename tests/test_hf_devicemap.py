@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torchplace
-from torchplace.errors import InfeasibleError, UsageError
+from torchplace.errors import InfeasibleError, PlacementWarning, UsageError
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -155,7 +155,8 @@ def test_a_gpu_too_small_for_anything_gives_the_map_that_computes_on_the_cpu(gpu
     was InfeasibleError, though {"": "cpu"} (accelerate's own answer) fits and dispatch_model runs it
     on the CPU (found by fuzzing)."""
     model = build(gpt2_config(2), "meta")
-    plan = plan_device_map(model, {0: gpu, "cpu": "1GiB"}, sequence_length=16, repeats=0)
+    with pytest.warns(PlacementWarning, match="no device map fits GPU"):
+        plan = plan_device_map(model, {0: gpu, "cpu": "1GiB"}, sequence_length=16, repeats=0)
     assert plan.device_map == {"": "cpu"} and set(plan.memory) == {"cpu"}
     assert "no map fits GPU(s) 0: the CPU computes every block" in str(plan)
     check_device_map(model, plan.device_map)

@@ -134,7 +134,8 @@ class PlacementWarning(UserWarning):
     :data:`~torchplace.callplan.SPLIT_MARGIN` (:mod:`torchplace.callplan`); pass
     ``allow_single_device=False`` to keep the split. Also: the model takes a path under
     ``no_grad`` that no trace captures (PyTorch's attention fast path), so there the placed model
-    equals it to float rounding only."""
+    equals it to float rounding only. And: ``infer_device_map`` found no map that fits the GPUs of
+    ``max_memory``, so the map it returns names none and the CPU computes every block."""
 
 
 class DistributedError(TorchplaceError, RuntimeError):

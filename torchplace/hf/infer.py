@@ -36,7 +36,7 @@ from torch import nn
 from torchplace import solvers
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster
-from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError
+from torchplace.errors import InfeasibleError, InvalidPlanError, UsageError, warn_caller
 from torchplace.graph import OpGraph
 from torchplace.hf.blocks import HF_DEVICE_SPECS, block_graph
 from torchplace.hf.budget import (
@@ -467,9 +467,13 @@ def plan_device_map(
         if on_cpu is None:
             raise
         try:
-            return solve_device_map(model, on_cpu, time_limit=time_limit)
+            result = solve_device_map(model, on_cpu, time_limit=time_limit)
         except InfeasibleError:
             raise error from None
+        gpus = ", ".join(map(str, on_cpu.graph.meta["hf"]["left_out"]))
+        warn_caller(f"no device map fits GPU(s) {gpus} ({error}); the map names none, so the CPU computes every "
+                    "block, as accelerate's infer_auto_device_map does")
+        return result
 
 
 def _computing_on_the_cpu(problem: Problem, disk_bandwidth: float = DISK_BANDWIDTH) -> Problem | None:
