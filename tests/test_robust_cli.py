@@ -57,6 +57,8 @@ CASES = [
     (["solve", BERT24, "--ideal-limit", "2.5"], "argument --ideal-limit: expected a positive whole number, got 2.5"),
     (["plan", "mlp", "--batch", "-2"], "argument --batch: expected a positive whole number, got -2"),
     (["plan", "mlp", "--microbatches", "0"], "argument --microbatches: expected a positive whole number, got 0"),
+    # a learning rate beyond float32 was SGD's RuntimeError traceback on every rank (found by fuzzing)
+    (["run", "{nan-plan.json}", "--model", "mlp", "--lr", "1e300"], "argument --lr: expected a learning rate of at most"),
     # a batch torch cannot size was a TypeError traceback (found by fuzzing)
     (["plan", "mlp", "--batch", "1e30"], "the example inputs of 'mlp' cannot be made"),
     (["plan", "mlp", "--microbatches", "2.5"], "argument --microbatches"),

@@ -76,6 +76,20 @@ def _amount(text: str) -> float:
     return float(_checked(positive_float, value))
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: an SGD learning rate above it cannot multiply a float32 gradient."""
+
+
+def _learning_rate(text: str) -> float:
+    """Type of ``run --lr``: a positive number a float32 holds (``--lr 1e300`` ended every rank
+    with SGD's "value cannot be converted to type float without overflow" traceback)."""
+    value = _amount(text)
+    if value > _FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a learning rate of at most {_FLOAT32_MAX:.4g} (the largest "
+                                         f"float32), got {text!r}")
+    return value
+
+
 def _count_or_auto(text: str) -> int | str:
     """Type of ``plan --microbatches``: ``auto`` or a positive whole number."""
     return "auto" if text == "auto" else _count(text)
@@ -551,7 +565,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--schedule", choices=["gpipe", "1f1b", "looped-bfs", "interleaved-1f1b", "zero-bubble"],
                    default=None, help="the engine's schedule (default: the plan's)")
     u.add_argument("--steps", type=_count, default=5, help="batches (inference) or optimizer steps (training)")
-    u.add_argument("--lr", type=_amount, default=0.01, help="training: SGD learning rate")
+    u.add_argument("--lr", type=_learning_rate, default=0.01, help="training: SGD learning rate")
     u.add_argument("--timeout", type=_seconds, default=60.0, help="seconds any rank waits for a peer")
     u.set_defaults(func=_run)
     w = sub.add_parser("show", help="print a saved plan")
