@@ -323,6 +323,8 @@ def test_allow_single_device_is_refused_where_each_device_has_its_process(monkey
 
 @pytest.mark.parametrize("option, message", [
     (dict(timeout=-1), r"timeout: expected a positive finite number of seconds, got -1"),
+    # 1e10 s timed out at once (int64 nanoseconds overflow), 1e300 was an OverflowError (found by fuzzing)
+    (dict(timeout=1e10), r"timeout: at most 1e\+09 seconds .*got 1e\+10"),
     (dict(plan_timeout=float("nan")), r"plan_timeout: expected a positive finite number of seconds, got nan"),
     (dict(schedule="pipedream"), r"schedule must be one of \['gpipe', '1f1b'.*got 'pipedream'"),
     (dict(backend="nccl"), r"backend 'nccl' runs on GPUs only.*use backend='gloo'"),

@@ -48,6 +48,10 @@ __all__ = ["DistributedPlaced", "launch_env", "place"]
 _PLAN_KEY = "torchplace/plan"
 _POLL_S = 0.5  # seconds between the other ranks' looks for a fault while rank 0 solves
 _CALLS = 0  # place() calls in this process
+MAX_TIMEOUT = 1e9
+"""The longest ``timeout`` in seconds: torch.distributed adds it to a steady clock in int64
+nanoseconds, so about 9e9 s overflows (``--timeout 1e10`` timed out at once; 1e300 was an
+``OverflowError`` traceback: found by fuzzing)."""
 
 
 def launch_env() -> tuple[int, int, int]:
@@ -152,7 +156,8 @@ def place(
             between devices, ``microbatches`` not a multiple of ``d``, a stage with ``t > 1`` but
             no Linear pair to split, ``state_dict`` with ``t > 1``, a ``schedule`` the engine
             refuses for this layout and micro-batch count); a ``timeout`` or ``plan_timeout`` that
-            is not a positive number of seconds; ``backend="nccl"`` on the CPU.
+            is not a positive number of seconds, a ``timeout`` above :data:`MAX_TIMEOUT`;
+            ``backend="nccl"`` on the CPU.
         InfeasibleError: as :func:`torchplace.place`; and where the engine runs GPipe instead of
             the planned schedule (see ``schedule``) and a device cannot hold its activations.
 
@@ -174,6 +179,9 @@ def place(
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
     timeout = positive_float(timeout, "timeout", unit="of seconds")
+    if timeout > MAX_TIMEOUT:
+        raise UsageError(f"timeout: at most {MAX_TIMEOUT:g} seconds (about 31 years; torch.distributed counts its "
+                         f"deadline in int64 nanoseconds), got {timeout:g}")
     plan_timeout = positive_float(plan_timeout, "plan_timeout", unit="of seconds")
     if schedule is not None and schedule not in SCHEDULES:
         raise UsageError(f"schedule must be one of {list(SCHEDULES)} (or None: the plan's), got {brief(schedule)}")
