@@ -948,3 +948,14 @@ def test_cli_never_asks_to_run_the_remote_code_a_configs_auto_map_names(tmp_path
     assert main(["plan", "--hf", str(path), "--max-memory", "cpu=1GiB"]) == 2
     assert asked == []
     assert "custom code" in capsys.readouterr().err
+
+
+def test_cli_names_a_plan_given_as_the_cluster_file(tmp_path, capsys):
+    """A plan given to --cluster was "top level: unknown field 'assignment'" (found by fuzzing)."""
+    from torchplace.cli import main
+
+    config, plan = tmp_path / "config.json", tmp_path / "plan.json"
+    gpt2_config(1).to_json_file(config)
+    plan.write_text('{"format": "torchplace.plan/1", "objective": 1.0}')
+    assert main(["plan", "--hf", str(config), "--cluster", str(plan), "--sequence-length", "8"]) == 2
+    assert "plan.json is a torchplace plan, not a cluster file" in capsys.readouterr().err

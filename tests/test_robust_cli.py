@@ -31,6 +31,8 @@ def _files(tmp: Path) -> dict[str, str]:
         "no-stages.json": json.dumps({**plan, "stages": []}),
         "twice.json": json.dumps({**plan, "stages": [{"device": "a", "nodes": ["1"]}, {"device": "b", "nodes": ["1"]}]}),
         "fraction.json": json.dumps({"maxSizePerFPGA": 1, "maxFPGAs": 2.7, "maxCPUs": 1, "nodes": [], "edges": []}),
+        "config.json": json.dumps({"model_type": "gpt2", "n_layer": 1}),
+        "cluster.json": json.dumps({"format": "torchplace.cluster/1", "devices": [{"name": "cpu", "kind": "cpu"}]}),
     }
     for name, text in texts.items():
         (tmp / name).write_text(text)
@@ -79,6 +81,13 @@ CASES = [
     (["show", "{no-stages.json}"], "no-stages.json: stages: expected a non-empty list"),
     (["show", "{twice.json}"], "stages[1].nodes[0]: node '1' is also in stages[0]"),
     (["solve", "{fraction.json}"], "top level.maxFPGAs: expected a non-negative whole number, got 2.7"),
+    # a file of another kind where a workload, plan or cluster belongs was "field 'nodes' must be a list"
+    # or "unknown field 'assignment'" (found by fuzzing)
+    (["solve", "{nan-plan.json}"], "nan-plan.json is a torchplace plan, not a dnn-partitioning workload"),
+    (["solve", "{config.json}"], "config.json is a Hugging Face config.json, not a dnn-partitioning workload"),
+    (["solve", "{cluster.json}"], "cluster.json is a torchplace cluster file, not a dnn-partitioning workload"),
+    (["show", "{config.json}"], "not a plan file: expected 'format': 'torchplace.plan/1', got None (the file is a "
+                                "Hugging Face config.json)"),
     (["solve", BERT24, "--method", "simplex"], "argument --method: invalid choice: 'simplex'"),
     (["solve", BERT24, "--method", "dp", "--bounds", "mip"], "--bounds mip applies with --method auto only"),
     (["solve", BERT24, "--method", "moirai"], "ask for objective='latency' (command line: --objective latency)"),

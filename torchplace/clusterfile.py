@@ -24,7 +24,7 @@ from torchplace.devices import (
     parse_torch_device,
 )
 from torchplace.errors import WorkloadFormatError
-from torchplace.files import parse_json, read_text, write_json, write_text
+from torchplace.files import json_kind, parse_json, read_text, write_json, write_text
 
 __all__ = ["FORMAT", "cluster_from_json", "cluster_to_json", "load_cluster", "save_cluster"]
 
@@ -128,6 +128,9 @@ def cluster_from_json(data: Any, source: str = "cluster") -> Cluster:
     Raises:
         WorkloadFormatError: naming ``source`` (the file) and the malformed field.
     """
+    kind = json_kind(data)
+    if kind is not None and kind != "a torchplace cluster file":
+        raise WorkloadFormatError(f"{source} is {kind}, not a cluster file (format {FORMAT!r}): give the cluster file")
     top = _fields(data, _TOP_KEYS, ("devices",), "top level", source)
     if top.get("format", FORMAT) != FORMAT:
         raise WorkloadFormatError(f"{source}: format: {brief(top['format'])} is not {FORMAT!r}")

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torchplace.errors import UsageError, WorkloadFormatError
 
-__all__ = ["parse_json", "read_json", "read_text", "write_json", "write_text"]
+__all__ = ["json_kind", "parse_json", "read_json", "read_text", "write_json", "write_text"]
 
 
 def read_text(path: str | Path, what: str = "input") -> str:
@@ -85,6 +86,31 @@ def read_json(path: str | Path, what: str = "input") -> Any:
         WorkloadFormatError: naming the file (see :func:`read_text` and :func:`parse_json`).
     """
     return parse_json(read_text(path, what), str(path))
+
+
+_TORCHPLACE_KINDS = {"torchplace.plan/1": "a torchplace plan", "torchplace.cluster/1": "a torchplace cluster file",
+                     "torchplace.opgraph/1": "a torchplace graph"}
+
+
+def json_kind(data: Any) -> str | None:
+    """What a JSON value read from a user's file is ("a torchplace plan", "a Hugging Face
+    config.json", "a Piper workload", ...), when it is a kind torchplace reads or writes, else
+    ``None``: for the message when one kind of file is given where another belongs (``solve
+    PLAN.json`` said only "field 'nodes' must be a list"; found by fuzzing)."""
+    if not isinstance(data, Mapping):
+        return None
+    fmt = data.get("format")
+    if isinstance(fmt, str) and fmt.startswith("torchplace."):
+        return _TORCHPLACE_KINDS.get(fmt, f"a torchplace file of format {fmt!r}")
+    if "model_type" in data:
+        return "a Hugging Face config.json"
+    if "mbsInBatch" in data:
+        return "a Piper workload"
+    if isinstance(data.get("cpus"), list) and isinstance(data.get("fpgas"), list):
+        return "a dnn-partitioning split (the loads of its 'cpus' and 'fpgas')"
+    if isinstance(data.get("nodes"), list) and isinstance(data.get("edges"), list):
+        return "a dnn-partitioning workload"
+    return None
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from torchplace.checks import brief, check_float, non_negative_float, non_negative_int, positive_int
 from torchplace.costmodel import StageCost
 from torchplace.errors import WorkloadFormatError
+from torchplace.files import json_kind
 from torchplace.plan import _FORMAT, Plan, Stage
 
 __all__ = ["STATUSES", "plan_from_json"]
@@ -181,7 +182,9 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
     """
     if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
         got = brief(data.get("format")) if isinstance(data, Mapping) else f"a JSON {type(data).__name__}"
-        raise WorkloadFormatError(f"{source}: not a plan file: expected 'format': {_FORMAT!r}, got {got}")
+        kind = json_kind(data)
+        raise WorkloadFormatError(f"{source}: not a plan file: expected 'format': {_FORMAT!r}, got {got}"
+                                  + (f" (the file is {kind})" if kind else ""))
     stages = _stages(_required(data, "stages", source), source)
     objective = _seconds(_required(data, "objective", source), f"{source}: objective")
     bound = _seconds(_required(data, "lower_bound", source), f"{source}: lower_bound")

@@ -22,7 +22,7 @@ from typing import Any
 from torchplace.checks import brief, non_negative_float, non_negative_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import UsageError, WorkloadFormatError
-from torchplace.files import read_json
+from torchplace.files import json_kind, read_json
 from torchplace.graph import NodeRecord, OpGraph
 from torchplace.problem import Problem
 
@@ -146,6 +146,10 @@ def read_dnn_partitioning(path: str | Path, *, accelerators: int | None = None, 
     data = read_json(path, "workload")
     if not isinstance(data, Mapping):
         raise WorkloadFormatError(f"{path}: expected a JSON object at the top level, got {brief(data)}")
+    kind = json_kind(data)
+    if kind is not None and kind != "a dnn-partitioning workload":
+        raise WorkloadFormatError(f"{path} is {kind}, not a dnn-partitioning workload: give the workload file (a JSON "
+                                  "with 'nodes' and 'edges', a MOIRAI CSV, or a Piper JSON)")
     for key in ("nodes", "edges"):
         if not isinstance(data.get(key), list):
             raise WorkloadFormatError(f"{path}: field {key!r} must be a list")
