@@ -89,6 +89,8 @@ CASES = [
     (["show", "{config.json}"], "not a plan file: expected 'format': 'torchplace.plan/1', got None (the file is a "
                                 "Hugging Face config.json)"),
     (["solve", BERT24, "--method", "simplex"], "argument --method: invalid choice: 'simplex'"),
+    (["solve", str(WORKLOADS / "piper" / "bert32a100.json"), "--memory-gb", "1e300"],  # was Parallel.memory_bytes ... inf
+     "--memory-gb 1e+300: too large to count in bytes"),
     (["solve", BERT24, "--method", "dp", "--bounds", "mip"], "--bounds mip applies with --method auto only"),
     (["solve", BERT24, "--method", "moirai"], "ask for objective='latency' (command line: --objective latency)"),
     (["solve"], "the following arguments are required: workload"),

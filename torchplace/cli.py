@@ -159,7 +159,12 @@ def _is_piper(path: str) -> bool:
 def _read_piper(args: argparse.Namespace):  # -> Problem
     from torchplace.workloads import read_piper
 
+    import math
+
     gib = 2**30
+    for flag, value in (("--memory-gb", args.memory_gb), ("--bandwidth-gbs", args.bandwidth_gbs)):
+        if value is not None and not math.isfinite(value * gib):  # was "Parallel.memory_bytes must be ... got inf"
+            raise UsageError(f"{flag} {value:g}: too large to count in bytes; give at most {1.7e308 / gib:.3g}")
     return read_piper(args.workload, devices=args.devices,
                       memory_bytes=None if args.memory_gb is None else args.memory_gb * gib,
                       microbatches=args.microbatches,
