@@ -787,3 +787,18 @@ def test_the_eval_graph_keeps_the_training_split(method, norm):
     linears = [n.name for n in other.gm.graph.nodes if "linear" in str(n.target)]
     assert len(linears) == 6 and [stage[name] for name in linears] == [known[name] for name in linears]
     assert {stage[name] for name in linears} == {0, 1}
+
+
+def test_more_micro_batches_than_the_batch_are_planned_as_the_step_runs_them():
+    """A step runs at most one micro-batch per sample (the executor clamps m); the plan priced and
+    simulated m = 10**9 for a batch of 4 a micro-batch at a time, for hours (found by fuzzing)."""
+    model = _model("mlp").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("mlp", batch=4)
+    placed = _place(model, inputs, 2, microbatches=10**9, loss_fn=loss_fn, example_target=target,
+                    allow_single_device=False, time_limit=5)
+    assert placed.problem.pipeline.microbatches == 4
+    with pytest.warns(RuntimeWarning, match="using 4"):
+        losses = placed.step(*inputs, target=target)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(_reference_step(reference, inputs, target, loss_fn, 4)))
+    _close_grads(model, reference)

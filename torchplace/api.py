@@ -591,7 +591,11 @@ def prepare(
     random = training and recompute and (drew or any(draws_random_numbers(traced.gm, n)
                                                      for n in traced.gm.graph.nodes))
     if training:  # a stage that draws random numbers would draw them again, otherwise, when recomputed
-        pipeline = Pipeline(split, schedule, recompute and not random)  # type: ignore[arg-type]
+        # as many micro-batches as a step runs: the executor clamps an m above the example's batch (scatter);
+        # m = 1e9 for a batch of 8 was priced, and simulated, a micro-batch at a time (hours; found by fuzzing)
+        batch = _batch(args, kwargs)
+        pipeline = Pipeline(min(split, batch) if batch else split, schedule,  # type: ignore[arg-type]
+                            recompute and not random)
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
