@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -158,8 +159,6 @@ def _is_piper(path: str) -> bool:
 
 def _read_piper(args: argparse.Namespace):  # -> Problem
     from torchplace.workloads import read_piper
-
-    import math
 
     gib = 2**30
     for flag, value in (("--memory-gb", args.memory_gb), ("--bandwidth-gbs", args.bandwidth_gbs)):
