@@ -17,6 +17,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.graph import NodeRecord, OpGraph, saved_key
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Pipeline, Problem
+from torchplace.runtime.schedule import segments
 from torchplace.solvers import solve
 from torchplace.solvers.liveness import conservative, relaxed, solve_live
 
@@ -142,6 +143,15 @@ def test_an_inference_device_holds_one_micro_batch_in_flight():
     assert costmodel.queued(4, 1) == 3 and costmodel.queued(2, 1) == 1 and costmodel.queued(1, 1) == 0
     assert costmodel.device_memory(p, stages) == {"cpu:0": 400, "cpu:1": 400}
     assert costmodel.device_memory_parts(p, stages)["cpu:0"]["working"] == 400
+
+
+@given(st.lists(st.sampled_from(["cpu:0", "cpu:1", "cpu:2"]), min_size=1, max_size=8))
+def test_the_cost_models_segments_are_the_executors(devices):
+    """costmodel.plan_segments repeats runtime.schedule.segments (the runtime imports torch, which
+    the solver's command line never does): both group a plan's stages alike."""
+    stages = [Stage(d, (f"n{i}a", f"n{i}b")) for i, d in enumerate(devices)]
+    expected = {v: j for j, (_, members) in enumerate(segments(devices)) for k in members for v in stages[k].nodes}
+    assert costmodel.plan_segments(stages) == expected
 
 
 def test_a_sent_tensor_is_held_by_each_queue_and_worker_up_to_its_last_reader():

@@ -964,11 +964,16 @@ def _plan_memory_options(problem: Problem, stages: Sequence[StageLike]) -> dict[
 def plan_segments(stages: Sequence[StageLike]) -> dict[str, int]:
     """The segment of each node of an inference plan: segments are the runs of consecutive stages
     on one device (:func:`torchplace.runtime.schedule.segments`), numbered in order; a micro-batch
-    crosses a queue between two (:func:`queued`)."""
-    from torchplace.runtime.schedule import segments  # pure data, as the executors run them
-
-    runs = segments([s.device for s in stages])
-    return {v: i for i, (_, members) in enumerate(runs) for k in members for v in stages[k].nodes}
+    crosses a queue between two (:func:`queued`). The grouping is the executors' own, written
+    again here: importing :mod:`torchplace.runtime` imports torch, which ``torchplace solve``
+    never does (it starts in a fraction of a second); a test holds the two to the same answer."""
+    out: dict[str, int] = {}
+    segment, device = -1, None
+    for s in stages:
+        if s.device != device:
+            segment, device = segment + 1, s.device
+        out.update(dict.fromkeys(s.nodes, segment))
+    return out
 
 
 def _recomputes(stages: Iterable[StageLike]) -> set[str]:
