@@ -149,3 +149,33 @@ def test_an_exported_graph_with_dtype_checks_is_refused_under_autocast() -> None
                           **OPTIONS)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # fx records the conversions as calls
         assert torch.equal(fx(x), model(x))
+
+
+class FullPrecisionRegion(nn.Module):
+    """A ``with torch.autocast("cpu", enabled=False)`` region holding a ``.float()`` that converts
+    nothing without autocast: export puts the region in a ``wrap_with_autocast`` subgraph, and its
+    dtype check there was not looked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", enabled=False):
+            h = torch.relu(self.b(h.float()))
+        return self.c(h)
+
+
+def test_a_dtype_check_inside_an_autocast_region_is_refused_under_autocast() -> None:
+    """The call under autocast failed inside a stage with a raw 'Tensor dtype mismatch' StageError
+    (found by fuzzing); the check in the region's subgraph now gets the UnsupportedError before any
+    stage runs."""
+    torch.manual_seed(0)
+    model = FullPrecisionRegion().eval()
+    x = torch.randn(8, 16)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, **OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))  # without autocast: exact
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match="dtype conversions"):
+            placed(x)

@@ -319,11 +319,15 @@ def dtype_guards(gm: fx.GraphModule) -> list[str]:
     where the model converted a tensor to the dtype it already had (``x.float()``,
     ``.to(torch.float32)``, ``type_as``), which export records as a check, not as a conversion, and
     whose later readers read the unconverted tensor. Under ``torch.autocast`` those conversions
-    would convert: such a graph does not compute what the model does there."""
+    would convert: such a graph does not compute what the model does there. The subgraphs of
+    higher-order operators (a ``with torch.autocast(...)`` region in the forward is a
+    ``wrap_with_autocast`` subgraph) are searched too, their nodes named ``path.node``."""
     target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
     if target is None:
         return []
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in (target, target.default)]
+    return [f"{path}.{n.name}" if path else n.name
+            for path, module in gm.named_modules() if isinstance(module, fx.GraphModule)
+            for n in module.graph.nodes if n.op == "call_function" and n.target in (target, target.default)]
 
 
 def draws_random_numbers(module: nn.Module, n: fx.Node) -> bool:
