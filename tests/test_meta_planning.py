@@ -87,3 +87,48 @@ def test_plan_model_refuses_a_half_materialized_model():
     with pytest.raises(UsageError, match="every tensor must be on the meta device"):
         torchplace.plan_model(meta, ["cpu:0"], example_kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
                               progress=False)
+
+
+class ConvWithNorm(nn.Module):
+    """A model with buffers (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x)))
+        return self.head(nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.parametrize("mode", ["inference"])
+def test_a_meta_model_with_buffers_is_planned(mode):
+    """Checking that tracing wrote no buffer compared their values, which a meta tensor has not:
+    every meta model with a buffer (BatchNorm, BERT's position_ids) failed with a raw
+    'Tensor.item() cannot be called on meta tensors' (found by fuzzing)."""
+    torch.manual_seed(0)
+    real = ConvWithNorm().train(mode == "training")
+    with torch.device("meta"):
+        meta = ConvWithNorm().train(mode == "training")
+    x = torch.randn(4, 3, 8, 8)
+    options = dict(mode=mode, progress=False, microbatches=2)
+    devices = ["cpu:0", "cpu:1"]
+    plan, problem = torchplace.plan_model(meta, devices, (x,), **options)
+    plan.validate(problem)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+    _, expected = torchplace.plan_model(real, devices, (x,), **options)
+    assert (sum(r.param_bytes for _, r in problem.graph.records())
+            == sum(r.param_bytes for _, r in expected.graph.records()))
+    assert all(t.device.type == "meta" for t in [*meta.parameters(), *meta.buffers()])
+
+
+def test_a_meta_bert_is_planned():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    with torch.device("meta"):
+        meta = transformers.BertModel(config).eval()
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    plan, problem = torchplace.plan_model(meta, ["cpu:0", "cpu:1"], example_kwargs={"input_ids": ids}, progress=False)
+    plan.validate(problem)
+    assert set(plan.device_map(problem).values()) <= {"cpu:0", "cpu:1"}

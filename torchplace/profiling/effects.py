@@ -219,7 +219,11 @@ def _is_param(t: torch.Tensor) -> bool:
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shapes and values, a NaN where the other has a NaN (a NaN that stays a NaN is no
-    write); sparse and other non-strided tensors are compared dense."""
+    write); sparse and other non-strided tensors are compared dense. A tensor on the meta device
+    holds no values: two meta tensors of one shape count as equal (a write to one still moves its
+    version counter)."""
+    if a.is_meta or b.is_meta:
+        return a.shape == b.shape
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
     equal = a == b
