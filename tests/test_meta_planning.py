@@ -101,11 +101,12 @@ class ConvWithNorm(nn.Module):
         return self.head(nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
-@pytest.mark.parametrize("mode", ["inference"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
 def test_a_meta_model_with_buffers_is_planned(mode):
     """Checking that tracing wrote no buffer compared their values, which a meta tensor has not:
     every meta model with a buffer (BatchNorm, BERT's position_ids) failed with a raw
-    'Tensor.item() cannot be called on meta tensors' (found by fuzzing)."""
+    'Tensor.item() cannot be called on meta tensors'; for training on CPU devices the backward
+    was then timed on the CPU, with a raw 'Cannot copy out of meta tensor' (found by fuzzing)."""
     torch.manual_seed(0)
     real = ConvWithNorm().train(mode == "training")
     with torch.device("meta"):

@@ -723,8 +723,9 @@ def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapp
                     threads: Mapping[str, int]) -> Any:
     """The training graph: every node's backward timed on each kind present (twice the forward
     estimate elsewhere) with that kind's threads, with gradients and optimizer state
-    (:mod:`torchplace.profiling.training`)."""
-    present = present_kinds()
+    (:mod:`torchplace.profiling.training`). A model on the meta device has nothing to time: every
+    kind is estimated, as :func:`~torchplace.profiling.profile` estimates its forward."""
+    present = set() if _on_meta(traced.gm) else present_kinds()
     measured = {}
     for kind in kinds:
         if kind in present:
