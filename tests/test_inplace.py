@@ -621,3 +621,34 @@ def test_memory_reused_after_a_value_is_freed_is_not_the_old_value(size):
     assert e.after == {"add_": frozenset({"mul_8"})}
     assert e.colocated == (frozenset({"mul_8", "add_"}),)
     assert e.written == {"add_": frozenset({"mul_8", "add_"})}
+
+
+class RegistersInForward(nn.Module):
+    """Registers a buffer in forward: fx left a Proxy in the model's buffer slot, which the next
+    check read as a raw torch.fx TraceError; with that slot cleared, export's graph wrote the buffer
+    into the caller's input instead, silently (found by fuzzing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.register_buffer("cache", torch.ones(x.shape[1]), persistent=False)
+        return self.b(self.a(x) + self.cache)
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["place", "plan_model-on-meta"])
+def test_a_forward_that_registers_a_buffer_is_a_trace_error_and_leaves_the_model_as_it_was(meta):
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            model = RegistersInForward()
+    else:
+        model = RegistersInForward()
+    x = torch.randn(4, 16)
+    with pytest.raises(TraceError, match=r"forward registers 'cache'.*Register it once in __init__"):
+        if meta:
+            torchplace.plan_model(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+        else:
+            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False, repeats=1, warmup=0)
+    assert [name for name, _ in model.named_buffers()] == []

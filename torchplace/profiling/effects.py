@@ -368,11 +368,28 @@ class StateSnapshot:
         self._slots = [(f"{prefix}.{key}" if prefix else key, slots, key, value)
                        for prefix, module in model.named_modules(remove_duplicate=False)
                        for slots in (module._parameters, module._buffers) for key, value in slots.items()]
+        # Which slots there were: a forward that registers a buffer (``self.register_buffer("cache",
+        # torch.zeros(n))``) adds one, which fx tracing fills with a Proxy and export with a fake tensor.
+        self._keys = [(prefix, slots, frozenset(slots))
+                      for prefix, module in model.named_modules(remove_duplicate=False)
+                      for slots in (module._parameters, module._buffers)]
+        self.registered: list[str] = []  # the slots restore() removed: registered by the forward
+
+    def _added(self) -> list[tuple[str, dict[str, Any], str]]:
+        """The parameter and buffer slots registered since the snapshot: (name, slots, key)."""
+        added: dict[tuple[int, str], tuple[str, dict[str, Any], str]] = {}  # a shared module once
+        for prefix, slots, before in self._keys:
+            for key in list(slots):
+                if key not in before:
+                    added.setdefault((id(slots), key), (f"{prefix}.{key}" if prefix else key, slots, key))
+        return list(added.values())
 
     def changed(self) -> list[str]:
         """Names of the tensors written since the snapshot (moved version counter, new memory, or
-        for a buffer a new value), and of the parameter and buffer slots assigned another object."""
+        for a buffer a new value), of the parameter and buffer slots assigned another object, and
+        of those registered since."""
         out = [name for name, slots, key, value in self._slots if slots.get(key, _GONE) is not value]
+        out += [name for name, _, _ in self._added() if name not in out]
         for name, t in self._tensors.items():
             before = self._versions[name]
             saved = self._saved.get(name)
@@ -381,7 +398,8 @@ class StateSnapshot:
         return out
 
     def restore(self) -> None:
-        """Write the saved values back into every buffer that was written.
+        """Write the saved values back into every buffer that was written, and remove the
+        parameters and buffers registered since the snapshot (their names go to ``registered``).
 
         Raises:
             UnsupportedError: if a parameter was written (it was not copied, so it cannot be).
@@ -389,6 +407,9 @@ class StateSnapshot:
         for _, slots, key, value in self._slots:  # first the objects, then their values
             if slots.get(key, _GONE) is not value:
                 slots[key] = value
+        for name, slots, key in self._added():  # the forward registers them again when it runs
+            del slots[key]
+            self.registered.append(name)
         changed = self.changed()
         lost = [n for n in changed if n not in self._saved]
         if lost:

@@ -235,10 +235,12 @@ def _fx_capture(model: nn.Module, leaf_types: tuple[type, ...], module_level: bo
         _keep_none_placeholders(graph, nones)
     except Exception as e:
         snapshot.restore()
+        _refuse_registering(model, snapshot.registered)
         path, cls = tracer.failed_in or ("", type(model).__qualname__)
         raise _CaptureFailure("fx", path, cls, e) from e
     if written := snapshot.changed():
         snapshot.restore()
+        _refuse_registering(model, snapshot.registered)
         error = RuntimeError(f"tracing wrote {', '.join(repr(n) for n in written)} in place; fx would run that "
                              "update once at trace time, not on every call (export records it)")
         raise _CaptureFailure("fx", "", type(model).__qualname__, error)
@@ -274,15 +276,36 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
 
     args, kwargs = pytree.tree_map_only(torch.Tensor, dense, (args, kwargs))
     snapshot = StateSnapshot(model)
+    failure: _CaptureFailure | None = None
     try:
         with _without_partial_graph():
             ep = torch.export.export(model, args, kwargs=kwargs or None,
                                      dynamic_shapes=dynamic_shapes(model, args, kwargs, dims), strict=False)
-        return ep.module()
+        gm = ep.module()
     except Exception as e:
-        raise _CaptureFailure("export", "", type(model).__qualname__, e) from e
-    finally:
-        snapshot.restore()
+        failure = _CaptureFailure("export", "", type(model).__qualname__, e)
+    snapshot.restore()
+    _refuse_registering(model, snapshot.registered)  # export wrote such a buffer into an input instead
+    if failure is not None:
+        raise failure from failure.error
+    return gm
+
+
+def _refuse_registering(model: nn.Module, registered: Sequence[str]) -> None:
+    """Refuse a forward that registered parameters or buffers while it was traced (``registered``,
+    as :attr:`StateSnapshot.registered` names them): no graph holds state its forward creates (fx
+    would keep a Proxy in the slot; torch.export recorded a new buffer as a write into an input).
+
+    Raises:
+        TraceError: naming the first one and what to do instead.
+    """
+    if registered:
+        raise TraceError(
+            f"{type(model).__qualname__}'s forward registers {registered[0]!r} (register_buffer, register_parameter "
+            "or a new nn.Parameter attribute), which no traced graph can hold: torchplace traces the forward and "
+            "runs the graph. Register it once in __init__ (a buffer with persistent=False for a cache) and update it "
+            "in place in forward, or compute it as a local tensor; if the forward registers it only on its first "
+            "call, call the model once before placing it")
 
 
 @contextlib.contextmanager
