@@ -133,3 +133,25 @@ def test_a_meta_bert_is_planned():
     plan, problem = torchplace.plan_model(meta, ["cpu:0", "cpu:1"], example_kwargs={"input_ids": ids}, progress=False)
     plan.validate(problem)
     assert set(plan.device_map(problem).values()) <= {"cpu:0", "cpu:1"}
+
+
+class AddsARange(nn.Module):
+    """Makes a tensor in forward without ``device=``: on the CPU, whatever the weights' device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + torch.arange(16, dtype=torch.float32)
+
+
+def test_a_meta_model_that_makes_a_cpu_tensor_is_a_trace_error_naming_the_fix():
+    """It failed with torch's raw 'Tensor on device cpu is not on the expected device meta!'
+    (found by fuzzing)."""
+    from torchplace.errors import TraceError
+
+    with torch.device("meta"):
+        meta = AddsARange()
+    with pytest.raises(TraceError, match=r"fails on the meta device.*without device=.*device=x\.device"):
+        torchplace.plan_model(meta, ["cpu:0", "cpu:1"], (torch.randn(4, 16),), progress=False)

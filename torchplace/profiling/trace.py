@@ -527,6 +527,24 @@ def _storage_id(t: torch.Tensor) -> int | None:
         return None
 
 
+def _on_meta(gm: fx.GraphModule) -> bool:
+    """Whether the graph's weights are on the meta device (a model planned from shapes)."""
+    return any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers()))
+
+
+def _meta_failure(model: nn.Module, error: Exception) -> TraceError:
+    """The :class:`TraceError` for a traced graph of a meta-device model that fails on meta inputs;
+    a tensor the forward made on another device (a constant, ``torch.arange(n)`` without
+    ``device=``) gets the fix for it."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    advice = ("a tensor its forward makes without device= (torch.arange(n), torch.tensor(...), torch.ones(...)) is "
+              "on the CPU, where the model's weights and inputs are on the meta device: make it on the input's "
+              "device (device=x.device), or plan the model with its weights loaded"
+              if "device" in first else "plan the model with its weights loaded")
+    return TraceError(f"the traced graph of {type(model).__qualname__} fails on the meta device "
+                      f"({type(error).__name__}: {first}): {advice}")
+
+
 def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
             example_kwargs: Mapping[str, Any]) -> Effects:
     """Shape propagation and the in-place analysis on real runs (no grad) of copies of the
@@ -551,7 +569,9 @@ def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
             try:
                 with torch.no_grad():
                     _Recorder(gm, log, shapes).run(*values)
-            except Exception:
+            except Exception as e:
+                if shapes and _on_meta(gm):
+                    raise _meta_failure(model, e) from e
                 if shapes:
                     raise
                 continue  # the model does not run on one sample: no call of it can have one
