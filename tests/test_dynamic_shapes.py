@@ -260,3 +260,56 @@ def test_the_sizes_a_trace_fixed_are_checked_before_a_runtime_that_runs_no_guard
         sizes.check_fixed((), _call(8))
     dynamic = trace(_gpt2(), (), _call(16), method="export", dynamic_dims={"input_ids": [1], "attention_mask": [1]})
     CallSizes(gm=dynamic.gm).check_fixed((), _call(8))
+
+
+class MasksItsInput(torch.nn.Module):
+    """Multiplies each position by its mask: the two lengths must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.lin(x) * mask.unsqueeze(-1)
+
+
+def test_two_declared_lengths_that_must_agree_say_so():
+    """A mask shorter than the input broke the guard `mask.size()[1] == x.size()[1]`, and the
+    message said the model's code had fixed the mask's length while tracing (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = MasksItsInput().eval()
+    x, mask = torch.randn(4, 16, 8), torch.ones(4, 16)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x, mask), dynamic_dims={"x": [1], "mask": [1]},
+                              allow_single_device=False, trace_method="export", **QUICK)
+    with torch.no_grad():
+        assert torch.equal(placed(x[:, :9], mask[:, :9]),
+                           torch.cat([model(a, b) for a, b in zip(x[:, :9].tensor_split(2), mask[:, :9].tensor_split(2))]))
+        with pytest.raises(UsageError, match=r"dim 1 of 'mask' and dim 1 of 'x' together, so they must be equal") as e:
+            placed(x[:, :9], mask[:, :7])
+    assert "fixed it" not in str(e.value)
+
+
+class Downsamples(torch.nn.Module):
+    """A stride-2 convolution: export assumes the map it makes is not of size one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.adaptive_avg_pool2d(self.conv(x), 1).flatten(1))
+
+
+def test_a_guard_on_a_size_computed_from_declared_dims_does_not_ask_to_declare_them():
+    """A guard such as `1 + (-1 + x.size()[3]) // 2 != 1` said to declare
+    dynamic_dims={input: [dims]}, which were declared (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = Downsamples().eval()
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (torch.randn(4, 3, 16, 16),), dynamic_dims={"x": [2, 3]},
+                              allow_single_device=False, trace_method="export", **QUICK)
+    with torch.no_grad():
+        x = torch.randn(4, 3, 9, 13)
+        assert torch.equal(placed(x), torch.cat([model(c) for c in x.tensor_split(2)]))
+        with pytest.raises(UsageError, match=r"asked dynamic, but the trace holds only where that condition does") as e:
+            placed(torch.randn(2, 3, 2, 2))
+    assert "dynamic_dims" not in str(e.value)

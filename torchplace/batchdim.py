@@ -238,7 +238,23 @@ def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
             "only within that range (the model has a table of that many positions, or its code branches on the "
             "size and the trace took the example's side); call it within the range, or place it again with an "
             "example on the side this call needs")
+    pair = re.fullmatch(r"\s*(\w+)\.size\(\)\[(\d+)\]\s*==\s*(\w+)\.size\(\)\[(\d+)\]\s*", guard)
+    if pair and pair.group(1, 2) != pair.group(3, 4):  # two inputs' sizes the model computes with together
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: the model computes with "
+            f"dim {pair.group(2)} of {pair.group(1)!r} and dim {pair.group(4)} of {pair.group(3)!r} together, so "
+            "they must be equal (an attention mask as long as the input ids); pass inputs whose sizes match")
     named = re.match(r"\s*(\w+)\.size\(\)\[(\d+)\]", guard)
+    sizes = re.findall(r"(\w+)\.size\(\)\[(\d+)\]", guard)
+    if not named and sizes and all(_declared(dynamic_dims, name, int(dim)) for name, dim in sizes):
+        named_dims = list(dict.fromkeys(f"dim {dim} of {name!r}" for name, dim in sizes))
+        were = "was" if len(named_dims) == 1 else "were"
+        return UsageError(
+            f"the placed model was traced for inputs with {guard}, which this call breaks: {', '.join(named_dims)} "
+            f"{were} asked dynamic, "
+            "but the trace holds only where that condition does (torch.export specializes sizes of 0 and 1, the "
+            "sizes it computes from them included, and takes the example's side of a branch on them); call it with "
+            "inputs that keep that condition, or place it again with an example on the side this call needs")
     if named and _declared(dynamic_dims, named.group(1), int(named.group(2))):
         return UsageError(
             f"the placed model was traced for inputs with {guard}, which this call breaks: dim {named.group(2)} of "
