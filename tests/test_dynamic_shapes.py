@@ -313,3 +313,13 @@ def test_a_guard_on_a_size_computed_from_declared_dims_does_not_ask_to_declare_t
         with pytest.raises(UsageError, match=r"asked dynamic, but the trace holds only where that condition does") as e:
             placed(torch.randn(2, 3, 2, 2))
     assert "dynamic_dims" not in str(e.value)
+
+
+def test_a_declared_length_fixed_by_an_undeclared_mask_says_to_declare_the_mask():
+    """Declaring only input_ids: the mask's length, left static, fixes theirs, and the TraceError
+    blamed a branch or a Python number and said to leave the dim out (found by fuzzing)."""
+    from torchplace.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"declare those too: dynamic_dims=\{'input_ids': \[1\], 'attention_mask': \[1\]\}"):
+        torchplace.place(_gpt2(), ["cpu:0", "cpu:1"], example_kwargs=_call(16), dynamic_dims={"input_ids": [1]},
+                         trace_method="export", **QUICK)

@@ -29,10 +29,16 @@ from torch.utils import _pytree as pytree
 from torchplace.checks import brief
 from torchplace.errors import UsageError
 
-__all__ = ["DynamicDims", "check_dynamic_dims", "dynamic_shapes"]
+__all__ = ["DynamicDims", "check_dynamic_dims", "dynamic_inputs", "dynamic_shapes"]
 
 DynamicDims = Union[Mapping[Union[str, int], Iterable[int]], str, None]
 """``{input name or position: dims}``, ``"auto"`` or ``None`` (see the module docstring)."""
+
+
+def dynamic_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's inputs by the names ``dynamic_dims`` keys them with (``model.forward``'s
+    parameter names)."""
+    return _bound(model, args, kwargs)
 
 
 def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from torchplace.fxutil import (
 )
 from torchplace.graph import OpGraph
 from torchplace.interrupts import held_interrupt
-from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_shapes
+from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_inputs, dynamic_shapes
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.livebytes import LiveBytes
 from torchplace.profiling.opgraph import build_opgraph
@@ -369,9 +369,38 @@ def _sizes_fixed(failures: list[_CaptureFailure]) -> list[str]:
     return []
 
 
-def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords: Sequence[str] = ()) -> TraceError:
+def _undeclared_partners(fixed: Sequence[str], model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         dims: Any) -> str:
+    """Advice for dims asked dynamic that export fixed to the example's size (``fixed``:
+    :func:`_sizes_fixed`'s reasons) where another input of that size at that dim is not declared:
+    the model most likely needs them equal (an attention mask as long as its input ids), and the
+    undeclared one fixes both. The ``dynamic_dims`` with them declared too, or ``""``."""
+    if not isinstance(dims, Mapping):
+        return ""
+    bound = dynamic_inputs(model, args, kwargs)
+    wanted = {name: set(d) for name, d in dims.items()}
+    for reason in fixed:
+        found = re.search(r"L\['(\w+)'\]\.size\(\)\[(\d+)\].*constant \((\d+)\)", reason)
+        if not found:
+            continue
+        name, dim, size = found.group(1), int(found.group(2)), int(found.group(3))
+        for other, value in bound.items():
+            tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+            if other != name and dim not in wanted.get(other, set()) and tensors and all(
+                    t.dim() > dim and t.shape[dim] == size for t in tensors):
+                wanted.setdefault(other, set()).add(dim)
+    if wanted == {name: set(d) for name, d in dims.items()}:
+        return ""
+    declared = ", ".join(f"{name!r}: {sorted(d)}" for name, d in wanted.items())
+    return (f"If they must equal the same dims of inputs not declared dynamic (an attention mask as long as its "
+            f"input ids), declare those too: dynamic_dims={{{declared}}}. Otherwise: ")
+
+
+def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords: Sequence[str] = (),
+                 partners: str = "") -> TraceError:
     """A :class:`TraceError` naming the failing module, the errors, and what to try
-    (``var_keywords``: the example's keywords ``forward`` takes through ``**kwargs``)."""
+    (``var_keywords``: the example's keywords ``forward`` takes through ``**kwargs``; ``partners``:
+    :func:`_undeclared_partners`' advice for dims export fixed)."""
     cache = _returns_a_cache(failures)
     if cache is not None:
         return TraceError(
@@ -383,12 +412,13 @@ def _trace_error(model: nn.Module, failures: list[_CaptureFailure], var_keywords
         )
     fixed = _sizes_fixed(failures)
     if fixed:
+        causes = ("a weight of that size (x + self.pos with pos of the example's length), a branch on the size, or a "
+                  "Python number computed from it (math.sqrt(x.shape[1]), x.shape[1] % 2) fixes a size. Leave that "
+                  "dim out of dynamic_dims (a placed model then serves the example's size only), compute with the "
+                  "size as a tensor or a torch.sym_* function, or try trace_method='fx'")
         return TraceError(
             f"could not trace {type(model).__qualname__} with the dims dynamic_dims asks dynamic: the model's code "
-            f"fixes them ({'; '.join(fixed)}): a branch on a size, or a Python number computed from "
-            "one (math.sqrt(x.shape[1]), x.shape[1] % 2). Leave that dim out of dynamic_dims (a placed model then "
-            "serves the example's size only), compute with the size as a tensor or a torch.sym_* function, or try "
-            "trace_method='fx'"
+            f"fixes them ({'; '.join(fixed)}). " + (partners + causes if partners else causes[0].upper() + causes[1:])
         )
     first = failures[0]
     where = f"module '{first.path}' ({first.cls})" if first.path else f"{first.cls} itself"
@@ -429,7 +459,9 @@ def _capture(
             return _export_capture(model, example_inputs, example_kwargs, dims), "export"
         except _CaptureFailure as f:
             failures.append(f)
-    raise _trace_error(model, failures, _through_var_keyword(model, example_kwargs)) from failures[-1].error
+    fixed = _sizes_fixed(failures)
+    partners = _undeclared_partners(fixed, model, example_inputs, example_kwargs, dims) if fixed else ""
+    raise _trace_error(model, failures, _through_var_keyword(model, example_kwargs), partners) from failures[-1].error
 
 
 def _takes_var_keyword(model: nn.Module) -> bool:
