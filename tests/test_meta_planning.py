@@ -155,3 +155,31 @@ def test_a_meta_model_that_makes_a_cpu_tensor_is_a_trace_error_naming_the_fix():
         meta = AddsARange()
     with pytest.raises(TraceError, match=r"fails on the meta device.*without device=.*device=x\.device"):
         torchplace.plan_model(meta, ["cpu:0", "cpu:1"], (torch.randn(4, 16),), progress=False)
+
+
+def test_a_meta_plan_for_a_graph_the_loaded_model_does_not_trace_to_says_why_and_what_works():
+    """plan_model's docstring says place(loaded, plan=plan) runs its plan; at operator level the
+    meta trace of BERT has .contiguous() copies the loaded model's has not, and the refusal said to
+    trace 'the same model with the same granularity', which it was (found by fuzzing). Blocks kept
+    whole give the same nodes on both, and that plan runs."""
+    from torchplace.errors import InvalidPlanError
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    ids = torch.randint(0, 64, (4, 8))
+    call = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    options = dict(example_kwargs=call, progress=False, microbatches=2)
+    with torch.device("meta"):
+        meta = transformers.BertModel(config).eval()
+    plan, _ = torchplace.plan_model(meta, ["cpu:0", "cpu:1"], **options)
+    torch.manual_seed(0)
+    loaded = transformers.BertModel(config).eval()
+    with pytest.raises(InvalidPlanError, match=r"made by plan_model from the model on the meta device.*leaf_modules="):
+        torchplace.place(loaded, ["cpu:0", "cpu:1"], plan=plan, repeats=1, warmup=0, **options)
+    blocks = dict(options, leaf_modules=["BertLayer"])
+    plan, _ = torchplace.plan_model(meta, ["cpu:0", "cpu:1"], **blocks)
+    placed = torchplace.place(loaded, ["cpu:0", "cpu:1"], plan=plan, repeats=1, warmup=0, **blocks)
+    with torch.no_grad():
+        expected = torch.cat([loaded(**{k: v.chunk(2)[i] for k, v in call.items()}).last_hidden_state for i in range(2)])
+        assert torch.equal(placed(**call).last_hidden_state, expected)

@@ -351,7 +351,10 @@ def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, exam
 
     Returns:
         ``(plan, problem)``; ``plan.device_map(problem)`` is the placement in accelerate's form,
-        and ``place(model, devices, ..., plan=plan)`` runs it once the weights are loaded.
+        and ``place(model, devices, ..., plan=plan)`` runs it once the weights are loaded, where
+        the loaded model traces to the same nodes: at operator level a meta model's graph may
+        differ (its layouts, its branches), so keep blocks whole (``leaf_modules=["GPT2Block"]``)
+        for a plan to run later (:class:`InvalidPlanError` says so otherwise).
 
     Raises:
         As :func:`place`.
@@ -367,7 +370,13 @@ def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, exam
     if options.get("refine"):
         raise UsageError("plan_model plans without running: refine=True measures a placed model; use place()")
     placement = prepare(model, devices, example_inputs, **options)
+    if _on_meta(model):  # its graph may differ from the loaded model's: _replan says why, if it does
+        placement.plan.meta[FROM_META] = True
     return placement.plan, placement.problem
+
+
+FROM_META = "planned_on_meta"
+"""``Plan.meta`` key: the plan was made by :func:`plan_model` from a model on the meta device."""
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -895,10 +904,19 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
     placed = {v for s in plan.stages for v in s.nodes}
     missing, extra = set(problem.graph) - placed, placed - set(problem.graph)
     if missing or extra:
+        differs = (f"the plan does not fit this model's graph ({len(missing)} node(s) unplaced, e.g. "
+                   f"{sorted(missing)[:3]}; {len(extra)} unknown, e.g. {sorted(extra)[:3]})")
+        if plan.meta.get(FROM_META):
+            raise InvalidPlanError(
+                f"{differs}: the plan was made by plan_model from the model on the meta device, and the loaded "
+                "model traces to another operator graph (the meta device lays out some outputs otherwise, so a "
+                ".contiguous() copies on one and not the other, and code that branches on the device or on values "
+                "traces otherwise, which renames operators). Plan with the model's blocks kept whole "
+                "(leaf_modules=['GPT2Block'], as accelerate's no_split_module_classes), whose nodes match, or "
+                "use plan.device_map(problem) with accelerate, or place the loaded model without plan=")
         raise InvalidPlanError(
-            f"the plan does not fit this model's graph ({len(missing)} node(s) unplaced, e.g. {sorted(missing)[:3]}; "
-            f"{len(extra)} unknown, e.g. {sorted(extra)[:3]}): trace the same model with the same granularity, "
-            "leaf_modules and trace_method as when the plan was made"
+            f"{differs}: trace the same model with the same granularity, leaf_modules and trace_method as when the "
+            "plan was made"
         )
     from torchplace.solvers.bounds import combinatorial_lower_bound
 
