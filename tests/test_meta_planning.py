@@ -183,3 +183,13 @@ def test_a_meta_plan_for_a_graph_the_loaded_model_does_not_trace_to_says_why_and
     with torch.no_grad():
         expected = torch.cat([loaded(**{k: v.chunk(2)[i] for k, v in call.items()}).last_hidden_state for i in range(2)])
         assert torch.equal(placed(**call).last_hidden_state, expected)
+
+
+def test_a_meta_model_given_inputs_it_rejects_is_a_trace_error_saying_so():
+    """fx traces without running anything: a raw RuntimeError came from the shape run."""
+    from torchplace.errors import TraceError
+
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with pytest.raises(TraceError, match=r"fails on the meta device.*pass example inputs the model accepts"):
+        torchplace.plan_model(meta, ["cpu:0", "cpu:1"], (torch.randn(4, 15),), progress=False)

@@ -565,14 +565,15 @@ def _on_meta(gm: fx.GraphModule) -> bool:
 
 
 def _meta_failure(model: nn.Module, error: Exception) -> TraceError:
-    """The :class:`TraceError` for a traced graph of a meta-device model that fails on meta inputs;
-    a tensor the forward made on another device (a constant, ``torch.arange(n)`` without
-    ``device=``) gets the fix for it."""
+    """The :class:`TraceError` for a traced graph of a meta-device model that fails on meta inputs
+    (inputs it rejects: a meta model is never run eagerly to check them); a tensor the forward made
+    on another device (a constant, ``torch.arange(n)`` without ``device=``) gets the fix for it."""
     first = (str(error).strip().splitlines() or [""])[0]
     advice = ("a tensor its forward makes without device= (torch.arange(n), torch.tensor(...), torch.ones(...)) is "
               "on the CPU, where the model's weights and inputs are on the meta device: make it on the input's "
               "device (device=x.device), or plan the model with its weights loaded"
-              if "device" in first else "plan the model with its weights loaded")
+              if "device" in first else "this is the model's own error on the example, run on shapes alone: pass "
+              "example inputs the model accepts (their shapes and dtypes), or plan the model with its weights loaded")
     return TraceError(f"the traced graph of {type(model).__qualname__} fails on the meta device "
                       f"({type(error).__name__}: {first}): {advice}")
 
