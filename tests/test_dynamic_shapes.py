@@ -323,3 +323,14 @@ def test_a_declared_length_fixed_by_an_undeclared_mask_says_to_declare_the_mask(
     with pytest.raises(TraceError, match=r"declare those too: dynamic_dims=\{'input_ids': \[1\], 'attention_mask': \[1\]\}"):
         torchplace.place(_gpt2(), ["cpu:0", "cpu:1"], example_kwargs=_call(16), dynamic_dims={"input_ids": [1]},
                          trace_method="export", **QUICK)
+
+
+def test_dims_declared_by_position_or_from_the_end_count_as_declared_in_guard_messages():
+    """dynamic_dims={0: [-2]} asks the same dim as {'x': [1]}, but a call the trace refused was
+    told to declare dynamic_dims={'x': [1]} (found by fuzzing)."""
+    torch.manual_seed(0)
+    placed = torchplace.place(PadsToEven().eval(), ["cpu:0", "cpu:1"], (torch.randn(4, 13, 16),),
+                              dynamic_dims={0: [-2]}, allow_single_device=False, trace_method="export", **QUICK)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"dim 1 of 'x' was asked dynamic") as e:
+        placed(torch.randn(4, 14, 16))
+    assert "dynamic_dims" not in str(e.value)

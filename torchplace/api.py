@@ -43,7 +43,7 @@ from torchplace.problem import Pipeline, Problem
 from torchplace.profiling import Traced, present_kinds, profile, trace
 from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.profiling.cache import cached_graph, disk_key, load_profile, profile_meta, store_profile
-from torchplace.profiling.dynamic import DynamicDims
+from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.profiling.gradcheck import check_gradients
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
@@ -647,8 +647,9 @@ def prepare(
         if refused and "call" in solved.meta:
             solved.meta["call"].setdefault("notes", []).append(f"microbatches='auto' tried only m=1: {joined}")
     ones = () if runs is None else dims_of_one(runs)
+    declared = check_dynamic_dims(traced.dynamic_dims, model, args, kwargs)  # by name, dims >= 0: as guards read
     return Placement(traced, problem, solved, m, args, kwargs, profile_meta(traced, graph, mode, settings), joined,
-                     call_sizes(rows, ones, traced.gm, args, kwargs, traced.dynamic_dims))
+                     call_sizes(rows, ones, traced.gm, args, kwargs, declared))
 
 
 def _check_splittable(args: tuple[Any, ...], kwargs: Mapping[str, Any], microbatches: int | str) -> None:
