@@ -181,7 +181,8 @@ def test_a_meta_plan_for_a_graph_the_loaded_model_does_not_trace_to_says_why_and
     plan, _ = torchplace.plan_model(meta, ["cpu:0", "cpu:1"], **blocks)
     placed = torchplace.place(loaded, ["cpu:0", "cpu:1"], plan=plan, repeats=1, warmup=0, **blocks)
     with torch.no_grad():
-        expected = torch.cat([loaded(**{k: v.chunk(2)[i] for k, v in call.items()}).last_hidden_state for i in range(2)])
+        parts = [{k: v.chunk(2)[i] for k, v in call.items()} for i in range(2)]
+        expected = torch.cat([loaded(**part).last_hidden_state for part in parts])
         assert torch.equal(placed(**call).last_hidden_state, expected)
 
 
