@@ -414,3 +414,32 @@ def test_differences_that_are_not_rounding_are_still_refused(model: nn.Module) -
     torch.manual_seed(0)
     with pytest.raises(MicrobatchError, match=r"model output \[1\] for the example.s last 1 sample alone differs"):
         torchplace.place(model.eval(), DEVICES, (torch.randn(8, 64),), microbatches=4, **OPTIONS)
+
+
+class AddsABias(nn.Module):
+    """Adds an attention bias of shape (T, T), an input without a batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(1, 2) + bias
+        return self.o(scores.softmax(-1) @ x)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_an_input_without_a_batch_dim_that_broadcasts_in_one_row_micro_batches_is_refused(mode):
+    """With as many samples as the bias has rows, micro-batches of one cut it to one row, which
+    broadcasts: the placed model ran and returned other outputs than the model (by 1.4), silently
+    (found by fuzzing). Two micro-batches already failed, naming the input's size."""
+    torch.manual_seed(0)
+    x, bias = torch.randn(16, 16, 8), torch.randn(16, 16)
+    options = dict(OPTIONS, microbatches=16)
+    if mode == "training":
+        options.update(mode="training", loss_fn=nn.functional.mse_loss, example_target=torch.randn(16, 16, 8))
+    with pytest.raises(MicrobatchError, match=r"runs on micro-batches of 1 sample\(s\) of the example but fails on 2"):
+        torchplace.place(AddsABias(), DEVICES, (x, bias), **options)
+    if mode == "inference":
+        auto = torchplace.place(AddsABias().eval(), DEVICES, (x, bias), **{**options, "microbatches": "auto"})
+        assert auto.microbatches == 1

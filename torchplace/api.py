@@ -22,8 +22,8 @@ from torch.utils import _pytree as pytree
 from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
-from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_rows, check_rows_apart, check_split, dims_of_one,
-                                 joined_outputs, output_spec, rows_needed)
+from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_broadcast_rows, check_rows, check_rows_apart,
+                                 check_split, dims_of_one, joined_outputs, output_spec, rows_needed)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, cap_memory, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -554,6 +554,8 @@ def prepare(
     elif runs is not None and training:  # step() gives each micro-batch's outputs to the loss; a call joins them
         if microbatches != 1:
             check_rows_apart(Runs(model, traced.gm, traced.flat_inputs, args, kwargs))  # own runs: in eval mode
+            if isinstance(microbatches, int):  # step() splits its inputs as calls do
+                check_broadcast_rows(runs, microbatches)
         try:
             joined = check_split(runs, max(microbatches, 2), values=False)  # type: ignore[call-overload]
         except MicrobatchError as error:

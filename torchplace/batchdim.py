@@ -44,8 +44,8 @@ from torchplace.fxutil import (Interpreter, bind_call, bind_placeholders, draws_
 from torchplace.profiling.effects import StateSnapshot, same_values
 from torchplace.runtime.microbatch import batch_size, last_rows
 
-__all__ = ["CallSizes", "Runs", "check_rows", "check_split", "dims_of_one", "joined_outputs", "reads_batch",
-           "rows_needed"]
+__all__ = ["CallSizes", "Runs", "check_broadcast_rows", "check_rows", "check_split", "dims_of_one", "joined_outputs",
+           "reads_batch", "rows_needed"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -183,6 +183,7 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
         except Exception:  # noqa: BLE001 - a model that needs more rows (or fails on any split)
             continue
     if outputs is None:
+        check_broadcast_rows(runs, m)
         return None
     pair, _ = pytree.tree_flatten_with_path(outputs[0])
     alone = pytree.tree_leaves(outputs[1])
@@ -214,6 +215,40 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
                       recheck=_Recheck(runs, one, index))
         joined.append(True)
     return tuple(joined)
+
+
+def check_broadcast_rows(runs: Runs, m: int) -> None:
+    """Refuse a split into ``m`` micro-batches whose micro-batches the graph runs on (the
+    executor's smallest) although it fails on twice as many of the example's samples (checked
+    where it fails there): a tensor input whose dim
+    0 is not the batch but has the batch's size (an attention bias of shape ``(T, T)`` with ``T``
+    samples) is cut like the batch, and where a micro-batch leaves it one row it broadcasts, so the
+    graph runs and computes something else than the model, silently.
+
+    Raises:
+        MicrobatchError: naming the sizes and what to do.
+    """
+    batch = runs.batch or 0
+    if batch < 2 or m < 2:
+        return
+    rows = batch // min(m, batch)
+    if 2 * rows > batch:
+        return
+    try:
+        runs.graph(2 * rows)
+        return  # not this case
+    except Exception:  # noqa: BLE001 - what follows says whether the micro-batch runs
+        pass
+    try:
+        runs.graph(rows)
+    except Exception:  # noqa: BLE001 - the micro-batch profile says why the graph fails there
+        return
+    raise MicrobatchError(
+        f"the model runs on micro-batches of {rows} sample(s) of the example but fails on {2 * rows}: a tensor input "
+        f"whose dim 0 is not the batch, but as long as it ({runs.batch}; an attention bias of shape (T, T), say), is "
+        "cut into micro-batches too, and broadcasts where it has one row, computing something else than the model. "
+        "Give every tensor input the batch along dim 0 (or make such an input a buffer of the model), or place it "
+        "with microbatches=1")
 
 
 def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
