@@ -336,3 +336,33 @@ def test_dims_declared_by_position_or_from_the_end_count_as_declared_in_guard_me
     with torch.no_grad(), pytest.raises(UsageError, match=r"dim 1 of 'x' was asked dynamic") as e:
         placed(torch.randn(4, 14, 16))
     assert "dynamic_dims" not in str(e.value)
+
+
+class Mixes(torch.nn.Module):
+    """Mixes the positions of a sequence: runs at any length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + h.mean(1, keepdim=True)
+
+
+def test_a_declared_dim_of_size_one_in_the_example_is_a_usage_error_naming_the_fix():
+    """torch.export fixes a size of one: the TraceError quoted its 'conflicts between user-specified
+    ranges and inferred ranges' and hinted at use_cache (found by fuzzing)."""
+    with pytest.raises(UsageError, match=r"dim 1 of 'x' has size 1 in the example.*size 2 or more"):
+        torchplace.place(Mixes().eval(), ["cpu:0", "cpu:1"], (torch.randn(4, 1, 8),), dynamic_dims={"x": [1]},
+                         trace_method="export", **QUICK)
+
+
+def test_auto_from_an_example_of_size_one_says_the_example_fixed_it():
+    """dynamic_dims='auto' keeps a dim of size one fixed; a call at another length was told the
+    model's code had fixed it (found by fuzzing)."""
+    placed = torchplace.place(Mixes().eval(), ["cpu:0", "cpu:1"], (torch.randn(4, 1, 8),), dynamic_dims="auto",
+                              allow_single_device=False, trace_method="export", **QUICK)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"had size one in the example.*size 2 or more") as e:
+        placed(torch.randn(4, 5, 8))
+    assert "model's code" not in str(e.value)

@@ -290,6 +290,12 @@ def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
             "but the trace holds only where that condition does (torch.export specializes sizes of 0 and 1, the "
             "sizes it computes from them included, and takes the example's side of a branch on them); call it with "
             "inputs that keep that condition, or place it again with an example on the side this call needs")
+    if named and _declared(dynamic_dims, named.group(1), int(named.group(2))) and re.search(r"==\s*1\s*$", guard):
+        return UsageError(  # "auto" keeps a dim of size one in the example as it was
+            f"the placed model was traced for inputs with {guard}, which this call breaks: dim {named.group(2)} of "
+            f"{named.group(1)!r} had size one in the example, and torch.export fixes a size of 0 or 1 (dynamic_dims="
+            "'auto' keeps it so); place it again with an example of size 2 or more there (the placed model then "
+            "serves size one too)")
     if named and _declared(dynamic_dims, named.group(1), int(named.group(2))):
         return UsageError(
             f"the placed model was traced for inputs with {guard}, which this call breaks: dim {named.group(2)} of "

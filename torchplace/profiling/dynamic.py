@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torchplace.checks import brief
 from torchplace.errors import UsageError
 
-__all__ = ["DynamicDims", "check_dynamic_dims", "dynamic_inputs", "dynamic_shapes"]
+__all__ = ["DynamicDims", "check_dynamic_dims", "check_exportable", "dynamic_inputs", "dynamic_shapes"]
 
 DynamicDims = Union[Mapping[Union[str, int], Iterable[int]], str, None]
 """``{input name or position: dims}``, ``"auto"`` or ``None`` (see the module docstring)."""
@@ -79,6 +79,29 @@ def check_dynamic_dims(dynamic_dims: Any, model: nn.Module, args: tuple[Any, ...
                 raise UsageError(f"dynamic_dims[{key!r}]: {d!r} is not a dimension of {name!r} (it has {rank})")
         out[str(name)] = tuple(sorted({d % rank for d in dims} - {0}))
     return out
+
+
+def check_exportable(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                     dims: dict[str, tuple[int, ...]] | str | None) -> None:
+    """Refuse dims asked dynamic (as :func:`check_dynamic_dims` returned them) whose example size
+    is 0 or 1, before torch.export is asked: it fixes such a size, and says only that the user's
+    range conflicts with the one it inferred (an fx trace, which holds no sizes, needs no check).
+
+    Raises:
+        UsageError: naming the input, the dim and what to give instead.
+    """
+    if not isinstance(dims, Mapping):
+        return
+    bound = _bound(model, args, kwargs)
+    for name, wanted in dims.items():
+        tensors = [t for t in pytree.tree_leaves(bound.get(name)) if isinstance(t, torch.Tensor)]
+        for d in wanted:
+            small = [t.shape[d] for t in tensors if t.dim() > d and t.shape[d] < 2]
+            if small:
+                raise UsageError(
+                    f"dynamic_dims: dim {d} of {name!r} has size {small[0]} in the example, and torch.export fixes a "
+                    "size of 0 or 1 (it cannot trace it dynamic): give an example of size 2 or more there (the "
+                    "placed model then serves size one too)")
 
 
 def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],

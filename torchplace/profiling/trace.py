@@ -51,7 +51,8 @@ from torchplace.fxutil import (
 )
 from torchplace.graph import OpGraph
 from torchplace.interrupts import held_interrupt
-from torchplace.profiling.dynamic import DynamicDims, check_dynamic_dims, dynamic_inputs, dynamic_shapes
+from torchplace.profiling.dynamic import (DynamicDims, check_dynamic_dims, check_exportable, dynamic_inputs,
+                                         dynamic_shapes)
 from torchplace.profiling.effects import AccessLog, Effects, StateSnapshot, analyse, named_state, union
 from torchplace.profiling.livebytes import LiveBytes
 from torchplace.profiling.opgraph import build_opgraph
@@ -268,6 +269,7 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
     specializes a dimension of size 1, so a batch of one (single-stream latency) is exported as a
     batch of two copies; the graph then runs on one sample as well.
     """
+    check_exportable(model, tuple(args), kwargs, dims)
     args, kwargs = _at_least_two(tuple(args)), _at_least_two(dict(kwargs))
     # a view's base and strides become guards (`x._base.size()`, `x.stride()[0] == 8`) that every other
     # tensor fails, the recording run's copies included: export on dense copies
