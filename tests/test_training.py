@@ -803,3 +803,45 @@ def test_more_micro_batches_than_the_batch_are_planned_as_the_step_runs_them():
         losses = placed.step(*inputs, target=target)
     torch.testing.assert_close(torch.stack(losses), torch.stack(_reference_step(reference, inputs, target, loss_fn, 4)))
     _close_grads(model, reference)
+
+
+class ScalesItsInput(nn.Module):
+    """Tanh layers after ``x.mul_(2)`` when ``writes``: the forward writes the caller's input."""
+
+    def __init__(self, writes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.writes = writes
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+
+    def forward(self, x):
+        if self.writes:
+            x.mul_(2)
+        else:
+            x = x * 2
+        return self.body(x)
+
+
+def test_a_model_that_writes_its_input_is_planned_without_recomputation():
+    """With memory short, place() (recompute=True, the default) solved a plan that recomputes the
+    stage writing the input, then refused it with 'place without recomputation (recompute=False)',
+    the flag it had been given the choice of (found by fuzzing). Such a model is now planned
+    without recomputation, and a cap only recomputation meets is an InfeasibleError saying why."""
+    options = dict(progress=False, warmup=0, repeats=1, time_limit=2, allow_single_device=False, mode="training",
+                   microbatches=8, schedule="gpipe")
+    x = torch.randn(1024, 32)
+    base = torchplace.place(ScalesItsInput(False), ["cpu:0", "cpu:1"], (x,), recompute=False, **options)
+    whole = sum(costmodel.device_memory(base.problem, base.plan.stages).values())
+    for share in (0.45, 0.4, 0.35):  # a cap the model that does not write its input fits only by recomputing
+        caps = {"cpu:0": int(share * whole), "cpu:1": int(share * whole)}
+        try:
+            recomputing = torchplace.place(ScalesItsInput(False), ["cpu:0", "cpu:1"], (x,), max_memory=caps,
+                                           **options)
+        except InfeasibleError:
+            continue
+        if any(s.recompute for s in recomputing.plan.stages):
+            break
+    else:
+        pytest.fail("no cap made the model recompute")
+    with pytest.raises(InfeasibleError, match=r"Recomputation was not tried: the model writes its input 'x' in place"):
+        torchplace.place(ScalesItsInput(True), ["cpu:0", "cpu:1"], (x.clone(),), max_memory=caps, **options)

@@ -601,16 +601,22 @@ def prepare(
     pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
     random = training and recompute and (drew or any(draws_random_numbers(traced.gm, n)
                                                      for n in traced.gm.graph.nodes))
-    if training:  # a stage that draws random numbers would draw them again, otherwise, when recomputed
+    written = _written_inputs(traced) if training and recompute else []
+    # a stage that draws random numbers would draw them again when recomputed, and one that writes
+    # a model input in place would write it again: such models are planned without recomputation
+    unrecomputable = ("the model draws random numbers (dropout), which a recomputed stage would draw again, "
+                      "differently" if random else f"the model writes its input {written[0]!r} in place, which a "
+                      "recomputed stage would write again" if written else None)
+    if training:
         # as many micro-batches as a step runs: the executor clamps an m above the example's batch (scatter);
         # m = 1e9 for a batch of 8 was priced, and simulated, a micro-batch at a time (hours; found by fuzzing)
         batch = _batch(args, kwargs)
         pipeline = Pipeline(min(split, batch) if batch else split, schedule,  # type: ignore[arg-type]
-                            recompute and not random)
+                            recompute and unrecomputable is None)
     problem = Problem(graph, cluster, objective=objective, mode=mode,  # type: ignore[arg-type]
                       contiguous=contiguous and objective == "throughput", pipeline=pipeline)
     if given is not None:
-        _check_given_recomputation(given, problem, random)
+        _check_given_recomputation(given, problem, unrecomputable)
         solved = _replan(problem, given)
     elif len(graph) == 0:
         solved = Plan.build(problem, [Stage(cluster.devices[0].name, ())], solver="none", seconds=0.0, lower_bound=0.0)
@@ -618,10 +624,9 @@ def prepare(
         try:
             solved = _solve(problem, solver, time_limit, fuse)
         except InfeasibleError as error:
-            if not random:
+            if unrecomputable is None:
                 raise
-            raise InfeasibleError(f"{str(error).rstrip('.')}. Recomputation was not tried: the model draws random "
-                                  "numbers (dropout), which a recomputed stage would draw again, differently.",
+            raise InfeasibleError(f"{str(error).rstrip('.')}. Recomputation was not tried: {unrecomputable}.",
                                   error.min_memory_bytes) from error
     m = split
     if len(graph) > 0 and not shapes_only:
@@ -890,14 +895,21 @@ def _warn_of_hooks(model: nn.Module) -> None:
                     "reaches them; register tensor hooks on the parameters (p.register_hook) instead")
 
 
-def _check_given_recomputation(plan: Plan, problem: Problem, random: bool) -> None:
-    """Refuse a given plan that recomputes where this placement may not, saying why."""
+def _written_inputs(traced: Traced) -> list[str]:
+    """The model inputs (placeholders) the traced graph writes in place."""
+    inputs = {n.name for n in traced.gm.graph.find_nodes(op="placeholder")}
+    return sorted({name for names in traced.effects.written.values() for name in names} & inputs)
+
+
+def _check_given_recomputation(plan: Plan, problem: Problem, unrecomputable: str | None) -> None:
+    """Refuse a given plan that recomputes where this placement may not, saying why
+    (``unrecomputable``: why the model cannot be recomputed, if it cannot)."""
     recomputing = sorted({s.device for s in plan.stages if s.recompute})
     if not recomputing or (problem.pipeline is not None and problem.pipeline.recompute):
         return
-    why = ("the model draws random numbers (dropout), which a recomputed stage would draw again, differently"
-           if random else "place() was called with recompute=False" if problem.mode == "training"
-           else "the model is placed for inference, which keeps no activations to recompute")
+    why = (unrecomputable if unrecomputable is not None else "place() was called with recompute=False"
+           if problem.mode == "training" else "the model is placed for inference, which keeps no activations to "
+           "recompute")
     raise InvalidPlanError(f"the given plan recomputes activations on {', '.join(recomputing)}, but {why}: "
                            "give a plan without recomputation (one made with recompute=False), or let place() solve")
 
