@@ -219,11 +219,10 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
 
 def check_broadcast_rows(runs: Runs, m: int) -> None:
     """Refuse a split into ``m`` micro-batches whose micro-batches the graph runs on (the
-    executor's smallest) although it fails on twice as many of the example's samples (checked
-    where it fails there): a tensor input whose dim
-    0 is not the batch but has the batch's size (an attention bias of shape ``(T, T)`` with ``T``
-    samples) is cut like the batch, and where a micro-batch leaves it one row it broadcasts, so the
-    graph runs and computes something else than the model, silently.
+    executor's smallest) although it fails on twice as many of the example's samples: a tensor
+    input whose dim 0 is not the batch but has the batch's size (an attention bias of shape
+    ``(T, T)`` with ``T`` samples) is cut like the batch, and where a micro-batch leaves it one row
+    it broadcasts, so the graph runs and computes something else than the model, silently.
 
     Raises:
         MicrobatchError: naming the sizes and what to do.

@@ -286,7 +286,8 @@ def _export_capture(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         gm = ep.module()
     except Exception as e:
         failure = _CaptureFailure("export", "", type(model).__qualname__, e)
-    snapshot.restore()
+    finally:  # Ctrl-C too
+        snapshot.restore()
     _refuse_registering(model, snapshot.registered)  # export wrote such a buffer into an input instead
     if failure is not None:
         raise failure from failure.error
