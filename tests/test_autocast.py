@@ -179,3 +179,21 @@ def test_a_dtype_check_inside_an_autocast_region_is_refused_under_autocast() -> 
         assert torch.equal(placed(x), model(x))  # without autocast: exact
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match="dtype conversions"):
             placed(x)
+
+
+def test_the_refusal_under_autocast_names_a_way_that_runs() -> None:
+    """The refusal said to trace with fx, which cannot trace a forward that enters torch.autocast
+    itself; fx with that module kept whole runs under autocast as the model does (found by fuzzing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), FullPrecisionRegion()).eval()
+    x = torch.randn(8, 16)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="export", **OPTIONS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(UnsupportedError, match=r"trace_method='fx', with the modules fx cannot trace .* kept whole "
+                                                   r"by leaf_modules"):
+            placed(x)
+        expected = model(x)
+    advised = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="fx",
+                               leaf_modules=[FullPrecisionRegion], **OPTIONS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(advised(x), expected)

@@ -170,8 +170,9 @@ def check_autocast(guards: Sequence[str]) -> None:
             "(x.float(), .to(torch.float32), type_as: RMSNorm and the like) as checks, since without autocast "
             "they converted nothing; under torch.autocast they convert, so the placed graph would not compute what "
             "the model does (a dtype check fails, or gradients differ). Call the placed model without autocast "
-            "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place a "
-            "model torch.fx can trace (trace_method='fx'), whose graph autocast runs as it runs the model")
+            "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place it "
+            "traced by torch.fx, whose graph autocast runs as it runs the model: trace_method='fx', with the modules "
+            "fx cannot trace (one that enters torch.autocast itself, say) kept whole by leaf_modules=[...]")
 
 
 def check_eager_call() -> None:
