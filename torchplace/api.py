@@ -935,21 +935,24 @@ def _replan(problem: Problem, plan: Plan) -> Plan:
         )
     from torchplace.solvers.bounds import combinatorial_lower_bound
 
-    if problem.contiguous:  # a plan of several pieces per device (contiguous=False) says what to pass
-        try:
-            plan.validate(problem)
-        except InvalidPlanError as error:
-            try:
-                plan.validate(dataclasses.replace(problem, contiguous=False))
-            except InvalidPlanError:
-                pass  # broken otherwise too: Plan.build below says how
-            else:
-                raise InvalidPlanError(f"{error}: the given plan puts several pieces on one device, as a plan solved "
-                                       "with contiguous=False does; place it with contiguous=False") from error
     solver = plan.solver if plan.solver.endswith(" (given)") else f"{plan.solver} (given)"  # saved again: once
-    return Plan.build(problem, plan.stages, solver=solver, seconds=0.0,
-                      lower_bound=combinatorial_lower_bound(problem, time_limit=REPLAN_BOUND_SECONDS),
-                      status="feasible")
+    try:
+        return Plan.build(problem, plan.stages, solver=solver, seconds=0.0,
+                          lower_bound=combinatorial_lower_bound(problem, time_limit=REPLAN_BOUND_SECONDS),
+                          status="feasible")
+    except InvalidPlanError as error:
+        if problem.contiguous and _valid(plan, dataclasses.replace(problem, contiguous=False)):
+            raise InvalidPlanError(f"{error}: the given plan puts several pieces on one device, as a plan solved "
+                                   "with contiguous=False does; place it with contiguous=False") from error
+        raise
+
+
+def _valid(plan: Plan, problem: Problem) -> bool:
+    try:
+        plan.validate(problem)
+    except InvalidPlanError:
+        return False
+    return True
 
 
 FUSE_ABOVE = 1000
