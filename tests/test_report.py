@@ -339,6 +339,37 @@ def test_eval_calls_of_a_training_placement_are_set_beside_the_forward_passes(tr
     assert 0 < calls.predicted_wall < step.predicted_wall
 
 
+def test_measure_and_trace_of_training_steps_leave_the_model_as_they_found_it():
+    """(found by fuzzing) measure(x, target=y) and trace(..., target=y) ran real steps: gradients
+    accumulated, BatchNorm statistics moved and dropout's generator advanced, so the user's next
+    optimizer.step() took the measured steps too. Each now leaves gradients (the same tensors, or
+    None), buffers and the random number generator as it found them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 3)).train()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=2,
+                              loss_fn=torch.nn.functional.mse_loss, example_target=y, **QUICK)
+    before_any = [p.grad for p in placed.parameters()]
+    placed.measure(x, target=y, runs=1, warmup=0)
+    assert before_any == [None] * len(before_any)
+    assert [p.grad for p in placed.parameters()] == before_any
+
+    placed.step(x, target=y)
+    grads = [p.grad for p in placed.parameters()]
+    saved = [g.clone() for g in grads]
+    buffers = [b.clone() for b in placed.buffers()]
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    placed.measure(x, target=y, runs=2, warmup=1)
+    placed.trace(x, target=y)
+    placed.trace(x)  # a forward call in training mode updates the statistics too
+    assert all(p.grad is g for p, g in zip(placed.parameters(), grads))
+    assert all(torch.equal(g, s) for g, s in zip(grads, saved))
+    assert all(torch.equal(b, s) for b, s in zip(placed.buffers(), buffers))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):
     placed, inputs = latency
     m = placed.measure(inputs, runs=2)

@@ -10,9 +10,10 @@ placement exists, ``load_state_dict(assign=True)``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,33 @@ def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[
         raise UnsupportedError(
             f"{name} has a gradient hook, and several stages of the plan read it: step() back-propagates each stage "
             f"on its own, so the hook would run once per stage on that stage's part of the gradient; {fix}")
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module) -> Iterator[None]:
+    """Leave ``module`` as the block found it: each parameter's ``.grad`` (the same tensor, or
+    ``None``), each buffer (BatchNorm's running statistics) and the random number generators (what
+    dropout draws next). A measured training step accumulates gradients and updates statistics as
+    a real one does; :meth:`PlacedModule.measure` and :meth:`PlacedModule.trace` must not, or the
+    user's next ``optimizer.step()`` takes the measured steps too.
+
+    Saved copies of existing gradients and buffers live beside them (on their device) for the block."""
+    parameters = list(dict.fromkeys(module.parameters()))
+    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in parameters]
+    buffers = [(b, b.detach().clone()) for b in dict.fromkeys(module.buffers())]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, grad, saved in grads:
+                    if grad is None or p.grad is not grad:
+                        p.grad = grad
+                    if saved is not None:
+                        grad.copy_(saved)
+                for b, saved in buffers:
+                    b.copy_(saved)
 
 
 class PlacedModule(nn.Module):
@@ -312,8 +340,10 @@ class PlacedModule(nn.Module):
         :class:`~torchplace.runtime.spans.StageSpan` s; with ``path``, also write them as a Chrome /
         Perfetto trace, one track per device (:func:`torchplace.report.trace.write_trace`).
 
-        ``inputs`` is the tuple of positional arguments (or one tensor)."""
-        spans, _ = self._run_recorded(inputs, kwargs, target, loss_fn)
+        ``inputs`` is the tuple of positional arguments (or one tensor). The model is left as it was:
+        gradients, buffers (BatchNorm statistics) and random number generators are restored."""
+        with _state_kept(self):
+            spans, _ = self._run_recorded(inputs, kwargs, target, loss_fn)
         if path is not None:
             from torchplace.report.trace import write_trace
 
@@ -327,7 +357,9 @@ class PlacedModule(nn.Module):
         (:func:`torchplace.report.fidelity.compare`). Predictions are for the example inputs the
         model was profiled with: measure with inputs of that size. The result is kept for
         :meth:`report` (``last_measurement``). With ``target`` it times training steps, with
-        ``loss_fn`` or else the one given to ``place(..., loss_fn=)``.
+        ``loss_fn`` or else the one given to ``place(..., loss_fn=)``. The model is left as it was:
+        the steps' gradients and buffer updates (BatchNorm statistics) are undone, and the random
+        number generators restored, so measuring between training steps changes nothing.
 
         Returns:
             A :class:`~torchplace.report.fidelity.Measurement` (prints as a table).
@@ -335,9 +367,10 @@ class PlacedModule(nn.Module):
         from torchplace.report.fidelity import compare
 
         runs, warmup = positive_int(runs, "runs"), non_negative_int(warmup, "warmup")
-        for _ in range(warmup):
-            self._run_recorded(inputs, kwargs, target, loss_fn)
-        recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]
+        with _state_kept(self):
+            for _ in range(warmup):
+                self._run_recorded(inputs, kwargs, target, loss_fn)
+            recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]
         spans = [s for s, _ in recorded]
         # the micro-batches the runs made: fewer than self.microbatches when the batch has fewer rows
         # (the executor clamps m to them), and place() predicted the example's call with that count
