@@ -27,6 +27,7 @@ from torchplace.fxutil import dtype_guards
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
+from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
 from torchplace.runtime.devices import check_autocast, check_eager_call, normalize_device
 from torchplace.runtime.params import StageParameters, move_in_place
@@ -99,10 +100,11 @@ def _state_kept(module: nn.Module) -> Iterator[None]:
     a real one does; :meth:`PlacedModule.measure` and :meth:`PlacedModule.trace` must not, or the
     user's next ``optimizer.step()`` takes the measured steps too.
 
-    Saved copies of existing gradients and buffers live beside them (on their device) for the block."""
-    parameters = list(dict.fromkeys(module.parameters()))
-    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in parameters]
-    buffers = [(b, b.detach().clone()) for b in dict.fromkeys(module.buffers())]
+    Copies of the gradients and buffers live beside them (on their device) for the block; buffers
+    are restored by :class:`~torchplace.profiling.effects.StateSnapshot`, as after profiling."""
+    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
+             for p in dict.fromkeys(module.parameters())]
+    state = StateSnapshot(module)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:
@@ -110,12 +112,11 @@ def _state_kept(module: nn.Module) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for p, grad, saved in grads:
-                    if grad is None or p.grad is not grad:
+                    if p.grad is not grad:
                         p.grad = grad
                     if saved is not None:
                         grad.copy_(saved)
-                for b, saved in buffers:
-                    b.copy_(saved)
+            state.restore()
 
 
 class PlacedModule(nn.Module):
