@@ -167,6 +167,20 @@ def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeyp
     assert not any(module.training for module in model.modules())
 
 
+def test_placing_draws_no_random_numbers_from_the_users_generator():
+    """Profiling a training placement ran dropout and drew stand-in tensors from the global
+    generator, so torch.manual_seed(0), then placing, then training drew other batches and masks
+    than the same script without torchplace. place() and plan_model() put the generator back."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3)).train()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    for call in (torchplace.place, torchplace.plan_model):
+        torch.manual_seed(0)
+        state = torch.get_rng_state()
+        call(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=2, loss_fn=nn.functional.mse_loss,
+             example_target=y, progress=False, repeats=1, warmup=1)
+        assert torch.equal(torch.get_rng_state(), state), call.__name__
+
+
 class _Branchy(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # data-dependent control flow: neither fx nor export can trace it

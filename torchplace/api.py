@@ -76,6 +76,20 @@ def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return kept
 
 
+def _draws_no_random_numbers(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` with the random number generators (CPU's, and each CUDA device's already in use) put
+    back as it found them: profiling runs dropout and draws stand-in tensors, and a placement must
+    not shift the user's random stream (``torch.manual_seed(0)`` then placing then training draws
+    the batches and masks it would draw without placing)."""
+    @functools.wraps(fn)
+    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            return fn(*args, **kwargs)
+    return kept
+
+
+@_draws_no_random_numbers
 @_modes_put_back_on_failure
 def place(
     model: nn.Module,
@@ -385,6 +399,7 @@ def _on_meta(model: nn.Module) -> bool:
     return bool(tensors) and any(t.device.type == "meta" for t in tensors)
 
 
+@_draws_no_random_numbers
 @_modes_put_back_on_failure
 def prepare(
     model: nn.Module,
