@@ -702,6 +702,43 @@ def test_grid_launch_checks_come_before_communication(monkeypatch, grid_plans):
     assert not dist.is_initialized()
 
 
+def test_a_given_plans_schedule_is_the_one_priced_and_run(monkeypatch):
+    """A training plan solved for GPipe, given to place() without schedule=, is checked with GPipe's
+    activations in flight (the engine then runs GPipe, problem.pipeline.schedule); an explicit
+    schedule= is priced as the cost model's schedule it keeps as many activations as
+    (runtime.distributed.PRICED_AS). Stops before any communication."""
+    import torch.distributed as dist
+
+    import torchplace.api
+    import torchplace.distributed as tpd
+    from torchplace.runtime.distributed import PRICED_AS
+
+    model, x, y = dist_worker.build()
+    gpipe, _ = torchplace.plan_model(model.train(), ["cpu:0", "cpu:1"], (x,), mode="training", schedule="gpipe",
+                                     microbatches=4, allow_single_device=False, contiguous=True, solver="dp",
+                                     progress=False, repeats=1, warmup=0)
+    assert gpipe.meta["schedule"] == "gpipe"
+    _env(monkeypatch, 0, 2)
+    prepared, original = [], torchplace.api.prepare
+
+    def prepare(*args, **kwargs):
+        prepared.append(placement := original(*args, **kwargs))
+        return placement
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(torchplace.api, "prepare", prepare)
+    monkeypatch.setattr(dist, "init_process_group", stop)
+    for schedule, priced in ((None, "gpipe"), *PRICED_AS.items()):
+        with pytest.raises(Stop):
+            tpd.place(model, (x,), plan=gpipe, mode="training", microbatches=4, schedule=schedule)
+        assert prepared.pop().problem.pipeline.schedule == priced, schedule
+
+
 def test_replicas_share_equal_rows_of_a_batch():
     from torchplace.runtime.dist_replicas import Replicas
 
