@@ -242,7 +242,8 @@ def place(
         refine: close the loop (:mod:`torchplace.refine`): run the plan on the example inputs,
             re-time each stage as measured, solve again on those costs, run that plan too if it
             differs, and keep the one whose calls measure faster; ``placed.refinement`` (and the
-            report) shows both. Inference only.
+            report) shows both. Inference only. With ``plan=``, the given plan is where it starts,
+            and the re-solved plan replaces it when that measures faster.
         parallelism: ``"pipeline"`` (default) or ``"piper"`` (:mod:`torchplace.parallelism`):
             ``mode="training"`` planned with Piper's data x tensor x pipeline parallelism and
             recomputation (Tarnawski, Narayanan, Phanishayee 2021) over the model's layers, with
