@@ -109,6 +109,24 @@ def test_an_option_the_method_does_not_take_is_an_error(capsys, workloads_dir):
     assert "'slicegraph' does not take ['ideal_limit']" in err and "random_orders" in err
 
 
+def test_throughput_options_on_a_latency_workload_are_errors(capsys, workloads_dir):
+    """--ideal-limit and --bounds mip shape the throughput DP and Archer's bounds; on a latency
+    workload auto dropped them silently."""
+    from torchplace.errors import UsageError
+    from torchplace.solvers import solve
+    from torchplace.workloads import read_moirai_csv
+
+    csv = str(workloads_dir / "moirai" / "example-1__instances.csv")
+    for flags, named in ((["--ideal-limit", "10"], "--ideal-limit"), (["--bounds", "mip"], "--bounds mip"),
+                         (["--method", "m-etf", "--ideal-limit", "10"], "--ideal-limit")):
+        assert main(["solve", csv, *flags]) == 2
+        assert f"on a latency workload {named} would be ignored" in capsys.readouterr().err
+    problem = read_moirai_csv(csv)
+    for options in ({"ideal_limit": 10}, {"bounds": "mip"}):
+        with pytest.raises(UsageError, match="would be ignored: auto solves a latency problem"):
+            solve(problem, **options)
+
+
 _LIGHT_CLI = """
 import json, sys
 from torchplace.cli import main

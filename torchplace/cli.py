@@ -219,6 +219,11 @@ def _solve(args: argparse.Namespace) -> int:
         if given:
             raise UsageError(f"{', '.join(given)} {_apply(given)} to Piper workloads only (a JSON with 'mbsInBatch')")
         problem = _read_workload(args.workload, args.objective, args.noncontiguous, args.accelerators, args.cpus)
+        ignored = [flag for flag, given in (("--ideal-limit", args.ideal_limit is not None), ("--bounds mip", args.bounds == "mip"))
+                   if given and problem.objective == "latency"]
+        if ignored:
+            raise UsageError(f"on a latency workload {', '.join(ignored)} would be ignored (they shape the throughput DP "
+                             "and Archer's MIP bounds): leave it out")
         if args.bounds != "combinatorial" and args.method != "auto":
             raise UsageError(f"--bounds {args.bounds} applies with --method auto only (method {args.method!r} proves "
                              "its own bound): leave it out")

@@ -117,13 +117,18 @@ def solve_auto(
     Raises:
         InfeasibleError: if no method finds a plan that fits.
         SolverLimitError: if the time limit passed before any method found a plan.
-        UsageError: (a ValueError) for an unknown ``bounds`` value.
+        UsageError: (a ValueError) for an unknown ``bounds`` value, or for options a latency
+            problem would ignore (``opts``, ``bounds="mip"``).
     """
     if bounds not in ("combinatorial", "mip"):
         raise UsageError(f"bounds must be 'combinatorial' or 'mip', got {bounds!r}")
     t0 = time.perf_counter()
     deadline = t0 + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     if problem.objective == "latency":
+        ignored = [*sorted(k for k, v in opts.items() if v is not None), *(["bounds='mip'"] if bounds == "mip" else [])]
+        if ignored:  # they shape the DP and Archer's bounds, which a latency problem does not run
+            raise UsageError(f"{', '.join(ignored)} would be ignored: auto solves a latency problem with the latency "
+                             "methods (no DP, no MIP bounds); leave it out")
         return _latency(problem, deadline, milp_nodes, t0)
     return _throughput(problem, deadline, bounds, milp_nodes, t0, opts)
 
