@@ -140,7 +140,8 @@ def place(
     The placed module's parameters and buffers are the model's own: each moves, in place, to the
     device that runs it (so the model itself is then spread over the devices, as with
     accelerate's ``dispatch_model``), and ``state_dict()`` has the model's keys. Tracing and
-    timing leave the model's buffers and the example inputs as they were.
+    timing leave the model's buffers, the example inputs and the random number generators as
+    they were.
 
     Args:
         model: the model to place.
