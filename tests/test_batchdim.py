@@ -46,6 +46,18 @@ class BatchSum(nn.Module):
         return {"h": h, "total": h.sum()}
 
 
+class ReturnsItsLoss(nn.Module):
+    """A model that computes its loss itself, as Hugging Face's do with ``labels=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.a(x)
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)}
+
+
 class ReturnsItsBatchSize(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +87,8 @@ def test_outputs_that_read_no_batch_come_back_once(trace_method: str) -> None:
 @pytest.mark.parametrize(("model", "match"), [
     (BatchMax(), r"model output \[1\] has shape \(8,\) for 2 samples and \(8,\) for 1: its dim 0 is not the batch"),
     (BatchSum(), r"model output \['total'\] is a scalar computed from the batch"),
+    (ReturnsItsLoss(), r"model output \['loss'\] is a scalar .* leave the labels out of the inputs and pass the loss to "
+                       r"training, placed.step\(..., target=labels, loss_fn=f\)"),
     (_sequence_first(), r"the model.s output for the example.s last 1 sample alone differs .* batch_first=True"),
     # a number was taken from the first micro-batch: 4 where the model returns 8 (found by fuzzing)
     (ReturnsItsBatchSize(), r"model output \[1\] is a Python int that depends on the batch \(2 on 2 samples, 1 on 1\)"),
@@ -84,8 +98,9 @@ def test_an_output_that_mixes_the_batch_is_refused(model: nn.Module, match: str)
     scalar of it, attention over dim 0 (the sequence first, split along the sequence)."""
     torch.manual_seed(0)
     x = torch.randn(8, 4, 16) if isinstance(model, nn.TransformerEncoder) else torch.randn(4, 8)
+    inputs = (x, torch.arange(4)) if isinstance(model, ReturnsItsLoss) else (x,)
     with pytest.raises(MicrobatchError, match=match):
-        torchplace.place(model.eval(), DEVICES, (x,), microbatches=2, **OPTIONS)
+        torchplace.place(model.eval(), DEVICES, inputs, microbatches=2, **OPTIONS)
 
 
 def test_auto_keeps_one_micro_batch_and_a_later_split_is_refused() -> None:

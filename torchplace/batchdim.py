@@ -648,8 +648,11 @@ def _check_output(what: str, both: torch.Tensor, single: Any, rows: int, *, valu
     the difference is rounding (:meth:`_Recheck.rounding_only`)."""
     advice = "place it with microbatches=1"
     if not isinstance(single, torch.Tensor) or both.dim() == 0 or single.dim() == 0:
+        inside = ("; a loss the model computes itself (Hugging Face's labels=) is one too: leave the labels out of the "
+                  "inputs and pass the loss to training, placed.step(..., target=labels, loss_fn=f)"
+                  if "loss" in what.lower() else "")
         raise MicrobatchError(f"{what} is a scalar computed from the batch (a reduction over it?): micro-batches "
-                              f"give one each, not the batch's; {advice}, or return it per sample")
+                              f"give one each, not the batch's; {advice}, or return it per sample{inside}")
     if both.shape[1:] != single.shape[1:] or both.shape[0] != 2 * single.shape[0]:
         raise MicrobatchError(f"{what} has shape {tuple(both.shape)} for {2 * rows} samples and {tuple(single.shape)} "
                               f"for {rows}: its dim 0 is not the batch, so micro-batches cannot be joined into it; "
