@@ -809,7 +809,8 @@ def noncontiguous_plan(path: str, mode: str, tied: bool = False,
     model.train(mode == "training")
     leaves = [Bomb, nn.Linear] if tensor_parallel > 1 else [Bomb]
     placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode=mode, contiguous=False, leaf_modules=leaves,
-                            microbatches=4, progress=False, warmup=0, repeats=1, recompute=False)
+                            microbatches=4, progress=False, warmup=0, repeats=1,
+                            **({"recompute": False} if mode == "training" else {}))
     graph = placement.problem.graph
     forward = [v for v in graph.topological_order() if not graph.record(v).backward]
     pieces = [tuple(c) for c in _chunks(forward, len(devices))]

@@ -76,6 +76,11 @@ def test_loss_errors_say_what_to_do():
         torchplace.place(_model(), ["cpu:0"], (torch.randn(16, 8),), loss_fn=_mean_square, progress=False)
     with pytest.raises(UsageError, match="give loss_fn too"):
         _place(example_target=torch.zeros(16))
+    # the other training options were dropped silently for inference (a forgotten mode='training')
+    for options, named in (({"schedule": "gpipe"}, "schedule='gpipe' is a training option"),
+                           ({"optimizer": "sgd", "recompute": False}, "optimizer='sgd', recompute=False are training options")):
+        with pytest.raises(UsageError, match=f"{named} .*pass mode='training'"):
+            torchplace.place(_model(), ["cpu:0"], (torch.randn(16, 8),), progress=False, **options)
     with pytest.raises(UsageError, match="loss_fn fails on the model's outputs.*ValueError: no"):
         _place(loss_fn=lambda out, target: (_ for _ in ()).throw(ValueError("no")))
     with pytest.raises(UsageError, match="scalar tensor"):
@@ -90,8 +95,9 @@ def test_measure_with_a_target_times_steps_with_place_s_loss():
     placed = _place(loss_fn=_mean_square)
     placed.train()
     placed.zero_grad(set_to_none=True)
-    placed.measure(torch.randn(16, 8), target=torch.zeros(16), runs=1, warmup=0)
-    assert all(p.grad is not None for p in placed.parameters())  # a training step ran, with place()'s loss
+    m = placed.measure(torch.randn(16, 8), target=torch.zeros(16), runs=1, warmup=0)
+    assert {s.kind for s in m.stages} == {"F", "B"}  # a training step ran, with place()'s loss
+    assert all(p.grad is None for p in placed.parameters())  # and its gradients were undone
     without = _place()
     without.train()
     with pytest.raises(UsageError, match="a target measures a training step, which needs a loss"):

@@ -99,11 +99,11 @@ def place(
     example_kwargs: Mapping[str, Any] | None = None,
     objective: str = "throughput",
     mode: str = "inference",
-    optimizer: str | float = "adamw",
+    optimizer: str | float | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
-    schedule: str = "1f1b",
-    recompute: bool = True,
+    schedule: str | None = None,
+    recompute: bool | None = None,
     contiguous: bool = True,
     time_limit: float | None = None,
     microbatches: int | str | None = None,
@@ -162,7 +162,9 @@ def place(
             backward is the usual ``loss.backward()``), ``placed.step(x, target=y, loss_fn=f)``
             runs ``schedule``; ``placed.eval()`` runs the model's eval-mode graph on the same devices.
         optimizer: training: the optimizer whose state the memory model counts (``"sgd"``,
-            ``"momentum"``, ``"adam"``, ``"adamw"``, or state bytes per parameter byte).
+            ``"momentum"``, ``"adam"``, ``"adamw"`` (the default), or state bytes per parameter
+            byte). This, ``schedule`` and ``recompute`` are training options: given for inference,
+            they are refused (they would change nothing).
         loss_fn: training: the loss ``placed.step`` will compute, ``loss_fn(output, target)``
             (then the default of ``step``'s ``loss_fn``). Its memory on the device of the model's
             outputs is measured on the example call's outputs and ``example_target``
@@ -171,9 +173,9 @@ def place(
             a cross-entropy or mean-square loss needs (so does a model on the meta device, which
             has no outputs to measure on; Piper's plans do not charge the loss).
         example_target: training: the target of the example batch, for ``loss_fn``.
-        schedule: training: ``"1f1b"`` (PipeDream-flush) or ``"gpipe"`` (fill-drain).
+        schedule: training: ``"1f1b"`` (PipeDream-flush, the default) or ``"gpipe"`` (fill-drain).
         recompute: training: whether the solver may let a device recompute its activations in
-            the backward pass where memory demands it.
+            the backward pass where memory demands it (default ``True``).
         contiguous: whether each device must hold one contiguous piece (throughput only; with
             ``False`` a device may hold several pieces, Tarnawski Sec. 5.2).
         time_limit: seconds the solver may take (MILPs stop there with their best plan and bound).
@@ -411,11 +413,11 @@ def prepare(
     example_kwargs: Mapping[str, Any] | None = None,
     objective: str = "throughput",
     mode: str = "inference",
-    optimizer: str | float = "adamw",
+    optimizer: str | float | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
-    schedule: str = "1f1b",
-    recompute: bool = True,
+    schedule: str | None = None,
+    recompute: bool | None = None,
     contiguous: bool = True,
     time_limit: float | None = None,
     microbatches: int | str | None = None,
@@ -450,6 +452,16 @@ def prepare(
     model = check_model(model, allow_meta=True)
     if mode not in ("inference", "training"):
         raise UsageError(f"mode must be 'inference' or 'training', got {mode!r}")
+    training_only = [f"{name}={brief(value)}" for name, value in
+                     (("optimizer", optimizer), ("schedule", schedule), ("recompute", recompute)) if value is not None]
+    if mode != "training" and training_only:
+        raise UsageError(f"{', '.join(training_only)} {'is a training option' if len(training_only) == 1 else 'are training options'} "
+                         "(the optimizer state, pipeline schedule and recomputation a training plan counts), and this "
+                         "placement is for inference: pass mode='training' to place it for training, or leave "
+                         f"{'it' if len(training_only) == 1 else 'them'} out")
+    optimizer = "adamw" if optimizer is None else optimizer
+    schedule = "1f1b" if schedule is None else schedule
+    recompute = True if recompute is None else recompute
     if mode == "training" and objective != "throughput":
         raise UsageError("training is placed for throughput (a pipeline of micro-batches); use objective='throughput'")
     if mode == "training" and refine is True:
