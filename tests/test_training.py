@@ -502,7 +502,8 @@ def test_a_forward_that_changes_what_autograd_records_is_refused_for_training(mo
     """The trace keeps the operators, not a no_grad block or a hook: the placed model's gradients
     were silently the ones through the block (1e-2 off)."""
     torch.manual_seed(0)
-    with pytest.raises(TraceError, match=r"gradient of 'a\.(weight|bias)' differs from the model's .* \.detach\(\)"):
+    with pytest.raises(TraceError, match=r"gradient of 'a\.(weight|bias)' differs from the model's .* \.detach\(\).* "
+                                         r"keep the module that does it whole"):
         torchplace.place(model_type(), ["cpu:0", "cpu:1"], (torch.randn(8, 8),), mode="training", microbatches=2,
                          trace_method=trace_method, progress=False, allow_single_device=False, warmup=0, repeats=1)
 
@@ -653,6 +654,26 @@ class WritesInANoGradBlock(nn.Module):
             s = torch.exp(self.a(x))  # exp keeps its output for backward, where the block is lost
             s.mul_(0.5)
         return self.b(x) * s.sum(1, keepdim=True)
+
+
+def test_a_refused_trace_names_the_route_that_runs_and_it_runs_exactly():
+    """spectral_norm updates its power-iteration vectors in a no_grad block that export loses, and
+    the trace failed backward; the refusal said only .detach() or inference. Kept whole by fx's
+    leaf_modules, as the message now says, its gradients and buffers equal the model's bitwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    nn.utils.parametrizations.spectral_norm(model[2])
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    options = dict(mode="training", microbatches=1, progress=False, allow_single_device=False, warmup=0, repeats=1,
+                   loss_fn=nn.functional.mse_loss, example_target=y)
+    with pytest.raises(TraceError, match=r"keep the module that does it whole \(trace_method='fx' with leaf_modules="):
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), trace_method="export", **options)
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), trace_method="fx", leaf_modules=(nn.Linear,), **options)
+    nn.functional.mse_loss(placed(x), y).backward()
+    nn.functional.mse_loss(reference(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(placed.parameters(), reference.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(placed.buffers(), reference.buffers()))
 
 
 def test_a_trace_that_fails_backward_where_the_model_does_not_is_refused():

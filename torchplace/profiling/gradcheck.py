@@ -37,6 +37,11 @@ fuzzer's models."""
 
 HALF_RTOL = 5e-2
 
+KEEP_WHOLE = ("keep the module that does it whole (trace_method='fx' with leaf_modules=(ThatModule,): a leaf runs "
+              "as the module does, autograd modes and hooks included; a parametrization such as spectral_norm is "
+              "kept whole with the module it belongs to)")
+"""The advice both refusals give: a module fx keeps whole is called, not traced through."""
+
 _SEED = 20261124
 
 
@@ -73,8 +78,8 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple
             raise TraceError(
                 f"the traced model fails forward or backward where the model does not ({type(error).__name__}: "
                 f"{first}): its forward changes what autograd records (a torch.no_grad() block around an in-place "
-                "write, a hook), which a trace does not keep. Use .detach() where the forward stops a gradient, or "
-                "place the model for inference") from error
+                "write, a hook), which a trace does not keep. Use .detach() where the forward stops a gradient, "
+                f"{KEEP_WHOLE}, or place the model for inference") from error
         break
     else:
         return False  # it runs on none of them here: the micro-batch checks say why
@@ -96,7 +101,7 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple
                 "a gradient hook on a tensor, requires_grad_), which a trace does not keep, or a module backward "
                 "hook changes gradients (a traced graph makes no module calls, so it never runs). Use .detach() "
                 "where the forward stops a gradient, move hooks out of forward (tensor hooks on the parameters, "
-                "p.register_hook, run), or place the model for inference")
+                f"p.register_hook, run), {KEEP_WHOLE}, or place the model for inference")
     return draws
 
 
