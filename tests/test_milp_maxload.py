@@ -594,3 +594,27 @@ def test_mtpp_and_bounds_hold_at_microsecond_times(seed):
     assert plan.objective == pytest.approx(best, rel=1e-9)
     assert plan.meta["milp_bound"] <= best * (1 + 1e-6)
     assert guess_the_bottleneck_bound(p, time_limit=20) <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("scale", [1e9, 1e15])
+def test_ip_mtpp_and_bounds_hold_at_nanosecond_counts(scale):
+    # Times of 1e9 beside the 0/1 assignment rows: unscaled, HiGHS's presolve fixed every column
+    # and proved 6 * scale (all on one accelerator) for a chain whose best split takes 3 * scale;
+    # at 1e15 the IP had no placement to read back (KeyError) and MTPP raised IndexError.
+    g = OpGraph()
+    for i in range(3):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": (i + 1) * scale, "accel": (3 - i) * scale},
+                                      transfer_time=scale))
+    g.add_edge("0", "1")
+    g.add_edge("1", "2")
+    p = Problem(g, Cluster((Device("acc0", "meta", "accel"), Device("acc1", "meta", "accel"), Device("cpu0", "cpu", "cpu"))))
+    for contiguous in (True, False):
+        best = brute_force(p, contiguous=contiguous)
+        plan = maxload.solve(p, contiguous=contiguous)
+        _check(plan, replace(p, contiguous=contiguous))
+        assert plan.status == "optimal" and plan.objective == pytest.approx(best, rel=1e-9)
+        assert plan.meta["milp_bound"] <= best * (1 + 1e-6)
+    best = brute_force(p, contiguous=True)
+    plan = mtpp.solve(p)
+    assert plan.objective == pytest.approx(best, rel=1e-9) and plan.meta["milp_bound"] <= best * (1 + 1e-6)
+    assert guess_the_bottleneck_bound(p, time_limit=20) <= best * (1 + 1e-9)

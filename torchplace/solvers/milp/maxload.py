@@ -82,6 +82,7 @@ from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 __all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit"]
 
 SYMMETRY = ("none", "index", "load")
+_MOST_UNITS = 1e4  # largest time, in model units, below which times are not scaled down (time_unit)
 
 
 @dataclass(frozen=True)
@@ -286,17 +287,23 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
 
 
 def time_unit(units: Units, problem: Problem) -> float:
-    """Seconds per model time unit: 1, or a power of ten that brings sub-second times up to 1-10.
+    """Seconds per model time unit: a power of ten that brings the largest time into 1-10,000.
 
     Measured times can be 1e-5 s; HiGHS's absolute tolerances (1e-7 and so on) would then be a
-    visible fraction of the objective, so such times are scaled up, and scaled back on the way out.
-    Every max-load MIP (this IP, :mod:`~torchplace.solvers.milp.mtpp`, the bounds in
-    :mod:`~torchplace.solvers.milp.bounds`) works in these units.
+    visible fraction of the objective, so such times are scaled up to 1-10. Times of 1e9 and more
+    (a workload in nanoseconds or cycles) next to the 0/1 coefficients of the assignment rows are
+    beyond what HiGHS's presolve handles (it fixed every column and proved an optimum twice the
+    true one), so they are scaled down to 1,000-10,000 (not further: the tolerances again). Times
+    come back in seconds on the way out. Every max-load MIP (this IP,
+    :mod:`~torchplace.solvers.milp.mtpp`, the bounds in :mod:`~torchplace.solvers.milp.bounds`)
+    works in these units.
     """
     finite = [t for row in units.time for t in row if math.isfinite(t) and t > 0]
     finite += [t for p in units.fanout if (t := problem.transfer_time(p)) > 0]
     largest = max(finite, default=1.0)
-    return 1.0 if largest >= 1.0 else 10.0 ** math.floor(math.log10(largest))
+    if largest < 1.0:
+        return 10.0 ** math.floor(math.log10(largest))
+    return 1.0 if largest < _MOST_UNITS else 10.0 ** (math.floor(math.log10(largest)) - 3)
 
 
 def model_size(m: pyo.ConcreteModel) -> tuple[int, int]:
