@@ -182,6 +182,25 @@ def test_diamond_needs_two_subgraphs_per_accelerator_to_run_branches_in_parallel
     assert two.lower_bound == latency_lower_bound(_diamond()) == 12.0  # path a, b, d
 
 
+@pytest.mark.parametrize("scale", [1e-5, 1e9, 1e15])
+def test_ip_equals_brute_force_at_microsecond_and_nanosecond_counts(scale):
+    # Unscaled, times of 1e9 beside the 0/1 rows led HiGHS to prove 6e9 (all on one accelerator,
+    # as "optimal" and as ip_bound) for this chain whose best split takes 5e9 in Tarnawski's model.
+    g = OpGraph()
+    for i in range(3):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": (i + 1) * scale, "accel": (3 - i) * scale},
+                                      transfer_time=scale))
+    g.add_edge("0", "1")
+    g.add_edge("1", "2")
+    devices = (Device("acc0", "meta", "accel"), Device("acc1", "meta", "accel"), Device("cpu0", "cpu", "cpu"))
+    problem = Problem(g, Cluster(devices), objective="latency", contiguous=False)
+    expected = brute_force(problem, q=1)
+    plan = latency.solve(problem)
+    assert plan.meta["ip_latency"] == pytest.approx(expected, rel=1e-6)
+    assert plan.meta["ip_bound"] <= expected * (1 + 1e-9)
+    assert plan.objective == costmodel.evaluate(problem, plan)
+
+
 # -- the IP against the simulation -----------------------------------------------------------
 
 

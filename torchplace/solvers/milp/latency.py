@@ -58,6 +58,7 @@ sends it to one device after another (see ``tests/test_milp_latency.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
+from torchplace.solvers.milp.maxload import unit_for
 from torchplace.solvers.milp.size import latency_size
 from torchplace.solvers.ordering import order_stages
 
@@ -173,8 +175,10 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     pool = _cpu_pool(lay)
     sym = _symmetric_pairs(lay)
     head = _heads(problem, lay)
+    unit = _time_unit(problem, lay)
 
     m = budgeted_model(budget, f"tarnawski-latency-q{q}")
+    m.unit = unit  # seconds per model time unit
     # -- Sets
     m.V = pyo.Set(initialize=lay.nodes, ordered=True, doc="nodes, topological order")
     m.E = pyo.Set(initialize=sorted(g.edges, key=lambda e: (order[e[0]], order[e[1]])), dimen=2, doc="edges")
@@ -188,11 +192,11 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     m.A_PRE = pyo.Set(initialize=sorted({a - 1 for a in sym}), doc="accelerators with an identical successor")
     # -- Params
     m.q = pyo.Param(initialize=q, doc="slots per accelerator")
-    m.H = pyo.Param(initialize=_big_m(problem, lay), doc="big-M horizon of Lemma A.1")
-    m.c = pyo.Param(m.V, initialize={v: problem.transfer_time(v) for v in lay.nodes}, doc="per-side transfer c_v")
-    m.p = pyo.Param(m.V, m.J, initialize={(v, j): _finite(problem.node_time(v, dev[j])) for v in lay.nodes for j in slots},
-                    default=0.0, doc="time of v on slot j's accelerator")
-    m.p_cpu = pyo.Param(m.V, initialize={v: _finite(g.record(v).time_on("cpu")) for v in lay.nodes}, doc="CPU time")
+    m.H = pyo.Param(initialize=_big_m(problem, lay) / unit, doc="big-M horizon of Lemma A.1")
+    m.c = pyo.Param(m.V, initialize={v: problem.transfer_time(v) / unit for v in lay.nodes}, doc="per-side transfer c_v")
+    m.p = pyo.Param(m.V, m.J, initialize={(v, j): _finite(problem.node_time(v, dev[j])) / unit for v in lay.nodes
+                                          for j in slots}, default=0.0, doc="time of v on slot j's accelerator")
+    m.p_cpu = pyo.Param(m.V, initialize={v: _finite(g.record(v).time_on("cpu")) / unit for v in lay.nodes}, doc="CPU time")
     m.mem = pyo.Param(m.V, initialize={v: g.record(v).param_bytes + g.record(v).temp_bytes for v in lay.nodes}, doc="m_v")
     m.M = pyo.Param(m.A_MEM, initialize={a: lay.accels[a].memory_bytes for a in m.A_MEM}, doc="accelerator memory")
     # -- Vars
@@ -203,7 +207,7 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     m.z = contiguity.reach_var(m.V, m.J)  # contiguity witness of Lemma A.1
     m.comm_in = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves into slot j")
     m.comm_out = pyo.Var(m.P, m.J, bounds=(0, 1), doc="u's output moves out of slot j")
-    m.latency = pyo.Var(m.V, bounds=lambda m, v: (head[v], None), doc="v's output is in DRAM (bounded by its head path)")
+    m.latency = pyo.Var(m.V, bounds=lambda m, v: (head[v] / unit, None), doc="v's output is in DRAM (bounded by its head path)")
     m.start = pyo.Var(m.J, domain=pyo.NonNegativeReals, doc="SubgraphStart_j")
     m.finish = pyo.Var(m.J, domain=pyo.NonNegativeReals, doc="SubgraphFinish_j")
     m.total = pyo.Var(domain=pyo.NonNegativeReals, doc="TotalLatency")
@@ -245,6 +249,16 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
 
 def _finite(t: float) -> float:
     return t if math.isfinite(t) else 0.0
+
+
+def _time_unit(problem: Problem, lay: _Layout) -> float:
+    """Seconds per model time unit (:func:`~torchplace.solvers.milp.maxload.unit_for` of the node
+    times on the cluster's kinds and the transfer times): unscaled, nanosecond counts of 1e9 beside
+    the 0/1 rows led HiGHS to prove 6e9 for a chain that runs in 5e9."""
+    kinds = {d.kind for d in lay.accels} | ({"cpu"} if lay.cpus else set())
+    g = problem.graph
+    return unit_for([*(g.record(v).time_on(k) for v in lay.nodes for k in kinds),
+                     *(problem.transfer_time(v) for v in lay.nodes)])
 
 
 def _on_accel(m: pyo.ConcreteModel, v: str, a: int) -> Any:
@@ -321,10 +335,10 @@ def extract(model: pyo.ConcreteModel, problem: Problem) -> list[Stage]:
     on the CPU devices; ordered by the IP's SubgraphStart / CPU start times (ties made valid by
     :func:`order_stages`), neighbouring stages of one device joined where the run order allows."""
     place = {v: next((j for j in model.J if pyo.value(model.x[v, j]) > 0.5), None) for v in model.V}
-    used = set(place.values()) - {None}
+    used, unit = set(place.values()) - {None}, model.unit  # times back in seconds
     return _stages(problem, int(pyo.value(model.q)), _Values(
-        place, {j: pyo.value(model.start[j]) for j in used}, {j: pyo.value(model.finish[j]) for j in used},
-        {v: pyo.value(model.latency[v]) for v in model.V}))
+        place, {j: pyo.value(model.start[j]) * unit for j in used}, {j: pyo.value(model.finish[j]) * unit for j in used},
+        {v: pyo.value(model.latency[v]) * unit for v in model.V}))
 
 
 def _stages(problem: Problem, q: int, values: _Values) -> list[Stage]:
@@ -427,15 +441,16 @@ def initialize(model: pyo.ConcreteModel, problem: Problem, place: Mapping[str, i
     z = contiguity.reach_values(lay.nodes, list(g.edges), list(model.J), place)
     for key, var in model.z.items():
         var.value = z[key]
+    unit = model.unit
     for v, var in model.latency.items():
-        var.value = values.latency[v]
+        var.value = values.latency[v] / unit
     for j in model.J:
         model.used[j].value = float(j in values.start)
     for j in model.J:  # an unused slot's window is empty: it opens when the slot before it closes
-        begin = values.start.get(j, model.finish[j - 1].value if j % q else 0.0)
+        begin = values.start[j] / unit if j in values.start else model.finish[j - 1].value if j % q else 0.0
         model.start[j].value = begin
-        model.finish[j].value = values.finish.get(j, begin)
-    model.total.value = max(values.latency.values(), default=0.0)
+        model.finish[j].value = values.finish[j] / unit if j in values.finish else begin
+    model.total.value = max(values.latency.values(), default=0.0) / unit
     count = {a: 0 for a in model.A_PRE}
     for v in lay.nodes:
         for a in model.A_PRE:
@@ -493,7 +508,9 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
         model = build(problem, q=q, budget=budget)
         if start is not None:
             initialize(model, problem, start)
-        res = solve_model(model, name=name, mip_gap=mip_gap, budget=budget, warm_start=start is not None)
+        scaled = solve_model(model, name=name, mip_gap=mip_gap, budget=budget, warm_start=start is not None,
+                             unit=model.unit)
+        res = dataclasses.replace(scaled, objective=scaled.objective * model.unit, bound=scaled.bound * model.unit)
     except InfeasibleError as e:
         raise _infeasible(problem, q) from e
     except SolverLimitError as e:

@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import pyomo.environ as pyo
@@ -79,7 +79,8 @@ from torchplace.solvers.milp.highs import MilpResult, solve_model
 from torchplace.solvers.milp.size import maxload_size
 from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 
-__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit"]
+__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit",
+           "unit_for"]
 
 SYMMETRY = ("none", "index", "load")
 _MOST_UNITS = 1e4  # largest time, in model units, below which times are not scaled down (time_unit)
@@ -287,7 +288,13 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
 
 
 def time_unit(units: Units, problem: Problem) -> float:
-    """Seconds per model time unit: a power of ten that brings the largest time into 1-10,000.
+    """Seconds per model time unit of a max-load MIP: :func:`unit_for` of its times."""
+    finite = [t for row in units.time for t in row if math.isfinite(t)]
+    return unit_for([*finite, *(problem.transfer_time(p) for p in units.fanout)])
+
+
+def unit_for(times: Iterable[float]) -> float:
+    """Seconds per model time unit: a power of ten that brings the largest of ``times`` into 1-10,000.
 
     Measured times can be 1e-5 s; HiGHS's absolute tolerances (1e-7 and so on) would then be a
     visible fraction of the objective, so such times are scaled up to 1-10. Times of 1e9 and more
@@ -296,11 +303,9 @@ def time_unit(units: Units, problem: Problem) -> float:
     true one), so they are scaled down to 1,000-10,000 (not further: the tolerances again). Times
     come back in seconds on the way out. Every max-load MIP (this IP,
     :mod:`~torchplace.solvers.milp.mtpp`, the bounds in :mod:`~torchplace.solvers.milp.bounds`)
-    works in these units.
+    works in these units, and so does the latency IP (:mod:`~torchplace.solvers.milp.latency`).
     """
-    finite = [t for row in units.time for t in row if math.isfinite(t) and t > 0]
-    finite += [t for p in units.fanout if (t := problem.transfer_time(p)) > 0]
-    largest = max(finite, default=1.0)
+    largest = max((t for t in times if 0 < t < math.inf), default=1.0)
     if largest < 1.0:
         return 10.0 ** math.floor(math.log10(largest))
     return 1.0 if largest < _MOST_UNITS else 10.0 ** (math.floor(math.log10(largest)) - 3)
