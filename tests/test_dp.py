@@ -136,6 +136,20 @@ def test_dp_splits_a_chain_evenly():
     assert [len(s.nodes) for s in plan.stages] == [2, 2]
 
 
+def test_many_devices_and_few_nodes_use_no_more_states_than_nodes():
+    # Each used device holds a node, so 4,000 accelerators and 90 CPUs search what 3 of each do;
+    # the DP went over all 4,001 x 91 device counts and its time limit stopped it on 3 nodes.
+    def cluster(accelerators: int, cpus: int) -> Cluster:
+        return Cluster(tuple(Device(f"acc{i}", "meta", "accel", 10) for i in range(accelerators))
+                       + tuple(Device(f"cpu{i}", "cpu", "cpu") for i in range(cpus)))
+
+    graph = _chain([1, 2, 3], mem=10).graph
+    few, many = Problem(graph, cluster(3, 3)), Problem(graph, cluster(4000, 90))
+    plan = dp.solve(many, time_limit=5)
+    assert plan.status == "optimal" and plan.objective == pytest.approx(brute_force_contiguous(few))
+    assert costmodel.evaluate(many, plan) == plan.objective
+
+
 def test_infeasible_memory_states_the_smallest_memory_that_fits():
     with pytest.raises(InfeasibleError) as e:
         dp.solve(_chain([1, 1, 1, 1, 1], mem=2, params=1))
