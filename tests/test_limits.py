@@ -349,6 +349,22 @@ def test_the_list_schedulers_respect_the_limit_on_200k_nodes(huge_latency, metho
     assert time.perf_counter() - t0 < _bound(2.0)
 
 
+def test_m_sct_respects_the_limit_on_many_devices():
+    """m-SCT's LP costs average every device pair of an edge: 2.25 million on each edge with 1,500
+    devices, where it looked at the limit once per edge and ran on past it."""
+    g = OpGraph()
+    for v in "abc":
+        g.add_node(v, NodeRecord(v, times={"accel": 1.0}, output_bytes=1))
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    cluster = Cluster(tuple(Device(f"acc{i}", "meta", "accel") for i in range(1500)))
+    problem = Problem(g, cluster, objective="latency", contiguous=False)
+    t0 = time.perf_counter()
+    with pytest.raises(SolverLimitError, match="time limit"):
+        solve(problem, method="m-sct", time_limit=0.5)
+    assert time.perf_counter() - t0 < _bound(0.5)
+
+
 def test_contracting_a_plain_graph_equals_the_general_steps(monkeypatch):
     """The linear-time contraction of a graph without backward nodes or colocation is exactly what
     the App. E.1 steps give."""

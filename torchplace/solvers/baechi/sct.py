@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pyomo.environ as pyo
 
@@ -55,18 +55,27 @@ __all__ = ["build_lp", "favourite_children", "m_sct", "sct_costs"]
 def sct_costs(problem: Problem, tick: Callable[[], None] = lambda: None,
               ) -> tuple[dict[str, float], dict[tuple[str, str], float], set[tuple[str, str]]]:
     """``p_i``, ``c_ij`` and the edges that must communicate (module docstring, heterogeneous data);
-    ``tick`` is called once per edge (a time limit's check)."""
+    ``tick`` is called once per device pair of an edge (a time limit's check: thousands of
+    devices make millions of pairs on one edge)."""
     g, devices = problem.graph, problem.cluster.devices
     runs = {v: [d for d in devices if math.isfinite(problem.node_time(v, d))] for v in g}
     p = {v: min((problem.node_time(v, d) for d in runs[v]), default=0.0) for v in g}
     c: dict[tuple[str, str], float] = {}
     split: set[tuple[str, str]] = set()
+
+    def pair_times(u: str, v: str) -> Iterator[float]:
+        for a in runs[u]:
+            for b in runs[v]:
+                if a.name != b.name:
+                    tick()
+                    yield problem.link_time(u, a, b)
+
     for u, v in g.edges:
-        tick()
         colocated = g.record(u).colocation is not None and g.record(u).colocation == g.record(v).colocation
-        pairs = [(a, b) for a in runs[u] for b in runs[v] if a.name != b.name]
-        c[u, v] = 0.0 if colocated or not pairs else math.fsum(problem.link_time(u, a, b) for a, b in pairs) / len(pairs)
-        if not {d.name for d in runs[u]} & {d.name for d in runs[v]}:
+        shared = len({d.name for d in runs[u]} & {d.name for d in runs[v]})
+        pairs = len(runs[u]) * len(runs[v]) - shared
+        c[u, v] = 0.0 if colocated or not pairs else math.fsum(pair_times(u, v)) / pairs
+        if not shared:
             split.add((u, v))
     return p, c, split
 
@@ -75,7 +84,7 @@ def build_lp(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteM
     """The relaxed SCT program of the module docstring (Baechi eq. (2), ``x`` continuous); with a
     ``budget``, building stops when it runs out (SolverLimitError)."""
     g = problem.graph
-    p, c, split = sct_costs(problem, budget.ticks("computing the LP's costs", every=256) if budget else lambda: None)
+    p, c, split = sct_costs(problem, budget.ticks("computing the LP's costs", every=4096) if budget else lambda: None)
     m = budgeted_model(budget, "sct_lp")
     # tasks in topological order, and precedence edges
     m.V = pyo.Set(initialize=g.topological_order(), ordered=True)
