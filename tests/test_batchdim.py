@@ -2,6 +2,8 @@
 no batch comes back once, one that mixes the samples of a batch is refused with MicrobatchError."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import fx, nn
@@ -101,6 +103,37 @@ def test_an_output_that_mixes_the_batch_is_refused(model: nn.Module, match: str)
     inputs = (x, torch.arange(4)) if isinstance(model, ReturnsItsLoss) else (x,)
     with pytest.raises(MicrobatchError, match=match):
         torchplace.place(model.eval(), DEVICES, inputs, microbatches=2, **OPTIONS)
+
+
+def test_an_output_container_pytree_does_not_know_is_refused_and_registered_it_is_joined() -> None:
+    """(found by fuzzing) fx traces a dataclass built in forward as one node; torch's pytree took
+    the object for a leaf, and the placed model returned the first micro-batch's: 4 rows of 8."""
+
+    @dataclasses.dataclass
+    class Halves:
+        first: torch.Tensor
+        second: torch.Tensor
+
+    class ReturnsADataclass(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Halves:
+            h = self.a(x)
+            return Halves(h, self.b(h))
+
+    torch.manual_seed(0)
+    model, x = ReturnsADataclass().eval(), torch.randn(8, 8)
+    with pytest.raises(MicrobatchError, match=r"the model's output is a Halves dataclass holding tensors, which "
+                                              r"micro-batches cannot join.*register_dataclass\(Halves\)"):
+        torchplace.place(model, DEVICES, (x,), microbatches=2, trace_method="fx", **OPTIONS)
+    torch.utils._pytree.register_dataclass(Halves)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=2, trace_method="fx", **OPTIONS)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    assert isinstance(out, Halves) and out.first.shape == out.second.shape == (8, 8)
+    assert torch.allclose(out.first, expected.first, atol=1e-6) and torch.allclose(out.second, expected.second, atol=1e-6)
 
 
 def test_auto_keeps_one_micro_batch_and_a_later_split_is_refused() -> None:

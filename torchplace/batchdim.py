@@ -28,6 +28,7 @@ on a size of one does (``if x.shape[1] == 1:``, ``L - 1 if L > 1 else 1``). For 
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -196,6 +197,15 @@ def check_split(runs: Runs, m: int, *, values: bool = True) -> tuple[bool, ...] 
     for index, ((path, both), single, read) in enumerate(zip(pair, alone, reads)):
         what = f"model output {pytree.keystr(path)}" if path else "the model's output"
         if not isinstance(both, torch.Tensor):
+            if _holds_tensor(both):  # a container torch's pytree does not know: a micro-batch's would come back
+                kind = "dataclass" if dataclasses.is_dataclass(both) else "object"
+                register = ("torch.utils._pytree.register_dataclass" if kind == "dataclass"
+                            else "torch.utils._pytree.register_pytree_node")
+                raise MicrobatchError(
+                    f"{what} is a {type(both).__name__} {kind} holding tensors, which micro-batches cannot join: "
+                    f"torch's pytree does not know the type, so the placed model would return one micro-batch's. "
+                    f"Register it before placing ({register}({type(both).__name__}{'' if kind == 'dataclass' else ', ...'})), "
+                    "or place it with microbatches=1")
             if read and _scalar_of_values(gm, index):  # y.max().item(): equal on two probes by chance
                 raise MicrobatchError(
                     f"{what} is a Python {type(both).__name__} read from the values of the batch (.item() or "
@@ -321,6 +331,26 @@ def _declared(dynamic_dims: Any, name: str, dim: int) -> bool:
         return dims is not None and dim in {int(d) for d in dims}
     except (TypeError, ValueError):
         return False
+
+
+def _holds_tensor(value: Any, depth: int = 4) -> bool:
+    """Whether a value the pytree took for a leaf holds a tensor: in its dataclass fields or its
+    attributes, or in containers of them (``depth`` levels down)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, type)):
+        return False
+    if isinstance(value, Mapping):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    elif dataclasses.is_dataclass(value):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    elif hasattr(value, "__dict__"):
+        items = vars(value).values()
+    else:
+        return False
+    return any(_holds_tensor(item, depth - 1) for item in items)
 
 
 def _same_value(a: Any, b: Any) -> bool:
