@@ -136,6 +136,28 @@ def test_an_output_container_pytree_does_not_know_is_refused_and_registered_it_i
     assert torch.allclose(out.first, expected.first, atol=1e-6) and torch.allclose(out.second, expected.second, atol=1e-6)
 
 
+def test_a_tensor_returned_twice_comes_back_as_one_tensor() -> None:
+    """(found by fuzzing) micro-batches joined each output on its own, so an output the model
+    returns twice came back as two tensors: an in-place change of one no longer showed in the other."""
+
+    class ReturnsItTwice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h = self.b(torch.relu(self.a(x)))
+            return h, x, h
+
+    torch.manual_seed(0)
+    model, x = ReturnsItTwice().eval(), torch.randn(8, 8)
+    placed = torchplace.place(model, DEVICES, (x,), microbatches=2, **OPTIONS)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    assert out[0] is out[2] and expected[0] is expected[2]
+    assert torch.allclose(out[0], expected[0], atol=1e-6) and torch.equal(out[1], x)
+
+
 def test_auto_keeps_one_micro_batch_and_a_later_split_is_refused() -> None:
     torch.manual_seed(0)
     model, x = _sequence_first(), torch.randn(8, 4, 16)

@@ -112,7 +112,8 @@ def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
             taken); ``None``: every tensor leaf is.
 
     Returns:
-        The first output's structure with tensor leaves concatenated along dim 0.
+        The first output's structure with tensor leaves concatenated along dim 0 (a leaf that is
+        the same tensor as another in every micro-batch is the same joined tensor).
 
     Raises:
         ValueError: if a tensor leaf is 0-dim while there are several micro-batches, or the
@@ -127,9 +128,19 @@ def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
     if joined is not None and len(joined) != len(flats[0][0]):
         raise ValueError(f"the output has {len(flats[0][0])} parts where the example's had {len(joined)}; "
                          "use microbatches=1")
-    columns = zip(*(leaves for leaves, _ in flats))
-    return tree_unflatten([_gather_leaf(i, list(col)) if joined is None or joined[i] else col[0]
-                           for i, col in enumerate(columns)], spec)
+    out: list[Any] = []
+    seen: dict[tuple[int, ...], Any] = {}  # a tensor the model returns twice comes back as one, as from the model
+    for i, column in enumerate(zip(*(leaves for leaves, _ in flats))):
+        if joined is not None and not joined[i]:
+            out.append(column[0])
+        elif isinstance(column[0], torch.Tensor):
+            key = tuple(map(id, column))
+            if key not in seen:
+                seen[key] = _gather_leaf(i, list(column))
+            out.append(seen[key])
+        else:
+            out.append(_gather_leaf(i, list(column)))
+    return tree_unflatten(out, spec)
 
 
 def _gather_leaf(position: int, column: list[Any]) -> Any:
