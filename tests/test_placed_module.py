@@ -1020,6 +1020,24 @@ def test_a_keyword_the_export_did_not_see_is_refused_with_the_reason():
         placed(x, scale=1.0)
 
 
+@pytest.mark.parametrize("trace_method", ["fx", "export"])
+def test_an_argument_the_example_gave_may_be_left_out_at_its_default(trace_method):
+    """A model placed with an example that spelled out a default (scale=1.0) refused a later call
+    without it ('the placed model is called as GraphModule(...): missing a required argument'),
+    which the model takes; the default now fills it, and a constant the export kept is still checked."""
+    model, x = Scaled().eval(), torch.randn(4, 8)
+    placed = _place(model, (x,), example_kwargs={"scale": 1.0}, trace_method=trace_method, microbatches=1)
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+        if trace_method == "export":
+            with pytest.raises(UsageError, match="traced for inputs with scale == 1.0"):
+                placed(x, scale=2.0)
+        else:
+            assert torch.equal(placed(x, scale=2.0), model(x, scale=2.0))
+        with pytest.raises(UsageError, match=r"the placed model is called as Scaled\(x, .*unexpected keyword argument 'bias'"):
+            placed(x, bias=1.0)
+
+
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jit.trace", "jit.script"])
 def test_a_function_transform_or_tracer_of_a_placed_model_is_refused_naming_it(transform):
     """vmap failed deep in a stage ('Cannot access storage of BatchedTensorImpl'), jit.trace with

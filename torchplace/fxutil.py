@@ -111,7 +111,9 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
     Raises:
         UsageError: if the arguments do not match the signature (naming it).
     """
+    meta = getattr(gm, "meta", {})
     try:
+        kwargs = _with_defaults(gm, args, dict(kwargs or {}), meta.get("defaults", {}))
         return bind_placeholders(gm, args, kwargs)
     except TypeError as e:
         hint = ""
@@ -122,8 +124,19 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
                 hint += (" (if the model's forward takes it through **kwargs, which a trace cannot take as an input, "
                          "set it on the model instead before placing: for a Hugging Face model, on its config, "
                          "e.g. model.config.output_hidden_states = True)")
-        raise UsageError(f"the placed model is called as {type(gm).__name__}{inspect.signature(gm.forward)}: {e}"
-                         f"{hint}") from e
+        name = meta.get("model_name", type(gm).__name__)
+        raise UsageError(f"the placed model is called as {name}{inspect.signature(gm.forward)}: {e}{hint}") from e
+
+
+def _with_defaults(gm: fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
+                   defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the model's default for each argument of the traced signature the call
+    leaves out: the example gave it (so the graph takes it), and the model called without it
+    would use its default. A default the trace kept as a constant is then checked as any value."""
+    bound = inspect.signature(gm.forward).bind_partial(*args, **kwargs).arguments
+    missing = {name: defaults[name] for name in inspect.signature(gm.forward).parameters
+               if name not in bound and name in defaults}
+    return {**kwargs, **missing}
 
 
 def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:

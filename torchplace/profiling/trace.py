@@ -476,6 +476,15 @@ def _takes_var_keyword(model: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+def _defaults(model: nn.Module) -> dict[str, Any]:
+    """The default of each argument of ``model.forward`` that has one, by name."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+
+
 def _through_var_keyword(model: nn.Module, example_kwargs: Mapping[str, Any]) -> list[str]:
     """The example's keywords that ``model.forward`` takes through ``**kwargs``."""
     try:
@@ -683,6 +692,8 @@ def trace(
     dims = check_dynamic_dims(dynamic_dims, model, tuple(example_inputs), kwargs)
     gm, used = _capture(model, tuple(example_inputs), kwargs, method, leaf_types, module_level, dims)
     gm.meta["var_keyword"] = _takes_var_keyword(model)  # what bind_call says of a keyword the graph lacks
+    gm.meta["defaults"] = _defaults(model)  # what bind_call gives an argument a call leaves out
+    gm.meta["model_name"] = type(model).__name__
     effects = _record(gm, model, example_inputs, kwargs)
     # strides are the tracing device's: a stage placed elsewhere may get others
     relax_views(gm, keep=frozenset().union(*effects.written.values()))
