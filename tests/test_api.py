@@ -139,9 +139,9 @@ def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeyp
     with monkeypatch.context() as m:
         m.setattr(torchplace.api, "_solve", _ctrl_c)
         with pytest.raises(KeyboardInterrupt):
-            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, progress=False)
         with pytest.raises(KeyboardInterrupt):
-            torchplace.plan_model(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+            torchplace.plan_model(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, progress=False)
     assert all(module.training for module in model.modules())
     measure = PlacedModule.measure
 
@@ -151,14 +151,14 @@ def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeyp
 
     monkeypatch.setattr(PlacedModule, "measure", measure_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False, refine=True)
+        torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, progress=False, refine=True)
     assert all(module.training for module in model.modules())
     assert model.calls.item() == 0
     # after prepare() too: building the placed module, or refusing a Piper plan (found by review)
     with monkeypatch.context() as m:
         m.setattr(torchplace.api, "PlacedModule", _ctrl_c)
         with pytest.raises(KeyboardInterrupt):
-            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), progress=False)
+            torchplace.place(model, ["cpu:0", "cpu:1"], (x,), microbatches=1, progress=False)
     assert all(module.training for module in model.modules())
     model.eval()
     with pytest.raises(UnsupportedError, match="Piper plan"):

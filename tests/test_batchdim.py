@@ -158,6 +158,42 @@ def test_a_tensor_returned_twice_comes_back_as_one_tensor() -> None:
     assert torch.allclose(out[0], expected[0], atol=1e-6) and torch.equal(out[1], x)
 
 
+def test_a_model_that_updates_its_state_in_forward_is_not_split() -> None:
+    """(found by fuzzing) a buffer updated in forward (a call counter, a running mean) was updated
+    once per micro-batch: 4 times per call with microbatches=4, where the model updates it once."""
+
+    class KeepsAMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+            self.register_buffer("mean", torch.zeros(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            h = self.a(x)
+            self.mean.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+            return self.b(torch.relu(h))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    with pytest.raises(MicrobatchError, match="the model writes 'calls', 'mean' in forward: split into micro-batches, "
+                                              "each call would update them once per micro-batch"):
+        torchplace.place(KeepsAMean().eval(), DEVICES, (x,), microbatches=4, **OPTIONS)
+    model = KeepsAMean().eval()
+    reference = KeepsAMean().eval()
+    reference.load_state_dict(model.state_dict())
+    placed = torchplace.place(model, DEVICES, (x,), microbatches="auto", **OPTIONS)
+    assert placed.microbatches == 1
+    with torch.no_grad():
+        assert torch.allclose(placed(x), reference(x), atol=1e-6)
+        assert model.calls.item() == reference.calls.item() == 1 and torch.allclose(model.mean, reference.mean)
+        placed.microbatches = 2
+        with pytest.raises(MicrobatchError, match="the model writes 'calls', 'mean' in forward"):
+            placed(x)
+    assert model.calls.item() == 1
+
+
 def test_auto_keeps_one_micro_batch_and_a_later_split_is_refused() -> None:
     torch.manual_seed(0)
     model, x = _sequence_first(), torch.randn(8, 4, 16)

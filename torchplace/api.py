@@ -23,7 +23,8 @@ from torchplace import callplan, solvers
 from torchplace import parallelism as parallelisms
 from torchplace.arguments import check_model, example_call, leaf_types, try_example_call
 from torchplace.batchdim import (CallSizes, Runs, call_sizes, check_broadcast_rows, check_rows, check_rows_apart,
-                                 check_split, dims_of_one, joined_outputs, output_spec, rows_needed)
+                                 check_split, dims_of_one, joined_outputs, output_spec, rows_needed,
+                                 state_written_per_microbatch)
 from torchplace.checks import brief, non_negative_int, positive_float, positive_int
 from torchplace.devices import Cluster, Device, cap_memory, check_attached, kind_threads, make_cluster
 from torchplace.errors import (
@@ -580,6 +581,8 @@ def prepare(
     joined = None  # which outputs a pipeline's micro-batches join, or why they cannot be split
     if runs is not None and objective == "throughput" and not training:
         joined = joined_outputs(runs, microbatches if isinstance(microbatches, int) else 1)
+        if traced.effects.written_state and not isinstance(joined, Exception):
+            joined = state_written_per_microbatch(traced.effects.written_state, microbatches)
     elif runs is not None and training:  # step() gives each micro-batch's outputs to the loss; a call joins them
         if microbatches != 1:
             check_rows_apart(Runs(model, traced.gm, traced.flat_inputs, args, kwargs))  # own runs: in eval mode

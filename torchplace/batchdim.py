@@ -46,7 +46,7 @@ from torchplace.profiling.effects import StateSnapshot, same_values
 from torchplace.runtime.microbatch import batch_size, last_rows
 
 __all__ = ["CallSizes", "Runs", "check_broadcast_rows", "check_rows", "check_split", "dims_of_one", "joined_outputs",
-           "reads_batch", "rows_needed"]
+           "reads_batch", "rows_needed", "state_written_per_microbatch"]
 
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3}
 """Largest difference, relative to the output's largest value, between rows computed alone and
@@ -425,6 +425,25 @@ def joined_outputs(runs: Runs, m: int) -> tuple[bool, ...] | MicrobatchError | N
         if m > 1:
             raise
         return error
+
+
+def state_written_per_microbatch(written: Sequence[str], m: int | str) -> MicrobatchError:
+    """The refusal of an inference pipeline whose graph writes the model's state (``written``: a
+    buffer it updates in forward, a counter or a running average): each micro-batch would update
+    it, ``m`` times per call where the model updates it once. Returned for ``m`` of 1 or
+    ``"auto"`` (the placed model raises it if run split), else raised.
+
+    Raises:
+        MicrobatchError: for ``m > 1``.
+    """
+    names = ", ".join(repr(n) for n in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    error = MicrobatchError(
+        f"the model writes {names} in forward: split into micro-batches, each call would update "
+        f"{'it' if len(written) == 1 else 'them'} once per micro-batch where the model does once per call; "
+        "place it with microbatches=1 (or 'auto'), or update the state outside forward")
+    if isinstance(m, int) and m > 1:
+        raise error
+    return error
 
 
 def rows_needed(runs: Runs) -> int:
