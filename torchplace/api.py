@@ -50,7 +50,7 @@ from torchplace.profiling.gradcheck import check_gradients
 from torchplace.profiling.loss import assumed_loss_bytes, measure_loss_bytes
 from torchplace.profiling.links import with_measured_host_links
 from torchplace.profiling.training import measure_backward, optimizer_state_factor, training_graph
-from torchplace.runtime.devices import check_autocast
+from torchplace.runtime.devices import check_autocast, random_state_kept
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.overhead import executor_overheads
 
@@ -84,8 +84,7 @@ def _draws_no_random_numbers(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     the batches and masks it would draw without placing)."""
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda):
+        with random_state_kept():
             return fn(*args, **kwargs)
     return kept
 

@@ -29,7 +29,7 @@ from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
 from torchplace.profiling.effects import StateSnapshot
 from torchplace.runtime import GraphIO, LatencyExecutor, PipelineExecutor, StageModule, split_stages
-from torchplace.runtime.devices import check_autocast, check_eager_call, normalize_device
+from torchplace.runtime.devices import check_autocast, check_eager_call, normalize_device, random_state_kept
 from torchplace.runtime.params import StageParameters, move_in_place
 from torchplace.runtime.remap import stage_assignment
 from torchplace.runtime.structure import Structure
@@ -105,8 +105,7 @@ def _state_kept(module: nn.Module) -> Iterator[None]:
     grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
              for p in dict.fromkeys(module.parameters())]
     state = StateSnapshot(module)
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
+    with random_state_kept():
         try:
             yield
         finally:

@@ -31,6 +31,13 @@ __all__ = [
 ]
 
 
+def random_state_kept() -> AbstractContextManager[None]:
+    """A block after which the random number generators are as it found them: the CPU's, and each
+    CUDA device's already in use (``torch.random.fork_rng``; a device first used inside starts
+    from its default seed anyway)."""
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else [])
+
+
 def normalize_device(device: str | torch.device) -> torch.device:
     """``torch.device`` with an explicit index for CUDA (``"cuda"`` -> ``cuda:<current>``)."""
     device = torch.device(device)
