@@ -419,6 +419,28 @@ def test_report_of_a_measured_placed_model(pipelined, tmp_path):
         assert module in body and device in body
 
 
+def test_report_figures_have_ids_of_their_own_and_every_reference_resolves_in_its_figure(pipelined, tmp_path):
+    """Every inlined SVG numbered its ids afresh (figure_1, patch_1, axes_1, ...), so a page with
+    several figures repeated them, and a browser may resolve one figure's references in another."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    placed, inputs = pipelined
+    placed.measure(inputs, runs=1)
+    text = placed.report(tmp_path / "plan.html").read_text()
+    ids = [a["id"] for _, a in _parse(text).tags if "id" in a]
+    assert len(ids) == len(set(ids)), sorted(i for i in set(ids) if ids.count(i) > 1)[:5]
+    svgs = re.findall(r"<svg\b.*?</svg>", text, re.S)
+    assert len(svgs) == 4
+    xlink = "{http://www.w3.org/1999/xlink}href"
+    for svg in svgs:
+        root = ET.fromstring(svg)
+        own = {e.get("id") for e in root.iter() if e.get("id")}
+        refs = {r for e in root.iter() for k, v in e.attrib.items()
+                for r in re.findall(r"url\(#([^)]+)\)", v) + ([v[1:]] if k in (xlink, "href") and v[:1] == "#" else [])}
+        assert refs and refs <= own, refs - own
+
+
 def test_report_of_a_plan_file_alone_and_with_its_workload(workload_plan, tmp_path):
     problem, plan = workload_plan
     plan.save(tmp_path / "plan.json")

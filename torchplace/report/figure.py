@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = ["Picture", "device_colors", "new_figure"]
 
 _INSTALL = "pip install 'torchplace[report]'"
 _SALT = itertools.count()  # each SVG gets its own ids, so several can sit inline in one HTML page
+_ID_OR_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac")
 """Device colours (Tableau 10), in the order devices first appear in a plan."""
@@ -59,14 +61,18 @@ class Picture:
 
     def svg(self) -> str:
         """The figure as an ``<svg>`` element (no XML prolog: it can sit inline in HTML); text is
-        text, and ids are unique per call."""
+        text, and ids are unique per call: every id, and every ``url(#id)`` and ``href="#id"``
+        naming one, gets a prefix of its own (matplotlib numbers ``patch_1``, ``axes_1``, ... afresh
+        in each figure, so two figures in one page would share them)."""
         from matplotlib import rc_context
 
         out = io.StringIO()
-        with rc_context({"svg.fonttype": "none", "svg.hashsalt": f"tp{next(_SALT)}"}):
+        with rc_context({"svg.fonttype": "none"}):
             self.figure.savefig(out, format="svg", metadata={"Date": None})
         text = out.getvalue()
-        return text[text.index("<svg"):]
+        text = text[text.index("<svg"):]
+        prefix = f"tp{next(_SALT)}-"
+        return _ID_OR_REF.sub(lambda m: m.group(1) + prefix + m.group(2), text)
 
     def save(self, path: str | Path) -> Path:
         """Write the picture to ``path``; the suffix (``.png``, ``.svg``, ``.pdf``) picks the format.
