@@ -24,7 +24,10 @@ from torchplace.callmodel import Overheads
 from torchplace.cli import main
 from torchplace.errors import MissingDependencyError, UnsupportedError, UsageError
 from torchplace.models import build
+from torchplace.devices import Cluster, Device
+from torchplace.graph import NodeRecord, OpGraph
 from torchplace.plan import Plan
+from torchplace.problem import Problem
 from torchplace.report import Picture, plot_graph, plot_memory, plot_schedule, predicted_timeline
 from torchplace.report.timeline import MOST_MICROBATCHES
 from torchplace.report import fidelity
@@ -193,6 +196,25 @@ def test_graph_picture_collapses_a_big_graph_to_at_most_max_boxes(workload_plan)
     assert len(h) <= max(10, len(plan.stages))
     assert sum(h.nodes[b]["size"] for b in h) == len(problem.graph)
     assert "Graph by device" in plot_graph(plan, problem).svg()
+
+
+def test_names_with_dollar_signs_are_drawn_as_they_are():
+    """A node or device named with a pair of $ was matplotlib mathtext: `a$b$c` drawn in italics,
+    `$\\foo$` a ValueError from its parser, so such a plan drew no picture and no report."""
+    names = [r"$\foo$", "a$b$c", "x"]
+    g = OpGraph()
+    for i, name in enumerate(names):
+        g.add_node(name, NodeRecord(name, module=name, times={"accel": 1.0 + i}, param_bytes=10, transfer_time=0.1))
+    g.add_edge(names[0], names[1])
+    g.add_edge(names[1], names[2])
+    problem = Problem(g, Cluster(tuple(Device(d, "meta", "accel", 25) for d in ("$acc0$", "acc1"))))
+    plan = solve(problem)
+    assert {s.device for s in plan.stages} == {"$acc0$", "acc1"}
+    for picture in (plot_schedule(plan, problem), plot_memory(plan, problem)):
+        assert "$acc0$" in picture.svg()
+    svg = plot_graph(plan, problem).svg()
+    assert all(name in svg for name in names)
+    assert "$acc0$" in render(plan, problem)
 
 
 def test_missing_matplotlib_is_a_clear_error(pipelined, monkeypatch):

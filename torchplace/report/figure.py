@@ -15,7 +15,7 @@ from typing import Any
 
 from torchplace.errors import MissingDependencyError, UsageError
 
-__all__ = ["Picture", "device_colors", "new_figure"]
+__all__ = ["Picture", "device_colors", "literal", "new_figure"]
 
 _INSTALL = "pip install 'torchplace[report]'"
 _SALT = itertools.count()  # each SVG gets its own ids, so several can sit inline in one HTML page
@@ -36,6 +36,12 @@ def new_figure(width: float, height: float) -> Any:
     except ImportError as e:
         raise MissingDependencyError(f"torchplace's pictures and reports need matplotlib: {_INSTALL}") from e
     return Figure(figsize=(width, height), layout="constrained")
+
+
+def literal(text: str) -> str:
+    """``text`` as matplotlib shows it as it is: a pair of ``$`` would start mathtext (a node named
+    ``a$b$`` drawn in italics, ``$\\foo$`` a ValueError from the mathtext parser), so each is escaped."""
+    return text.replace("$", r"\$")
 
 
 def device_colors(devices: Any) -> dict[str, str]:

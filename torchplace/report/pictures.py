@@ -17,7 +17,7 @@ import networkx as nx
 from torchplace import costmodel
 from torchplace.plan import Plan
 from torchplace.problem import Problem
-from torchplace.report.figure import Picture, device_colors, new_figure
+from torchplace.report.figure import Picture, device_colors, literal, new_figure
 from torchplace.report.timeline import Bar, drawn_microbatches, drawn_schedule, predicted_timeline
 from torchplace.units import format_bytes
 
@@ -56,7 +56,7 @@ def plot_timeline(bars: Sequence[Bar], colors: dict[str, str], title: str, rows:
         if small and b.kind in ("F", "B") and (b.finish - b.start) > end / 60:
             ax.text((b.start + b.finish) / 2 * scale, index[b.row], f"{b.kind}{b.microbatch}", ha="center",
                     va="center", fontsize=7, color="white")
-    ax.set_yticks(list(index.values()), list(index))
+    ax.set_yticks(list(index.values()), [literal(r) for r in index])
     ax.set_xlim(0, max(end * scale, 1e-12) * 1.01)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel(f"time ({unit})")
@@ -117,7 +117,7 @@ def plot_memory(plan: Plan, problem: Problem | None = None) -> Picture:
     shades = ("#4e79a7", "#a0cbe8", "#f28e2b", "#59a14f", "#e15759")
     for k, kind in enumerate(kinds):
         heights = [parts[d].get(kind, 0) * scale for d in devices]
-        ax.bar(devices, heights, bottom=bottom, label=kind, color=shades[k % len(shades)])
+        ax.bar([literal(d) for d in devices], heights, bottom=bottom, label=kind, color=shades[k % len(shades)])
         bottom = [b + h for b, h in zip(bottom, heights)]
     labelled = False
     for i, d in enumerate(devices):
@@ -208,9 +208,9 @@ def plot_graph(plan: Plan, problem: Problem, level: str = "module", max_boxes: i
     for dev, color in colors.items():
         nodes = [v for v in h if h.nodes[v]["device"] == dev]
         sizes = [60 + 25 * min(h.nodes[v]["size"], 12) for v in nodes]
-        nx.draw_networkx_nodes(h, pos, nodelist=nodes, node_color=color, node_size=sizes, ax=ax, label=dev)
+        nx.draw_networkx_nodes(h, pos, nodelist=nodes, node_color=color, node_size=sizes, ax=ax, label=literal(dev))
     if len(h) <= 150:
-        labels = {v: _short(h.nodes[v]["label"]) for v in h}
+        labels = {v: literal(_short(h.nodes[v]["label"])) for v in h}
         for text in nx.draw_networkx_labels(h, pos, labels, font_size=7, ax=ax, verticalalignment="bottom").values():
             text.set_rotation(20)
     ax.set_title(f"Graph by device ({level} level, {len(h)} boxes of {len(problem.graph)} nodes)")
