@@ -67,14 +67,14 @@ class Picture:
 
     def svg(self) -> str:
         """The figure as an ``<svg>`` element (no XML prolog: it can sit inline in HTML); text is
-        text, and ids are unique per call: every id, and every ``url(#id)`` and ``href="#id"``
+        text, no URL but its XML namespaces is named, and ids are unique per call: every id, and every ``url(#id)`` and ``href="#id"``
         naming one, gets a prefix of its own (matplotlib numbers ``patch_1``, ``axes_1``, ... afresh
         in each figure, so two figures in one page would share them)."""
         from matplotlib import rc_context
 
         out = io.StringIO()
-        with rc_context({"svg.fonttype": "none"}):
-            self.figure.savefig(out, format="svg", metadata={"Date": None})
+        with rc_context({"svg.fonttype": "none"}):  # no RDF metadata, which names matplotlib.org and purl.org
+            self.figure.savefig(out, format="svg", metadata=dict.fromkeys(("Date", "Creator", "Format", "Type")))
         text = out.getvalue()
         text = text[text.index("<svg"):]
         prefix = f"tp{next(_SALT)}-"
