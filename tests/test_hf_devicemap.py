@@ -932,6 +932,18 @@ def test_a_disk_only_plan_reports_the_ram_of_the_cpu_that_computes():
     assert "cpu" in str(plan) and evaluate_device_map(plan.problem, plan.device_map).memory == plan.memory
 
 
+def test_a_disk_only_map_with_a_module_of_non_persistent_buffers_is_evaluated_as_planned():
+    """With "disk" alone the map sends Llama's rotary_emb (only a non-persistent inv_freq) to "cpu",
+    where accelerate computes; evaluate_device_map refused that map of its own plan: "device_map sends
+    'model.rotary_emb' to 'cpu', which is not in max_memory ['disk']"."""
+    model = build(llama_config(2), "meta")
+    plan = plan_device_map(model, {"disk": "1GiB"}, batch_size=2, sequence_length=16, repeats=0, time_limit=2)
+    assert plan.device_map["model.rotary_emb"] == "cpu"
+    check_device_map(model, plan.device_map)
+    cost = evaluate_device_map(plan.problem, plan.device_map)
+    assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+
+
 def test_cli_never_asks_to_run_the_remote_code_a_configs_auto_map_names(tmp_path, capsys, monkeypatch):
     """transformers asked on the terminal "Do you wish to run the custom code? [y/N]" and waited 15 s
     (a 'y' would fetch and run it; found by fuzzing)."""

@@ -230,7 +230,9 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     them, as accelerate keeps one there), is still timed and reported as not fitting.
     Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
     their time is that of :func:`main_device`'s kind, the same GPU for any map that names it. With
-    ``"disk"`` alone the CPU computes them: ``memory`` has a ``"cpu"`` row (:func:`host_memory`).
+    ``"disk"`` alone the CPU computes them: ``memory`` has a ``"cpu"`` row (:func:`host_memory`),
+    and a block the map sends to ``"cpu"`` (as :func:`to_device_map` sends a module holding only
+    non-persistent buffers, which cannot be offloaded) is priced as one on ``"disk"``, as its plan has it.
 
     Raises:
         UsageError: the map sends a block to a device not in ``max_memory``, or gives no device to
@@ -239,6 +241,8 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     meta = problem.graph.meta["hf"]
     paths, held = meta["modules"], meta.get("tensors", {})
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
+    if "cpu" not in names and main_device(problem) is None:  # "disk" alone: the CPU computing every block holds
+        names["cpu"] = "disk"  # what to_device_map sends to "cpu" (non-persistent buffers), priced as the plan does
     stages: list[Stage] = []
     where: dict[str, str] = {}
     uncovered: list[str] = []
