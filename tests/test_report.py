@@ -200,20 +200,22 @@ def test_graph_picture_collapses_a_big_graph_to_at_most_max_boxes(workload_plan)
 
 def test_names_with_dollar_signs_are_drawn_as_they_are():
     """A node or device named with a pair of $ was matplotlib mathtext: `a$b$c` drawn in italics,
-    `$\\foo$` a ValueError from its parser, so such a plan drew no picture and no report."""
+    `$\\foo$` a ValueError from its parser, so such a plan drew no picture and no report; a device
+    named `_acc1` was left out of the graph's legend."""
     names = [r"$\foo$", "a$b$c", "x"]
     g = OpGraph()
     for i, name in enumerate(names):
         g.add_node(name, NodeRecord(name, module=name, times={"accel": 1.0 + i}, param_bytes=10, transfer_time=0.1))
     g.add_edge(names[0], names[1])
     g.add_edge(names[1], names[2])
-    problem = Problem(g, Cluster(tuple(Device(d, "meta", "accel", 25) for d in ("$acc0$", "acc1"))))
+    problem = Problem(g, Cluster(tuple(Device(d, "meta", "accel", 25) for d in ("$acc0$", "_acc1"))))
     plan = solve(problem)
-    assert {s.device for s in plan.stages} == {"$acc0$", "acc1"}
+    assert {s.device for s in plan.stages} == {"$acc0$", "_acc1"}
     for picture in (plot_schedule(plan, problem), plot_memory(plan, problem)):
         assert "$acc0$" in picture.svg()
     svg = plot_graph(plan, problem).svg()
     assert all(name in svg for name in names)
+    assert ">_acc1<" in svg  # in the legend: matplotlib's legend leaves out labels starting with "_"
     assert "$acc0$" in render(plan, problem)
 
 
