@@ -198,17 +198,22 @@ def test_graph_picture_collapses_a_big_graph_to_at_most_max_boxes(workload_plan)
     assert "Graph by device" in plot_graph(plan, problem).svg()
 
 
+def _chain(names, devices) -> Problem:
+    """A chain of nodes ``names`` (each its own module) on accelerators ``devices`` of 25 bytes."""
+    g = OpGraph()
+    for i, name in enumerate(names):
+        g.add_node(name, NodeRecord(name, module=name, times={"accel": 1.0 + i}, param_bytes=10, transfer_time=0.1))
+    for u, v in zip(names, names[1:]):
+        g.add_edge(u, v)
+    return Problem(g, Cluster(tuple(Device(d, "meta", "accel", 25) for d in devices)))
+
+
 def test_names_with_dollar_signs_are_drawn_as_they_are():
     """A node or device named with a pair of $ was matplotlib mathtext: `a$b$c` drawn in italics,
     `$\\foo$` a ValueError from its parser, so such a plan drew no picture and no report; a device
     named `_acc1` was left out of the graph's legend."""
     names = [r"$\foo$", "a$b$c", "x"]
-    g = OpGraph()
-    for i, name in enumerate(names):
-        g.add_node(name, NodeRecord(name, module=name, times={"accel": 1.0 + i}, param_bytes=10, transfer_time=0.1))
-    g.add_edge(names[0], names[1])
-    g.add_edge(names[1], names[2])
-    problem = Problem(g, Cluster(tuple(Device(d, "meta", "accel", 25) for d in ("$acc0$", "_acc1"))))
+    problem = _chain(names, ("$acc0$", "_acc1"))
     plan = solve(problem)
     assert {s.device for s in plan.stages} == {"$acc0$", "_acc1"}
     for picture in (plot_schedule(plan, problem), plot_memory(plan, problem)):
@@ -217,6 +222,22 @@ def test_names_with_dollar_signs_are_drawn_as_they_are():
     assert all(name in svg for name in names)
     assert ">_acc1<" in svg  # in the legend: matplotlib's legend leaves out labels starting with "_"
     assert "$acc0$" in render(plan, problem)
+
+
+def test_names_with_control_characters_give_well_formed_svg(tmp_path):
+    """A workload file's node named with a control character (U+0001) went into the SVG as it was,
+    which XML cannot hold: a saved .svg did not parse, and matplotlib warned of a missing glyph."""
+    import warnings
+    import xml.etree.ElementTree as ET
+
+    problem = _chain(["a\x01b", "c\x0bd", "e"], ("acc0", "acc1"))
+    plan = solve(problem)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Glyph 1 missing from font(s)"
+        picture = plot_graph(plan, problem)
+        ET.parse(picture.save(tmp_path / "g.svg"))
+        texts = "".join(ET.fromstring(picture.svg()).itertext())
+    assert "a\ufffdb" in texts and "c\ufffdd" in texts
 
 
 def test_missing_matplotlib_is_a_clear_error(pipelined, monkeypatch):

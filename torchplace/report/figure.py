@@ -20,6 +20,7 @@ __all__ = ["Picture", "device_colors", "literal", "new_figure"]
 _INSTALL = "pip install 'torchplace[report]'"
 _SALT = itertools.count()  # each SVG gets its own ids, so several can sit inline in one HTML page
 _ID_OR_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")  # XML 1.0 has no such characters
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac")
 """Device colours (Tableau 10), in the order devices first appear in a plan."""
@@ -40,8 +41,10 @@ def new_figure(width: float, height: float) -> Any:
 
 def literal(text: str) -> str:
     """``text`` as matplotlib shows it as it is: a pair of ``$`` would start mathtext (a node named
-    ``a$b$`` drawn in italics, ``$\\foo$`` a ValueError from the mathtext parser), so each is escaped."""
-    return text.replace("$", r"\$")
+    ``a$b$`` drawn in italics, ``$\\foo$`` a ValueError from the mathtext parser), so each is escaped;
+    a character XML cannot hold (a control character of a workload file's name) becomes U+FFFD, so
+    the SVG stays well-formed."""
+    return _NOT_XML.sub("\ufffd", text).replace("$", r"\$")
 
 
 def device_colors(devices: Any) -> dict[str, str]:
