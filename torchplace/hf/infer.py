@@ -290,6 +290,8 @@ def build_problem(
     if phase == "decode" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise UsageError("phase='decode' times a decoder-only model's generated token; for an encoder-decoder "
                          "model (whose encoder does not run per token) use phase='prefill'")
+    if not isinstance(kv_cache, bool):
+        raise UsageError(f"kv_cache must be True or False (False: leave no room for a KV cache), got {brief(kv_cache)}")
     batch_size = positive_int(batch_size, "batch_size")
     sequence_length = positive_int(sequence_length, "sequence_length")
     disk_bandwidth = positive_float(disk_bandwidth, "disk_bandwidth", unit="of bytes/s")
