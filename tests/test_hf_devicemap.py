@@ -563,6 +563,16 @@ def test_bad_solver_and_cost_options_are_usage_errors_naming_them(option, value,
     with pytest.raises(UsageError, match=match):
         plan_device_map(build(gpt2_config(1), "meta"), {"cpu": "100KiB", "disk": "1GiB"}, sequence_length=8, **options)
 
+def test_an_option_infer_device_map_does_not_take_is_named_with_the_one_meant():
+    """A misspelt option (phse="decode") was Python's TypeError naming plan_device_map, a function
+    the caller never called."""
+    model = build(gpt2_config(1), "meta")
+    with pytest.raises(UsageError, match="infer_device_map takes no option 'phse': did you mean 'phase'"):
+        torchplace.infer_device_map(model, {"cpu": "1GiB"}, phse="decode")
+    with pytest.raises(UsageError, match="no option 'zzz': its options are .*'time_limit'"):
+        torchplace.infer_device_map(model, {"cpu": "1GiB"}, zzz=1)
+
+
 def test_cli_refuses_a_device_named_twice_and_shows_why_a_config_cannot_be_built(tmp_path, capsys):
     from torchplace.cli import main
 

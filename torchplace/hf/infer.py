@@ -705,10 +705,17 @@ def infer_device_map(
         ``{module path: GPU id | "cpu" | "disk"}``, tied weights on one device.
 
     Raises:
-        UsageError: a bad argument (named, with the fix).
+        UsageError: a bad argument (named, with the fix), or an option :func:`plan_device_map` does
+            not take.
         InfeasibleError: the budgets cannot hold the model with its KV cache; the message says how
             much is needed.
     """
+    names = sorted(set(inspect.signature(plan_device_map).parameters) - {"model", "max_memory"})
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        raise UsageError(f"infer_device_map takes no option {unknown[0]!r}: "
+                         + (f"did you mean {close[0]!r}?" if close else f"its options are {names}"))
     return plan_device_map(model, max_memory, example_inputs=example_inputs, example_kwargs=example_kwargs,
                            no_split_module_classes=no_split_module_classes, batch_size=batch_size,
                            sequence_length=sequence_length, dtype=dtype, cluster=cluster, **options).device_map
