@@ -554,11 +554,12 @@ def test_bad_inputs_are_usage_errors_naming_the_problem(case):
 @pytest.mark.parametrize("option, value, match", [
     ("time_limit", float("nan"), "time_limit: expected a positive"), ("time_limit", 0, "time_limit: expected a positive"),
     ("disk_bandwidth", 0, "disk_bandwidth: expected a positive"), ("repeats", -1, "repeats: expected a non-negative"),
-    ("kv_cache", "no", "kv_cache must be True or False")])
+    ("kv_cache", "no", "kv_cache must be True or False"), ("specs", {"cpu": 1}, "specs must map device kinds to DeviceSpec")])
 def test_bad_solver_and_cost_options_are_usage_errors_naming_them(option, value, match):
     """disk_bandwidth=0 was a ZeroDivisionError, time_limit nan, 0 or -1 a SolverLimitError saying no
     scheduler finished, repeats=-1 was taken (place() checks all three; found by fuzzing); kv_cache="no"
-    was taken as true, a KV cache planned for a caller who asked for none."""
+    was taken as true, a KV cache planned for a caller who asked for none; specs={"cpu": 1} was an
+    AttributeError ('int' object has no attribute 'peak_flops')."""
     options = {"time_limit": 2, "repeats": 0, option: value}
     with pytest.raises(UsageError, match=match):
         plan_device_map(build(gpt2_config(1), "meta"), {"cpu": "100KiB", "disk": "1GiB"}, sequence_length=8, **options)

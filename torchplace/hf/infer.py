@@ -255,6 +255,14 @@ def _check_positions(model: nn.Module, sequence_length: int) -> None:
             return
 
 
+def _specs(specs: Mapping[str, DeviceSpec] | None) -> dict[str, DeviceSpec]:
+    """``specs`` (default, when None or empty: :data:`HF_DEVICE_SPECS`) as a dict, each value checked."""
+    if not isinstance(specs, (Mapping, type(None))) or not all(isinstance(v, DeviceSpec) for v in (specs or {}).values()):
+        raise UsageError("specs must map device kinds to DeviceSpec(peak_flops=, mem_bandwidth=, overhead=) "
+                         f"(torchplace.profiling.estimate), got {brief(specs)}")
+    return dict(specs or HF_DEVICE_SPECS)
+
+
 def _load_cluster(cluster: Cluster | str | Path | None) -> Cluster | None:
     if cluster is None or isinstance(cluster, Cluster):
         return cluster
@@ -300,7 +308,7 @@ def build_problem(
     torch_dtype = _dtype(dtype)
     hw = hf_cluster(max_memory, _load_cluster(cluster))
     kinds = sorted({d.kind for d in hw.devices if not d.kind.endswith("-offload")} | {"cpu"})
-    specs = dict(specs or HF_DEVICE_SPECS)
+    specs = _specs(specs)
     no_split = _no_split(model, no_split_module_classes)
     modes = {m: m.training for m in model.modules()}
     model.eval()  # probed as it will run: inference (dropout off)
