@@ -455,10 +455,11 @@ def prepare(
     training_only = [f"{name}={brief(value)}" for name, value in
                      (("optimizer", optimizer), ("schedule", schedule), ("recompute", recompute)) if value is not None]
     if mode != "training" and training_only:
-        raise UsageError(f"{', '.join(training_only)} {'is a training option' if len(training_only) == 1 else 'are training options'} "
+        one = len(training_only) == 1
+        raise UsageError(f"{', '.join(training_only)} {'is a training option' if one else 'are training options'} "
                          "(the optimizer state, pipeline schedule and recomputation a training plan counts), and this "
-                         "placement is for inference: pass mode='training' to place it for training, or leave "
-                         f"{'it' if len(training_only) == 1 else 'them'} out")
+                         f"placement is for inference: pass mode='training' to place it for training, or leave "
+                         f"{'it' if one else 'them'} out")
     optimizer = "adamw" if optimizer is None else optimizer
     schedule = "1f1b" if schedule is None else schedule
     recompute = True if recompute is None else recompute

@@ -257,7 +257,7 @@ def _check_positions(model: nn.Module, sequence_length: int) -> None:
 
 def _specs(specs: Mapping[str, DeviceSpec] | None) -> dict[str, DeviceSpec]:
     """``specs`` (default, when None or empty: :data:`HF_DEVICE_SPECS`) as a dict, each value checked."""
-    if not isinstance(specs, (Mapping, type(None))) or not all(isinstance(v, DeviceSpec) for v in (specs or {}).values()):
+    if specs is not None and not (isinstance(specs, Mapping) and all(isinstance(v, DeviceSpec) for v in specs.values())):
         raise UsageError("specs must map device kinds to DeviceSpec(peak_flops=, mem_bandwidth=, overhead=) "
                          f"(torchplace.profiling.estimate), got {brief(specs)}")
     return dict(specs or HF_DEVICE_SPECS)

@@ -70,9 +70,10 @@ class Picture:
 
     def svg(self) -> str:
         """The figure as an ``<svg>`` element (no XML prolog: it can sit inline in HTML); text is
-        text, no URL but its XML namespaces is named, and ids are unique per call: every id, and every ``url(#id)`` and ``href="#id"``
-        naming one, gets a prefix of its own (matplotlib numbers ``patch_1``, ``axes_1``, ... afresh
-        in each figure, so two figures in one page would share them)."""
+        text, no URL but its XML namespaces is named, and ids are unique per call: every id, and
+        every ``url(#id)`` and ``href="#id"`` naming one, gets a prefix of its own (matplotlib
+        numbers ``patch_1``, ``axes_1``, ... afresh in each figure, so two figures in one page
+        would share them)."""
         from matplotlib import rc_context
 
         out = io.StringIO()
