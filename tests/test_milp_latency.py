@@ -407,3 +407,16 @@ def test_wrong_objective_and_contiguity_are_refused_with_a_hint():
     cpu = Cluster(p.cluster.devices + (Device("cpu0", "cpu", "cpu"),))
     with pytest.raises(ValueError, match="contiguous=False"):
         latency.solve(dataclasses.replace(p, cluster=cpu))
+
+
+def test_latency_ip_and_moirai_hold_at_petabyte_memories():
+    # HiGHS reads a coefficient of 1e15 or more as infinite: unscaled, the latency IP put 6e15
+    # bytes on a CPU of 2e15 (InvalidPlanError) and MOIRAI read back no placement (KeyError).
+    # Memory only matters through ratios, so each plan is worth what it is at 1e6 bytes.
+    from torchplace.solvers.milp import moirai
+
+    from .test_milp_maxload import _petabyte_chain
+
+    for solve in (latency.solve, moirai.solve):
+        small, huge = (solve(_petabyte_chain(scale, "latency")) for scale in (1e6, 1e15))
+        assert huge.objective == pytest.approx(small.objective, rel=1e-9)

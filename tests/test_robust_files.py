@@ -56,6 +56,10 @@ def test_dnn_whole_floats_are_counts(tmp_path):
     ('"maxFPGAs": 1, "maxCPUs": 1', '"maxFPGAs": 0, "maxCPUs": 0', "between 1 and 4096 devices"),
     ('"maxFPGAs": 1', '"maxFPGAs": 1e9', "between 1 and 4096 devices"),
     ('"size": 4', '"size": 1.7', "nodes[0].size: expected a non-negative whole number of bytes, got 1.7"),
+    # int64 arrays overflowed (slicegraph: OverflowError) and MILPs crashed on such sizes
+    ('"maxSizePerFPGA": 100', '"maxSizePerFPGA": 9223372036854775808',
+     "top level.maxSizePerFPGA: expected a whole number of bytes below 2**53 (9.0e15), got 9223372036854775808"),
+    ('"size": 4', '"size": 4611686018427387904', "nodes[0].size: expected a whole number of bytes below 2**53"),
     ('"cpuLatency": 2, "fpgaLatency": 1, "isBackwardNode": 0}', '"cpuLatency": NaN, "fpgaLatency": 1, "isBackwardNode": 0}',
      "nodes[1].cpuLatency: expected a non-negative finite number, got nan"),
     ('"fpgaLatency": 1,', '"fpgaLatency": -Infinity,', "nodes[0].fpgaLatency"),
@@ -70,6 +74,14 @@ def test_dnn_reader_names_file_and_field(tmp_path, old, new, field):
     with pytest.raises(WorkloadFormatError) as e:
         read_dnn_partitioning(path)
     assert field in str(e.value) and str(path) in str(e.value)
+
+
+def test_dnn_reader_refuses_sizes_that_add_up_past_exact_counting(tmp_path):
+    # each size is fine, together they pass 2**53 bytes, beyond which sums of bytes are not exact
+    path = _dnn(tmp_path, '"size": 4', '"size": 5000000000000000')
+    path.write_text(path.read_text().replace('"isBackwardNode": 0}]', '"isBackwardNode": 0, "size": 5000000000000000}]'))
+    with pytest.raises(WorkloadFormatError, match=r"nodes hold 10000000000000000 bytes together .*below 2\*\*53"):
+        read_dnn_partitioning(path)
 
 
 @pytest.mark.parametrize(("text", "fragment"), [

@@ -36,7 +36,9 @@ from typing import Any
 from torchplace.errors import TorchplaceError, UsageError, WorkloadFormatError  # noqa: F401 (docstring)
 
 __all__ = [
+    "MOST_BYTES",
     "brief",
+    "byte_count",
     "check_float",
     "check_int",
     "non_negative_float",
@@ -46,6 +48,10 @@ __all__ = [
 ]
 
 _FLOAT_MAX = int(sys.float_info.max)  # the largest integer a float can hold
+MOST_BYTES = 2**53
+"""Byte counts (a node's sizes, a device's memory, a graph's sizes together) must be below this,
+9.0e15 bytes (8 PiB): solvers add bytes up in floats, which hold every whole number exactly only
+below 2**53, and in int64 arrays (which 4e18 bytes overflowed)."""
 _BRIEF = 60  # characters of a value shown in a message
 
 
@@ -176,6 +182,16 @@ def positive_float(value: Any, name: str, *, unit: str = "", error: type[Torchpl
 def non_negative_int(value: Any, name: str, *, unit: str = "", error: type[TorchplaceError] = UsageError) -> int:
     """A whole number ``>= 0`` (:func:`check_int`): byte sizes, device counts."""
     return check_int(value, name, low=0, unit=unit, error=error)
+
+
+def byte_count(value: Any, name: str, *, unit: str = "of bytes", error: type[TorchplaceError] = UsageError) -> int:
+    """A whole number of bytes ``>= 0`` and below :data:`MOST_BYTES` (:func:`check_int`)."""
+    out = check_int(value, name, low=0, unit=unit, error=error)
+    if out >= MOST_BYTES:
+        raise _fail(error, name, f"a whole number {unit} below 2**53 (9.0e15)", value,
+                    ", more than the solvers count exactly; divide every size and memory limit by one "
+                    "factor (memory depends on their ratios only)")
+    return out
 
 
 def positive_int(value: Any, name: str, *, unit: str = "", error: type[TorchplaceError] = UsageError) -> int:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import networkx as nx
 
 from torchplace import machine
-from torchplace.checks import brief, non_negative_int
+from torchplace.checks import brief, byte_count
 from torchplace.errors import UsageError
 from torchplace.units import parse_bandwidth, parse_memory, parse_seconds, parse_torch_device
 
@@ -280,7 +280,7 @@ def _check_device(d: Any) -> None:
     except UsageError as e:
         raise UsageError(f"device {d.name!r}: torch_device {e}") from None
     if d.memory_bytes is not None:
-        non_negative_int(d.memory_bytes, f"device {d.name!r}: memory_bytes", unit="of bytes (or None: unlimited)")
+        byte_count(d.memory_bytes, f"device {d.name!r}: memory_bytes", unit="of bytes (None: unlimited)")
     if d.threads is not None and (isinstance(d.threads, bool) or not isinstance(d.threads, int) or d.threads < 1):
         raise UsageError(f"device {d.name!r}: threads must be a positive whole number (or None), got {brief(d.threads)}")
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import networkx as nx
 
-from torchplace.checks import brief, non_negative_float, non_negative_int
-from torchplace.errors import WorkloadFormatError
+from torchplace.checks import MOST_BYTES, brief, byte_count, non_negative_float
+from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.files import read_json, write_json
 
 __all__ = ["TMPC", "NodeRecord", "OpGraph", "SharedTensor", "saved_key", "saved_producer", "union_of_saved"]
@@ -220,7 +220,7 @@ def _texts(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _nbytes(value: Any, where: str) -> int:
-    return non_negative_int(value, where, unit="of bytes", error=WorkloadFormatError)
+    return byte_count(value, where, error=WorkloadFormatError)
 
 
 def _optional_nbytes(value: Any, where: str) -> int | None:
@@ -314,6 +314,7 @@ class OpGraph:
         self.nx = nx.DiGraph()
         self.meta: dict[str, Any] = dict(meta or {})
         self._order: list[str] | None = None
+        self._sized = False  # check_sizes passed since the last change
 
     # -- building ------------------------------------------------------------------------------
     def add_node(self, node_id: str, record: NodeRecord) -> None:
@@ -321,10 +322,12 @@ class OpGraph:
             raise ValueError(f"node {node_id!r} already exists in the graph")
         self.nx.add_node(node_id, record=record)
         self._order = None
+        self._sized = False
 
     def replace_record(self, node_id: str, record: NodeRecord) -> None:
         """Swap the record of an existing node (used by profiling to fill in times)."""
         self.nx.nodes[node_id]["record"] = record
+        self._sized = False
 
     def add_edge(self, u: str, v: str, nbytes: float | None = None) -> None:
         """Add ``u -> v``; ``nbytes`` is the edge's own transfer size where a workload gives one
@@ -413,6 +416,22 @@ class OpGraph:
     def check_dag(self) -> None:
         """Raise ValueError naming a cycle if the graph is not acyclic."""
         self.topological_order()
+
+    def check_sizes(self) -> None:
+        """Raise UsageError if the nodes' bytes together (parameters, outputs, working memory,
+        saved activations) reach :data:`~torchplace.checks.MOST_BYTES`, naming the largest node:
+        the solvers add them up exactly only below it. Checked once per change of the graph."""
+        if self._sized:
+            return
+        sizes = {v: r.param_bytes + r.output_bytes + r.temp_bytes + r.saved_bytes for v, r in self.records()}
+        total = sum(sizes.values())
+        if total >= MOST_BYTES:
+            big = max(sizes, key=sizes.__getitem__)
+            raise UsageError(
+                f"the graph's nodes hold {total} bytes together (node {big!r}: {sizes[big]}), more than the solvers "
+                "count exactly (below 2**53 = 9.0e15 bytes); divide every size and memory limit by one factor "
+                "(memory depends on their ratios only)")
+        self._sized = True
 
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -503,7 +522,7 @@ def _check_state(state: Any, source: str) -> None:
         where = f"{source}[{name!r}]"
         if not isinstance(entry, Mapping):
             raise WorkloadFormatError(f"{where}: expected an object with 'bytes', 'owner' and 'readers', got {brief(entry)}")
-        non_negative_int(entry.get("bytes"), f"{where}.bytes", unit="of bytes", error=WorkloadFormatError)
+        byte_count(entry.get("bytes"), f"{where}.bytes", error=WorkloadFormatError)
         if entry.get("owner") is not None and not isinstance(entry["owner"], str):
             raise WorkloadFormatError(f"{where}.owner: expected a node id or null, got {brief(entry['owner'])}")
         for key in ("readers", "names"):

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from torchplace.checks import brief, non_negative_float, non_negative_int
+from torchplace.checks import brief, byte_count, non_negative_float, non_negative_int
 from torchplace.devices import Cluster, Device
 from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.files import json_kind, read_json
@@ -47,7 +47,8 @@ def _number(obj: Mapping[str, Any], key: str, where: str, default: float | None 
 
 def _count(obj: Mapping[str, Any], key: str, where: str, default: int | None = None, unit: str = "") -> int:
     """A non-negative whole number (device counts, bytes): ``2.7`` is an error, never truncated."""
-    return non_negative_int(_field(obj, key, where, default), f"{where}.{key}", unit=unit, error=WorkloadFormatError)
+    check = byte_count if unit == "of bytes" else non_negative_int
+    return check(_field(obj, key, where, default), f"{where}.{key}", unit=unit, error=WorkloadFormatError)
 
 
 def _flag(obj: Mapping[str, Any], key: str, where: str) -> bool:
@@ -171,6 +172,7 @@ def read_dnn_partitioning(path: str | Path, *, accelerators: int | None = None, 
         g.add_edge(u, v)
     try:
         g.check_dag()
+        g.check_sizes()
     except ValueError as e:
         raise WorkloadFormatError(f"{path}: {e}") from None
     training = any(r.backward for _, r in g.records())

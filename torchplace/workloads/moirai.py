@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchplace.checks import brief, non_negative_int
+from torchplace.checks import brief, byte_count
 from torchplace.devices import Cluster, Device
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_text
@@ -110,7 +110,7 @@ class _Cells:
         except ValueError:
             value = self.number(col)
         try:
-            return non_negative_int(value, "", unit="of bytes")
+            return byte_count(value, "")
         except ValueError as e:
             raise self.fail(col, str(e)) from None
 

@@ -60,7 +60,7 @@ from torchplace.solvers.dp import device_classes
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
-from torchplace.solvers.milp.maxload import Units, assignment_units, row, time_unit
+from torchplace.solvers.milp.maxload import Units, assignment_units, byte_unit, row, time_unit
 from torchplace.solvers.milp.size import bottleneck_size
 from torchplace.solvers.pipelined import bounding_problem
 
@@ -103,6 +103,7 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     part = {k: (d, n) for k, (d, n) in enumerate(rest)}
     m = budgeted_model(budget, "bottleneck-set MIP")
     m.unit = unit = time_unit(units, problem)  # seconds per model time unit
+    m.mem_unit = mu = byte_unit([*units.memory, *(d.memory_bytes for d in devices if d.memory_bytes is not None)])
     # Sets
     m.U = pyo.Set(initialize=range(len(units.members)))  # units
     m.S = pyo.Set(initialize=[u for u in m.U if (u, device) in units.allowed])  # may join S
@@ -146,7 +147,7 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
     m.own_load = pyo.Constraint(expr=m.bottleneck >= s_work + s_io)  # f_c(S)
     m.floor = pyo.Constraint(expr=row(s_work >= floor / unit, "the work floor"))  # (14)
     m.memory = pyo.Constraint(expr=row(
-        sum(units.memory[u] * m.x[u] for u in m.S) <= dev.memory_bytes, "the memory")
+        sum(units.memory[u] / mu * m.x[u] for u in m.S) <= dev.memory_bytes / mu, "the memory")
         if dev.memory_bytes is not None else pyo.Constraint.Skip)
     if not guess:
         return m
@@ -163,7 +164,8 @@ def build_bottleneck(problem: Problem, units: Units, device: int, floor: float, 
         cap = devices[part[k][0]].memory_bytes
         if cap is None:
             return pyo.Constraint.Skip
-        return row(sum(units.memory[u] * Rk(u, k) for u in m.U) <= part[k][1] * cap, "the memory of a superblock")
+        return row(sum(units.memory[u] / mu * Rk(u, k) for u in m.U) <= part[k][1] * cap / mu,
+                   "the memory of a superblock")
 
     m.super_memory = pyo.Constraint(m.K, rule=super_memory)
     return m

@@ -77,7 +77,7 @@ from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
-from torchplace.solvers.milp.maxload import unit_for
+from torchplace.solvers.milp.maxload import byte_unit, unit_for
 from torchplace.solvers.milp.size import latency_size
 from torchplace.solvers.ordering import order_stages
 
@@ -197,8 +197,11 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     m.p = pyo.Param(m.V, m.J, initialize={(v, j): _finite(problem.node_time(v, dev[j])) / unit for v in lay.nodes
                                           for j in slots}, default=0.0, doc="time of v on slot j's accelerator")
     m.p_cpu = pyo.Param(m.V, initialize={v: _finite(g.record(v).time_on("cpu")) / unit for v in lay.nodes}, doc="CPU time")
-    m.mem = pyo.Param(m.V, initialize={v: g.record(v).param_bytes + g.record(v).temp_bytes for v in lay.nodes}, doc="m_v")
-    m.M = pyo.Param(m.A_MEM, initialize={a: lay.accels[a].memory_bytes for a in m.A_MEM}, doc="accelerator memory")
+    need = {v: g.record(v).param_bytes + g.record(v).temp_bytes for v in lay.nodes}
+    caps = {a: lay.accels[a].memory_bytes for a in m.A_MEM}
+    m.mem_unit = mu = byte_unit([*need.values(), *caps.values(), *([] if pool is None else [pool])])  # bytes per unit
+    m.mem = pyo.Param(m.V, initialize={v: b / mu for v, b in need.items()}, doc="m_v, in memory units")
+    m.M = pyo.Param(m.A_MEM, initialize={a: b / mu for a, b in caps.items()}, doc="accelerator memory")
     # -- Vars
     m.x = pyo.Var(m.V, m.J, domain=pyo.Binary, doc="v in slot j",
                   bounds=lambda m, v, j: (0, 1 if math.isfinite(problem.node_time(v, dev[j])) else 0))
@@ -220,7 +223,7 @@ def build(problem: Problem, *, q: int = 1, budget: Budget | None = None) -> pyo.
     m.assign = pyo.Constraint(m.V, rule=lambda m, v: sum(m.x[v, j] for j in m.J) + m.x_cpu[v] == 1)  # (1)
     m.memory = pyo.Constraint(m.A_MEM, rule=lambda m, a: sum(m.mem[v] * on(m, v, a) for v in m.V) <= m.M[a])  # (3*)
     m.cpu_memory = pyo.Constraint(  # the CPU nodes fit on the largest CPU device (_cpu_schedule then packs them)
-        rule=lambda m: sum(m.mem[v] * m.x_cpu[v] for v in m.V) <= pool if pool is not None else pyo.Constraint.Skip)
+        rule=lambda m: sum(m.mem[v] * m.x_cpu[v] for v in m.V) <= pool / mu if pool is not None else pyo.Constraint.Skip)
     m.in_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_in[u, j] >= m.x[v, j] - m.x[u, j])  # (4)
     m.out_def = pyo.Constraint(m.E, m.J, rule=lambda m, u, v, j: m.comm_out[u, j] >= m.x[u, j] - m.x[v, j])  # (5)
     m.total_def = pyo.Constraint(m.V, rule=lambda m, v: m.total >= m.latency[v])

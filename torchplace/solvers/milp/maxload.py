@@ -79,11 +79,12 @@ from torchplace.solvers.milp.highs import MilpResult, solve_model
 from torchplace.solvers.milp.size import maxload_size
 from torchplace.solvers.pipelined import solve_pipelined, training_pipeline
 
-__all__ = ["Units", "assignment_units", "build", "extract", "initialize", "model_size", "row", "solve", "stages_from_assignment", "time_unit",
-           "unit_for"]
+__all__ = ["Units", "assignment_units", "build", "byte_unit", "extract", "initialize", "model_size", "row", "solve",
+           "stages_from_assignment", "time_unit", "unit_for"]
 
 SYMMETRY = ("none", "index", "load")
 _MOST_UNITS = 1e4  # largest time, in model units, below which times are not scaled down (time_unit)
+_MOST_BYTES = 1e12  # largest byte count below which memory rows are not scaled down (byte_unit)
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     m.MEM = pyo.Set(initialize=[d for d, dev in enumerate(devices) if dev.memory_bytes is not None])
     # Params
     m.c = pyo.Param(m.P, initialize={p: problem.transfer_time(p) / m.unit for p in units.fanout})  # transfer time
-    m.cap = pyo.Param(m.MEM, initialize={d: devices[d].memory_bytes for d in m.MEM})  # bytes
+    m.mem_unit = byte_unit([*units.memory, *(devices[d].memory_bytes for d in m.MEM)])  # bytes per memory unit
+    m.cap = pyo.Param(m.MEM, initialize={d: devices[d].memory_bytes / m.mem_unit for d in m.MEM})  # memory units
     # Vars
     m.x = pyo.Var(m.A, domain=pyo.Binary)  # unit u on device d
     m.cin = pyo.Var(m.PD, bounds=(0, 1))  # CommIn: p's output is read on d but made elsewhere
@@ -274,7 +276,7 @@ def build(problem: Problem, *, contiguous: bool | None = None, symmetry: str = "
     # Constraints
     m.assign = pyo.Constraint(m.U, rule=lambda m, u: sum(m.x[u, d] for d in m.D if (u, d) in units.allowed) == 1)
     m.memory = pyo.Constraint(  # (17)
-        m.MEM, rule=lambda m, d: row(sum(units.memory[u] * m.x[u, d] for u in m.U if (u, d) in units.allowed) <= m.cap[d],
+        m.MEM, rule=lambda m, d: row(sum(units.memory[u] / m.mem_unit * m.x[u, d] for u in m.U if (u, d) in units.allowed) <= m.cap[d],
                                      f"the memory of {devices[d].name}"))
     m.comm_in = pyo.Constraint(  # (18)
         m.IN, rule=lambda m, p, w, d: m.cin[p, d] >= m.x[w, d] - units.x_or_zero(m, units.of[p], d))
@@ -309,6 +311,21 @@ def unit_for(times: Iterable[float]) -> float:
     if largest < 1.0:
         return 10.0 ** math.floor(math.log10(largest))
     return 1.0 if largest < _MOST_UNITS else 10.0 ** (math.floor(math.log10(largest)) - 3)
+
+
+def byte_unit(nbytes: Iterable[float]) -> float:
+    """Bytes per model memory unit: 1, or for byte counts of 1e12 and more a power of ten that
+    brings the largest of ``nbytes`` (memories and capacities of one model) into 1e9-1e10.
+
+    HiGHS treats a matrix coefficient of 1e15 or more as infinite (its ``large_matrix_value``):
+    memory rows of such nodes beside 0/1 rows ended in a model error read as a solution (no ``x``
+    set: KeyError in extract), or in a plan over memory. Every MILP's memory rows (this IP,
+    :mod:`~torchplace.solvers.milp.mtpp`, :mod:`~torchplace.solvers.milp.bounds`,
+    :mod:`~torchplace.solvers.milp.latency`, :mod:`~torchplace.solvers.milp.moirai`) divide bytes by
+    this unit; up to 1e12 (every real memory) they are unchanged.
+    """
+    largest = max((b for b in nbytes if 0 < b < math.inf), default=1.0)
+    return 1.0 if largest < _MOST_BYTES else 10.0 ** (math.floor(math.log10(largest)) - 9)
 
 
 def model_size(m: pyo.ConcreteModel) -> tuple[int, int]:

@@ -74,6 +74,7 @@ from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp.budgeted import budgeted_model
 from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.moirai_data import derive, port_pairs
+from torchplace.solvers.milp.maxload import byte_unit
 from torchplace.solvers.milp.size import moirai_size
 
 __all__ = ["build", "extract", "initialize", "solve"]
@@ -134,8 +135,9 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
     m.p = pyo.Param(m.A, initialize=data.p)  # p_ik
     m.pc = pyo.Param(m.W, initialize=data.link)  # p^comm_{u k' d}
     m.longest = pyo.Param(m.T, initialize=data.longest)  # max_k' p^comm_{u k' d}
-    m.mem = pyo.Param(m.V, initialize=data.memory)  # m_i
-    m.cap = pyo.Param(m.Cap, initialize=data.capacity)  # Mem_k
+    m.mem_unit = mu = byte_unit([*data.memory.values(), *data.capacity.values()])  # bytes per memory unit
+    m.mem = pyo.Param(m.V, initialize={v: b / mu for v, b in data.memory.items()})  # m_i
+    m.cap = pyo.Param(m.Cap, initialize={k: b / mu for k, b in data.capacity.items()})  # Mem_k
     # Vars
     m.x = pyo.Var(m.A, domain=pyo.Binary)  # x_ik: node i on device k
     m.S = pyo.Var(m.V, bounds=(0, H))  # start time S_i

@@ -52,6 +52,7 @@ from torchplace.solvers.milp.highs import solve_model
 from torchplace.solvers.milp.maxload import (
     Units,
     assignment_units,
+    byte_unit,
     model_size,
     row,
     time_unit,
@@ -103,6 +104,7 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
     pays = [devices[d].pays_transfer for d in rep]
     total_mem = sum(units.memory)
     cap = [min(devices[d].memory_bytes, total_mem) if devices[d].memory_bytes is not None else total_mem for d in rep]
+    mu = byte_unit([*units.memory, *cap])  # bytes per memory unit
     if k == 1 and cap[0] < total_mem:  # one block holds every unit: its memory row is a constant (no Pyomo rule raises)
         raise InfeasibleError(f"the graph needs {total_mem} bytes on its one device {devices[0].name!r}, which has "
                               f"{cap[0]}: raise max_memory to at least {total_mem} bytes, or add a device",
@@ -153,7 +155,7 @@ def build(problem: Problem, *, budget: Budget | None = None) -> pyo.ConcreteMode
         m.B, m.C, rule=lambda m, b, c: m.bottleneck >= sum(times[c][u] * X(u, b) for u in m.U)
         + (m.comm[b] if pays[c] else 0) - (big[c] * (1 - m.w[b, c]) if multi else 0))
     m.memory = pyo.Constraint(
-        m.B, rule=lambda m, b: row(sum(units.memory[u] * X(u, b) for u in m.U) <= sum(cap[c] * W(b, c) for c in m.C),
+        m.B, rule=lambda m, b: row(sum(units.memory[u] / mu * X(u, b) for u in m.U) <= sum(cap[c] / mu * W(b, c) for c in m.C),
                                    "the memory of the devices") if min(cap) < total_mem else pyo.Constraint.Skip)
     m.support = pyo.Constraint(  # a unit only on a block whose class can run it
         m.U, m.B, rule=lambda m, u, b: row(X(u, b) <= sum(W(b, c) for c in m.C if u in ok[c]), "device support")
