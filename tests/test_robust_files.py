@@ -63,6 +63,9 @@ def test_dnn_whole_floats_are_counts(tmp_path):
     ('"cpuLatency": 2, "fpgaLatency": 1, "isBackwardNode": 0}', '"cpuLatency": NaN, "fpgaLatency": 1, "isBackwardNode": 0}',
      "nodes[1].cpuLatency: expected a non-negative finite number, got nan"),
     ('"fpgaLatency": 1,', '"fpgaLatency": -Infinity,', "nodes[0].fpgaLatency"),
+    # sums of such times overflowed: OverflowError in fsum, dp's "raise max_memory to at least 0 bytes"
+    ('"fpgaLatency": 1,', '"fpgaLatency": 1.7e308,', "nodes[0].fpgaLatency: expected a number of seconds up to 1e+100, got 1.7e+308"),
+    ('"cost": 0.5', '"cost": 1e200', "edges[0].cost: expected a number of seconds up to 1e+100"),
     ('"cost": 0.5', '"cost": 1e400', "edges[0].cost"),
     ('"size": 3.5', '"size": NaN', "edges[0].size"),
     ('"sourceId": 1', '"sourceId": [1]', "edges[0].sourceId: [1] is not the id of any node"),
@@ -74,6 +77,17 @@ def test_dnn_reader_names_file_and_field(tmp_path, old, new, field):
     with pytest.raises(WorkloadFormatError) as e:
         read_dnn_partitioning(path)
     assert field in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("record", [NodeRecord("a", times={"cpu": 1.7e308}), NodeRecord("a", transfer_time=1e101),
+                                    NodeRecord("a", times={"cpu": 1.0}, link_times={"c->d": 1e300})])
+def test_a_problem_refuses_times_whose_sums_overflow_naming_the_node(record):
+    g = OpGraph()
+    g.add_node("a", record)
+    with pytest.raises(UsageError, match=r"node 'a': .* s, more than 1e\+100 s, so large that sums of times overflow"):
+        Problem(g, Cluster((Device("c", "cpu", "cpu"), Device("d", "cpu", "cpu"))))
+    g.replace_record("a", NodeRecord("a", times={"cpu": 1e100}, transfer_time=1e100))
+    assert dp.solve(Problem(g, Cluster((Device("c", "cpu", "cpu"),)))).objective == 1e100
 
 
 def test_dnn_reader_refuses_sizes_that_add_up_past_exact_counting(tmp_path):

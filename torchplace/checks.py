@@ -39,6 +39,8 @@ __all__ = [
     "MOST_BYTES",
     "brief",
     "byte_count",
+    "MOST_SECONDS",
+    "seconds",
     "check_float",
     "check_int",
     "non_negative_float",
@@ -52,6 +54,10 @@ MOST_BYTES = 2**53
 """Byte counts (a node's sizes, a device's memory, a graph's sizes together) must be below this,
 9.0e15 bytes (8 PiB): solvers add bytes up in floats, which hold every whole number exactly only
 below 2**53, and in int64 arrays (which 4e18 bytes overflowed)."""
+MOST_SECONDS = 1e100
+"""Times (a node's seconds on a kind, a transfer's) must be at most this: solvers add up the times
+of a whole graph, and sums of times near the float maximum (1.7e308) overflowed (OverflowError in
+``fsum``, ``inf`` read as "no split"); below it a sum of 1e200 of them stays finite."""
 _BRIEF = 60  # characters of a value shown in a message
 
 
@@ -191,6 +197,15 @@ def byte_count(value: Any, name: str, *, unit: str = "of bytes", error: type[Tor
         raise _fail(error, name, f"a whole number {unit} below 2**53 (9.0e15)", value,
                     ", more than the solvers count exactly; divide every size and memory limit by one "
                     "factor (memory depends on their ratios only)")
+    return out
+
+
+def seconds(value: Any, name: str, *, unit: str = "of seconds", error: type[TorchplaceError] = UsageError) -> float:
+    """A finite number ``>= 0`` and at most :data:`MOST_SECONDS` (:func:`check_float`): times."""
+    out = check_float(value, name, low=0.0, unit=unit, error=error)
+    if out > MOST_SECONDS:
+        raise _fail(error, name, "a number of seconds up to 1e+100", value,
+                    ", so large that sums of such times overflow; give times in a larger unit")
     return out
 
 

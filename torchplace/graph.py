@@ -16,7 +16,7 @@ from typing import Any
 
 import networkx as nx
 
-from torchplace.checks import MOST_BYTES, brief, byte_count, non_negative_float
+from torchplace.checks import MOST_BYTES, MOST_SECONDS, brief, byte_count, non_negative_float, seconds
 from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.files import read_json, write_json
 
@@ -228,7 +228,7 @@ def _optional_nbytes(value: Any, where: str) -> int | None:
 
 
 def _seconds(value: Any, where: str) -> float:
-    return non_negative_float(value, where, unit="of seconds", error=WorkloadFormatError)
+    return seconds(value, where, error=WorkloadFormatError)
 
 
 def _optional_seconds(value: Any, where: str) -> float | None:
@@ -314,7 +314,7 @@ class OpGraph:
         self.nx = nx.DiGraph()
         self.meta: dict[str, Any] = dict(meta or {})
         self._order: list[str] | None = None
-        self._sized = False  # check_sizes passed since the last change
+        self._sized = False  # check_numbers passed since the last change
 
     # -- building ------------------------------------------------------------------------------
     def add_node(self, node_id: str, record: NodeRecord) -> None:
@@ -417,12 +417,21 @@ class OpGraph:
         """Raise ValueError naming a cycle if the graph is not acyclic."""
         self.topological_order()
 
-    def check_sizes(self) -> None:
-        """Raise UsageError if the nodes' bytes together (parameters, outputs, working memory,
-        saved activations) reach :data:`~torchplace.checks.MOST_BYTES`, naming the largest node:
-        the solvers add them up exactly only below it. Checked once per change of the graph."""
+    def check_numbers(self) -> None:
+        """Raise UsageError naming the node if a finite time (on a kind, of a transfer) is above
+        :data:`~torchplace.checks.MOST_SECONDS` (sums of such times overflow), or if the nodes'
+        bytes together (parameters, outputs, working memory, saved activations) reach
+        :data:`~torchplace.checks.MOST_BYTES`, naming the largest node: the solvers add bytes up
+        exactly only below it. Checked once per change of the graph."""
         if self._sized:
             return
+        for v, r in self.records():
+            times = {**{f"times[{k!r}]": t for k, t in r.times.items()}, "transfer_time": r.transfer_time,
+                     **{f"link_times[{k!r}]": t for k, t in r.link_times.items()}}
+            for what, t in times.items():
+                if t is not None and MOST_SECONDS < t < math.inf:
+                    raise UsageError(f"node {v!r}: {what} is {t!r} s, more than 1e+100 s, so large that sums of "
+                                     "times overflow; give times in a larger unit")
         sizes = {v: r.param_bytes + r.output_bytes + r.temp_bytes + r.saved_bytes for v, r in self.records()}
         total = sum(sizes.values())
         if total >= MOST_BYTES:

@@ -143,7 +143,7 @@ class Problem:
         if self.mode not in ("inference", "training"):
             raise ValueError(f"mode must be 'inference' or 'training', got {self.mode!r}")
         self.graph.check_dag()
-        self.graph.check_sizes()
+        self.graph.check_numbers()
 
     def transfer_time(self, node: str) -> float:
         """Seconds to move ``node``'s output across a device boundary (paid once per crossing side)."""

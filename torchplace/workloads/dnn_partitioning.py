@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from torchplace.checks import brief, byte_count, non_negative_float, non_negative_int
+from torchplace.checks import brief, byte_count, non_negative_float, non_negative_int, seconds
 from torchplace.devices import Cluster, Device
 from torchplace.errors import UsageError, WorkloadFormatError
 from torchplace.files import json_kind, read_json
@@ -41,8 +41,8 @@ def _field(obj: Mapping[str, Any], key: str, where: str, default: Any = None) ->
 
 
 def _number(obj: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
-    """A finite non-negative number (times, costs)."""
-    return non_negative_float(_field(obj, key, where, default), f"{where}.{key}", error=WorkloadFormatError)
+    """A finite non-negative number of seconds, at most MOST_SECONDS (times, costs)."""
+    return seconds(_field(obj, key, where, default), f"{where}.{key}", unit="", error=WorkloadFormatError)
 
 
 def _count(obj: Mapping[str, Any], key: str, where: str, default: int | None = None, unit: str = "") -> int:
@@ -93,7 +93,7 @@ def _edge_costs(edges: list[Any], ids: set[str], path: str) -> tuple[list[tuple[
         u, v = ends
         c = _number(e, "cost", where)
         if "size" in e:
-            _number(e, "size", where)  # unused, but a bad field is a bad file
+            non_negative_float(e["size"], f"{where}.size", error=WorkloadFormatError)  # unused, but a bad field is a bad file
         if u in cost and abs(cost[u] - c) > 1e-6 * max(1.0, abs(c)):
             raise WorkloadFormatError(
                 f"{where}.cost: node {u} has out-edges with different costs ({cost[u]} and {c}); "
@@ -172,7 +172,7 @@ def read_dnn_partitioning(path: str | Path, *, accelerators: int | None = None, 
         g.add_edge(u, v)
     try:
         g.check_dag()
-        g.check_sizes()
+        g.check_numbers()
     except ValueError as e:
         raise WorkloadFormatError(f"{path}: {e}") from None
     training = any(r.backward for _, r in g.records())
