@@ -471,3 +471,26 @@ def test_a_phase_that_stops_is_reported_against_the_users_time_limit():
         solve_live(problem, stops, 2.0)
     assert caught.value.time_limit == 2.0 and caught.value.bound == 0.5
     assert limits.in_phases(SolverLimitError("x", 2.0), 2.0, "how").args == ("x",)  # already the user's: kept
+
+
+@pytest.mark.parametrize(("highs_bound", "known", "said"), [(None, 0.0, None), (None, 2.0, "2"), (1.0, 2.0, "2"),
+                                                            (3000.0, 2.0, "3")])
+def test_a_stopped_milp_names_only_a_bound_it_proved(monkeypatch, highs_bound, known, said):
+    """The message said "proven lower bound None s" where HiGHS had none; a combinatorial bound
+    the caller proved (the max-load IP's simple bound) is named instead, and carried."""
+
+    class Stopped:
+        termination_condition = highs._TC.maxTimeLimit
+        best_objective_bound, best_feasible_objective = highs_bound, None
+
+    monkeypatch.setattr(highs._BudgetedHighs, "solve", lambda self, model: Stopped())
+    m = pyo.ConcreteModel()
+    m.x = pyo.Var(bounds=(0, 1), domain=pyo.Binary)
+    m.obj = pyo.Objective(expr=m.x)
+    with pytest.raises(SolverLimitError) as e:
+        highs.solve_model(m, name="test model", time_limit=1.0, unit=1e-3, known_bound=known)
+    assert "None" not in str(e.value)
+    if said is None:
+        assert "proven lower bound" not in str(e.value) and e.value.bound is None
+    else:
+        assert f"(proven lower bound {said} s)" in str(e.value) and e.value.bound == pytest.approx(float(said))

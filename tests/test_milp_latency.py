@@ -420,3 +420,21 @@ def test_latency_ip_and_moirai_hold_at_petabyte_memories():
     for solve in (latency.solve, moirai.solve):
         small, huge = (solve(_petabyte_chain(scale, "latency")) for scale in (1e6, 1e15))
         assert huge.objective == pytest.approx(small.objective, rel=1e-9)
+
+
+def test_q1_on_a_training_graph_says_to_raise_q_before_memory():
+    # f0 and b0 run only on kind A, f1 and b1 only on B: with q=1 A's one subgraph {f0, b0} is
+    # not contiguous (f0 -> f1 -> b1 -> b0), whatever the memory (unlimited here). The message
+    # blamed memory ("accelerators hold [None, None] bytes; raise max_memory").
+    g = OpGraph()
+    for name, kind, color in (("f0", "A", "c0"), ("f1", "B", "c1"), ("b1", "B", "c1"), ("b0", "A", "c0")):
+        g.add_node(name, NodeRecord(name, times={kind: 1.0}, transfer_time=0.5, colocation=color,
+                                    backward=name.startswith("b")))
+    for u, v in (("f0", "f1"), ("f1", "b1"), ("b1", "b0")):
+        g.add_edge(u, v)
+    p = Problem(g, Cluster((Device("a", "meta", "A"), Device("b", "meta", "B"))), objective="latency",
+                mode="training", contiguous=False)
+    with pytest.raises(InfeasibleError, match=r"with q=1 an accelerator holds one contiguous subgraph.*raise q to 2") as e:
+        latency.solve(p, q=1)
+    assert "['unlimited', 'unlimited']" in str(e.value) and "None" not in str(e.value)
+    assert latency.solve(p, q=2).objective > 0

@@ -422,6 +422,23 @@ def test_unit_that_fits_nowhere_is_infeasible():
         maxload.solve(problem)
 
 
+@pytest.mark.parametrize("method", ["dp", "ip", "slicegraph"])
+def test_a_node_no_kind_present_runs_names_the_kind_it_has_times_for(method):
+    # With a CPU present and a node timed on 'cuda' only, the advice was "add a device of a kind
+    # that can run them, e.g. 'cpu'".
+    from torchplace.solvers import solve
+
+    g = OpGraph()
+    g.add_node("a", NodeRecord("a", times={"cpu": 1.0}))
+    g.add_node("b", NodeRecord("b", times={"cuda": 1.0, "tpu": 2.0}))
+    g.add_edge("a", "b")
+    problem = Problem(g, Cluster((Device("cpu0", "cpu", "cpu"),)))
+    with pytest.raises(InfeasibleError, match=r"add a device of kind 'cuda' \(they have times for \['cuda', 'tpu'\]\), "
+                                              r"or give them a time on 'cpu'") as e:
+        solve(problem, method)
+    assert "e.g. 'cpu'" not in str(e.value)
+
+
 def test_time_limit_holds_on_an_operator_graph(workloads_dir):
     """BERT-6 operators non-contiguous (about a minute to prove optimal here): HiGHS stops at the limit
     with a valid plan and a proven bound.

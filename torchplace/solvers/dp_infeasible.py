@@ -58,6 +58,23 @@ def explain(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[i
     return InfeasibleError(_message(problem, classes, int(need), fixes), min_memory_bytes=int(need))
 
 
+def kind_fix(problem: Problem, nodes: Sequence[str]) -> str:
+    """What to do about ``nodes`` (one colocation group) that no device kind of the cluster can run:
+    add a device of a kind all of them have a time for, or give them a time on a kind present.
+
+    Example: with only a CPU, for a node timed on ``"cuda"`` only: "add a device of kind 'cuda'
+    (they have times for ['cuda']), or give them a time on 'cpu'"."""
+    present = sorted({d.kind for d in problem.cluster.devices})
+    timed = [set(problem.graph.record(v).times) for v in nodes]
+    common = sorted(set.intersection(*timed)) if timed else []
+    on = f"give them a time on {present[0]!r}" if len(present) == 1 else f"give them times on one of {present}"
+    if common:
+        return f"add a device of kind {common[0]!r} (they have times for {common}), or {on}"
+    if any(timed):
+        return f"no one kind has a time for all of them (colocated operators share a device): {on}"
+    return f"they have no time on any kind: {on}"
+
+
 def _no_split(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence[int], pipeline: Pipeline | None,
               value: Value) -> InfeasibleError:
     """The error when no contiguous split exists whatever the memory: operators (colocation groups)
@@ -74,7 +91,7 @@ def _no_split(problem: Problem, classes: Sequence[DeviceClass], counts: Sequence
     if stuck:
         return InfeasibleError(
             f"some operators cannot run on any of the given devices (no measured time for their kind, e.g. "
-            f"{stuck[0][:5]}, for the kinds {sorted(kinds)}); add a device of a kind that can run them, e.g. 'cpu'")
+            f"{stuck[0][:5]}, for the kinds {sorted(kinds)}); {kind_fix(problem, stuck[0])}")
     try:
         fixes = _device_fixes(classes, counts, pipeline, value)
     except SolverLimitError:

@@ -56,6 +56,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import pieces_to_stages
+from torchplace.solvers.dp_infeasible import kind_fix
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.ordering import order_stages
 from torchplace.solvers.paircosts import training_pipeline
@@ -206,7 +207,7 @@ def _infeasible(problem: Problem, inst: _Instance, order: np.ndarray | None, sea
         names = [v for i in stuck[:3] for v in inst.con.nodes[i].members][:5]
         return InfeasibleError(
             f"operators {names} (with their colocated group) cannot run on any device kind of the cluster "
-            f"{kinds}; add a device of a kind that can run them, e.g. 'cpu'"
+            f"{kinds}; {kind_fix(problem, inst.con.nodes[stuck[0]].members)}"
         )
     caps = sorted({c.memory for c in inst.classes if c.memory is not None})
     if training_pipeline(problem) is not None:

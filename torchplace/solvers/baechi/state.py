@@ -30,6 +30,7 @@ from torchplace.errors import InfeasibleError
 from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.solvers.baechi.memsim import simulate_memory
+from torchplace.solvers.dp_infeasible import kind_fix
 
 __all__ = ["ListState", "check_latency"]
 
@@ -129,7 +130,7 @@ class ListState:
         what = f"node {v!r}" if k.startswith("n:") else f"node {v!r} (colocation group {k[2:]!r}, {len(self.members[k])} nodes)"
         if not self.runs[k]:
             return InfeasibleError(f"{solver}: {what} cannot run on any device (no time for their kinds); "
-                                   "add a device of a kind that can run it")
+                                   f"{kind_fix(self.problem, self.members[k])}")
         free = ", ".join(f"{d} {self.free(d):.0f}" for d in sorted(self.runs[k]))
         return InfeasibleError(
             f"{solver}: {what} needs {self.need[k]} bytes but the devices that can run it have only "

@@ -163,6 +163,7 @@ def solve_model(
     presolve: bool = True,
     budget: Budget | None = None,
     unit: float = 1.0,
+    known_bound: float = 0.0,
 ) -> MilpResult:
     """Minimise ``model`` with HiGHS and load the incumbent into its variables.
 
@@ -179,6 +180,9 @@ def solve_model(
         unit: seconds per unit of the model's objective. The result is in model units; the bound
             a :class:`~torchplace.errors.SolverLimitError` carries (and its message) is in seconds,
             as every caller of a solver reads it.
+        known_bound: a lower bound in seconds the caller has proven otherwise (a combinatorial
+            one): the bound a SolverLimitError carries is at least it, and its message names one
+            only where one is proven (HiGHS's or this).
 
     Raises:
         InfeasibleError: if HiGHS proves the model infeasible.
@@ -234,10 +238,11 @@ def solve_model(
     incumbent = res.best_feasible_objective
     if incumbent is None or not math.isfinite(incumbent):
         if tc == _TC.maxTimeLimit:
-            seconds_bound = None if bound is None else bound * unit
+            seconds_bound = max(bound * unit, known_bound) if bound is not None else known_bound or None
+            proven = "" if seconds_bound is None else f" (proven lower bound {seconds_bound:.6g} s)"
             raise SolverLimitError(
-                f"{name}: no feasible placement found within the {time_limit} s time limit "
-                f"(proven lower bound {seconds_bound} s); raise the time limit or use a heuristic method",
+                f"{name}: no feasible placement found within the {time_limit} s time limit{proven}; raise the "
+                "time limit or use a heuristic method",
                 time_limit, seconds_bound,
             )
         raise _failed(name, tc, solver, retried)

@@ -73,6 +73,7 @@ from torchplace.errors import InfeasibleError, ModelTooLargeError, SolverLimitEr
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import latency_lower_bound
+from torchplace.solvers.dp_infeasible import kind_fix
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.budgeted import budgeted_model
@@ -120,7 +121,8 @@ def _check(problem: Problem, q: int) -> None:
     nowhere = [v for v, r in problem.graph.records()
                if all(math.isinf(problem.node_time(v, d)) for d in problem.cluster.devices)]
     if nowhere:
-        raise InfeasibleError(f"nodes {nowhere[:5]} cannot run on any device of the cluster (no time for its kinds)")
+        raise InfeasibleError(f"nodes {nowhere[:5]} cannot run on any device of the cluster (no time for its kinds); "
+                              f"for {nowhere[0]!r}: {kind_fix(problem, nowhere[:1])}")
 
 
 def _big_m(problem: Problem, lay: _Layout) -> float:
@@ -546,12 +548,20 @@ def _infeasible(problem: Problem, q: int) -> InfeasibleError:
     g = problem.graph
     accel_only = sum(r.param_bytes + r.temp_bytes for v, r in g.records()
                      if "cpu" not in r.times or all(d.pays_transfer for d in problem.cluster.devices))
-    caps = [d.memory_bytes for d in problem.cluster.devices if d.pays_transfer]
+    caps = ["unlimited" if d.memory_bytes is None else d.memory_bytes for d in problem.cluster.devices if d.pays_transfer]
     pool = _cpu_pool(_layout(problem, q))
     cpus = "" if pool is None else f", the CPU nodes together at most {pool} bytes (the largest CPU device's)"
+    memory = (f"nodes that must go to an accelerator need {accel_only} bytes, the accelerators hold {caps} "
+              f"bytes{cpus}")
+    if q == 1 and problem.mode == "training":
+        return InfeasibleError(
+            f"latency IP (q=1): no placement meets memory, colocation and contiguity; with q=1 an accelerator "
+            "holds one contiguous subgraph, and a training graph's forward and colocated backward nodes are "
+            "rarely one (the nodes between them would have to come too): raise q to 2 (solve(problem, 'latency-ip', "
+            f"q=2)), or use method 'moirai' (any placement); if that fails too, look at memory: {memory}"
+        )
     return InfeasibleError(
-        f"latency IP (q={q}): no placement meets memory, colocation and contiguity; nodes that must go to an "
-        f"accelerator need {accel_only} bytes, the accelerators hold {caps} bytes{cpus}; raise max_memory, add "
-        "devices, raise q (more subgraphs per accelerator relax contiguity), or use method 'moirai' (any "
+        f"latency IP (q={q}): no placement meets memory, colocation and contiguity; {memory}; raise max_memory, "
+        "add devices, raise q (more subgraphs per accelerator relax contiguity), or use method 'moirai' (any "
         "placement, each node on one device)"
     )

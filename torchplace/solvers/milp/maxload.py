@@ -71,6 +71,7 @@ from torchplace.plan import Plan
 from torchplace.problem import Problem
 from torchplace.solvers.bounds import simple_lower_bound
 from torchplace.solvers.dp import device_classes
+from torchplace.solvers.dp_infeasible import kind_fix
 from torchplace.solvers.limits import Budget
 from torchplace.solvers.milp import contiguity
 from torchplace.solvers.milp.budgeted import budgeted_model
@@ -145,7 +146,7 @@ def assignment_units(problem: Problem) -> Units:
         if not any(math.isfinite(t) for t in times[u]):
             raise InfeasibleError(
                 f"nodes {grp[:5]} (one colocation group) can run on none of the device kinds "
-                f"{sorted({d.kind for d in devices})}: add a device of a kind that can run them, e.g. 'cpu'")
+                f"{sorted({d.kind for d in devices})}: {kind_fix(problem, grp)}")
     for u, grp in enumerate(groups):
         if not any((u, i) in allowed for i in range(len(devices))):
             # a floor, not a memory that fits (the other units need room too): no min_memory_bytes
@@ -467,7 +468,7 @@ def solve(
             initialize(m, target, warm_start.assignment, symmetry)
         build_seconds = budget.elapsed()
         scaled = solve_model(m, name="max-load IP", mip_gap=mip_gap, budget=budget, unit=m.unit,
-                             warm_start=warm_start is not None)
+                             warm_start=warm_start is not None, known_bound=simple_lower_bound(target))
     except SolverLimitError as e:
         if warm_start is None or isinstance(e, ModelTooLargeError):
             raise

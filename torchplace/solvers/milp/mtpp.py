@@ -211,7 +211,8 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     budget = Budget("MTPP MIP", time_limit)
     m = build(problem, budget=budget)
     build_seconds = budget.elapsed()
-    scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget, unit=m.unit)
+    scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget, unit=m.unit,
+                         known_bound=simple_lower_bound(problem))
     res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
