@@ -455,6 +455,24 @@ def test_a_warm_started_maxload_ip_stopped_before_its_first_incumbent_returns_th
         maxload.solve(problem, time_limit=60)
 
 
+def test_method_ip_starts_highs_from_autos_contiguous_plan(workloads_dir, monkeypatch):
+    """Method "ip" handed HiGHS no start: where HiGHS finds no placement in time (ResNet-50's layer
+    graph, BERT-6's and ResNet-50's training operator graphs at 30 s) it raised SolverLimitError,
+    while "auto" had a plan in a second. Now the start is the DP's plan here, and the IP returns it
+    when stopped before its first incumbent, or something at least as good."""
+    problem = _read("LayerGraphs/bert24_inference.json", "throughput")
+    best = solve(problem, method="dp")
+    given = []
+    real = maxload.solve
+    monkeypatch.setattr(maxload, "solve", lambda p, **kw: given.append(kw["warm_start"]) or real(p, **kw))
+    plan = solve(problem, method="ip", time_limit=60)
+    assert given[0] is not None and given[0].stages == best.stages
+    assert plan.status == "optimal" and plan.objective <= best.objective * (1 + 1e-9)
+    _stop_before_the_first_incumbent(maxload, monkeypatch)
+    plan = solve(problem, method="ip", time_limit=60)
+    assert (plan.status, plan.stages) == ("time_limit", best.stages) and "stopped" in plan.meta["stopped"]
+
+
 def test_a_phase_that_stops_is_reported_against_the_users_time_limit():
     """Liveness solves in phases, each with a share of the time: the error named the share (0.5 s)
     that the user never set, where the user had given 2 s."""

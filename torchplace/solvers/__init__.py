@@ -51,7 +51,7 @@ METHODS: dict[str, Method] = {
                          "SliceGraph over random topological orders (Archer 4)"),
     "brkga": Method("torchplace.solvers.brkga:solve", "throughput",
                     "BRKGA search over orders, decoded by SliceGraph (Archer C.1)"),
-    "ip": Method("torchplace.solvers.milp.maxload:solve", "throughput",
+    "ip": Method("torchplace.solvers.milp.maxload:solve_started", "throughput",
                  "max-load MILP, contiguous or not (Tarnawski App. C)"),
     "mtpp": Method("torchplace.solvers.milp.mtpp:solve", "throughput",
                    "exact MTPP MIP for identical accelerators (Archer 3.1)"),

@@ -49,7 +49,7 @@ from torchplace.solvers.cut_bound import cut_lower_bound
 from torchplace.solvers.limits import stop_if_interrupted
 from torchplace.solvers.polish import polish
 
-__all__ = ["BRKGA_PATIENCE", "DEFAULT_TIME_LIMIT", "MILP_NODES", "solve_auto"]
+__all__ = ["BRKGA_PATIENCE", "DEFAULT_TIME_LIMIT", "MILP_NODES", "contiguous_plan", "solve_auto"]
 
 DEFAULT_TIME_LIMIT = 30.0
 """Seconds ``auto`` takes in all when the caller sets no limit."""
@@ -197,7 +197,7 @@ def _noncontiguous_only(problem: Problem, deadline: float, bounds: str, milp_nod
     plans: list[Plan] = []
     proven: list[float] = [cut_lower_bound(problem, time_limit=_remaining(deadline) * CUT_BOUND_SHARE)]
     try:
-        _run_milp("ip", problem, deadline, tried, plans, proven)
+        _run_milp("ip", problem, deadline, tried, plans, proven, find_start=False)  # none is contiguous
     except InfeasibleError as e:  # what the contiguous split's error says would fit still does
         raise InfeasibleError(f"no split fits ({e}); no contiguous one either: {error}", error.min_memory_bytes) from e
     if not plans:
@@ -264,6 +264,16 @@ def _contiguous_plan(problem: Problem, deadline: float, limit: float, tried: dic
                                "the time limit, or coarsen the graph (place(..., fuse=True) or granularity='module')",
                                limit)
     return min(plans, key=lambda p: p.objective)
+
+
+def contiguous_plan(problem: Problem, seconds: float) -> Plan:
+    """The contiguous plan ``auto`` starts from (:func:`_contiguous_plan`) within ``seconds``: the
+    max-load IP's start (:func:`torchplace.solvers.milp.maxload.solve_started`).
+
+    Raises:
+        InfeasibleError, SolverLimitError: as :func:`_contiguous_plan`.
+    """
+    return _contiguous_plan(problem, time.perf_counter() + seconds, seconds, {}, {})
 
 
 def _run_milp(name: str, problem: Problem, deadline: float, tried: dict[str, Any], plans: list[Plan],
