@@ -37,16 +37,16 @@ from torchplace.errors import TorchplaceError, UsageError, WorkloadFormatError  
 
 __all__ = [
     "MOST_BYTES",
+    "MOST_SECONDS",
     "brief",
     "byte_count",
-    "MOST_SECONDS",
-    "seconds",
     "check_float",
     "check_int",
     "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "seconds",
 ]
 
 _FLOAT_MAX = int(sys.float_info.max)  # the largest integer a float can hold
