@@ -40,6 +40,7 @@ from torchplace.errors import TorchplaceError
 
 WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
 BERT24 = WORKLOADS / "dnn-partitioning" / "throughput" / "LayerGraphs" / "bert24_inference.json"
+MOIRAI = WORKLOADS / "moirai" / "example-1__instances.csv"
 BERT12 = WORKLOADS / "dnn-partitioning" / "throughput" / "OperatorGraphs" / "bert_l-12_inference.json"
 QUICK = {"progress": False, "repeats": 1, "warmup": 0}
 DEVICES = ["cpu:0", "cpu:1"]
@@ -135,6 +136,23 @@ class _FixedBatch(nn.Module):
 
     def forward(self, x):
         return self.a(x).view(6, 2, 4).sum(1)  # the example's batch size, baked in
+
+
+@dataclass
+class _Halves:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class _ReturnsADataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return _Halves(h, self.b(h))  # torch's pytree does not know the class: micro-batches cannot join it
 
 
 def _x(batch: int = 6) -> torch.Tensor:
@@ -259,6 +277,10 @@ def cases(tmp: Path) -> list[Case]:
     add("place", "plan of another model", lambda: _place(_mlp(), plan=_place(_Identity()).plan))
     add("place", "data-dependent control flow", lambda: _place(_Branchy()))
     add("place", "model fixes its batch size, microbatches=3", lambda: _place(_FixedBatch(), microbatches=3))
+    add("place", "schedule='gpipe' without mode='training'", lambda: _place(_mlp(), schedule="gpipe"))
+    add("place", "buffer counter, microbatches=3", lambda: _place(_Counter(), microbatches=3))
+    add("place", "dataclass output (fx), microbatches=3",
+        lambda: _place(_ReturnsADataclass(), microbatches=3, trace_method="fx"))
     for devices in ([], ["potato"], ["cuda:7"], ["cpu:0", "cpu:0"], "cpu:0", [3]):
         add("devices", f"devices={devices!r}", lambda d=devices: _place(_mlp(), devices=d))
     for cap in ("lots", -1, float("nan"), "1.5 apples", 10**400):
@@ -271,6 +293,7 @@ def cases(tmp: Path) -> list[Case]:
     # valid but unusual inputs: the result must equal eager PyTorch's
     add("valid", "one tensor as example_inputs", lambda: _same(_mlp, lambda: _x()))
     add("valid", "keyword example inputs", lambda: _same_kwargs())
+    add("valid", "keyword at its default left out (export)", lambda: _same_default_left_out())
     add("valid", "identity model (no operators)", lambda: _same(_Identity, lambda: (_x(),)))
     add("valid", "relu_ after a read (issue repro)", lambda: _same(_ReluAfterRead, lambda: (_x(),), devices=["cpu:0", "cpu:1", "cpu:2"]))
     add("valid", "model writes its input", lambda: _same(_WritesInput, lambda: (_x(),)))
@@ -309,6 +332,7 @@ def cases(tmp: Path) -> list[Case]:
     for option, value in (("--batch", "-2"), ("--microbatches", "2.5"), ("--devices", "potato")):
         add("cli", f"plan mlp {option} {value}", lambda o=option, v=value: _cli(["plan", "mlp", o, v]))
     add("cli", "unknown method", lambda: _cli(["solve", str(BERT24), "--method", "simplex"]))
+    add("cli", "solve a latency workload --ideal-limit 5", lambda: _cli(["solve", str(MOIRAI), "--ideal-limit", "5"]))
     add("cli", "moirai MILP on bert_l-12 operators, --time-limit 5",
         lambda: _cli(["solve", str(BERT12), "--method", "moirai", "--objective", "latency", "--time-limit", "5"]))
     return out
@@ -335,6 +359,14 @@ def _same_kwargs() -> None:
     placed = _place(model, (_x(),), example_kwargs={"scale": scale})
     with torch.no_grad():
         if not torch.equal(placed(_x(), scale=scale), model(_x(), scale=scale)):
+            raise _Wrong("differs from eager PyTorch")
+
+
+def _same_default_left_out() -> None:
+    model = _Scaled().eval()
+    placed = _place(model, (_x(),), example_kwargs={"scale": None}, trace_method="export")
+    with torch.no_grad():
+        if not torch.equal(placed(_x()), model(_x())):
             raise _Wrong("differs from eager PyTorch")
 
 
