@@ -28,6 +28,20 @@ def diamond(branch: float, transfer: float, **problem: object) -> Problem:
     return Problem(g, Cluster(devices), **problem)
 
 
+def scaled_chain(scale: float, **problem: object) -> Problem:
+    """0 -> 1 -> 2 on two accelerators and a CPU, times a multiple of ``scale`` (node i: (i+1) on
+    the CPU, (3-i) on an accelerator, ``scale`` to move its output): a solver that does not scale
+    times breaks at nanosecond counts (1e9) and beyond; ``problem``: the Problem's other fields."""
+    g = OpGraph()
+    for i in range(3):
+        g.add_node(str(i), NodeRecord(str(i), times={"cpu": (i + 1) * scale, "accel": (3 - i) * scale},
+                                      transfer_time=scale))
+    g.add_edge("0", "1")
+    g.add_edge("1", "2")
+    devices = (Device("acc0", "meta", "accel"), Device("acc1", "meta", "accel"), Device("cpu0", "cpu", "cpu"))
+    return Problem(g, Cluster(devices), **problem)
+
+
 @st.composite
 def problems(draw, max_nodes: int = 7) -> Problem:
     """A random DAG with accelerator/CPU times, transfer times, memory, colocation and CPU-only nodes."""

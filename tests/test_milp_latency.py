@@ -24,7 +24,7 @@ from torchplace.solvers.milp import latency
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
-from .graphs import diamond, problems
+from .graphs import diamond, problems, scaled_chain
 
 # -- an independent evaluator of Tarnawski's model (App. A) and a brute force over it ------------
 
@@ -186,14 +186,7 @@ def test_diamond_needs_two_subgraphs_per_accelerator_to_run_branches_in_parallel
 def test_ip_equals_brute_force_at_microsecond_and_nanosecond_counts(scale):
     # Unscaled, times of 1e9 beside the 0/1 rows led HiGHS to prove 6e9 (all on one accelerator,
     # as "optimal" and as ip_bound) for this chain whose best split takes 5e9 in Tarnawski's model.
-    g = OpGraph()
-    for i in range(3):
-        g.add_node(str(i), NodeRecord(str(i), times={"cpu": (i + 1) * scale, "accel": (3 - i) * scale},
-                                      transfer_time=scale))
-    g.add_edge("0", "1")
-    g.add_edge("1", "2")
-    devices = (Device("acc0", "meta", "accel"), Device("acc1", "meta", "accel"), Device("cpu0", "cpu", "cpu"))
-    problem = Problem(g, Cluster(devices), objective="latency", contiguous=False)
+    problem = scaled_chain(scale, objective="latency", contiguous=False)
     expected = brute_force(problem, q=1)
     plan = latency.solve(problem)
     assert plan.meta["ip_latency"] == pytest.approx(expected, rel=1e-6)

@@ -24,7 +24,7 @@ from torchplace.solvers.milp.bounds import guess_the_bottleneck_bound
 from torchplace.workloads import read_dnn_partitioning
 
 from .conftest import DNN
-from .graphs import has_pipeline_order, problems
+from .graphs import has_pipeline_order, problems, scaled_chain
 from .graphs import training_problems as random_training_problems
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -618,13 +618,7 @@ def test_ip_mtpp_and_bounds_hold_at_nanosecond_counts(scale):
     # Times of 1e9 beside the 0/1 assignment rows: unscaled, HiGHS's presolve fixed every column
     # and proved 6 * scale (all on one accelerator) for a chain whose best split takes 3 * scale;
     # at 1e15 the IP had no placement to read back (KeyError) and MTPP raised IndexError.
-    g = OpGraph()
-    for i in range(3):
-        g.add_node(str(i), NodeRecord(str(i), times={"cpu": (i + 1) * scale, "accel": (3 - i) * scale},
-                                      transfer_time=scale))
-    g.add_edge("0", "1")
-    g.add_edge("1", "2")
-    p = Problem(g, Cluster((Device("acc0", "meta", "accel"), Device("acc1", "meta", "accel"), Device("cpu0", "cpu", "cpu"))))
+    p = scaled_chain(scale)
     for contiguous in (True, False):
         best = brute_force(p, contiguous=contiguous)
         plan = maxload.solve(p, contiguous=contiguous)
