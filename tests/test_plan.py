@@ -1,6 +1,8 @@
 """Plan validation, cost-model consistency, JSON, printing and device maps."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from torchplace import costmodel
@@ -118,6 +120,14 @@ def test_solver_plan_round_trips_and_prints(tmp_path):
     text = str(plan)
     for word in ("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load", "lower bound", "gap"):
         assert word in text
+    # a plan file written by hand, without costs, printed a header and no stages (found by fuzzing)
+    data = plan.to_json()
+    data.pop("costs", None)
+    (tmp_path / "hand.json").write_text(json.dumps(data))
+    lines = str(Plan.load(tmp_path / "hand.json")).splitlines()
+    rows = [line.split() for line in lines[2:2 + len(plan.stages)]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(str(i), s.device, str(len(s.nodes))) for i, s in enumerate(plan.stages)]
+    assert all(r[3:] == ["-"] * 5 for r in rows)
 
 
 def test_simple_lower_bound_is_max_of_largest_group_and_average():

@@ -239,11 +239,10 @@ class Plan:
         rows = [("stage", "device", "#ops", "compute", "xfer in", "xfer out", "memory", "load")]
         cost_of = {c.device: c for c in self.costs}
         for i, s in enumerate(self.stages):
-            c = cost_of.get(s.device)
-            if c is None:
-                continue
-            rows.append((str(i), s.device, str(len(s.nodes)), f"{c.compute:.6g}", f"{c.transfer_in:.6g}",
-                         f"{c.transfer_out:.6g}", format_bytes(c.memory), f"{c.load:.6g}"))
+            c = cost_of.get(s.device)  # none in a plan file written without them: the stage still shows
+            costs = ("-",) * 5 if c is None else (f"{c.compute:.6g}", f"{c.transfer_in:.6g}", f"{c.transfer_out:.6g}",
+                                                  format_bytes(c.memory), f"{c.load:.6g}")
+            rows.append((str(i), s.device, str(len(s.nodes)), *costs))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows]
         if len({s.device for s in self.stages}) < len(self.stages):
