@@ -238,6 +238,8 @@ def test_names_with_control_characters_give_well_formed_svg(tmp_path):
         ET.parse(picture.save(tmp_path / "g.svg"))
         texts = "".join(ET.fromstring(picture.svg()).itertext())
     assert "a\ufffdb" in texts and "c\ufffdd" in texts
+    page = render(plan, problem, title="a\x01 plan")  # the report's text, tables and title too
+    assert "\x01" not in page and "\x0b" not in page and "a\ufffd plan" in page
 
 
 def test_missing_matplotlib_is_a_clear_error(pipelined, monkeypatch):

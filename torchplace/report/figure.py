@@ -15,7 +15,7 @@ from typing import Any
 
 from torchplace.errors import MissingDependencyError, UsageError
 
-__all__ = ["Picture", "device_colors", "literal", "new_figure"]
+__all__ = ["Picture", "device_colors", "literal", "new_figure", "xml_text"]
 
 _INSTALL = "pip install 'torchplace[report]'"
 _SALT = itertools.count()  # each SVG gets its own ids, so several can sit inline in one HTML page
@@ -42,9 +42,14 @@ def new_figure(width: float, height: float) -> Any:
 def literal(text: str) -> str:
     """``text`` as matplotlib shows it as it is: a pair of ``$`` would start mathtext (a node named
     ``a$b$`` drawn in italics, ``$\\foo$`` a ValueError from the mathtext parser), so each is escaped;
-    a character XML cannot hold (a control character of a workload file's name) becomes U+FFFD, so
-    the SVG stays well-formed."""
-    return _NOT_XML.sub("\ufffd", text).replace("$", r"\$")
+    a character XML cannot hold becomes U+FFFD (:func:`xml_text`), so the SVG stays well-formed."""
+    return xml_text(text).replace("$", r"\$")
+
+
+def xml_text(text: str) -> str:
+    """``text`` with each character XML 1.0 cannot hold (a control character of a workload file's
+    name) replaced by U+FFFD: for the pictures' SVG and the report's HTML."""
+    return _NOT_XML.sub("\ufffd", text)
 
 
 def device_colors(devices: Any) -> dict[str, str]:

@@ -17,7 +17,7 @@ from torchplace.errors import UnsupportedError
 from torchplace.files import write_text
 from torchplace.plan import Plan, recomputed_nodes
 from torchplace.problem import Problem
-from torchplace.report.figure import device_colors
+from torchplace.report.figure import device_colors, xml_text
 from torchplace.report.fidelity import Measurement
 from torchplace.report.pictures import plot_graph, plot_memory, plot_schedule, plot_timeline
 from torchplace.report.timeline import Bar
@@ -37,7 +37,7 @@ th{background:#f5f5f5}td.l,th.l{text-align:left}.fig svg{max-width:100%;height:a
 
 
 def _e(x: Any) -> str:
-    return html.escape(str(x))
+    return html.escape(xml_text(str(x)))
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1, cls: str = "") -> str:
