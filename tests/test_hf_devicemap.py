@@ -471,6 +471,38 @@ def test_weights_kept_in_float32_by_from_pretrained_are_counted_in_float32(dtype
     assert planned == [(b.path, b.param_bytes) for b in blocks_of(loaded, no_split)]
 
 
+def test_a_16_bit_map_is_timed_at_the_gpus_16_bit_peak():
+    """HF_DEVICE_SPECS priced every dtype at the A100's FP32 peak (19.5 TFLOP/s): a float16 decoder
+    layer, compute-bound, was predicted as slow as a float32 one (a float16 Llama-70B forward pass
+    at about a minute), though its tensor cores run float16 and bfloat16 at 312."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=1024,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                      max_position_embeddings=256)
+    model = build(config, "meta")
+
+    def layers(dtype):
+        problem = build_problem(model, {0: "1GiB"}, batch_size=8, sequence_length=128, dtype=dtype, repeats=0)
+        return sum(r.times["cuda"] for _, r in problem.graph.records() if r.op == "block:LlamaDecoderLayer")
+
+    fp32, fp16, bf16 = layers(torch.float32), layers(torch.float16), layers(torch.bfloat16)
+    assert fp16 == bf16 and fp32 / fp16 > 4  # halving the bytes alone gives at most 2
+
+
+def test_a_block_kept_in_float32_is_timed_at_the_fp32_peak():
+    from torchplace.hf.blocks import HF_DEVICE_SPECS
+
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, d_model=256, d_ff=1024, num_heads=4, d_kv=64,
+                                   vocab_size=VOCAB, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config).eval()
+    problem = build_problem(model, {0: "1GiB"}, batch_size=8, sequence_length=128, dtype=torch.float16,
+                            no_split_module_classes=[], repeats=0)
+    spec, times = HF_DEVICE_SPECS["cuda"], {r.module: r.times["cuda"] for _, r in problem.graph.records()}
+    wo, wi = "encoder.block.0.layer.1.DenseReluDense.wo", "encoder.block.0.layer.1.DenseReluDense.wi"
+    flops = 2 * 256 * 1024 * 8 * 128  # wi and wo: the same matmul, transposed
+    assert times[wo] >= flops / spec.peak(torch.float32) > times[wi] >= flops / spec.peak(torch.float16)
+
+
 def test_a_disk_only_budget_gives_a_map_dispatch_model_and_from_pretrained_run(tmp_path):
     model = build(gpt2_config(2))
     model.save_pretrained(tmp_path / "model")

@@ -194,3 +194,37 @@ def test_a_meta_model_given_inputs_it_rejects_is_a_trace_error_saying_so():
         meta = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     with pytest.raises(TraceError, match=r"fails on the meta device.*pass example inputs the model accepts"):
         torchplace.plan_model(meta, ["cpu:0", "cpu:1"], (torch.randn(4, 15),), progress=False)
+
+
+def test_a_half_precision_meta_model_is_estimated_at_the_gpus_tensor_core_peak():
+    """The roofline took one peak per kind, the A100's FP32 19.5 TFLOP/s: a float16 matmul, which its
+    tensor cores run at 312, was priced 16 times too slow, and offloading looked cheap beside it."""
+    from torchplace.profiling.estimate import DEVICE_SPECS, node_costs
+
+    spec = DEVICE_SPECS["cuda"]
+    times = {}
+    for dtype in (torch.float32, torch.float16):
+        with torch.device("meta"):
+            meta = nn.Sequential(nn.Linear(1024, 1024, bias=False)).to(dtype)
+        x = torch.randn(2048, 1024, dtype=dtype, device="meta")
+        _, problem = torchplace.plan_model(meta, [Device("cuda:0", "cuda:0", "cuda")], (x,), progress=False)
+        [(_, record)] = problem.graph.records()
+        times[dtype] = record.times["cuda"]
+        costs = node_costs(trace(meta, (x,)), (x,))
+        [cost] = [c for c in costs.values() if c.flops]
+        assert cost.dtype == str(dtype).removeprefix("torch.")
+        assert times[dtype] == pytest.approx(max(cost.flops / spec.peak(dtype), cost.bytes / spec.mem_bandwidth)
+                                             + spec.overhead)
+    assert spec.peak(torch.float16) == spec.peak(torch.bfloat16) == 312e12 and spec.peak(torch.float32) == 19.5e12
+    assert times[torch.float32] / times[torch.float16] > 8  # bytes halving alone gives at most 2
+
+
+def test_a_device_spec_falls_back_to_its_fp32_peak_and_refuses_a_bad_dtype_table():
+    from torchplace.profiling.estimate import DEVICE_SPECS, DeviceSpec
+
+    assert DEVICE_SPECS["cuda-t4"].peak(torch.bfloat16) == DEVICE_SPECS["cuda-t4"].peak_flops  # Turing: no bf16 cores
+    assert DEVICE_SPECS["cpu"].peak(torch.float16) == DEVICE_SPECS["cpu"].peak_flops
+    spec = DeviceSpec(1e12, 1e11, 0.0, {torch.float16: 4e12})
+    assert spec.dtype_peak_flops == {"float16": 4e12} and spec.seconds(8e12, 0, "float16") == 2.0
+    with pytest.raises(UsageError, match="dtype_peak_flops"):
+        DeviceSpec(1e12, 1e11, 0.0, {"float16": 0})

@@ -14,7 +14,9 @@ records, per block, in call order:
 Blocks become a chain in call order (block ``i`` feeds block ``i + 1``; the bytes of that edge are
 block ``i``'s output), which is how a dispatched model runs them: one after the other. Times on
 device kinds not measured are the roofline estimate of :mod:`torchplace.profiling.estimate`
-(``max(flops / peak, bytes / bandwidth) + overhead``, bytes = weights + input + output).
+(``max(flops / peak, bytes / bandwidth) + overhead``, bytes = weights + input + output, the
+peak that of the dtype the block computes in once loaded in ``dtype``: an A100's float16
+tensor-core peak for a float16 map, :meth:`~torchplace.profiling.estimate.DeviceSpec.peak`).
 
 Blocks that share a parameter (tied weights: GPT-2's ``lm_head`` and ``wte``) get one colocation
 label, so a plan puts them on one device, as accelerate requires.
@@ -38,7 +40,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,13 +66,10 @@ from torchplace.profiling.livebytes import LiveBytes
 
 __all__ = ["HF_DEVICE_SPECS", "Block", "block_graph", "blocks_of", "forward", "kept_in_fp32"]
 
-HF_DEVICE_SPECS: dict[str, DeviceSpec] = {
-    **DEVICE_SPECS,
-    # NVIDIA T4: 8.1 TFLOP/s FP32, 320 GB/s GDDR6 (a slow GPU next to the A100-like "cuda").
-    "cuda-t4": DeviceSpec(peak_flops=8.1e12, mem_bandwidth=320e9, overhead=5e-6),
-}
-"""Roofline specs by device kind: :data:`~torchplace.profiling.estimate.DEVICE_SPECS` plus slower GPUs
-for heterogeneous cluster files."""
+HF_DEVICE_SPECS: dict[str, DeviceSpec] = dict(DEVICE_SPECS)
+"""Roofline specs by device kind: those of :data:`~torchplace.profiling.estimate.DEVICE_SPECS`
+(``"cuda"`` A100-like, ``"cuda-t4"``, ``"accel"``, ``"cpu"``, each with its peak per dtype), the
+same numbers :func:`torchplace.place` estimates with."""
 
 
 @dataclass(frozen=True)
@@ -372,10 +371,6 @@ def _probe(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
     return probe
 
 
-def _roofline(flops: float, nbytes: float, spec: DeviceSpec) -> float:
-    return max(flops / spec.peak_flops, nbytes / spec.mem_bandwidth) + spec.overhead
-
-
 def block_graph(
     model: nn.Module,
     example_kwargs: Mapping[str, Any],
@@ -419,9 +414,10 @@ def block_graph(
                          "specs={kind: DeviceSpec(...)})")
     g = OpGraph(meta={"hf": {"costs": costs, "modules": {}, "tensors": {}, "shared": {}}})
     saved = _saved_names(model, [b for b, _ in records])
+    compute = _compute_dtype(model, dtype)
     prev = None
     for i, (b, r) in enumerate(records):
-        times = {k: _roofline(r.flops, b.param_bytes + r.in_bytes + r.out_bytes, specs[k]) for k in kinds
+        times = {k: specs[k].seconds(r.flops, b.param_bytes + r.in_bytes + r.out_bytes, compute(b)) for k in kinds
                  if k in specs}
         if "cpu" in kinds and r.seconds:
             times["cpu"] = statistics.median(r.seconds)
@@ -460,6 +456,21 @@ def _saved_names(model: nn.Module, blocks: Sequence[Block]) -> dict[tuple[str, b
 
 def _timed(probe: _Probe) -> bool:
     return any(r.seconds for r in probe.records.values())
+
+
+def _compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> Callable[[Block], torch.dtype | None]:
+    """The dtype a block computes in once loaded in ``dtype`` (None: the model's own), as a function
+    of the block: float32 for a block whose floating tensors :func:`kept_in_fp32` keeps all in
+    float32 (T5's ``wo`` under float16), else ``dtype``; the roofline takes that dtype's peak."""
+    target = dtype or _own_dtype(model)
+    fp32 = kept_in_fp32(model, dtype)
+    floating = {id(t) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
+
+    def of(b: Block) -> torch.dtype | None:
+        mine = [t for t in b.tensors if t in floating]
+        return torch.float32 if fp32 and mine and all(t in fp32 for t in mine) else target
+
+    return of
 
 
 def _own_dtype(model: nn.Module) -> torch.dtype | None:
