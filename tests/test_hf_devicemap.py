@@ -163,6 +163,32 @@ def test_a_gpu_too_small_for_anything_gives_the_map_that_computes_on_the_cpu(gpu
     with pytest.raises(InfeasibleError):  # a CPU too small as well is still refused
         plan_device_map(model, {0: gpu, "cpu": "10KiB"}, sequence_length=16, repeats=0)
 
+@pytest.mark.filterwarnings("ignore:no device map fits GPU")
+def test_other_maps_are_priced_on_the_budgets_given_when_the_cpu_computes_every_block():
+    """When no map fitted the GPUs the plan's problem was the CPU-only one, and pricing accelerate's
+    map on it said "sends to '0', which is not in max_memory ['cpu']" though max_memory named 0; and
+    on the problem of max_memory a map naming no GPU was priced as streamed to GPU 0, not as the CPU
+    computing every block, as dispatch_model runs it."""
+    from accelerate import infer_auto_device_map
+
+    model = build(gpt2_config(2), "meta")
+    budget = {0: "1KiB", "cpu": "1GiB"}
+    plan = plan_device_map(model, budget, batch_size=2, sequence_length=16, repeats=0)
+    assert plan.device_map == {"": "cpu"} and plan.requested is not plan.problem
+    assert [d.name for d in plan.requested.cluster.devices] == ["cuda:0", "cpu"]
+    own = evaluate_device_map(plan.requested, plan.device_map)
+    assert own == evaluate_device_map(plan.problem, plan.device_map)
+    assert own.fits and own.memory == plan.memory and own.seconds == pytest.approx(plan.plan.objective)
+    on_gpu = evaluate_device_map(plan.requested, {"": 0})
+    assert not on_gpu.fits and on_gpu.memory[0] > 1024 and on_gpu.seconds > 0
+    theirs = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
+    evaluate_device_map(plan.requested, theirs)  # priced, whatever it names
+    with pytest.raises(UsageError, match=r"not in max_memory \['cpu'\].*DeviceMapPlan.requested"):
+        evaluate_device_map(plan.problem, {"": 0})
+    fitting = plan_device_map(model, {0: "1GiB", "cpu": "1GiB"}, batch_size=2, sequence_length=16, repeats=0)
+    assert fitting.requested is fitting.problem
+
+
 def test_no_split_classes_are_kept_whole():
     model = build(gpt2_config(2), "meta")
     device_map = torchplace.infer_device_map(model, {0: "10MiB", "cpu": "1GiB"}, sequence_length=8,

@@ -50,10 +50,12 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.kvcache import kv_cache_bytes
 from torchplace.hf.maps import (
     budgets,
+    computing_on_the_cpu,
     dispatched_memory,
     host_memory,
     main_device,
     offload_charge,
+    solver_cluster,
     to_device_map,
     with_reserve,
     within_budgets,
@@ -85,6 +87,10 @@ class DeviceMapPlan:
             compute), by accelerate name; with ``"disk"`` alone also ``"cpu"``, the RAM of the CPU
             that computes (:func:`~torchplace.hf.maps.host_memory`).
         kv_cache: KV cache bytes each device holds, by accelerate name (``"cpu"`` with ``"disk"`` alone).
+        requested: the problem of the caller's ``max_memory``, on which to price other maps
+            (accelerate's) with :func:`~torchplace.hf.maps.evaluate_device_map`: ``problem`` itself,
+            unless no map fit the GPUs and the CPU computes every block (``problem`` then names no
+            GPU; ``None`` given: ``problem``).
     """
 
     device_map: dict[str, int | str]
@@ -92,6 +98,11 @@ class DeviceMapPlan:
     problem: Problem
     memory: dict[int | str, int]
     kv_cache: dict[int | str, int] = field(default_factory=dict)
+    requested: Problem | None = None
+
+    def __post_init__(self) -> None:
+        if self.requested is None:
+            object.__setattr__(self, "requested", self.problem)
 
     def __str__(self) -> str:
         caps = {accelerate_name(n): b for n, b in self.problem.graph.meta["hf"]["budgets"].items()}
@@ -331,7 +342,8 @@ def build_problem(
     graph.meta["hf"]["phase"] = phase
     if phase == "decode":
         graph = _kv_reads(graph, specs)
-    hw = _reserve(hw, graph)
+    graph.meta["hf"]["disk_bandwidth"] = disk_bandwidth
+    hw = solver_cluster(hw, graph)
     graph = offload_times(graph, hw, disk_bandwidth, None if cluster is not None else _host_bandwidth(model, hw))
     return Problem(graph, hw, objective="latency", contiguous=False)
 
@@ -375,8 +387,8 @@ def _memory_terms(model: nn.Module, graph: OpGraph, batch: int, seq: int, dtype:
     (``meta["hf"]["kv_cache"]``). Working memory (a block's inputs, outputs and largest
     intermediate) lives only while the block runs, and blocks run one after the other: a device
     needs room for the largest block's, not for the sum. That peak, ``meta["hf"]["activations"]``,
-    is kept free on every device that computes (:func:`_reserve`); at least ``least_peak`` (the
-    prompt's, when the graph is one decoding step). ``example`` is the forward pass's keyword
+    is kept free on every device that computes (:func:`~torchplace.hf.maps.solver_cluster`); at
+    least ``least_peak`` (the prompt's, when the graph is one decoding step). ``example`` is the forward pass's keyword
     inputs (:func:`~torchplace.hf.kvcache.kv_cache_bytes`)."""
     paths = graph.meta["hf"]["modules"]
     itemsize = (dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)).itemsize
@@ -400,23 +412,6 @@ def _kv_reads(graph: OpGraph, specs: Mapping[str, DeviceSpec]) -> OpGraph:
         times = {k: t + nbytes / specs[k].mem_bandwidth if k in specs else t for k, t in r.times.items()}
         graph.replace_record(v, replace(r, times=times))
     return graph
-
-
-def _reserve(cluster: Cluster, graph: OpGraph) -> Cluster:
-    """``cluster`` as the solver sees it: the activation peak taken off the budget of every device
-    that computes, and the whole KV cache added to the budget of every offload device (which stores
-    weights only: the cost model charges an offloaded block's cache where the block is mapped, but
-    it is made on the main device, :func:`~torchplace.hf.maps.dispatched_memory`; so every map that
-    fits passes, and :func:`_solve_dispatched` checks the solver's maps against the true
-    :func:`~torchplace.hf.maps.budgets`). The original budgets are kept in
-    ``graph.meta["hf"]["budgets"]``."""
-    peak = graph.meta["hf"]["activations"]
-    cache = sum(graph.meta["hf"].get("kv_cache", {}).values())
-    graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
-    devices = tuple(d if d.memory_bytes is None
-                    else replace(d, memory_bytes=d.memory_bytes + cache) if d.kind in OFFLOAD_KINDS
-                    else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
-    return replace(cluster, devices=devices)
 
 
 def _check_fits(problem: Problem) -> None:
@@ -473,7 +468,7 @@ def plan_device_map(
     try:
         return solve_device_map(model, problem, time_limit=time_limit)
     except InfeasibleError as error:
-        on_cpu = _computing_on_the_cpu(problem, disk_bandwidth)
+        on_cpu = computing_on_the_cpu(problem)
         if on_cpu is None:
             raise
         try:
@@ -483,28 +478,7 @@ def plan_device_map(
         gpus = ", ".join(map(str, on_cpu.graph.meta["hf"]["left_out"]))
         warn_caller(f"no device map fits GPU(s) {gpus} ({error}); the map names none, so the CPU computes every "
                     "block, as accelerate's infer_auto_device_map does")
-        return result
-
-
-def _computing_on_the_cpu(problem: Problem, disk_bandwidth: float = DISK_BANDWIDTH) -> Problem | None:
-    """``problem`` without its GPUs, so that the CPU computes (``"disk"`` offloading to it), or
-    ``None`` when it has no GPU or no ``"cpu"`` budget.
-
-    With a GPU in ``max_memory`` the CPU only stores offloaded weights (:mod:`torchplace.hf.budget`);
-    but a map naming no GPU (``{"": "cpu"}``, as accelerate's ``infer_auto_device_map`` gives for
-    ``{0: "1KiB", "cpu": "30GiB"}``) is dispatched on the CPU, which then computes every block:
-    the last resort when no map fits the GPUs (a GPU too small for even the offloaded blocks' KV
-    cache was refused, found by fuzzing). The blocks' costs are the ones measured or estimated
-    for ``problem``."""
-    given = problem.graph.meta["hf"]["budgets"]
-    if "cpu" not in given or not any(name.startswith("cuda:") for name in given):
-        return None
-    hw = hf_cluster({name: given[name] for name in ("cpu", "disk") if name in given})
-    gpus = [accelerate_name(name) for name in given if name.startswith("cuda:")]
-    graph = problem.graph.with_records(lambda v, r: r, meta={**problem.graph.meta,
-                                                             "hf": {**problem.graph.meta["hf"], "left_out": gpus}})
-    hw = _reserve(hw, graph)
-    return replace(problem, graph=offload_times(graph, hw, disk_bandwidth), cluster=hw)
+        return replace(result, requested=problem)
 
 
 def solve_device_map(model: nn.Module, problem: Problem, *, time_limit: float | None = 10.0) -> DeviceMapPlan:
@@ -589,8 +563,8 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     streamed weights are on the main device and only its weights on the offload device; the solver
     cannot see that (it adds memory per device). As :mod:`torchplace.solvers.liveness` does: the
     first plan's problem charges the main device less than the truth, and gives each offload device
-    room for the whole KV cache (:func:`_reserve`), so its bound holds; when that plan overfills a
-    device, the problem is solved again with that device's budget lowered by what the last plan
+    room for the whole KV cache (:func:`~torchplace.hf.maps.solver_cluster`), so its bound holds;
+    when that plan overfills a device, the problem is solved again with that device's budget lowered by what the last plan
     overfilled it with (a restriction); if that does not settle it, the better of two last resorts:
     no offloading at all, and the main device's budget lowered by the most any map can put there
     (every block's KV cache and the largest block's weights) with the offload devices at their own

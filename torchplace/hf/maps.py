@@ -8,20 +8,23 @@ onto the blocks and prices it with the one cost model.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
 from torchplace.costmodel import device_memory, evaluate_stages
+from torchplace.devices import Cluster
 from torchplace.errors import InfeasibleError, UsageError
-from torchplace.hf.budget import OFFLOAD_KINDS, accelerate_name
+from torchplace.graph import OpGraph
+from torchplace.hf.budget import DISK_BANDWIDTH, OFFLOAD_KINDS, accelerate_name, hf_cluster, offload_times
 from torchplace.hf.budget import main_device as budget_main
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "dispatched_memory", "evaluate_device_map",
-           "host_memory", "main_device", "offload_charge", "to_device_map", "with_reserve", "within_budgets"]
+__all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "computing_on_the_cpu", "dispatched_memory",
+           "evaluate_device_map", "host_memory", "main_device", "offload_charge", "solver_cluster", "to_device_map",
+           "with_reserve", "within_budgets"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,45 @@ def with_reserve(problem: Problem, memory: Mapping[str, int]) -> dict[int | str,
     peak = problem.graph.meta["hf"]["activations"]
     return {accelerate_name(d): b + (0 if problem.cluster.device(d).kind in OFFLOAD_KINDS else peak)
             for d, b in memory.items()}
+
+
+def solver_cluster(cluster: Cluster, graph: OpGraph) -> Cluster:
+    """``cluster`` as the solver sees it: the activation peak taken off the budget of every device
+    that computes, and the whole KV cache added to the budget of every offload device (which stores
+    weights only: the cost model charges an offloaded block's cache where the block is mapped, but
+    it is made on the main device, :func:`dispatched_memory`; so every map that fits passes, and
+    :func:`torchplace.hf.infer._solve_dispatched` checks the solver's maps against the true
+    :func:`budgets`). The original budgets are kept in ``graph.meta["hf"]["budgets"]``."""
+    peak = graph.meta["hf"]["activations"]
+    cache = sum(graph.meta["hf"].get("kv_cache", {}).values())
+    graph.meta["hf"]["budgets"] = {d.name: d.memory_bytes for d in cluster.devices}
+    devices = tuple(d if d.memory_bytes is None
+                    else replace(d, memory_bytes=d.memory_bytes + cache) if d.kind in OFFLOAD_KINDS
+                    else replace(d, memory_bytes=max(0, d.memory_bytes - peak)) for d in cluster.devices)
+    return replace(cluster, devices=devices)
+
+
+def computing_on_the_cpu(problem: Problem) -> Problem | None:
+    """``problem`` without its GPUs, so that the CPU computes (``"disk"`` offloading to it), or
+    ``None`` when it has no GPU or no ``"cpu"`` budget.
+
+    With a GPU in ``max_memory`` the CPU only stores offloaded weights (:mod:`torchplace.hf.budget`);
+    but a map naming no GPU (``{"": "cpu"}``, as accelerate's ``infer_auto_device_map`` gives for
+    ``{0: "1KiB", "cpu": "30GiB"}``) is dispatched on the CPU, which then computes every block:
+    the last resort when no map fits the GPUs (a GPU too small for even the offloaded blocks' KV
+    cache was refused, found by fuzzing), and how :func:`evaluate_device_map` prices such a map.
+    The blocks' costs are the ones measured or estimated for ``problem``, ``"disk"`` read at its
+    ``meta["hf"]["disk_bandwidth"]``; ``meta["hf"]["left_out"]`` names the GPUs left out."""
+    given = problem.graph.meta["hf"]["budgets"]
+    if "cpu" not in given or not any(name.startswith("cuda:") for name in given):
+        return None
+    hw = hf_cluster({name: given[name] for name in ("cpu", "disk") if name in given})
+    gpus = [accelerate_name(name) for name in given if name.startswith("cuda:")]
+    graph = problem.graph.with_records(lambda v, r: r, meta={**problem.graph.meta,
+                                                             "hf": {**problem.graph.meta["hf"], "left_out": gpus}})
+    hw = solver_cluster(hw, graph)
+    disk = graph.meta["hf"].get("disk_bandwidth", DISK_BANDWIDTH)
+    return replace(problem, graph=offload_times(graph, hw, disk), cluster=hw)
 
 
 def main_device(problem: Problem) -> str | None:
@@ -234,10 +276,21 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     and a block the map sends to ``"cpu"`` (as :func:`to_device_map` sends a module holding only
     non-persistent buffers, which cannot be offloaded) is priced as one on ``"disk"``, as its plan has it.
 
+    A map naming no GPU on a problem with GPUs (accelerate's ``{"": "cpu"}`` for a GPU too small
+    for anything) is dispatched on the CPU, which computes every block: it is priced on
+    :func:`computing_on_the_cpu` of ``problem``, as :func:`~torchplace.hf.infer.plan_device_map`
+    prices its own such map.
+
     Raises:
-        UsageError: the map sends a block to a device not in ``max_memory``, or gives no device to
-            some of the model's tensors (accelerate's ``check_device_map`` refuses such a map).
+        UsageError: the map sends a block to a device not in ``max_memory`` (or to a GPU ``problem``
+            left out, the CPU computing every block: evaluate it on the plan's ``requested``), or
+            gives no device to some of the model's tensors (accelerate's ``check_device_map``
+            refuses such a map).
     """
+    if accelerate_main(problem, device_map) == "cpu" and main_device(problem) != "cpu":
+        on_cpu = computing_on_the_cpu(problem)
+        if on_cpu is not None:
+            return evaluate_device_map(on_cpu, device_map)
     meta = problem.graph.meta["hf"]
     paths, held = meta["modules"], meta.get("tensors", {})
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
@@ -256,7 +309,8 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
             if value.startswith("cuda:"):
                 value = value.split(":")[1]
             if value not in names:
-                raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}")
+                raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}"
+                                 + _left_out(meta, value))
             prev = names[value]
         elif tensors:
             uncovered.extend(tensors)
@@ -277,6 +331,15 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
         memory[device] = memory.get(device, 0) + nbytes
     return MapCost(seconds, not split and within_budgets(problem, memory),
                    {**with_reserve(problem, memory), **host_memory(problem, stages, main)})
+
+
+def _left_out(meta: Mapping[str, Any], value: str) -> str:
+    """A hint when ``value`` is a GPU that a CPU-only problem (:func:`computing_on_the_cpu`) left out."""
+    if value not in map(str, meta.get("left_out", ())):
+        return ""
+    return (f" (this problem is the one where the CPU computes every block, no map having fitted GPU(s) "
+            f"{', '.join(map(str, meta['left_out']))}): evaluate maps naming them on the problem of max_memory, "
+            "DeviceMapPlan.requested or build_problem(...)")
 
 
 def _tied_copies(problem: Problem, where: Mapping[str, str]) -> tuple[bool, dict[str, int]]:
@@ -305,7 +368,7 @@ def _tied_copies(problem: Problem, where: Mapping[str, str]) -> tuple[bool, dict
 def budgets(problem: Problem) -> dict[str, int | None]:
     """Bytes each device may hold (torchplace names; ``None``: unlimited): its ``max_memory``, less
     the activation peak on devices that compute. (The problem's own cluster gives the offload
-    devices more, for the KV cache its cost model charges there: :func:`torchplace.hf.infer._reserve`.)"""
+    devices more, for the KV cache its cost model charges there: :func:`solver_cluster`.)"""
     peak = problem.graph.meta["hf"]["activations"]
     given = problem.graph.meta["hf"]["budgets"]
     return {d.name: None if given[d.name] is None
