@@ -11,6 +11,8 @@ device.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -1013,6 +1015,42 @@ def test_a_disk_only_map_with_a_module_of_non_persistent_buffers_is_evaluated_as
     check_device_map(model, plan.device_map)
     cost = evaluate_device_map(plan.problem, plan.device_map)
     assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+
+
+def test_a_module_of_non_persistent_buffers_stays_where_the_map_sends_it():
+    """The map sends a module holding only non-persistent buffers (rotary_emb's inv_freq) to the main
+    device, but the solver could plan it on an offload device: the plan's memory counted its bytes
+    there and evaluate_device_map on the main device (seen on Mistral, decode, cpu + disk). The
+    problem keeps such a block off the offload devices, so the plan is the map."""
+    from torchplace.errors import InvalidPlanError
+    from torchplace.hf.maps import dispatched_memory, to_device_map, with_reserve
+    from torchplace.plan import Plan, Stage, stages_from_order
+
+    model = build(llama_config(2), "meta")
+    problem = build_problem(model, {0: "1GiB", "cpu": "1GiB", "disk": "1GiB"}, batch_size=2, sequence_length=16,
+                            no_split_module_classes=[], repeats=0)
+    g = problem.graph
+    [rotary] = [v for v, r in g.records() if r.module == "model.rotary_emb"]
+    assert g.record(rotary).param_bytes > 0
+    assert g.record(rotary).time_on("cpu-offload") == g.record(rotary).time_on("disk-offload") == math.inf
+    assert g.meta["hf"]["buffers_only"] == [rotary]
+    order = g.topological_order()
+    with pytest.raises(InvalidPlanError, match="cannot run"):
+        Plan.build(problem, [Stage("disk", tuple(order))], solver="by hand", seconds=0.0, lower_bound=0.0)
+    # everything on disk but rotary_emb, which the map sends to GPU 0, where the plan has it too
+    stages = stages_from_order(problem, order, {**dict.fromkeys(order, "disk"), rotary: "cuda:0"})
+    plan = Plan.build(problem, stages, solver="by hand", seconds=0.0, lower_bound=0.0, status="feasible")
+    device_map = to_device_map(model, problem, plan)
+    assert device_map["model.rotary_emb"] == 0 and set(device_map.values()) == {0, "disk"}
+    cost = evaluate_device_map(problem, device_map)
+    assert cost.memory == with_reserve(problem, dispatched_memory(problem, plan.stages))
+    assert cost.seconds == pytest.approx(plan.objective)
+    # no device that computes has room for it: said so, not the solver's "no placement satisfies"
+    options = dict(batch_size=2, sequence_length=16, no_split_module_classes=[], repeats=0)
+    peak = build_problem(model, {"cpu": "1GiB", "disk": "1GiB"}, **options).graph.meta["hf"]["activations"]
+    with pytest.raises(InfeasibleError, match=r"'model.rotary_emb' holds only buffers the state dict lacks.*raise "
+                                              r"max_memory of cpu"):
+        plan_device_map(model, {"cpu": peak, "disk": "1GiB"}, **options)
 
 
 def test_cli_never_asks_to_run_the_remote_code_a_configs_auto_map_names(tmp_path, capsys, monkeypatch):

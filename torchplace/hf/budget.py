@@ -187,14 +187,20 @@ def offload_times(graph: OpGraph, cluster: Cluster, disk_bandwidth: float = DISK
     """``graph`` with times for the offload kinds of ``cluster``: the time on the kind of
     :func:`main_device` (the CPU's when it is ``None``) plus the block's weights over the host link
     (``"cpu-offload"``: ``host_bandwidth``, else the cluster's default link) or from disk
-    (``"disk-offload"``)."""
+    (``"disk-offload"``). The blocks of ``graph.meta["hf"]["buffers_only"]`` get none when a
+    main device computes: they are mapped to it whatever the plan says
+    (:func:`torchplace.hf.maps.buffers_only`), so a plan may not put them on an offload device and
+    count their bytes there."""
     kinds = {d.kind for d in cluster.devices}
     name = main_device(cluster)
     main = "cpu" if name is None else cluster.device(name).kind
     host = host_bandwidth or cluster.bandwidth or DEFAULT_LINK_BANDWIDTH
+    pinned = set(graph.meta.get("hf", {}).get("buffers_only", ())) if name is not None else set()
 
     def offloaded(v: str, r: NodeRecord) -> NodeRecord:
-        times = dict(r.times)
+        times = {k: t for k, t in r.times.items() if k not in OFFLOAD_KINDS}
+        if v in pinned:
+            return replace(r, times=times)
         if "cpu-offload" in kinds:
             times["cpu-offload"] = r.times[main] + r.param_bytes / host
         if "disk-offload" in kinds:

@@ -50,6 +50,7 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.hf.kvcache import kv_cache_bytes
 from torchplace.hf.maps import (
     budgets,
+    buffers_only,
     computing_on_the_cpu,
     dispatched_memory,
     host_memory,
@@ -338,6 +339,7 @@ def build_problem(
         for m, was in modes.items():
             m.training = was
     graph = _follow_inputs(model, graph)
+    graph.meta["hf"]["buffers_only"] = buffers_only(model, graph)
     graph = _memory_terms(model, graph, batch_size, sequence_length, torch_dtype, kv_cache, prefill_peak, kwargs)
     graph.meta["hf"]["phase"] = phase
     if phase == "decode":
@@ -430,6 +432,7 @@ def _check_fits(problem: Problem) -> None:
             f"activations of the batch, but the largest budget leaves {_gib(biggest)}: raise max_memory "
             f"(to at least {_gib(need[largest] + peak)}), lower batch_size or sequence_length, or allow 'disk'",
             min_memory_bytes=need[largest] + peak)
+    _check_unoffloadable(problem, need, caps)
     total, room = sum(need.values()), sum(b or 0 for b in caps.values())
     if None not in caps.values() and total > room:
         raise InfeasibleError(
@@ -437,6 +440,27 @@ def _check_fits(problem: Problem) -> None:
             f"{_gib(peak)} of activations on each device that computes, but max_memory leaves {_gib(room)} "
             "in all: raise max_memory, lower batch_size or sequence_length, or add 'disk'",
             min_memory_bytes=total + peak)
+
+
+def _check_unoffloadable(problem: Problem, need: Mapping[str, int], caps: Mapping[str, int | None]) -> None:
+    """Raise InfeasibleError when no device that computes can hold a block of non-persistent
+    buffers (:func:`~torchplace.hf.maps.buffers_only`, kept off the offload devices when a device of
+    ``max_memory`` computes), rather than the solver's bare "no placement satisfies the constraints"."""
+    g = problem.graph
+    pinned = g.meta["hf"].get("buffers_only", []) if main_device(problem) is not None else []
+    room = [b for d, b in caps.items() if problem.cluster.device(d).kind not in OFFLOAD_KINDS]
+    most = max((math.inf if b is None else b for b in room), default=0)
+    block = max(pinned, key=need.__getitem__, default=None)
+    if block is None or need[block] <= most:
+        return
+    names = [accelerate_name(d) for d, b in caps.items() if problem.cluster.device(d).kind not in OFFLOAD_KINDS]
+    peak = g.meta["hf"]["activations"]
+    raise InfeasibleError(
+        f"{g.record(block).name!r} holds only buffers the state dict lacks ({_gib(need[block])}), which accelerate "
+        f"cannot offload, so it goes on a device that computes ({', '.join(map(str, names))}); but such a device also "
+        f"keeps {_gib(peak)} free for the activations of the batch, and the largest budget leaves {_gib(most)}: raise "
+        f"max_memory of {names[0]} to at least {_gib(need[block] + peak)}, or lower batch_size or sequence_length",
+        min_memory_bytes=need[block] + peak)
 
 
 def plan_device_map(

@@ -22,7 +22,7 @@ from torchplace.hf.budget import main_device as budget_main
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 
-__all__ = ["MapCost", "accelerate_main", "budgets", "collapse", "computing_on_the_cpu", "dispatched_memory",
+__all__ = ["MapCost", "accelerate_main", "budgets", "buffers_only", "collapse", "computing_on_the_cpu", "dispatched_memory",
            "evaluate_device_map", "host_memory", "main_device", "offload_charge", "solver_cluster", "to_device_map",
            "with_reserve", "within_budgets"]
 
@@ -165,6 +165,19 @@ def _holds(owners: set[str], path: str) -> bool:
     return any(o == path or o.startswith(f"{path}.") or not path for o in owners)
 
 
+def buffers_only(model: nn.Module, graph: OpGraph) -> list[str]:
+    """The blocks of ``graph`` (whole modules) that hold tensors none of which is in the state dict
+    (a rotary embedding's non-persistent ``inv_freq``): :func:`to_device_map` maps them to the main
+    device whatever the plan says, so the problem keeps them off the offload devices
+    (``graph.meta["hf"]["buffers_only"]``, :func:`~torchplace.hf.budget.offload_times`)."""
+    paths = graph.meta["hf"]["modules"]
+    holders = _owners(n for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                     *model.named_buffers(remove_duplicate=False)])
+    persistent = _owners(model.state_dict())
+    return [v for v, r in graph.records()
+            if r.op != "block:<direct>" and _holds(holders, paths[v]) and not _holds(persistent, paths[v])]
+
+
 def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, int | str]:
     """The plan as accelerate's device_map: the highest module paths whose blocks share a device.
 
@@ -173,14 +186,15 @@ def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, i
     block whose only tensors are non-persistent buffers (a rotary embedding's ``inv_freq``) is
     listed, but on the main device rather than an offload device: accelerate offloads a module to
     disk from the state dict, which lacks such buffers, and moves the buffers of a ``"cpu"`` one to
-    the main device anyway. A map that offloads names the main device (:func:`main_device`), through
+    the main device anyway (:func:`buffers_only`: the problem puts them there too, but with
+    ``"disk"`` alone, where they are mapped to the ``"cpu"`` that computes). A map that offloads names the main device (:func:`main_device`), through
     a module without weights when no block is there, so that accelerate computes the offloaded
     blocks where they were priced. A map that sends everything to ``"disk"`` lists the model's
     top-level modules: accelerate's ``dispatch_model`` cannot offload ``{"": "disk"}``."""
     paths = problem.graph.meta["hf"]["modules"]
     holders = _owners(n for n, _ in [*model.named_parameters(remove_duplicate=False),
                                      *model.named_buffers(remove_duplicate=False)])
-    persistent = _owners(model.state_dict())
+    unsaved = set(buffers_only(model, problem.graph))
     computing = main_device(problem)
     main = "cpu" if computing is None else accelerate_name(computing)
     leaves: dict[str, int | str] = {}
@@ -194,8 +208,7 @@ def to_device_map(model: nn.Module, problem: Problem, plan: Plan) -> dict[str, i
                 names = (path,)
             else:
                 continue
-            buffers_only = r.op != "block:<direct>" and not _holds(persistent, path)
-            leaves.update(dict.fromkeys(names, main if offloaded and buffers_only else accelerate_name(s.device)))
+            leaves.update(dict.fromkeys(names, main if offloaded and v in unsaved else accelerate_name(s.device)))
     if not leaves:
         return {"": accelerate_name(plan.stages[0].device)}
     if computing is not None and isinstance(main, int) and main not in leaves.values() \
