@@ -819,6 +819,28 @@ def test_a_meta_model_fake_tensors_cannot_run_is_costed_from_its_parameters(op):
     assert graph.meta["hf"]["costs"] == "structural"
 
 
+def test_a_meta_model_costed_from_its_parameters_is_costed_in_the_dtype_it_will_run_in():
+    """The structural costs took the model's own element size for the target dtype's: a float32 meta
+    model planned for float16 had its outputs sized in float32 and its FLOPs halved (its float16
+    weight bytes divided by 4 bytes per parameter)."""
+    from types import SimpleNamespace
+
+    from torchplace.hf import blocks
+    from torchplace.profiling.estimate import DeviceSpec
+
+    with torch.device("meta"):
+        model = _FakeUnfriendly(torch.ops.torchplace_test.no_fake).eval()
+    model.config = SimpleNamespace(hidden_size=16)
+    kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 8))}
+    flops_only = {"cuda": DeviceSpec(peak_flops=1.0, mem_bandwidth=math.inf, overhead=0.0)}  # time = FLOPs
+    for dtype, item in ((None, 4), (torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2)):
+        graph = blocks.block_graph(model, kwargs, kinds=["cuda"], no_split=[], dtype=dtype, repeats=0, specs=flops_only)
+        assert graph.meta["hf"]["costs"] == "structural"
+        proj = next(r for _, r in graph.records() if r.module == "proj")
+        assert proj.output_bytes == 16 * 16 * item
+        assert proj.times["cuda"] == 2 * (16 * 16 + 16) * 16
+
+
 # -- config files ------------------------------------------------------------------------------------
 def whisper_config():
     return transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_ffn_dim=128,

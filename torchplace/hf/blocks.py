@@ -27,8 +27,8 @@ grouped expert matmuls (``aten._grouped_mm``), which the flop counter does not k
 then run on bfloat16 fake tensors (FLOPs and shapes are the dtype's own; bytes are scaled back to
 the model's dtype). If even that fails because the tensors are fake (a kernel with no fake
 implementation, data-dependent control flow), every block is costed from its parameters alone:
-``2 x params x tokens`` FLOPs and a hidden-size output per token (a dense upper bound on FLOPs
-for MoE blocks), and the result says so
+``2 x params x tokens`` FLOPs and a hidden-size output per token in the dtype it will run in (a
+dense upper bound on FLOPs for MoE blocks), and the result says so
 (``graph.meta["hf"]["costs"] == "structural"``). An error of the model's own code (inputs it does
 not take, a config whose shapes do not agree) is a :class:`~torchplace.errors.UsageError` instead,
 never hidden by that fallback.
@@ -406,7 +406,7 @@ def block_graph(
     blocks = blocks_of(model, no_split, dtype)
     probe, probed_scale = _probe_or_none(model, blocks, example_kwargs, repeats)
     scale = probed_scale * (1.0 if dtype is None else _act_scale(model, dtype))
-    records, costs = _block_records(model, blocks, probe, example_kwargs, scale)
+    records, costs = _block_records(model, blocks, probe, example_kwargs, scale, dtype)
     missing = [k for k in kinds if k not in specs and not (k == "cpu" and probe and _timed(probe))]
     if missing:
         raise UsageError(f"no device spec for kind {missing[0]!r} to estimate times with; known kinds: "
@@ -484,10 +484,11 @@ def _act_scale(model: nn.Module, dtype: torch.dtype) -> float:
 
 
 def _block_records(model: nn.Module, blocks: Sequence[Block], probe: _Probe | None, kwargs: Mapping[str, Any],
-                   scale: float) -> tuple[list[tuple[Block, _Record]], str]:
-    """Blocks in call order (blocks never called go last, in registration order) with their costs."""
+                   scale: float, dtype: torch.dtype | None) -> tuple[list[tuple[Block, _Record]], str]:
+    """Blocks in call order (blocks never called go last, in registration order) with their costs:
+    the probe's bytes times ``scale``, or without a probe :func:`_structural` ones in ``dtype``."""
     if probe is None:
-        return _structural(model, blocks, kwargs), "structural"
+        return _structural(model, blocks, kwargs, dtype), "structural"
     order = {p: i for i, p in enumerate(probe.order)}
     ranked = sorted(blocks, key=lambda b: order.get(b.path, len(order)))
     out = []
@@ -498,18 +499,22 @@ def _block_records(model: nn.Module, blocks: Sequence[Block], probe: _Probe | No
     return out, "measured" if _timed(probe) else "estimated"
 
 
-def _structural(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any]) -> list[tuple[Block, _Record]]:
-    """Costs from parameters alone: ``2 x params x tokens`` FLOPs, a hidden-size output per token."""
+def _structural(model: nn.Module, blocks: Sequence[Block], kwargs: Mapping[str, Any],
+                dtype: torch.dtype | None) -> list[tuple[Block, _Record]]:
+    """Costs from parameters alone: ``2 x params x tokens`` FLOPs (``params``: the elements of
+    every parameter the block holds, tied ones too: a tied ``lm_head`` computes with them), a
+    hidden-size output per token in ``dtype`` (``None``: the model's own)."""
     ids = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     tokens = ids.numel() if ids is not None else 1
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 1024)
-    item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    item = (dtype or _own_dtype(model) or torch.float32).itemsize
+    numel = {id(p): p.numel() for p in model.parameters()}
     out = []
     for b in blocks:
-        params = b.param_bytes / item
+        params = sum(numel.get(t, 0) for t in set(b.tensors))
         act = tokens * hidden * item
-        out.append((b, _Record(int(2 * params * tokens), act, act, 4 * act)))
+        out.append((b, _Record(2 * params * tokens, act, act, 4 * act)))
     return out
 
 
