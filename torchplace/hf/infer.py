@@ -64,6 +64,7 @@ from torchplace.hf.maps import (
 from torchplace.plan import Plan, stages_from_order
 from torchplace.problem import Problem
 from torchplace.profiling.estimate import DeviceSpec
+from torchplace.solvers.bounds import combinatorial_lower_bound
 from torchplace.profiling.links import measure_host_links
 
 __all__ = ["PHASES", "DeviceMapPlan", "build_problem", "infer_device_map", "plan_device_map", "solve_device_map"]
@@ -579,6 +580,69 @@ OFFLOAD_ROUNDS = 2
 
 
 def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
+    """The faster of the solver's plan (:func:`_solved_dispatched`) and the in-order fill
+    (:func:`_filled_in_order`) where that fits: a MILP stopped by its time limit may hold a plan
+    slower than filling the devices in order, which is what accelerate's ``sequential`` map does
+    with the room a careful user leaves for activations and the KV cache.
+
+    Raises:
+        InfeasibleError: if neither has a plan that fits.
+    """
+    try:
+        solved: Plan | None = _solved_dispatched(problem, time_limit)
+        failure = None
+    except InfeasibleError as e:
+        solved, failure = None, e
+    bound = solved.lower_bound if solved is not None else combinatorial_lower_bound(problem, time_limit=1.0)
+    filled = _filled_in_order(problem, bound)
+    if filled is None or (solved is not None and solved.objective <= filled.objective):
+        if solved is None:
+            raise failure  # type: ignore[misc]
+        return solved
+    if solved is not None:
+        filled.seconds = solved.seconds
+        filled.meta["solver's plan"] = solved.objective
+    return filled
+
+
+def _filled_in_order(problem: Problem, lower_bound: float) -> Plan | None:
+    """The plan that fills the devices in cluster order (GPUs by id, then the host, then disk) with
+    the blocks in call order: each block on the device of the block before it, or the next device,
+    whichever first keeps every device within its :func:`~torchplace.hf.maps.budgets` as
+    dispatched (:func:`~torchplace.hf.maps.dispatched_memory`), a colocation group (tied weights)
+    placed whole with its first block; ``None`` where no such fill fits."""
+    g = problem.graph
+    order = g.topological_order()
+    devices = [d.name for d in problem.cluster.devices]
+    groups: dict[str, list[str]] = {}
+    for v in order:
+        groups.setdefault(g.record(v).colocation or v, []).append(v)
+    where: dict[str, str] = {}
+    placed: list[str] = []
+    i = 0
+    for v in order:
+        if v in where:  # placed with the first block of its group
+            continue
+        members = groups[g.record(v).colocation or v]
+        placed += members
+        while i < len(devices):
+            where.update(dict.fromkeys(members, devices[i]))
+            if within_budgets(problem, dispatched_memory(problem, stages_from_order(problem, placed, where))):
+                break
+            i += 1
+        else:
+            return None
+    try:
+        plan = Plan.build(problem, stages_from_order(problem, order, where), solver="in-order fill", seconds=0.0,
+                          lower_bound=lower_bound, status="feasible")
+    except InvalidPlanError:
+        return None
+    if plan.objective <= plan.lower_bound * (1 + 1e-9):
+        plan.status = "optimal"
+    return plan
+
+
+def _solved_dispatched(problem: Problem, time_limit: float | None) -> Plan:
     """The solver's plan, checked against :func:`~torchplace.hf.maps.dispatched_memory` and the
     true :func:`~torchplace.hf.maps.budgets`.
 
