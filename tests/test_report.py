@@ -224,6 +224,23 @@ def test_names_with_dollar_signs_are_drawn_as_they_are():
     assert "$acc0$" in render(plan, problem)
 
 
+def test_a_name_that_reads_like_an_id_or_a_reference_is_drawn_as_it_is():
+    """The SVG's ids and references get a prefix of their own per figure; the rewrite ran over the
+    whole text, so a node named 'id="x" url(#y)' was drawn as 'id="tp0-x" url(#tp0-y)'. Only tags
+    are rewritten now, and every reference still names an id of its own figure."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    name = 'id="x" url(#y)'  # short: longer labels are cut to 22 characters
+    problem = _chain([name, "b", "c"], ("acc0", "acc1"))
+    svg = plot_graph(solve(problem), problem).svg()
+    root = ET.fromstring(svg)
+    assert name in "".join(root.itertext())
+    own = {e.get("id") for e in root.iter() if e.get("id")}
+    refs = {r for e in root.iter() for v in e.attrib.values() for r in re.findall(r"url\(#([^)]+)\)", v)}
+    assert own and all(i.startswith("tp") for i in own) and refs and refs <= own
+
+
 def test_names_with_control_characters_give_well_formed_svg(tmp_path):
     """A workload file's node named with a control character (U+0001) went into the SVG as it was,
     which XML cannot hold: a saved .svg did not parse, and matplotlib warned of a missing glyph."""

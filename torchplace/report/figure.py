@@ -19,7 +19,8 @@ __all__ = ["Picture", "device_colors", "literal", "new_figure", "xml_text"]
 
 _INSTALL = "pip install 'torchplace[report]'"
 _SALT = itertools.count()  # each SVG gets its own ids, so several can sit inline in one HTML page
-_ID_OR_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
+_TAG = re.compile(r"<[^!?][^>]*>")  # a start or end tag: attribute values hold no '>' (matplotlib escapes it)
+_ID_OR_REF = re.compile(r'(\sid="|url\(#|href="#)([^")]+)')
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")  # XML 1.0 has no such characters
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac")
@@ -87,7 +88,8 @@ class Picture:
         text = out.getvalue()
         text = text[text.index("<svg"):]
         prefix = f"tp{next(_SALT)}-"
-        return _ID_OR_REF.sub(lambda m: m.group(1) + prefix + m.group(2), text)
+        # within tags only: a drawn name is text between them, and may read 'id="x"' or 'url(#x)'
+        return _TAG.sub(lambda tag: _ID_OR_REF.sub(lambda m: m.group(1) + prefix + m.group(2), tag.group(0)), text)
 
     def save(self, path: str | Path) -> Path:
         """Write the picture to ``path``; the suffix (``.png``, ``.svg``, ``.pdf``) picks the format.
