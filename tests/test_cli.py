@@ -125,6 +125,9 @@ def test_throughput_options_on_a_latency_workload_are_errors(capsys, workloads_d
     for options in ({"ideal_limit": 10}, {"bounds": "mip"}):
         with pytest.raises(UsageError, match="would be ignored: auto solves a latency problem"):
             solve(problem, **options)
+    # contiguous=False, which solve() applies to the problem (a latency one is non-contiguous), is not
+    # ignored: it was refused as ignored, where it solved before
+    assert solve(problem, contiguous=False).objective == solve(problem).objective
 
 
 _LIGHT_CLI = """

@@ -125,7 +125,10 @@ def solve_auto(
     t0 = time.perf_counter()
     deadline = t0 + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     if problem.objective == "latency":
-        ignored = [*sorted(k for k, v in opts.items() if v is not None), *(["bounds='mip'"] if bounds == "mip" else [])]
+        # contiguous= that the problem already has is not ignored: solve() applied it (contiguous=False)
+        ignored = [*sorted(k for k, v in opts.items()
+                           if v is not None and not (k == "contiguous" and v == problem.contiguous)),
+                   *(["bounds='mip'"] if bounds == "mip" else [])]
         if ignored:  # they shape the DP and Archer's bounds, which a latency problem does not run
             raise UsageError(f"{', '.join(ignored)} would be ignored: auto solves a latency problem with the latency "
                              "methods (no DP, no MIP bounds); leave it out")
