@@ -1081,6 +1081,10 @@ def test_a_disk_only_map_with_a_module_of_non_persistent_buffers_is_evaluated_as
     check_device_map(model, plan.device_map)
     cost = evaluate_device_map(plan.problem, plan.device_map)
     assert cost.fits and cost.memory == plan.memory and cost.seconds == pytest.approx(plan.plan.objective)
+    # only such blocks: a map that sends weights to "cpu" puts them in a RAM max_memory does not give
+    # (it was priced as the disk plan and said to fit)
+    with pytest.raises(UsageError, match="sends .model.embed_tokens. to .cpu., which is not in max_memory"):
+        evaluate_device_map(plan.problem, {"": "cpu"})
 
 
 def test_a_module_of_non_persistent_buffers_stays_where_the_map_sends_it():

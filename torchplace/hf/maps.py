@@ -286,8 +286,10 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     Offloaded blocks are charged to the GPU accelerate computes them on (:func:`accelerate_main`);
     their time is that of :func:`main_device`'s kind, the same GPU for any map that names it. With
     ``"disk"`` alone the CPU computes them: ``memory`` has a ``"cpu"`` row (:func:`host_memory`),
-    and a block the map sends to ``"cpu"`` (as :func:`to_device_map` sends a module holding only
-    non-persistent buffers, which cannot be offloaded) is priced as one on ``"disk"``, as its plan has it.
+    and a block holding no state-dict tensor that the map sends to ``"cpu"`` (as :func:`to_device_map`
+    sends a module holding only non-persistent buffers, which cannot be offloaded) is priced as one on
+    ``"disk"``, as its plan has it; a block with weights on ``"cpu"`` is refused as any device not
+    in ``max_memory``.
 
     A map naming no GPU on a problem with GPUs (accelerate's ``{"": "cpu"}`` for a GPU too small
     for anything) is dispatched on the CPU, which computes every block: it is priced on
@@ -307,8 +309,10 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
     meta = problem.graph.meta["hf"]
     paths, held = meta["modules"], meta.get("tensors", {})
     names = {str(accelerate_name(d.name)): d.name for d in problem.cluster.devices}
-    if "cpu" not in names and main_device(problem) is None:  # "disk" alone: the CPU computing every block holds
-        names["cpu"] = "disk"  # what to_device_map sends to "cpu" (non-persistent buffers), priced as the plan does
+    # "disk" alone: a block holding no state-dict tensor (non-persistent buffers only), which
+    # to_device_map sends to "cpu" where accelerate computes, is priced on "disk" as the plan has it;
+    # a block with weights on "cpu" would sit in a RAM that max_memory does not give
+    buffers_on_cpu = "cpu" not in names and "disk" in names and main_device(problem) is None
     stages: list[Stage] = []
     where: dict[str, str] = {}
     uncovered: list[str] = []
@@ -321,6 +325,8 @@ def evaluate_device_map(problem: Problem, device_map: Mapping[str, Any]) -> MapC
             value = str(device_map[max(keys, key=len)])
             if value.startswith("cuda:"):
                 value = value.split(":")[1]
+            if value == "cpu" and buffers_on_cpu and not tensors:
+                value = "disk"
             if value not in names:
                 raise UsageError(f"device_map sends {path!r} to {value!r}, which is not in max_memory {sorted(names)}"
                                  + _left_out(meta, value))
