@@ -181,6 +181,26 @@ def test_placing_draws_no_random_numbers_from_the_users_generator():
         assert torch.equal(torch.get_rng_state(), state), call.__name__
 
 
+def test_cuda_generators_a_placement_starts_are_seeded_as_their_first_use_would_find_them(monkeypatch):
+    """(found by review) random_state_kept restored only the CUDA generators in use when the block
+    began: seeding, building on the CPU and placing on GPUs left profiling's draws on them. The
+    ones the block starts are seeded again with torch.initial_seed() (the CUDA calls are stubbed:
+    no GPU here)."""
+    from torchplace.runtime.devices import random_state_kept
+
+    torch.manual_seed(7)
+    started, seeded = [False], []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started[0])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    with random_state_kept():
+        started[0] = True  # the block's first CUDA use
+    assert seeded == [7]
+    with random_state_kept():  # in use before the block: fork_rng puts their states back
+        pass
+    assert seeded == [7]
+
+
 class _Branchy(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # data-dependent control flow: neither fx nor export can trace it

@@ -31,11 +31,20 @@ __all__ = [
 ]
 
 
-def random_state_kept() -> AbstractContextManager[None]:
+@contextmanager
+def random_state_kept() -> Iterator[None]:
     """A block after which the random number generators are as it found them: the CPU's, and each
-    CUDA device's already in use (``torch.random.fork_rng``; a device first used inside starts
-    from its default seed anyway)."""
-    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else [])
+    CUDA device's already in use (``torch.random.fork_rng``). Where the block is the first to use
+    CUDA (seed, build the model on the CPU, then place it on GPUs), the CUDA generators it started
+    are seeded again with ``torch.initial_seed()``, as the first use after the block would have
+    found them (``torch.manual_seed`` seeds them so when CUDA starts)."""
+    started = torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if started else []):
+        try:
+            yield
+        finally:
+            if not started and torch.cuda.is_initialized():
+                torch.cuda.manual_seed_all(torch.initial_seed())
 
 
 def normalize_device(device: str | torch.device) -> torch.device:
