@@ -328,7 +328,7 @@ def byte_unit(nbytes: Iterable[float]) -> float:
     set: KeyError in extract), or in a plan over memory. Every MILP's memory rows (this IP,
     :mod:`~torchplace.solvers.milp.mtpp`, :mod:`~torchplace.solvers.milp.bounds`,
     :mod:`~torchplace.solvers.milp.latency`, :mod:`~torchplace.solvers.milp.moirai`) divide bytes by
-    this unit; up to 1e12 (every real memory) they are unchanged.
+    this unit; below 1e12 bytes (a GPU's memory, most hosts') they are unchanged, and larger ones are only rescaled.
     """
     largest = max((b for b in nbytes if 0 < b < math.inf), default=1.0)
     return 1.0 if largest < _MOST_BYTES else 10.0 ** (math.floor(math.log10(largest)) - 9)
