@@ -35,7 +35,7 @@ from torchplace.errors import (
     UsageError,
     warn_caller,
 )
-from torchplace.fxutil import draws_random_numbers, dtype_guards, run_graph
+from torchplace.fxutil import draws_random_numbers, dtype_guards, on_meta_device, run_graph
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.placed_module import PlacedModule
@@ -388,19 +388,13 @@ def plan_model(model: nn.Module, devices: Sequence[str | Device] | Cluster, exam
     if options.get("refine"):
         raise UsageError("plan_model plans without running: refine=True measures a placed model; use place()")
     placement = prepare(model, devices, example_inputs, **options)
-    if _on_meta(model):  # its graph may differ from the loaded model's: _replan says why, if it does
+    if on_meta_device(model):  # its graph may differ from the loaded model's: _replan says why, if it does
         placement.plan.meta[FROM_META] = True
     return placement.plan, placement.problem
 
 
 FROM_META = "planned_on_meta"
 """``Plan.meta`` key: the plan was made by :func:`plan_model` from a model on the meta device."""
-
-
-def _on_meta(model: nn.Module) -> bool:
-    """Whether the model's parameters and buffers are on the meta device (all of them, or it has none)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return bool(tensors) and any(t.device.type == "meta" for t in tensors)
 
 
 @_draws_no_random_numbers
@@ -517,10 +511,10 @@ def prepare(
     args, kwargs = example_call(example_inputs, example_kwargs)
     if microbatches != 1 and parallelism != "piper" and (objective == "throughput" or mode == "training"):
         _check_splittable(args, kwargs, microbatches)
-    if _on_meta(model):  # shapes only: the inputs join the weights on the meta device
+    shapes_only = on_meta_device(model)  # planned, never run: its devices need not be on this machine
+    if shapes_only:  # the inputs join the weights on the meta device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     leaves = leaf_types(model, leaf_modules)
-    shapes_only = _on_meta(model)  # planned, never run: its devices need not be on this machine
     if share_cores and (isinstance(devices, Cluster) or (isinstance(devices, (list, tuple)) and devices and not any(
             isinstance(d, str) for d in devices))):
         raise UsageError("share_cores=True splits this machine's cores among the CPU devices named by strings "
@@ -774,7 +768,7 @@ def _training_graph(traced: Any, graph: Any, args: tuple[Any, ...], kwargs: Mapp
     estimate elsewhere) with that kind's threads, with gradients and optimizer state
     (:mod:`torchplace.profiling.training`). A model on the meta device has nothing to time: every
     kind is estimated, as :func:`~torchplace.profiling.profile` estimates its forward."""
-    present = set() if _on_meta(traced.gm) else present_kinds()
+    present = set() if on_meta_device(traced.gm) else present_kinds()
     measured = {}
     for kind in kinds:
         if kind in present:

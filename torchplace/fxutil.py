@@ -26,6 +26,7 @@ __all__ = [
     "run_graph",
     "is_compute",
     "is_python_number",
+    "on_meta_device",
     "pin_arguments",
     "pin_devices",
     "relax_views",
@@ -221,6 +222,12 @@ def run_graph(gm: fx.GraphModule, flat: Sequence[Any]) -> Any:
 def is_compute(node: fx.Node) -> bool:
     """Whether an fx node becomes (part of) an OpGraph node and is placed in a stage."""
     return node.op in COMPUTE_OPS
+
+
+def on_meta_device(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters and buffers are on the meta device (shapes without values: a
+    model planned before its weights are loaded, or its traced graph); ``False`` for a module without any."""
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
 
 
 def fetch_attr(module: nn.Module, target: str) -> Any:

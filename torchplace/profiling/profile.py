@@ -35,7 +35,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from torchplace.fxutil import Interpreter, is_compute, pin_arguments
+from torchplace.fxutil import Interpreter, is_compute, on_meta_device, pin_arguments
 from torchplace.graph import OpGraph
 from torchplace.machine import intra_op_threads
 from torchplace.profiling.effects import StateSnapshot
@@ -239,11 +239,6 @@ def present_kinds() -> set[str]:
     return {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
 
 
-def _on_meta(gm: fx.GraphModule) -> bool:
-    """Whether the module's weights are on the meta device (shapes without values)."""
-    return any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers()))
-
-
 def _device_of(kind: str) -> torch.device:
     """The device a kind is timed on: its first (``cuda:0``)."""
     return torch.device(f"{kind}:0") if kind == "cuda" else torch.device(kind)
@@ -372,7 +367,7 @@ def profile(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    present = set() if _on_meta(traced.gm) else present_kinds()  # the meta device has nothing to time
+    present = set() if on_meta_device(traced.gm) else present_kinds()  # the meta device has nothing to time
     times: dict[str, dict[str, float]] = {}
     for kind in dict.fromkeys(kinds):
         if kind in present:

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from torchplace.errors import TraceError, UsageError
 from torchplace.fxutil import (
     Interpreter,
+    on_meta_device,
     TensorInfo,
     flat_inputs,
     is_compute,
@@ -571,11 +572,6 @@ def _storage_id(t: torch.Tensor) -> int | None:
         return None
 
 
-def _on_meta(gm: fx.GraphModule) -> bool:
-    """Whether the graph's weights are on the meta device (a model planned from shapes)."""
-    return any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers()))
-
-
 def _meta_failure(model: nn.Module, error: Exception) -> TraceError:
     """The :class:`TraceError` for a traced graph of a meta-device model that fails on meta inputs
     (inputs it rejects: a meta model is never run eagerly to check them); a tensor the forward made
@@ -615,7 +611,7 @@ def _record(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence[Any],
                 with torch.no_grad():
                     _Recorder(gm, log, shapes).run(*values)
             except Exception as e:
-                if shapes and _on_meta(gm):
+                if shapes and on_meta_device(gm):
                     raise _meta_failure(model, e) from e
                 if shapes:
                     raise
