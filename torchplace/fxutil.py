@@ -107,37 +107,34 @@ def bind_placeholders(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[s
 
 
 def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """:func:`bind_placeholders` for a user's call of a placed model.
+    """:func:`bind_placeholders` for a user's call of a placed model. An argument of the traced
+    signature the call leaves out gets the model's default (``gm.meta["defaults"]``, recorded at
+    trace time): the example gave it, so the graph takes it, and the model called without it would
+    use its default; a default the trace kept as a constant is then checked as any value.
 
     Raises:
         UsageError: if the arguments do not match the signature (naming it).
     """
     meta = getattr(gm, "meta", {})
+    kwargs = dict(kwargs or {})
     try:
-        kwargs = _with_defaults(gm, args, dict(kwargs or {}), meta.get("defaults", {}))
+        if defaults := meta.get("defaults"):
+            signature = inspect.signature(gm.forward)
+            given = signature.bind_partial(*args, **kwargs).arguments
+            kwargs.update({name: defaults[name] for name in signature.parameters
+                           if name not in given and name in defaults})
         return bind_placeholders(gm, args, kwargs)
     except TypeError as e:
         hint = ""
         if "unexpected keyword" in str(e):
             hint = ("; it takes the arguments its example gave when it was placed, and was traced with the others at "
                     "their defaults: leave the argument out, or place the model with it in example_kwargs")
-            if getattr(gm, "meta", {}).get("var_keyword"):  # export takes no keyword through **kwargs
+            if meta.get("var_keyword"):  # export takes no keyword through **kwargs
                 hint += (" (if the model's forward takes it through **kwargs, which a trace cannot take as an input, "
                          "set it on the model instead before placing: for a Hugging Face model, on its config, "
                          "e.g. model.config.output_hidden_states = True)")
         name = meta.get("model_name", type(gm).__name__)
         raise UsageError(f"the placed model is called as {name}{inspect.signature(gm.forward)}: {e}{hint}") from e
-
-
-def _with_defaults(gm: fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
-                   defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the model's default for each argument of the traced signature the call
-    leaves out: the example gave it (so the graph takes it), and the model called without it
-    would use its default. A default the trace kept as a constant is then checked as any value."""
-    bound = inspect.signature(gm.forward).bind_partial(*args, **kwargs).arguments
-    missing = {name: defaults[name] for name in inspect.signature(gm.forward).parameters
-               if name not in bound and name in defaults}
-    return {**kwargs, **missing}
 
 
 def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:

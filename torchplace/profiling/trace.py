@@ -468,32 +468,30 @@ def _capture(
     raise _trace_error(model, failures, _through_var_keyword(model, example_kwargs), partners) from failures[-1].error
 
 
+def _forward_parameters(model: nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of ``model.forward``'s signature (none where Python cannot read it)."""
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def _takes_var_keyword(model: nn.Module) -> bool:
     """Whether ``model.forward`` takes ``**kwargs``."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _forward_parameters(model).values())
 
 
 def _defaults(model: nn.Module) -> dict[str, Any]:
     """The default of each argument of ``model.forward`` that has one, by name."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    return {name: p.default for name, p in _forward_parameters(model).items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _through_var_keyword(model: nn.Module, example_kwargs: Mapping[str, Any]) -> list[str]:
     """The example's keywords that ``model.forward`` takes through ``**kwargs``."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+    if not _takes_var_keyword(model):
         return []
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return []
+    parameters = _forward_parameters(model)
     return [k for k in example_kwargs if k not in parameters]
 
 
