@@ -60,37 +60,28 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _modes_put_back_on_failure(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn(model, ...)`` that, when it raises (an error, or Ctrl-C at any point), sets every module of
-    ``model`` back to the training mode it had: a placement that does not return leaves the model in
-    the modes it found (a successful one leaves it in the placement's, eval mode for inference)."""
+def _model_left_as_found(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn(model, ...)`` that leaves the random number generators as it found them (profiling runs
+    dropout and draws stand-in tensors: ``torch.manual_seed(0)``, placing, then training must draw
+    the batches and masks it would draw without placing; :func:`random_state_kept`) and, when it
+    raises (an error, or Ctrl-C at any point), sets every module of ``model`` back to the training
+    mode it had: a placement that does not return leaves the model in the modes it found (a
+    successful one leaves it in the placement's, eval mode for inference)."""
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         model = args[0] if args else kwargs.get("model")
         modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            for module, was in modes:
-                module.training = was
-            raise
-    return kept
-
-
-def _draws_no_random_numbers(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` with the random number generators (CPU's, and each CUDA device's already in use) put
-    back as it found them: profiling runs dropout and draws stand-in tensors, and a placement must
-    not shift the user's random stream (``torch.manual_seed(0)`` then placing then training draws
-    the batches and masks it would draw without placing)."""
-    @functools.wraps(fn)
-    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with random_state_kept():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                for module, was in modes:
+                    module.training = was
+                raise
     return kept
 
 
-@_draws_no_random_numbers
-@_modes_put_back_on_failure
+@_model_left_as_found
 def place(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -397,8 +388,7 @@ FROM_META = "planned_on_meta"
 """``Plan.meta`` key: the plan was made by :func:`plan_model` from a model on the meta device."""
 
 
-@_draws_no_random_numbers
-@_modes_put_back_on_failure
+@_model_left_as_found
 def prepare(
     model: nn.Module,
     devices: Sequence[str | Device] | Cluster,
@@ -561,7 +551,7 @@ def prepare(
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
             drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
                                    microbatches if isinstance(microbatches, int) else 1)
-    except Exception:  # the model's modes are put back on the way out (_modes_put_back_on_failure)
+    except Exception:  # the model's modes are put back on the way out (_model_left_as_found)
         if not shapes_only and not called:
             try_example_call(model, args, kwargs)  # raises UsageError when the inputs are the cause
         raise

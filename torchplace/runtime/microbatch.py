@@ -131,23 +131,19 @@ def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
     out: list[Any] = []
     seen: dict[tuple[int, ...], Any] = {}  # a tensor the model returns twice comes back as one, as from the model
     for i, column in enumerate(zip(*(leaves for leaves, _ in flats))):
-        if joined is not None and not joined[i]:
-            out.append(column[0])
-        elif isinstance(column[0], torch.Tensor):
-            key = tuple(map(id, column))
-            if key not in seen:
-                seen[key] = _gather_leaf(i, list(column))
-            out.append(seen[key])
-        else:
-            out.append(_gather_leaf(i, list(column)))
+        if (joined is not None and not joined[i]) or not isinstance(column[0], torch.Tensor):
+            out.append(column[0])  # not joined, or not a tensor: the first micro-batch's
+            continue
+        key = tuple(map(id, column))
+        if key not in seen:
+            seen[key] = _gather_leaf(i, list(column))
+        out.append(seen[key])
     return tree_unflatten(out, spec)
 
 
-def _gather_leaf(position: int, column: list[Any]) -> Any:
-    """Concatenate one tensor leaf over micro-batches; keep the first value otherwise."""
+def _gather_leaf(position: int, column: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate one tensor leaf over micro-batches."""
     first = column[0]
-    if not isinstance(first, torch.Tensor):
-        return first
     if first.dim() == 0:
         raise ValueError(
             f"output leaf {position} is a 0-dim tensor and cannot be concatenated over "
