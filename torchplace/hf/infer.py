@@ -589,19 +589,17 @@ def _solve_dispatched(problem: Problem, time_limit: float | None) -> Plan:
         InfeasibleError: if neither has a plan that fits.
     """
     try:
-        solved: Plan | None = _solved_dispatched(problem, time_limit)
-        failure = None
-    except InfeasibleError as e:
-        solved, failure = None, e
-    bound = solved.lower_bound if solved is not None else combinatorial_lower_bound(problem, time_limit=1.0)
-    filled = _filled_in_order(problem, bound)
-    if filled is None or (solved is not None and solved.objective <= filled.objective):
-        if solved is None:
-            raise failure  # type: ignore[misc]
+        solved = _solved_dispatched(problem, time_limit)
+    except InfeasibleError:
+        filled = _filled_in_order(problem, combinatorial_lower_bound(problem, time_limit=1.0))
+        if filled is None:
+            raise
+        return filled
+    filled = _filled_in_order(problem, solved.lower_bound)
+    if filled is None or solved.objective <= filled.objective:
         return solved
-    if solved is not None:
-        filled.seconds = solved.seconds
-        filled.meta["solver's plan"] = solved.objective
+    filled.seconds = solved.seconds
+    filled.meta["solver's plan"] = solved.objective
     return filled
 
 
