@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyomo.environ as pyo
 from pyomo.contrib import appsi
@@ -123,6 +123,11 @@ class MilpResult:
     objective: float
     bound: float
     seconds: float
+
+    def scaled(self, unit: float) -> MilpResult:
+        """The result with objective and bound in seconds, for a model whose time unit is ``unit``
+        seconds (the MILPs scale times, :func:`torchplace.solvers.milp.maxload.unit_for`)."""
+        return replace(self, objective=self.objective * unit, bound=self.bound * unit)
 
 
 def _objective(model: pyo.ConcreteModel) -> pyo.Objective:

@@ -58,7 +58,6 @@ sends it to one device after another (see ``tests/test_milp_latency.py``).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -515,7 +514,7 @@ def solve(problem: Problem, *, q: int = 1, time_limit: float | None = None, mip_
             initialize(model, problem, start)
         scaled = solve_model(model, name=name, mip_gap=mip_gap, budget=budget, warm_start=start is not None,
                              unit=model.unit)
-        res = dataclasses.replace(scaled, objective=scaled.objective * model.unit, bound=scaled.bound * model.unit)
+        res = scaled.scaled(model.unit)
     except InfeasibleError as e:
         raise _infeasible(problem, q) from e
     except SolverLimitError as e:

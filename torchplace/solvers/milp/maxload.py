@@ -57,7 +57,6 @@ Non-contiguous plans: any assignment runs as a pipeline of stages (Sec. 5.2, "vi
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -484,7 +483,7 @@ def solve(
         return Plan.build(target, warm_start.stages, solver="maxload-ip", seconds=budget.elapsed(),
                           lower_bound=bound, status="time_limit",
                           meta={"contiguous": contiguous, "symmetry": symmetry, "stopped": str(e)})
-    res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
+    res = scaled.scaled(m.unit)
     stages = stages_from_assignment(target, extract(m, target))
     objective = costmodel.evaluate_stages(target, stages)[0]
     bound = simple_lower_bound(target)

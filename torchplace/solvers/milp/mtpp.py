@@ -36,7 +36,6 @@ or :mod:`maxload`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pyomo.environ as pyo
@@ -213,7 +212,7 @@ def solve(problem: Problem, *, time_limit: float | None = None, mip_gap: float =
     build_seconds = budget.elapsed()
     scaled = solve_model(m, name="MTPP MIP", mip_gap=mip_gap, budget=budget, unit=m.unit,
                          known_bound=simple_lower_bound(problem))
-    res = dataclasses.replace(scaled, objective=scaled.objective * m.unit, bound=scaled.bound * m.unit)
+    res = scaled.scaled(m.unit)
     stages = extract(m, problem)
     rows, cols = model_size(m)
     plan = Plan.build(
