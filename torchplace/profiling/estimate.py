@@ -159,10 +159,6 @@ def node_costs(traced: Traced, example_inputs: Sequence[Any],
     return counter.costs
 
 
-def _roofline(cost: NodeCost, spec: DeviceSpec) -> float:
-    return spec.seconds(cost.flops, cost.bytes, cost.dtype)
-
-
 def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str,
                    example_kwargs: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Roofline time of every OpGraph node on a device of ``kind``.
@@ -189,6 +185,6 @@ def estimate_times(traced: Traced, example_inputs: Sequence[Any], kind: str,
     spec = DEVICE_SPECS[kind]
     costs = node_costs(traced, example_inputs, example_kwargs)
     return {
-        node_id: sum(_roofline(costs[name], spec) for name in record.fx_nodes)
+        node_id: sum(spec.seconds(costs[n].flops, costs[n].bytes, costs[n].dtype) for n in record.fx_nodes)
         for node_id, record in traced.graph.records()
     }
