@@ -158,6 +158,27 @@ def test_a_tensor_returned_twice_comes_back_as_one_tensor() -> None:
     assert torch.allclose(out[0], expected[0], atol=1e-6) and torch.equal(out[1], x)
 
 
+def test_an_input_the_model_returns_comes_back_as_the_callers_tensor() -> None:
+    """An input returned as given is the caller's tensor from the model; micro-batches joined its
+    pieces into a copy, so writing to the output no longer wrote to the input."""
+
+    class ReturnsItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.b(torch.relu(self.a(x))) * mask, x, mask
+
+    torch.manual_seed(0)
+    model, x, mask = ReturnsItsInput().eval(), torch.randn(8, 8), torch.ones(8, 1)
+    placed = torchplace.place(model, DEVICES, (x, mask), microbatches=4, **OPTIONS)
+    with torch.no_grad():
+        out, expected = placed(x, mask), model(x, mask)
+    assert expected[1] is x and out[1] is x and out[2] is mask
+    assert torch.allclose(out[0], expected[0], atol=1e-6)
+
+
 def test_a_model_that_updates_its_state_in_forward_is_not_split() -> None:
     """(found by fuzzing) a buffer updated in forward (a call counter, a running mean) was updated
     once per micro-batch: 4 times per call with microbatches=4, where the model updates it once."""

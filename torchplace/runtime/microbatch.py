@@ -12,7 +12,9 @@ Rules (as in torchgpipe's ``microbatch.scatter``/``gather``):
   (``torch.utils._pytree``): tensor leaves are concatenated along dim 0; non-tensor leaves, and
   the leaves ``place()`` found to read no batched input (:func:`torchplace.batchdim.check_split`:
   a constant or a parameter the model returns), are taken from the first micro-batch. A 0-dim
-  tensor leaf cannot be concatenated and raises.
+  tensor leaf cannot be concatenated and raises. An input the model returns as it was given
+  (each micro-batch's leaf is that micro-batch's piece of it) comes back as the caller's tensor,
+  as from the model, not as a joined copy.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchplace.errors import MicrobatchError, warn_caller
 
-__all__ = ["batch_size", "gather", "last_rows", "scatter"]
+__all__ = ["batch_size", "gather", "given_pieces", "last_rows", "scatter"]
 
 
 def _batch_size(leaves: Sequence[Any]) -> int | None:
@@ -103,13 +105,26 @@ def _split_leaf(leaf: Any, chunks: int) -> Sequence[Any]:
     return [leaf] * chunks
 
 
-def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
+def given_pieces(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> dict[tuple[int, ...], torch.Tensor]:
+    """The caller's tensors by the ids of their pieces in ``chunks`` (what :func:`scatter` made of
+    ``(args, kwargs)``), for :func:`gather` to give back a tensor the model returns as it was given.
+    The ids hold while ``chunks`` is alive."""
+    leaves = tree_flatten((tuple(args), dict(kwargs)))[0]
+    columns = zip(*(tree_flatten(chunk)[0] for chunk in chunks))
+    return {tuple(map(id, column)): leaf for leaf, column in zip(leaves, columns) if isinstance(leaf, torch.Tensor)}
+
+
+def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None,
+           given: Mapping[tuple[int, ...], torch.Tensor] | None = None) -> Any:
     """Combine micro-batch outputs into the output of the whole batch.
 
     Args:
         outputs: one output pytree per micro-batch, in micro-batch order, all of one structure.
         joined: per leaf, whether it is concatenated (``False``: the first micro-batch's is
             taken); ``None``: every tensor leaf is.
+        given: :func:`given_pieces` of the inputs: a leaf whose micro-batch tensors are the pieces
+            of an input is that input.
 
     Returns:
         The first output's structure with tensor leaves concatenated along dim 0 (a leaf that is
@@ -129,7 +144,7 @@ def gather(outputs: Sequence[Any], joined: Sequence[bool] | None = None) -> Any:
         raise ValueError(f"the output has {len(flats[0][0])} parts where the example's had {len(joined)}; "
                          "use microbatches=1")
     out: list[Any] = []
-    seen: dict[tuple[int, ...], Any] = {}  # a tensor the model returns twice comes back as one, as from the model
+    seen: dict[tuple[int, ...], Any] = dict(given or {})  # a tensor returned twice, or as given, comes back as from the model
     for i, column in enumerate(zip(*(leaves for leaves, _ in flats))):
         if (joined is not None and not joined[i]) or not isinstance(column[0], torch.Tensor):
             out.append(column[0])  # not joined, or not a tensor: the first micro-batch's

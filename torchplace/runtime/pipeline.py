@@ -55,7 +55,7 @@ from torchplace.runtime.devices import (
     stream_context,
     wait_for_producers,
 )
-from torchplace.runtime.microbatch import gather, scatter
+from torchplace.runtime.microbatch import gather, given_pieces, scatter
 from torchplace.runtime.schedule import segments, worker_orders
 from torchplace.runtime.params import StageParameters
 from torchplace.runtime.spans import StageSpan
@@ -252,7 +252,8 @@ class PipelineExecutor:
                     thread.join(timeout=_JOIN_S)
                 self.last_trace = list(state.trace)
                 self.last_spans = list(state.spans)
-            return gather(outputs, None if isinstance(self.joined_outputs, Exception) else self.joined_outputs)
+            joined = None if isinstance(self.joined_outputs, Exception) else self.joined_outputs
+            return gather(outputs, joined, given_pieces(args, kwargs, chunks))
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""
