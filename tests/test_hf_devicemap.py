@@ -130,6 +130,17 @@ def test_a_budget_without_room_for_the_kv_cache_says_how_much_is_needed():
     assert err.value.min_memory_bytes > 600 * 2**10
 
 
+def test_a_main_device_without_room_for_what_it_computes_of_the_offloaded_blocks_is_named_with_its_room():
+    """The weights fit GPU 0, the CPU and disk together, but GPU 0 computes the offloaded blocks: their
+    KV cache and the largest one's weights do not fit beside the activations (nor on the CPU alone)."""
+    model = build(gpt2_config(3), "meta")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(InfeasibleError, match=r"overfills cuda:0, which computes the offloaded blocks \(.* KiB of its "
+                                              r"max_memory left beside the activations' .* KiB\) with their KV cache"):
+        plan_device_map(model, {0: int(params * 0.4), "cpu": int(params * 0.5), "disk": "1GiB"}, batch_size=2,
+                        sequence_length=16, repeats=0)
+
+
 
 def test_a_meta_model_is_planned_for_a_batch_no_ram_could_hold_without_allocating_its_inputs():
     """The example input_ids were drawn on the CPU, then moved to the meta device: a batch of 1e11

@@ -712,9 +712,14 @@ def _solved_dispatched(problem: Problem, time_limit: float | None) -> Plan:
                                restricted(tight, f"room kept: {_gib(most)} on {main}"))
                    if p is not None and fits(p)]
     if not found_plans:
-        raise InfeasibleError(f"every map that fits the weights overfills the device that computes the offloaded blocks "
-                              f"(their KV cache and streamed weights, up to {_gib(most)}), and none fits without "
-                              "offloading: raise max_memory or lower batch_size or sequence_length")
+        where = "the device that computes the offloaded blocks"
+        if main is not None and true.get(main) is not None:
+            peak = problem.graph.meta["hf"]["activations"]
+            where = (f"{main}, which computes the offloaded blocks ({_gib(true[main])} of its max_memory left "
+                     f"beside the activations' {_gib(peak)})")
+        raise InfeasibleError(f"every map that fits the weights overfills {where} with their KV cache and streamed "
+                              f"weights (up to {_gib(most)}), and none fits without offloading: raise max_memory or "
+                              "lower batch_size or sequence_length")
     return min(found_plans, key=lambda p: p.objective)
 
 
