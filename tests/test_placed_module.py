@@ -1035,6 +1035,11 @@ def test_an_argument_the_example_gave_may_be_left_out_at_its_default(trace_metho
             assert torch.equal(placed(x, scale=2.0), model(x, scale=2.0))
         with pytest.raises(UsageError, match=r"the placed model is called as Scaled\(x, .*unexpected keyword argument 'bias'"):
             placed(x, bias=1.0)
+    if trace_method == "export":  # the refusal of a left-out number says the call left it out, at what default
+        placed = _place(model, (x,), example_kwargs={"scale": 2.0}, trace_method=trace_method, microbatches=1)
+        with torch.no_grad(), pytest.raises(UsageError, match=r"traced for inputs with scale == 2.0, which this "
+                                                              r"call, leaving scale out \(the model's default, 1.0\), breaks"):
+            placed(x)
 
 
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jit.trace", "jit.script"])

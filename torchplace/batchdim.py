@@ -260,11 +260,12 @@ def check_broadcast_rows(runs: Runs, m: int) -> None:
         "with microbatches=1")
 
 
-def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
+def guard_error(guard: str, dynamic_dims: Any = None, left_out: Mapping[str, Any] | None = None) -> UsageError:
     """The :class:`UsageError` for a call that breaks ``guard``, a guard of the exported graph
     (``input_ids.size()[1] == 16``), saying what to do; ``dynamic_dims``: the placement's (see
-    :mod:`torchplace.profiling.dynamic`). A size the user declared dynamic (or ``"auto"``) that the
-    model's code fixed while tracing gets no advice to declare it."""
+    :mod:`torchplace.profiling.dynamic`); ``left_out``: the arguments the call left out, at their
+    defaults (:func:`torchplace.fxutil.left_out`). A size the user declared dynamic (or ``"auto"``)
+    that the model's code fixed while tracing gets no advice to declare it."""
     # dim 0 is asked dynamic: only the model fixes it to a number (not two inputs' batches compared)
     if "==" in guard and re.search(r"size\(\)\[0\]", guard) and guard.count("size()") == 1:
         return UsageError(
@@ -272,8 +273,12 @@ def guard_error(guard: str, dynamic_dims: Any = None) -> UsageError:
             "size (a reshape to the example's size, a size taken from a constant); call it with the example's batch "
             "size, or take the size from the input (x.view(x.shape[0], ...)) and place it again")
     if "size()" not in guard and "stride()" not in guard:  # a value: a Python number the export baked in
+        number = re.match(r"\s*(\w+)\s*==", guard)
+        breaks = "which this call breaks"
+        if number and number.group(1) in (left_out or {}):  # the call left it out: the model's default
+            breaks = f"which this call, leaving {number.group(1)} out (the model's default, {left_out[number.group(1)]!r}), breaks"
         return UsageError(
-            f"the placed model was traced for inputs with {guard}, which this call breaks: torch.export keeps a Python "
+            f"the placed model was traced for inputs with {guard}, {breaks}: torch.export keeps a Python "
             "number (an int, float or bool argument) as the constant the example had; call it with that value, pass "
             "the number as a tensor (torch.tensor(x)), or place it with trace_method='fx'")
     if re.search(r"[<>]", guard):  # a range the export found in the model (a table of positions, a size branch)

@@ -26,6 +26,7 @@ __all__ = [
     "run_graph",
     "is_compute",
     "is_python_number",
+    "left_out",
     "on_meta_device",
     "pin_arguments",
     "pin_devices",
@@ -116,14 +117,8 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
         UsageError: if the arguments do not match the signature (naming it).
     """
     meta = getattr(gm, "meta", {})
-    kwargs = dict(kwargs or {})
     try:
-        if defaults := meta.get("defaults"):
-            signature = inspect.signature(gm.forward)
-            given = signature.bind_partial(*args, **kwargs).arguments
-            kwargs.update({name: defaults[name] for name in signature.parameters
-                           if name not in given and name in defaults})
-        return bind_placeholders(gm, args, kwargs)
+        return bind_placeholders(gm, args, {**(kwargs or {}), **left_out(gm, args, kwargs)})
     except TypeError as e:
         hint = ""
         if "unexpected keyword" in str(e):
@@ -135,6 +130,21 @@ def bind_call(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]
                          "e.g. model.config.output_hidden_states = True)")
         name = meta.get("model_name", type(gm).__name__)
         raise UsageError(f"the placed model is called as {name}{inspect.signature(gm.forward)}: {e}{hint}") from e
+
+
+def left_out(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The arguments of the traced signature a call of a placed model leaves out, at the model's
+    defaults (``gm.meta["defaults"]``), which :func:`bind_call` fills in.
+
+    Raises:
+        TypeError: if the arguments do not match the signature.
+    """
+    defaults = getattr(gm, "meta", {}).get("defaults")
+    if not defaults:
+        return {}
+    signature = inspect.signature(gm.forward)
+    given = signature.bind_partial(*args, **(kwargs or {})).arguments
+    return {name: defaults[name] for name in signature.parameters if name not in given and name in defaults}
 
 
 def _flatten_pytree_inputs(codegen: _PyTreeCodeGen, values: Mapping[str, Any]) -> list[Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from torchplace import batchdim
 from torchplace.checks import non_negative_int, positive_int
 from torchplace.errors import StageError, UnsupportedError, UsageError
-from torchplace.fxutil import dtype_guards
+from torchplace.fxutil import dtype_guards, left_out
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
@@ -239,7 +239,7 @@ class PlacedModule(nn.Module):
                 return executor.run(args, kwargs)
             return executor.run(args, kwargs, self.microbatches)
         except StageError as e:
-            raise _shape_error(e, self._sizes.dynamic_dims) or e
+            raise _shape_error(e, self._sizes, args, kwargs) or e
 
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -281,7 +281,7 @@ class PlacedModule(nn.Module):
             return self._trainer.step(args, kwargs, target, loss_fn, self.microbatches,
                                       schedule or self.problem.pipeline.schedule)
         except StageError as e:
-            raise _shape_error(e, self._sizes.dynamic_dims) or e
+            raise _shape_error(e, self._sizes, args, kwargs) or e
 
     def _eval_executor(self) -> PipelineExecutor | LatencyExecutor:
         """The eval-mode graph of a model placed for training, split like the training graph
@@ -499,12 +499,14 @@ class PlacedModule(nn.Module):
                 f"batch{predicted}")
 
 
-def _shape_error(error: StageError, dynamic_dims: Any = None) -> UsageError | None:
-    """The :class:`UsageError` to raise for a call whose input shapes the traced graph's guards
-    refuse (torch.export's ``Guard failed: ...``; ``dynamic_dims``: the placement's), or ``None``
-    for any other failure."""
+def _shape_error(error: StageError, sizes: batchdim.CallSizes, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> UsageError | None:
+    """The :class:`UsageError` to raise for the call ``(args, kwargs)`` whose inputs the traced
+    graph's guards refuse (torch.export's ``Guard failed: ...``; ``sizes``: the placement's), or
+    ``None`` for any other failure."""
     cause = error.__cause__
     text = str(cause).strip() if cause is not None else ""
     if not (isinstance(cause, AssertionError) and "Guard failed" in text):
         return None
-    return batchdim.guard_error(text.split("Guard failed:", 1)[1].strip().splitlines()[0], dynamic_dims)
+    left = left_out(sizes.gm, args, kwargs) if sizes.gm is not None else {}  # the call bound: it ran
+    return batchdim.guard_error(text.split("Guard failed:", 1)[1].strip().splitlines()[0], sizes.dynamic_dims, left)
