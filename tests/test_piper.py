@@ -70,6 +70,12 @@ def _broken(tmp_path, change):
     (lambda d: d["edges"].append({"sourceId": 0, "destId": 99, "communicationCost": 1}), "edges[67].destId"),
     (lambda d: d["edges"].append(dict(d["edges"][0])), "listed twice"),
     (lambda d: d["edges"][0].update(communicationCost="big"), "edges[0].communicationCost"),
+    # numbers whose sums overflow, or whose inf transfer times turned the DP's differences NaN (a plan came back)
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0].update(timePerSample=1e200), "timePerSample: expected a number of seconds up to 1e+100"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0].update(parameterSize=1e30), "parameterSize: expected a number of bytes below 2**53"),
+    (lambda d: d["nodes"][3]["TMPCs"]["1"][0]["syncTimeBw"].update({"5": 1e30}), "syncTimeBw['5']: expected a number of bytes"),
+    (lambda d: d["edges"][3].update(communicationCost=1e30), "edges[3].communicationCost: expected a number of bytes"),
+    (lambda d: d.update(bandwidth=1e-300), "a bandwidth of 1e-300 bytes/s moves"),
 ])
 def test_malformed_file_names_the_field(tmp_path, change, words):
     with pytest.raises(WorkloadFormatError, match=None) as e:

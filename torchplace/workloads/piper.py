@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplace.checks import brief, check_float, non_negative_float
+from torchplace.checks import MOST_BYTES, MOST_SECONDS, brief, check_float, non_negative_float, seconds
 from torchplace.devices import Cluster, Device
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json
@@ -40,8 +40,17 @@ def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def _nonneg(obj: Mapping[str, Any], key: str, where: str) -> float:
-    return non_negative_float(_get(obj, key, where), f"{where}.{key}", error=WorkloadFormatError)
+def _bytes(value: Any, name: str) -> float:
+    """A number of bytes ``>= 0`` (Piper's may be fractional: per sample) below :data:`MOST_BYTES`."""
+    out = non_negative_float(value, name, error=WorkloadFormatError)
+    if out >= MOST_BYTES:
+        raise WorkloadFormatError(f"{name}: expected a number of bytes below 2**53 (9.0e15), got {brief(value)}; "
+                                  "divide every size and memory limit by one factor (memory depends on their ratios only)")
+    return out
+
+
+def _nonneg_bytes(obj: Mapping[str, Any], key: str, where: str) -> float:
+    return _bytes(_get(obj, key, where), f"{where}.{key}")
 
 
 def _positive(obj: Mapping[str, Any], key: str, where: str) -> float:
@@ -67,7 +76,7 @@ def _syncs(x: Mapping[str, Any], key: str, where: str, expected: set[str], side:
     raw = _get(x, key, where)
     if not isinstance(raw, Mapping):
         raise WorkloadFormatError(f"{where}.{key}: expected an object of bytes by node id, got {brief(raw)}")
-    out = {str(k): non_negative_float(v, f"{where}.{key}[{k!r}]", error=WorkloadFormatError) for k, v in raw.items()}
+    out = {str(k): _bytes(v, f"{where}.{key}[{k!r}]") for k, v in raw.items()}
     extra, missing = sorted(set(out) - expected), sorted(expected - set(out))
     if extra:
         raise WorkloadFormatError(f"{where}.{key}: {extra[0]!r} is not an {side} neighbour of the node (no such edge)")
@@ -84,10 +93,10 @@ def _tmpc(x: Any, where: str, preds: set[str], succs: set[str]) -> TMPC:
         raise WorkloadFormatError(f"{where}.id: expected a non-empty string, got {brief(tid)}")
     return TMPC(
         id=tid,
-        time=_nonneg(x, "timePerSample", where),
-        param_bytes=_nonneg(x, "parameterSize", where),
-        mem_a=_nonneg(x, "memoryUsageA", where),
-        mem_b=_nonneg(x, "memoryUsageB", where),
+        time=seconds(_get(x, "timePerSample", where), f"{where}.timePerSample", error=WorkloadFormatError),
+        param_bytes=_nonneg_bytes(x, "parameterSize", where),
+        mem_a=_nonneg_bytes(x, "memoryUsageA", where),
+        mem_b=_nonneg_bytes(x, "memoryUsageB", where),
         sync_in=_syncs(x, "syncTimeFw", where, preds, "incoming"),
         sync_out=_syncs(x, "syncTimeBw", where, succs, "outgoing"),
         recompute="recomp" in tid.lower(),
@@ -130,7 +139,7 @@ def _edges(data: Mapping[str, Any], ids: set[str], path: str) -> list[tuple[str,
         if (u, v) in seen:
             raise WorkloadFormatError(f"{where}: edge {u} -> {v} is listed twice")
         seen.add((u, v))
-        edges.append((u, v, _nonneg(e, "communicationCost", where)))
+        edges.append((u, v, _nonneg_bytes(e, "communicationCost", where)))
     return edges
 
 
@@ -194,4 +203,10 @@ def read_piper(path: str | Path, *, devices: int | None = None, memory_bytes: fl
         g.check_dag()
     except ValueError as e:
         raise WorkloadFormatError(f"{path}: {e}") from None
+    most = max([c for _, _, c in edges] + [b for v in ids for ts in g.record(v).tmpcs.values() for t in ts
+                                           for b in (t.param_bytes, *t.sync_in.values(), *t.sync_out.values())])
+    if most / parallel.bandwidth > MOST_SECONDS:  # inf times: the DP's sums and differences turn NaN
+        raise WorkloadFormatError(f"{path}: a bandwidth of {parallel.bandwidth:g} bytes/s moves {most:g} bytes (the "
+                                  f"most an edge, sync or gradient moves) in more than {MOST_SECONDS:g} s, so long that "
+                                  "sums of times overflow; give a larger bandwidth")
     return piper_problem(g, parallel)
