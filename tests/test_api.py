@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -165,6 +166,28 @@ def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeyp
         torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode="training", parallelism="piper", microbatches=2,
                          progress=False)
     assert not any(module.training for module in model.modules())
+
+
+def test_placing_a_model_in_training_mode_for_inference_says_it_puts_it_in_eval_mode():
+    """A model built in code is in training mode; placing it for inference turned its dropout off and
+    its batch norm to running statistics without a word, so the placed model (and the model) computed
+    otherwise than the model had a moment before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(8, 8)
+    options = dict(microbatches=1, progress=False, warmup=0, repeats=1)
+    with pytest.warns(torchplace.PlacementWarning, match=r"the model is in training mode, and placing it for inference "
+                      r"puts it in eval mode, as model.eval\(\) does: 2 module\(s\) \(1 \(BatchNorm1d\), 2 \(Dropout\)\)"):
+        placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), **options)
+    assert not model.training
+    with torch.no_grad():
+        assert torch.equal(placed(x), model(x))
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 8))  # the same in both modes
+    for quiet in (model.eval(), plain):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torchplace.place(quiet, ["cpu:0", "cpu:1"], (x,), **options)
+        assert not [w for w in caught if "training mode" in str(w.message)]
 
 
 def test_placing_draws_no_random_numbers_from_the_users_generator():

@@ -528,6 +528,8 @@ def prepare(
     if training:
         optimizer_state_factor(optimizer)
     modes = {m: m.training for m in model.modules()}
+    if not training:
+        _warn_of_eval_mode(model)
     if not (training and model.training and not all(modes.values())):  # frozen parts (a batch norm in eval) stay
         model.train(training)
     measured_loss = None  # bytes of the training loss on the example outputs (loss_fn given)
@@ -888,6 +890,23 @@ def _warn_of_fast_path(model: nn.Module) -> None:
                     "PyTorch's fused fast path in eval mode under torch.no_grad(), which a traced graph does not "
                     "contain: there the placed model equals the model to float rounding, not bitwise. Call "
                     "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too")
+
+
+def _warn_of_eval_mode(model: nn.Module) -> None:
+    """Warn that placing for inference puts ``model`` in eval mode (as ``model.eval()``), where it
+    holds modules in training mode that compute otherwise there: dropout with ``p > 0``, batch and
+    instance norms that keep running statistics. (A model built in code is in training mode; one
+    without such modules computes the same in both, and is not warned of.)"""
+    changed = [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
+               if m.training and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+                                  or isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                  or (isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats))]
+    if changed:
+        more = ", ..." if len(changed) > 3 else ""
+        warn_caller(f"the model is in training mode, and placing it for inference puts it in eval mode, as "
+                    f"model.eval() does: {len(changed)} module(s) ({', '.join(changed[:3])}{more}) now compute as in "
+                    "eval mode (no dropout; batch norm with its running statistics), and the placed model with them. "
+                    "Call model.eval() before placing to say so, or place it with mode='training' to train")
 
 
 def _warn_of_hooks(model: nn.Module) -> None:
