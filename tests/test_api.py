@@ -130,6 +130,7 @@ def _ctrl_c(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+@pytest.mark.filterwarnings("ignore:the model is in training mode")  # placed in training mode on purpose
 def test_a_place_that_fails_or_is_interrupted_leaves_the_model_as_it_was(monkeypatch):
     """Ctrl-C (or an error) after tracing left a model in training mode in eval mode, and refine=True left the
     buffers its measured calls wrote (found by fuzzing). Interrupted while solving, then after refine's calls."""

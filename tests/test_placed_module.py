@@ -370,6 +370,7 @@ def test_moving_or_replacing_the_placed_tensors_is_refused(operation):
 
 
 # -- item 5: train mode ---------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:the model is in training mode")  # placed in training mode on purpose
 def test_train_mode_is_refused_and_changes_nothing():
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.BatchNorm1d(8))
     x = torch.randn(6, 8)
