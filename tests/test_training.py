@@ -866,3 +866,33 @@ def test_a_model_that_writes_its_input_is_planned_without_recomputation():
         pytest.fail("no cap made the model recompute")
     with pytest.raises(InfeasibleError, match=r"Recomputation was not tried: the model writes its input 'x' in place"):
         torchplace.place(ScalesItsInput(True), ["cpu:0", "cpu:1"], (x.clone(),), max_memory=caps, **options)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+def test_an_eval_call_after_fused_optimizer_steps_reads_the_new_weights(optimizer):
+    """A fused optimizer writes the parameters without moving their version counters: the eval
+    graph's replica of the tied weight kept the weight of before training, and eval outputs were
+    0.3 off, silently (found by probing)."""
+    torch.manual_seed(0)
+    model = TiedLM().train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 40, (8, 6))
+    placed = _place(model, (ids,), 2, microbatches=2, loss_fn=_token_loss_40, example_target=ids,
+                    allow_single_device=False)
+    opt, ref_opt = optimizer(placed.parameters(), lr=0.1, fused=True), optimizer(reference.parameters(), lr=0.1, fused=True)
+    for _ in range(2):
+        for mode in (False, True):  # an eval call, then a training step
+            placed.train(mode)
+            reference.train(mode)
+            with torch.no_grad():
+                torch.testing.assert_close(placed(ids), torch.cat([reference(p) for p in ids.tensor_split(2)]))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        placed.step(ids, target=ids)
+        _reference_step(reference, (ids,), ids, _token_loss_40, 2)
+        opt.step()
+        ref_opt.step()
+    assert placed._eval.stage_params.replicas >= 1
+    placed.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(placed(ids), torch.cat([reference.eval()(p) for p in ids.tensor_split(2)]))

@@ -13,8 +13,9 @@ cost model charges one copy per device:
 
 * with grad disabled, or for a tensor that does not require grad, the replica is a copy, made
   again before a call whenever the home tensor changed (an optimizer step or ``load_state_dict``
-  moves its version counter or its memory). A write through ``tensor.data`` moves neither:
-  after one, call ``PlacedModule.refresh_replicas()``;
+  moves its version counter or its memory; a fused optimizer step, ``fused=True``, moves neither,
+  so every optimizer step marks the replicas of the parameters it updates stale). A write through
+  ``tensor.data`` moves neither: after one, call ``PlacedModule.refresh_replicas()``;
 * with grad enabled and a tensor that requires grad, the replica is ``home.to(device)`` made for
   each call, so the gradients of every use flow back into the one home tensor.
 
@@ -25,11 +26,14 @@ with the trace-time device).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchplace.errors import UnsupportedError
 from torchplace.fxutil import pin_devices
@@ -166,6 +170,8 @@ class StageParameters:
                 if not any(r is replica for r in mine):
                     mine.append(replica)
         self._replicas = list(replicas.values())
+        if self._replicas:
+            _watch_optimizers(self)
         self.refresh()
 
     @property
@@ -178,10 +184,12 @@ class StageParameters:
         for replica in self._replicas:
             replica.refresh()
 
-    def forget(self) -> None:
-        """Treat every replica as stale: the next :meth:`refresh` copies them all again."""
+    def forget(self, homes: set[int] | None = None) -> None:
+        """Treat every replica (or those of the home tensors whose ids are in ``homes``) as stale:
+        the next :meth:`refresh` copies them again."""
         for replica in self._replicas:
-            replica.seen = None
+            if homes is None or id(replica.home) in homes:
+                replica.seen = None
 
     def refresh_stage(self, index: int) -> None:
         """Bring stage ``index``'s replicas up to date; call before each of its runs when a run
@@ -189,3 +197,24 @@ class StageParameters:
         so every micro-batch's backward has its own path to the home tensor)."""
         for replica in self._by_stage.get(index, ()):
             replica.refresh()
+
+
+_watched: weakref.WeakSet[StageParameters] = weakref.WeakSet()
+_hook: Any = None
+
+
+def _watch_optimizers(params: StageParameters) -> None:
+    """Mark ``params``' replicas stale after every optimizer step that updates their home tensors
+    (one hook for all, registered with the first placed model)."""
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_optimizer_stepped)
+    _watched.add(params)
+
+
+def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A fused optimizer (``fused=True``) writes its parameters without moving their version
+    counters, so a replica cannot see the step by itself: the next refresh copies them again."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for params in list(_watched):
+        params.forget(stepped)
