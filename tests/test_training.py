@@ -508,6 +508,48 @@ def test_a_forward_that_changes_what_autograd_records_is_refused_for_training(mo
                          trace_method=trace_method, progress=False, allow_single_device=False, warmup=0, repeats=1)
 
 
+
+class RoundsStraightThrough(torch.autograd.Function):
+    """A straight-through estimator: rounds forward, passes the gradient unchanged backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Rounds(nn.Module):
+    def forward(self, x):
+        return RoundsStraightThrough.apply(x)
+
+
+class Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.q, self.b = nn.Linear(8, 8), Rounds(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.q(self.a(x))))
+
+
+def test_an_autograd_function_with_its_own_backward_is_refused_by_name():
+    """A trace keeps a custom autograd.Function's forward operators, not its backward: the refusal
+    listed no_grad blocks and hooks only, nothing a user of a straight-through estimator would
+    recognise (found by probing). Kept whole as the message says, it trains as the model."""
+    torch.manual_seed(0)
+    model, x, y = Quantized(), torch.randn(8, 8), torch.randn(8, 4)
+    reference = copy.deepcopy(model)
+    options = dict(loss_fn=nn.functional.mse_loss, example_target=y, allow_single_device=False, microbatches=2)
+    with pytest.raises(TraceError, match=r"a torch\.autograd\.Function with a backward of its own"):
+        _place(copy.deepcopy(model), (x,), 2, **options)
+    placed = _place(model, (x,), 2, trace_method="fx", leaf_modules=(Rounds,), **options)
+    placed.step(x, target=y)
+    _reference_step(reference, (x,), y, nn.functional.mse_loss, 2)
+    _close_grads(model, reference)
+
 def _dropout_layers(p: float) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(p)) for _ in range(8)])

@@ -98,7 +98,8 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, flat: Any, args: tuple
             raise TraceError(
                 f"the traced model's gradient of {name!r} differs from the model's by {diff:.3g} (values up to "
                 f"{scale:.3g}): its forward changes what autograd records (a torch.no_grad() or enable_grad block, "
-                "a gradient hook on a tensor, requires_grad_), which a trace does not keep, or a module backward "
+                "a gradient hook on a tensor, requires_grad_, a torch.autograd.Function with a backward of its own "
+                "such as a straight-through estimator), which a trace does not keep, or a module backward "
                 "hook changes gradients (a traced graph makes no module calls, so it never runs). Use .detach() "
                 "where the forward stops a gradient, move hooks out of forward (tensor hooks on the parameters, "
                 f"p.register_hook, run), {KEEP_WHOLE}, or place the model for inference")
