@@ -551,7 +551,7 @@ def prepare(
         if traced.method == "export":  # before the checks, which would blame something else
             check_autocast(dtype_guards(traced.gm))
         if training and not shapes_only:  # a no_grad block or a hook in forward is not in the trace
-            drew = check_gradients(model, traced.gm, traced.flat_inputs, args, kwargs,
+            drew = check_gradients(model, traced.gm, args, kwargs,
                                    microbatches if isinstance(microbatches, int) else 1)
     except Exception:  # the model's modes are put back on the way out (_model_left_as_found)
         if not shapes_only and not called:
