@@ -457,6 +457,25 @@ def test_with_a_mean_loss_a_step_matches_one_full_batch_step():
     _close_grads(model, reference)
 
 
+
+def test_a_batch_the_micro_batches_do_not_divide_is_trained_with_a_warning():
+    """Each micro-batch's loss counts 1/m: a batch of 10 in micro-batches of 3, 3, 2, 2 (a
+    DataLoader's last batch) weighed its samples unlike the batch's gradient, silently (found by
+    probing). It still trains as the model on the same micro-batches."""
+    import warnings
+
+    model = _model("mlp").train()
+    reference = copy.deepcopy(model)
+    inputs, target, loss_fn = _data("mlp", batch=10)
+    placed = _place(model, inputs, 2, loss_fn=loss_fn, example_target=target)
+    with pytest.warns(RuntimeWarning, match="a batch of 10 splits into 4 micro-batches of 3 and 2 samples"):
+        placed.step(*inputs, target=target)
+    _reference_step(reference, inputs, target, loss_fn, 4)
+    _close_grads(model, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed.step(*(t[:8] for t in inputs), target=target[:8])
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_and_cpu_training_gives_the_unsplit_gradients(monkeypatch):
     monkeypatch.delenv("TORCHPLACE_ISOLATE_DEVICES")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
-from torchplace.errors import StageError, UnsupportedError, UsageError
+from torchplace.errors import StageError, UnsupportedError, UsageError, warn_caller
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import version_of
 from torchplace.runtime.devices import as_stage_error, autocast_of, caller_autocast, normalize_device
@@ -176,6 +176,7 @@ class TrainingExecutor:
         """
         with self._lock:
             chunks = scatter(args, kwargs, microbatches)
+            _warn_of_unequal(batch_size(args, kwargs), len(chunks))
             targets = _split_target(target, len(chunks), batch_size(args, kwargs))
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
@@ -470,6 +471,17 @@ def _with_grads(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[torch.Tensor], l
                 tensors.append(tensor)
                 grads.append(grad)
     return tensors, grads
+
+
+def _warn_of_unequal(batch: int | None, chunks: int) -> None:
+    """Warn that a batch ``chunks`` does not divide gives other gradients than the batch's: each
+    micro-batch's loss counts ``1/chunks`` whatever its size."""
+    if batch and batch % chunks:
+        warn_caller(f"a batch of {batch} splits into {chunks} micro-batches of {-(-batch // chunks)} and {batch // chunks} "
+                    f"samples, and each micro-batch's loss counts 1/{chunks}: with a loss that is a mean over samples, "
+                    "the samples of the smaller micro-batches weigh more than in the batch's gradient; pass batches that "
+                    f"{chunks} divides (a DataLoader with drop_last=True) or set placed.microbatches to a divisor of "
+                    f"{batch}", RuntimeWarning)
 
 
 def _split_target(target: Any, chunks: int, batch: int | None) -> list[Any]:
