@@ -15,7 +15,7 @@ from torch import nn
 
 import torchplace
 from torchplace import costmodel
-from torchplace.errors import InfeasibleError, MicrobatchError, TraceError, UnsupportedError, UsageError
+from torchplace.errors import InfeasibleError, MicrobatchError, StageError, TraceError, UnsupportedError, UsageError
 from torchplace.models import MLP, ResidualCNN
 
 DEVICES = {1: ["cpu:0"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
@@ -475,6 +475,27 @@ def test_a_batch_the_micro_batches_do_not_divide_is_trained_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         placed.step(*(t[:8] for t in inputs), target=target[:8])
+
+
+def _halves_in_place(out, target):
+    out.div_(2.0)  # a temperature, written into the model's output
+    return nn.functional.cross_entropy(out, target)
+
+
+def test_a_loss_that_writes_the_output_in_place_is_refused_with_the_fix():
+    """The model's output is no leaf, so its loss may write it; a step gives the loss autograd leaves,
+    which PyTorch does not write. place() said to pass a target of the example batch, and step()
+    passed on PyTorch's error (found by probing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    _halves_in_place(copy.deepcopy(model)(x), y).backward()  # the unplaced model trains with it
+    with pytest.raises(UsageError, match=r"loss_fn writes the model's output in place .* compute it out of place"):
+        _place(copy.deepcopy(model), (x,), 2, microbatches=2, loss_fn=_halves_in_place, example_target=y,
+               allow_single_device=False)
+    placed = _place(model, (x,), 2, microbatches=2, allow_single_device=False)
+    with pytest.raises(StageError, match=r"loss_fn writes the model's output in place .* compute it out of place"):
+        placed.step(x, target=y, loss_fn=_halves_in_place)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_and_cpu_training_gives_the_unsplit_gradients(monkeypatch):

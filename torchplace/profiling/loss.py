@@ -30,10 +30,21 @@ from torchplace.errors import UsageError
 from torchplace.graph import OpGraph
 from torchplace.profiling.livebytes import LiveBytes
 
-__all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "measure_loss_bytes"]
+__all__ = ["ASSUMED_LOSS_FACTOR", "assumed_loss_bytes", "measure_loss_bytes", "writes_its_output"]
 
 ASSUMED_LOSS_FACTOR = 3
 """Bytes of an unknown loss, in units of the model's outputs (module docstring)."""
+
+WRITES_ITS_OUTPUT = ("loss_fn writes the model's output in place (out.div_(t), out[:, 0] = v), which a training step "
+                     "gives it as an autograd leaf, and PyTorch writes no leaf that requires grad: compute it out of "
+                     "place (out = out / t, out = out.masked_fill(mask, v))")
+"""What to do when the loss fails as :func:`writes_its_output` tells."""
+
+
+def writes_its_output(error: BaseException) -> bool:
+    """Whether ``loss_fn`` failed writing in place an output it was given as an autograd leaf (the
+    model's own output is not a leaf: the model's loss may write it)."""
+    return isinstance(error, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(error)
 
 
 def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
@@ -64,9 +75,10 @@ def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
             peak = live.peak
     except Exception as e:  # the user's function: any failure is theirs to fix
         first = (str(e).strip().splitlines() or [""])[0]
+        fix = WRITES_ITS_OUTPUT if writes_its_output(e) else (
+            "pass the loss and a target of the example batch that placed.step() will get")
         raise UsageError(f"loss_fn fails on the model's outputs for the example inputs and example_target "
-                         f"({type(e).__name__}: {first}); pass the loss and a target of the example batch that "
-                         "placed.step() will get") from e
+                         f"({type(e).__name__}: {first}); {fix}") from e
     return max(peak - base, 0)
 
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 from torchplace.errors import StageError, UnsupportedError, UsageError, warn_caller
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import version_of
+from torchplace.profiling.loss import WRITES_ITS_OUTPUT, writes_its_output
 from torchplace.runtime.devices import as_stage_error, autocast_of, caller_autocast, normalize_device
 from torchplace.runtime.microbatch import batch_size, scatter
 from torchplace.runtime.params import StageParameters
@@ -298,7 +299,8 @@ class TrainingExecutor:
                                 f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
             (loss / m).backward()
         except Exception as error:
-            raise StageError(f"the loss of micro-batch {i} failed: {type(error).__name__}: {error}") from error
+            fix = f"; {WRITES_ITS_OUTPUT}" if writes_its_output(error) else ""
+            raise StageError(f"the loss of micro-batch {i} failed: {type(error).__name__}: {error}{fix}") from error
         with state.cond:
             for n, leaf in leaves.items():
                 self._contribute(state, i, n, leaf)
