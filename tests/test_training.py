@@ -497,6 +497,26 @@ def test_a_loss_that_writes_the_output_in_place_is_refused_with_the_fix():
     with pytest.raises(StageError, match=r"loss_fn writes the model's output in place .* compute it out of place"):
         placed.step(x, target=y, loss_fn=_halves_in_place)
 
+
+def test_batch_norm_trained_in_micro_batches_is_placed_with_a_warning():
+    """Each micro-batch is normalised by its own statistics, unlike the whole batch: documented, but
+    place() said nothing (found by probing). Frozen batch norms and whole batches say nothing."""
+    import warnings
+
+    from torchplace.errors import PlacementWarning
+
+    inputs, target, loss_fn = _data("resnet")
+    with pytest.warns(PlacementWarning, match=r"batch norm module\(s\) in training mode .* each of the 4 micro-batches"):
+        _place(_model("resnet").train(), inputs, 2, loss_fn=loss_fn, example_target=target)
+    frozen = _model("resnet").train()
+    for module in frozen.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        _place(frozen, inputs, 2, loss_fn=loss_fn, example_target=target)
+        _place(_model("resnet").train(), inputs, 2, microbatches=1, loss_fn=loss_fn, example_target=target)
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_and_cpu_training_gives_the_unsplit_gradients(monkeypatch):
     monkeypatch.delenv("TORCHPLACE_ISOLATE_DEVICES")

@@ -282,6 +282,8 @@ def place(
     joined, sizes = placement.joined, placement.sizes
     placed = PlacedModule(traced, problem, placement.plan, m, example=placement.example, loss_fn=loss_fn,
                           joined_outputs=joined, sizes=sizes)
+    if problem.mode == "training" and m > 1:
+        _warn_of_batch_statistics(model, m)
     if refine:
         from torchplace.refine import refine as closing_the_loop
 
@@ -907,6 +909,20 @@ def _warn_of_eval_mode(model: nn.Module) -> None:
                     f"model.eval() does: {len(changed)} module(s) ({', '.join(changed[:3])}{more}) now compute as in "
                     "eval mode (no dropout; batch norm with its running statistics), and the placed model with them. "
                     "Call model.eval() before placing to say so, or place it with mode='training' to train")
+
+
+def _warn_of_batch_statistics(model: nn.Module, m: int) -> None:
+    """Warn that the batch norms ``model`` trains normalise each of the ``m`` micro-batches by its
+    own statistics, and update their running statistics once per micro-batch: as the model on the
+    same micro-batches, not as on the whole batch at once."""
+    names = [name or type(model).__name__ for name, module in model.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
+    if names:
+        warn_caller(f"{len(names)} batch norm module(s) in training mode ({names[0]}, ...) normalise each of the {m} "
+                    "micro-batches by its own statistics and update their running statistics once per micro-batch, "
+                    "as the model run on the same micro-batches does, not as on the whole batch at once; place with "
+                    "microbatches=1 to train on whole batches, or use a norm that keeps samples apart (nn.GroupNorm, "
+                    "nn.LayerNorm)")
 
 
 def _warn_of_hooks(model: nn.Module) -> None:
