@@ -215,6 +215,9 @@ def _watch_optimizers(params: StageParameters) -> None:
 def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A fused optimizer (``fused=True``) writes its parameters without moving their version
     counters, so a replica cannot see the step by itself: the next refresh copies them again."""
+    watched = list(_watched)
+    if not watched:  # every placed model with replicas is gone
+        return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for params in list(_watched):
+    for params in watched:
         params.forget(stepped)
