@@ -1009,7 +1009,8 @@ def test_an_eval_call_after_fused_optimizer_steps_reads_the_new_weights(optimize
     ids = torch.randint(0, 40, (8, 6))
     placed = _place(model, (ids,), 2, microbatches=2, loss_fn=_token_loss_40, example_target=ids,
                     allow_single_device=False)
-    opt, ref_opt = optimizer(placed.parameters(), lr=0.1, fused=True), optimizer(reference.parameters(), lr=0.1, fused=True)
+    opt = optimizer(placed.parameters(), lr=0.1, fused=True)
+    ref_opt = optimizer(reference.parameters(), lr=0.1, fused=True)
     for _ in range(2):
         for mode in (False, True):  # an eval call, then a training step
             placed.train(mode)

@@ -6,10 +6,11 @@ when the trace runs without grad), a gradient hook registered on a tensor, or an
 switched in ``forward`` would give the placed model other gradients than the model's, silently.
 ``place(..., mode="training")`` therefore runs the model and its traced graph forward and
 backward on the example's last two samples (:func:`check_gradients`) and refuses a trace whose
-parameter gradients differ, or the gradients of the example's inputs that require grad. Both runs start from one random seed, so dropout draws the same masks,
-and the model's buffers (BatchNorm's statistics) are put back after each. The traced run also
-tells whether the graph draws random numbers at all (the generator advanced): wherever it hides
-them (a leaf module's functional dropout, ``scaled_dot_product_attention``'s ``dropout_p``).
+gradients differ: the parameters', and those of the example's inputs that require grad. Both runs
+start from one random seed, so dropout draws the same masks, and the model's buffers (BatchNorm's
+statistics) are put back after each. The traced run also tells whether the graph draws random
+numbers at all (the generator advanced): wherever it hides them (a leaf module's functional
+dropout, ``scaled_dot_product_attention``'s ``dropout_p``).
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def check_gradients(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...],
 
 
 def _gradients(model: nn.Module, params: Sequence[tuple[str, nn.Parameter]], run: Any, args: Sequence[Any],
-               kwargs: Mapping[str, Any], weights: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None] | None, bool]:
+               kwargs: Mapping[str, Any],
+               weights: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None] | None, bool]:
     """The gradients of the parameters, then of the inputs that require grad, of a fixed random
     projection of the floating-point outputs of ``run(args, kwargs)`` on fresh copies of the inputs
     (``weights`` made on the first call, reused after), the model's state put back; and whether the
@@ -130,7 +132,7 @@ def _gradients(model: nn.Module, params: Sequence[tuple[str, nn.Parameter]], run
             weights.extend(torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
                            if t.is_floating_point() and t.requires_grad else None for t in leaves)
         if len(weights) != len(leaves):
-            return [None] * (len(params) + len(inputs)), draws  # another structure: every gradient is compared against none
+            return [None] * (len(params) + len(inputs)), draws  # another structure: compared against none
         terms = [(t * w).sum() for t, w in zip(leaves, weights) if w is not None and t.requires_grad]
         if not terms or not (params or inputs):
             return None, draws

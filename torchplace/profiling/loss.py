@@ -44,7 +44,8 @@ WRITES_ITS_OUTPUT = ("loss_fn writes the model's output in place (out.div_(t), o
 def writes_its_output(error: BaseException) -> bool:
     """Whether ``loss_fn`` failed writing in place an output it was given as an autograd leaf (the
     model's own output is not a leaf: the model's loss may write it)."""
-    return isinstance(error, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(error)
+    return (isinstance(error, RuntimeError)
+            and "leaf Variable that requires grad is being used in an in-place" in str(error))
 
 
 def measure_loss_bytes(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> int:
