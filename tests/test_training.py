@@ -458,23 +458,23 @@ def test_with_a_mean_loss_a_step_matches_one_full_batch_step():
 
 
 
-def test_a_batch_the_micro_batches_do_not_divide_is_trained_with_a_warning():
-    """Each micro-batch's loss counts 1/m: a batch of 10 in micro-batches of 3, 3, 2, 2 (a
+def test_a_batch_the_micro_batches_do_not_divide_gets_the_batch_s_gradient():
+    """Each micro-batch's loss counted 1/m: a batch of 10 in micro-batches of 3, 3, 2, 2 (a
     DataLoader's last batch) weighed its samples unlike the batch's gradient, silently (found by
-    probing). It still trains as the model on the same micro-batches."""
-    import warnings
-
+    probing). Each now counts its share of the samples: a mean loss's gradient is the batch's."""
     model = _model("mlp").train()
     reference = copy.deepcopy(model)
     inputs, target, loss_fn = _data("mlp", batch=10)
     placed = _place(model, inputs, 2, loss_fn=loss_fn, example_target=target)
-    with pytest.warns(RuntimeWarning, match="a batch of 10 splits into 4 micro-batches of 3 and 2 samples"):
-        placed.step(*inputs, target=target)
-    _reference_step(reference, inputs, target, loss_fn, 4)
+    losses = placed.step(*inputs, target=target)
+    assert [len(t) for t in target.tensor_split(4)] == [3, 3, 2, 2] and len(losses) == 4
+    loss_fn(reference(*inputs), target).backward()  # the whole batch at once
     _close_grads(model, reference)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        placed.step(*(t[:8] for t in inputs), target=target[:8])
+    model.zero_grad(), reference.zero_grad()
+    placed.step(*(t[:8] for t in inputs), target=target[:8])  # equal micro-batches: 1/m, as before
+    _reference_step(reference, tuple(t[:8] for t in inputs), target[:8], loss_fn, 4)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def _halves_in_place(out, target):

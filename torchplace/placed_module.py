@@ -248,9 +248,10 @@ class PlacedModule(nn.Module):
         (or ``schedule``: ``"1f1b"`` or ``"gpipe"``, which the plan's memory need not allow for).
 
         The batch is split into :attr:`microbatches` micro-batches (dim 0, ``target`` too); each
-        micro-batch's ``loss_fn(output, target)`` is back-propagated scaled by ``1/m``, so the
-        parameters' ``.grad`` accumulate the gradient of the mean micro-batch loss: for a loss that
-        is a mean over samples and equal micro-batches, the gradient of the full batch's loss.
+        micro-batch's ``loss_fn(output, target)`` is back-propagated weighted by its share of the
+        batch's samples (``1/m`` for equal micro-batches), so the parameters' ``.grad`` accumulate
+        the gradient of the weighted mean of the micro-batch losses: for a loss that is a mean over
+        samples, the gradient of the full batch's loss, however the batch splits.
         ``loss_fn`` defaults to the one given to ``place(..., loss_fn=)``.
         Tensors of ``target`` are moved to the device of the model's outputs (the last stage's)
         when they are elsewhere. Call ``optimizer.step()`` and ``optimizer.zero_grad()`` around it as usual.

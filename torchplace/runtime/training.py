@@ -8,7 +8,9 @@ actions in that order (:func:`~torchplace.runtime.schedule.per_worker`):
   ordering edges name), gives the stage each input as a fresh autograd leaf on its device (a stage
   boundary), and runs it with grad enabled; the outputs keep their autograd history inside the
   stage. After the forward of the micro-batch's last stage the same worker computes the loss on
-  leaves of the model's outputs, ``loss_fn(output, target) / m``, and back-propagates it to them.
+  leaves of the model's outputs, weighted by the micro-batch's share of the batch,
+  ``loss_fn(output, target) / (N / n_i)`` (``/ m`` for ``m`` equal micro-batches), and
+  back-propagates it to them.
 * **B(i, s)** waits until every gradient for the stage's outputs has arrived (one from each later
   stage that read the value, one from the loss if it is a model output), calls
   ``torch.autograd.backward`` on those outputs, which accumulates the parameters' ``.grad``
@@ -18,8 +20,8 @@ actions in that order (:func:`~torchplace.runtime.schedule.per_worker`):
   reader has run its backward, so a worker holds the values of the micro-batches in flight only.
 
 Gradients therefore equal those of the unsplit model run on the same micro-batches with the loss
-averaged over them: for a loss that is a mean over its samples and equal micro-batches, the
-gradients of one full-batch step (up to float rounding). A stage that fails raises
+averaged over them, each weighted by its share of the samples: for a loss that is a mean over its
+samples, the gradients of one full-batch step (up to float rounding), however the batch splits. A stage that fails raises
 :class:`~torchplace.errors.StageError` naming the stage, micro-batch and direction; every wait polls
 a stop event, so nothing hangs. Copies use the default CUDA stream of each device (no overlap of
 copies and compute in training steps yet).
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
-from torchplace.errors import StageError, UnsupportedError, UsageError, warn_caller
+from torchplace.errors import StageError, UnsupportedError, UsageError
 from torchplace.fxutil import draws_random_numbers
 from torchplace.profiling.effects import version_of
 from torchplace.profiling.loss import WRITES_ITS_OUTPUT, writes_its_output
@@ -168,22 +170,22 @@ class TrainingExecutor:
     def step(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int, schedule: str = "1f1b") -> list[torch.Tensor]:
         """Forward and backward of one batch in ``microbatches`` micro-batches; returns each
-        micro-batch's loss (detached). Parameters' ``.grad`` accumulate ``d(mean loss)/dp``, and so
-        do model inputs that require grad; inputs the model writes in place are written, as by
-        the model.
+        micro-batch's loss (detached). Parameters' ``.grad`` accumulate ``d(mean loss)/dp``, each
+        micro-batch's loss weighted by its share of the samples (:func:`_loss_divisors`), and so do
+        model inputs that require grad; inputs the model writes in place are written, as by the model.
 
         Raises:
             StageError: a stage's forward or backward, or the loss, raised (the original is chained).
         """
         with self._lock:
             chunks = scatter(args, kwargs, microbatches)
-            _warn_of_unequal(batch_size(args, kwargs), len(chunks))
+            shares = _loss_divisors(batch_size(args, kwargs), chunks)
             targets = _split_target(target, len(chunks), batch_size(args, kwargs))
             actions = training_schedule(schedule, len(chunks), len(self.stages))
             state = self._start(chunks)
             self.last_spans = state.spans  # filled by the workers as the step runs
             amp = caller_autocast()  # thread-local: the workers enter it again
-            threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, len(chunks), amp)
+            threads = [self._threads.submit(w, self._work, state, w, order, targets, loss_fn, shares, amp)
                        for w, order in per_worker(actions, self.workers).items() if order]
             try:
                 for t in threads:
@@ -228,14 +230,15 @@ class TrainingExecutor:
         return _Step(values, pending, inputs)
 
     def _work(self, state: _Step, worker: str, order: Sequence[Action], targets: Sequence[Any],
-              loss_fn: Callable[[Any, Any], torch.Tensor], m: int, amp: tuple = ()) -> None:
+              loss_fn: Callable[[Any, Any], torch.Tensor], shares: Sequence[float], amp: tuple = ()) -> None:
         try:
             with torch.enable_grad(), autocast_of(amp), self._saved_tracking(worker):
                 for action in order:
                     if action.kind == "F":
                         self._forward(state, action, worker)
                         if action.stage == len(self.stages) - 1:
-                            self._loss(state, action.microbatch, targets[action.microbatch], loss_fn, m)
+                            self._loss(state, action.microbatch, targets[action.microbatch], loss_fn,
+                                       shares[action.microbatch])
                     else:
                         self._backward(state, action, worker)
                     state.spans.append(StageSpan(action.stage, worker, state.began.pop(action), time.perf_counter(),
@@ -285,7 +288,8 @@ class TrainingExecutor:
             raise StageError(f"stage {a.stage} on {worker} failed in the forward pass of micro-batch "
                              f"{a.microbatch}: {type(error).__name__}: {error}") from error
 
-    def _loss(self, state: _Step, i: int, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], m: int) -> None:
+    def _loss(self, state: _Step, i: int, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+              divisor: float) -> None:
         values = state.values[i]
         names = list(self.graph_io.output_names)
         state.wait(lambda: all(n in values for n in names))
@@ -297,7 +301,7 @@ class TrainingExecutor:
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
-            (loss / m).backward()
+            (loss / divisor).backward()
         except Exception as error:
             fix = f"; {WRITES_ITS_OUTPUT}" if writes_its_output(error) else ""
             raise StageError(f"the loss of micro-batch {i} failed: {type(error).__name__}: {error}{fix}") from error
@@ -475,15 +479,15 @@ def _with_grads(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[torch.Tensor], l
     return tensors, grads
 
 
-def _warn_of_unequal(batch: int | None, chunks: int) -> None:
-    """Warn that a batch ``chunks`` does not divide gives other gradients than the batch's: each
-    micro-batch's loss counts ``1/chunks`` whatever its size."""
-    if batch and batch % chunks:
-        warn_caller(f"a batch of {batch} splits into {chunks} micro-batches of {-(-batch // chunks)} and {batch // chunks} "
-                    f"samples, and each micro-batch's loss counts 1/{chunks}: with a loss that is a mean over samples, "
-                    "the samples of the smaller micro-batches weigh more than in the batch's gradient; pass batches that "
-                    f"{chunks} divides (a DataLoader with drop_last=True) or set placed.microbatches to a divisor of "
-                    f"{batch}", RuntimeWarning)
+def _loss_divisors(batch: int | None, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float]:
+    """What each micro-batch's loss is divided by: ``N / n_i``, the batch's samples over the
+    micro-batch's, so that the losses of a mean over samples add up to the batch's mean however the
+    batch splits (a DataLoader's last batch); ``m`` itself where ``m`` equal micro-batches (or no
+    batch) make every share ``1/m``, which keeps those steps' rounding as it was."""
+    m = len(chunks)
+    if not batch or batch % m == 0:
+        return [m] * m
+    return [batch / (batch_size(*chunk) or batch) for chunk in chunks]
 
 
 def _split_target(target: Any, chunks: int, batch: int | None) -> list[Any]:
