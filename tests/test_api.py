@@ -191,6 +191,49 @@ def test_placing_a_model_in_training_mode_for_inference_says_it_puts_it_in_eval_
         assert not [w for w in caught if "training mode" in str(w.message)]
 
 
+class _Attends(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, dropout=dropout, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+class _Recurs(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, num_layers=2, dropout=dropout, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("model, x, warned", [
+    # a batch norm without running statistics uses the batch's in eval mode too: the same outputs
+    (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False)), torch.randn(8, 8), False),
+    # dropout that is no dropout module: an attention's, a stacked LSTM's between its layers
+    (_Attends(0.5), torch.randn(4, 5, 8), True),
+    (_Recurs(0.5), torch.randn(4, 5, 8), True),
+    (_Attends(0.0), torch.randn(4, 5, 8), False),
+])
+def test_the_eval_mode_warning_names_the_modules_that_compute_otherwise_in_eval_mode(model, x, warned):
+    """The warning named a batch norm without running statistics, which computes the same in both modes,
+    and missed an attention's and an LSTM's dropout, which the switch to eval mode turned off, silently
+    (found by review)."""
+    from torchplace.api import _warn_of_eval_mode
+
+    with torch.no_grad():
+        torch.manual_seed(0)
+        trained = model(x)
+        evaluated = copy.deepcopy(model).eval()(x)
+    assert torch.equal(trained, evaluated) is not warned  # what eval mode changes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_of_eval_mode(model)
+    assert bool([w for w in caught if "training mode" in str(w.message)]) is warned
+
+
 def test_placing_draws_no_random_numbers_from_the_users_generator():
     """Profiling a training placement ran dropout and drew stand-in tensors from the global
     generator, so torch.manual_seed(0), then placing, then training drew other batches and masks

@@ -896,19 +896,36 @@ def _warn_of_fast_path(model: nn.Module) -> None:
 
 def _warn_of_eval_mode(model: nn.Module) -> None:
     """Warn that placing for inference puts ``model`` in eval mode (as ``model.eval()``), where it
-    holds modules in training mode that compute otherwise there: dropout with ``p > 0``, batch and
-    instance norms that keep running statistics. (A model built in code is in training mode; one
-    without such modules computes the same in both, and is not warned of.)"""
+    holds modules in training mode that compute otherwise there (:func:`_computes_otherwise_in_eval`).
+    (A model built in code is in training mode; one without such modules computes the same in both,
+    and is not warned of.)"""
     changed = [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
-               if m.training and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
-                                  or isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                  or (isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats))]
+               if m.training and _computes_otherwise_in_eval(m)]
     if changed:
         more = ", ..." if len(changed) > 3 else ""
         warn_caller(f"the model is in training mode, and placing it for inference puts it in eval mode, as "
                     f"model.eval() does: {len(changed)} module(s) ({', '.join(changed[:3])}{more}) now compute as in "
                     "eval mode (no dropout; batch norm with its running statistics), and the placed model with them. "
                     "Call model.eval() before placing to say so, or place it with mode='training' to train")
+
+
+def _computes_otherwise_in_eval(module: nn.Module) -> bool:
+    """Whether ``module`` itself computes otherwise in eval mode than in training mode: dropout with
+    ``p > 0`` (a dropout module, or the dropout of an attention or of a stacked RNN's layers), and
+    batch and instance norms with running statistics to use in eval mode (without them a norm uses
+    the batch's statistics in both modes: a batch norm whose running statistics are ``None``, as
+    PyTorch's forward decides, an instance norm with ``track_running_stats=False``)."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if isinstance(module, nn.MultiheadAttention):
+        return module.dropout > 0
+    if isinstance(module, nn.RNNBase):
+        return module.dropout > 0 and module.num_layers > 1
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return module.running_mean is not None or module.running_var is not None
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.track_running_stats
+    return False
 
 
 def _warn_of_batch_statistics(model: nn.Module, m: int) -> None:
