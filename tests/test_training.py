@@ -1027,3 +1027,45 @@ def test_an_eval_call_after_fused_optimizer_steps_reads_the_new_weights(optimize
     placed.eval()
     with torch.no_grad():
         torch.testing.assert_close(placed(ids), torch.cat([reference.eval()(p) for p in ids.tensor_split(2)]))
+
+
+def test_an_optimizer_step_while_another_thread_places_a_model_does_not_raise():
+    """Placing a model with replicas adds it to the models the optimizer-step hook marks stale; an
+    optimizer step in another thread iterated that set as it grew and raised 'Set changed size
+    during iteration' out of optimizer.step() (found by review)."""
+    import sys
+    import threading
+    import time
+
+    from torchplace.runtime import params as stage_params
+
+    class Watched:  # what the hook needs of a StageParameters
+        def forget(self, homes=None) -> None:
+            pass
+
+    kept = [Watched() for _ in range(64)]
+    for watched in kept:
+        stage_params._watch_optimizers(watched)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    stop, errors = threading.Event(), []
+
+    def places() -> None:
+        while not stop.is_set():
+            stage_params._watch_optimizers(Watched())  # gone at once: only the add matters
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=places)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not errors:
+            try:
+                opt.step()
+            except RuntimeError as error:
+                errors.append(error)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]

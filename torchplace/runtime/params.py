@@ -26,6 +26,7 @@ with the trace-time device).
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,6 +201,7 @@ class StageParameters:
 
 
 _watched: weakref.WeakSet[StageParameters] = weakref.WeakSet()
+_watched_lock = threading.Lock()  # a placement in one thread adds while a step in another iterates
 _hook: Any = None
 
 
@@ -207,15 +209,17 @@ def _watch_optimizers(params: StageParameters) -> None:
     """Mark ``params``' replicas stale after every optimizer step that updates their home tensors
     (one hook for all, registered with the first placed model)."""
     global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(_optimizer_stepped)
-    _watched.add(params)
+    with _watched_lock:
+        if _hook is None:
+            _hook = register_optimizer_step_post_hook(_optimizer_stepped)
+        _watched.add(params)
 
 
 def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A fused optimizer (``fused=True``) writes its parameters without moving their version
     counters, so a replica cannot see the step by itself: the next refresh copies them again."""
-    watched = list(_watched)
+    with _watched_lock:  # iterating a WeakSet that another thread adds to raises
+        watched = list(_watched)
     if not watched:  # every placed model with replicas is gone
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
