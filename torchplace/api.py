@@ -935,7 +935,8 @@ def _warn_of_batch_statistics(model: nn.Module, m: int) -> None:
     names = [name or type(model).__name__ for name, module in model.named_modules()
              if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
     if names:
-        warn_caller(f"{len(names)} batch norm module(s) in training mode ({names[0]}, ...) normalise each of the {m} "
+        more = ", ..." if len(names) > 1 else ""
+        warn_caller(f"{len(names)} batch norm module(s) in training mode ({names[0]}{more}) normalise each of the {m} "
                     "micro-batches by its own statistics and update their running statistics once per micro-batch, "
                     "as the model run on the same micro-batches does, not as on the whole batch at once; place with "
                     "microbatches=1 to train on whole batches, or use a norm that keeps samples apart (nn.GroupNorm, "
