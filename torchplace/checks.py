@@ -190,11 +190,14 @@ def non_negative_int(value: Any, name: str, *, unit: str = "", error: type[Torch
     return check_int(value, name, low=0, unit=unit, error=error)
 
 
-def byte_count(value: Any, name: str, *, unit: str = "of bytes", error: type[TorchplaceError] = UsageError) -> int:
-    """A whole number of bytes ``>= 0`` and below :data:`MOST_BYTES` (:func:`check_int`)."""
-    out = check_int(value, name, low=0, unit=unit, error=error)
+def byte_count(value: Any, name: str, *, unit: str = "of bytes", error: type[TorchplaceError] = UsageError,
+               whole: bool = True) -> Any:
+    """A whole number of bytes ``>= 0`` and below :data:`MOST_BYTES` (:func:`check_int`); with
+    ``whole=False`` any finite number there, as a float (Piper's per-sample bytes)."""
+    out = check_int(value, name, low=0, unit=unit, error=error) if whole else \
+        check_float(value, name, low=0.0, unit=unit, error=error)
     if out >= MOST_BYTES:
-        raise _fail(error, name, f"a whole number {unit} below 2**53 (9.0e15)", value,
+        raise _fail(error, name, f"a {'whole ' if whole else ''}number {unit} below 2**53 (9.0e15)", value,
                     ", more than the solvers count exactly; divide every size and memory limit by one "
                     "factor (memory depends on their ratios only)")
     return out

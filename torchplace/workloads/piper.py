@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplace.checks import MOST_BYTES, MOST_SECONDS, brief, check_float, non_negative_float, seconds
+from torchplace.checks import MOST_SECONDS, brief, byte_count, check_float, seconds
 from torchplace.devices import Cluster, Device
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import read_json
@@ -41,12 +41,8 @@ def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _bytes(value: Any, name: str) -> float:
-    """A number of bytes ``>= 0`` (Piper's may be fractional: per sample) below :data:`MOST_BYTES`."""
-    out = non_negative_float(value, name, error=WorkloadFormatError)
-    if out >= MOST_BYTES:
-        raise WorkloadFormatError(f"{name}: expected a number of bytes below 2**53 (9.0e15), got {brief(value)}; "
-                                  "divide every size and memory limit by one factor (memory depends on their ratios only)")
-    return out
+    """A number of bytes ``>= 0`` (Piper's may be fractional: per sample) below 2**53."""
+    return byte_count(value, name, whole=False, error=WorkloadFormatError)
 
 
 def _nonneg_bytes(obj: Mapping[str, Any], key: str, where: str) -> float:
