@@ -219,6 +219,26 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]))
+    elif scenario == "scalar-output-train":  # a reduction returned by a model trained with micro-batches
+        torch.manual_seed(0)
+        model, target = SumsToo().train(), torch.randn(8, 8)
+
+        def loss_fn(out: Any, t: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(out[1], t)
+
+        reference = copy.deepcopy(model)
+        sum(loss_fn(reference(c), t) / m for c, t in zip(x.tensor_split(m), target.tensor_split(m))).backward()
+        placed = tpd.place(model, (x,), mode="training", **{**opts, "plan": None, "contiguous": True})
+        placed.step(x, target=target, loss_fn=loss_fn)
+        expected = {n: p.grad for n, p in reference.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        result["params"] = sorted(names[id(p)] for p in placed.parameters())
+        result["allclose"] = all(torch.allclose(p.grad, expected[names[id(p)]], atol=1e-6)
+                                 for p in placed.parameters())
+        try:
+            placed.run(x)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
     elif scenario == "refused-on-one-rank":  # rank 1 passes a target of other rows; then a good step
         expected = reference_training(model, x, y, m, steps=1)
         model.train()

@@ -389,8 +389,8 @@ def two_ranks(tmp_path_factory, nc_plans):
     plan file with 2 pieces per rank (inference; training by three schedules), a checkpoint, a
     cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
     (then a placement that works), an optional input left None, a returned reduction with one
-    micro-batch, outputs the loss ignores (by two schedules), and last a stage that raises (every
-    rank then ends with an error)."""
+    micro-batch, outputs the loss ignores (by two schedules), a reduction returned by a model trained
+    with micro-batches, and last a stage that raises (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -403,11 +403,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
                  "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
                  "refused-on-one-rank,one-microbatch,raise-then-place,aux-output,aux-output@zero-bubble,"
-                 "different-calls,raise")
+                 "different-calls,scalar-output-train,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      "-", "-", str(infer), str(aux), str(aux), "-", str(infer)],
+                                      "-", "-", str(infer), str(aux), str(aux), "-", "-", str(infer)],
                   timeout_s=120)
 
 
@@ -521,6 +521,18 @@ def test_a_reduction_the_model_returns_runs_with_one_micro_batch(two_ranks):
     assert [r[1]["16:scalar-output"].get("equal") for r in two_ranks] == [None, True], [r[2][-2000:] for r in two_ranks]
 
 
+def test_a_reduction_the_model_returns_trains_with_micro_batches_and_a_run_is_refused(two_ranks):
+    """A training step of a model returning out.sum() beside out (as a Hugging Face model given
+    labels= returns its loss) failed after its backward: "zero-dimensional tensor cannot be
+    concatenated", the engine joining the micro-batches' outputs that step() does not return. A
+    run() of it split into micro-batches is refused, as torchplace.place's call is."""
+    results = [r[1]["23:scalar-output-train"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert all(r["allclose"] for r in results), results
+    assert sorted(n for r in results for n in r["params"]) == sorted(n for n, _ in dist_worker.SumsToo().named_parameters())
+    assert all(r["refused"].startswith("MicrobatchError: model output [0] is a scalar") for r in results), results
+
+
 def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_the_next_runs(two_ranks):
     """Rank 1's target had 4 rows: it raised UsageError before any communication, and rank 0 waited
     in the engine for the process group's timeout, then blamed a lost peer (found by fuzzing)."""
@@ -625,7 +637,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["23:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["24:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------
@@ -1079,8 +1091,9 @@ class _Ran:
         return "ran"
 
 
-def _placed_without_processes(model: nn.Module, mode: str) -> Any:
-    """A :class:`DistributedPlaced` of ``model`` (placed in ``mode``) whose engine only says that it ran."""
+def _placed_without_processes(model: nn.Module, mode: str, joined: Any = None) -> Any:
+    """A :class:`DistributedPlaced` of ``model`` (placed in ``mode``, ``joined`` as
+    :attr:`torchplace.api.Placement.joined`) whose engine only says that it ran."""
     from torchplace.batchdim import CallSizes
     from torchplace.distributed import DistributedPlaced
     from torchplace.problem import Problem
@@ -1088,10 +1101,38 @@ def _placed_without_processes(model: nn.Module, mode: str) -> Any:
     placed = DistributedPlaced.__new__(DistributedPlaced)
     placed.problem = Problem.__new__(Problem)
     object.__setattr__(placed.problem, "mode", mode)
-    placed._sizes, placed._microbatches, placed.pipeline = CallSizes(), 4, _Ran()
+    placed._sizes, placed._microbatches, placed._joined, placed.pipeline = CallSizes(), 4, joined, _Ran()
     placed.pipeline.check_call = placed._check_call
     placed._record_model(model)
     return placed
+
+
+class MeanToo(nn.Module):
+    """Returns the batch's mean hidden state (one row) beside its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), h.mean(0, keepdim=True)
+
+
+def test_a_run_of_a_training_placement_whose_outputs_micro_batches_cannot_join_is_refused():
+    """run() of a model placed for training returned the engine's torch.cat of the micro-batches'
+    batch means, (4, 8) where the model returns (1, 8), silently (found by fuzzing); torchplace.place's
+    call refuses it. A step gives each micro-batch's outputs to the loss, and runs."""
+    from torchplace import api
+    from torchplace.errors import MicrobatchError
+
+    model, x = MeanToo().train(), torch.randn(8, 3)
+    placement = api.prepare(model, ["cpu:0", "cpu:1"], (x,), mode="training", microbatches=4, progress=False, warmup=0,
+                            repeats=1, sends_tensors_only=True, recompute=False, allow_single_device=False)
+    placed = _placed_without_processes(model, "training", placement.joined)
+    with pytest.raises(MicrobatchError, match=r"model output \[1\] has shape \(1, 8\).*place it with microbatches=1"):
+        placed.run(x)
+    assert placed.step(x, target=torch.zeros(8, 2), loss_fn=lambda out, t: nn.functional.mse_loss(out[0], t)) == "ran"
 
 
 def test_a_mode_switched_after_placing_is_refused():

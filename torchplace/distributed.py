@@ -467,6 +467,7 @@ class DistributedPlaced:
     """
 
     _dtype_guards: Sequence[str] = ()  # an exported graph's dtype checks: its calls are refused under autocast
+    _joined: Any = None  # why a run's micro-batches cannot be joined into the model's outputs, if they cannot
 
     def __init__(self, placement: Any, rank_devices: Sequence[str], rank: int, world: int, device: torch.device,
                  faults: Any, schedule: str | None, state_dict: Mapping[str, torch.Tensor] | str | Path | None,
@@ -516,6 +517,7 @@ class DistributedPlaced:
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
         self._sizes, self._microbatches = placement.sizes, placement.microbatches
+        self._joined = placement.joined
         self._model = traced.model
         self._dtype_guards = dtype_guards(traced.gm) if traced.method == "export" else ()
         for _, owner, kind, slot, t in _slots(traced.model):  # the model's own modules free them too
@@ -604,7 +606,9 @@ class DistributedPlaced:
                 engine stages read (a tied weight) has a gradient hook, which would run on each
                 stage's part of its gradient; a call under a function transform or autocast the
                 graph cannot follow.
-            UsageError, MicrobatchError: inputs the traced graph does not hold for.
+            UsageError, MicrobatchError: inputs the traced graph does not hold for; a ``run`` of a
+                training placement split into micro-batches whose outputs cannot be joined into the
+                model's (a reduction over the batch), as :func:`torchplace.place`'s call refuses it.
         """
         from torchplace.placed_module import _check_gradient_hooks
 
@@ -621,6 +625,8 @@ class DistributedPlaced:
         check_autocast(self._dtype_guards)
         self._sizes.check(args, kwargs, self._microbatches)
         self._sizes.check_fixed(args, kwargs)  # as the graph's guards would, before any communication
+        if not training and isinstance(self._joined, Exception) and self._microbatches > 1:
+            raise self._joined  # the engine would join them with torch.cat: m copies of a batch mean, say
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (the model's own objects): build this rank's optimizer on them."""

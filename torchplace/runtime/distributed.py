@@ -674,7 +674,9 @@ class DistributedPipeline:
         for p in params:
             p.grad = None
         try:
-            self._guard(lambda: schedule.step(*flat, target=target, losses=losses))
+            # return_outputs=False: a step returns the losses; the engine's joining of the micro-batches'
+            # outputs refused one that is a reduction (a loss the model computes from labels=)
+            self._guard(lambda: schedule.step(*flat, target=target, losses=losses, return_outputs=False))
             if self._shared:
                 self._guard(self._sync_shared_grads)
         except BaseException:
