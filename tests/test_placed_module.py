@@ -749,6 +749,22 @@ def test_a_profile_cache_makes_a_second_place_time_nothing(tmp_path, monkeypatch
                profile_cache=tmp_path / "profiles")
 
 
+def test_a_profile_cache_of_another_thread_count_is_not_reused(tmp_path, monkeypatch):
+    """A profile timed with torch.set_num_threads(1) (torchrun's OMP_NUM_THREADS=1) was reused by a
+    place() with more threads, its CPU times those of one thread (found by fuzzing)."""
+    model, inputs = build("mlp", batch=8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _place(model, inputs, microbatches=2, profile_cache=tmp_path)
+        torch.set_num_threads(2)
+        monkeypatch.setattr(api, "profile", _never_profile)
+        with pytest.raises(AssertionError, match="profiling started"):
+            _place(copy.deepcopy(model), inputs, microbatches=2, profile_cache=tmp_path)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_unreadable_profile_is_profiled_again_and_said(tmp_path):
     model, inputs = build("mlp", batch=8)
     _place(model, inputs, microbatches=1, profile_cache=tmp_path)

@@ -17,7 +17,7 @@ all give another fingerprint (``mode`` is hashed with it); new weights of the sa
 :func:`store_profile`): one JSON file per profiled graph, named by a key over the fingerprint, the
 example call's shapes (the whole batch, or one micro-batch for the call prediction), the device
 kinds and profiling settings, and the machine the times were measured on (processor, core count,
-GPU names, torch version). A second ``place()`` of the same model on the same machine then times
+this process's intra-op threads, GPU names, torch version). A second ``place()`` of the same model on the same machine then times
 nothing. A file that cannot be read is reported (:class:`~torchplace.errors.PlacementWarning`) and
 profiled again; files are written whole or not at all.
 """
@@ -178,7 +178,8 @@ def disk_key(traced: Traced, mode: str, call: Any, kinds: Iterable[str], setting
     return {"fingerprint": fingerprint(traced, mode), "call": shapes, "kinds": kinds,
             "settings": json.loads(json.dumps(settings)), "exhaustive": exhaustive,
             "machine": {"processor": machine.cpu_model(), "arch": platform.machine(), "cores": machine.cpu_cores(),
-                        "gpus": gpus, "torch": torch.__version__}}
+                        # a CPU without threads of its own in settings is timed with the process's (OMP_NUM_THREADS)
+                        "threads": torch.get_num_threads(), "gpus": gpus, "torch": torch.__version__}}
 
 
 def _path(directory: Path, key: Mapping[str, Any]) -> Path:
