@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import Any, get_args
 
 from torchplace.checks import brief, check_float, non_negative_float, non_negative_int, positive_int
 from torchplace.costmodel import StageCost
 from torchplace.errors import WorkloadFormatError
 from torchplace.files import json_kind
 from torchplace.plan import _FORMAT, Plan, Stage
+from torchplace.problem import Mode, Objective, Schedule
 
 __all__ = ["STATUSES", "plan_from_json"]
 
@@ -119,8 +120,17 @@ def _costs(items: Any, devices: set[str], source: str) -> list[StageCost]:
 _CALL_NUMBERS = ("seconds", "makespan", "overhead", "fill", "steady", "drain", "per_sample", "microbatches", "batch")
 
 
+_KINDS = {"objective": get_args(Objective), "mode": get_args(Mode), "schedule": get_args(Schedule)}
+"""What a plan was solved for (:meth:`Plan.build` records them): ``place(plan=)`` compares them
+with its own arguments and runs the schedule, and the report draws it."""
+
+
 def _meta(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """``meta`` with the parts a plan prints checked (``call``, ``single_device``: callmodel.describe)."""
+    """``meta`` with the parts a plan prints checked (``call``, ``single_device``: callmodel.describe)
+    and the objective, mode and schedule it was solved for (:data:`_KINDS`)."""
+    for key, allowed in _KINDS.items():
+        if key in meta and meta[key] not in allowed:
+            raise WorkloadFormatError(f"{source}: meta.{key}: expected one of {list(allowed)}, got {brief(meta[key])}")
     call = meta.get("call")
     if call is not None:
         if not isinstance(call, Mapping):
