@@ -172,6 +172,18 @@ def test_a_saved_plan_runs_with_the_micro_batches_it_was_made_for(tmp_path, mode
             assert torch.equal(again(x), torch.cat([fresh(c) for c in x.tensor_split(8)]))
 
 
+def test_a_saved_training_plan_runs_with_the_schedule_it_was_made_for(tmp_path):
+    """A plan solved for GPipe was run (and its memory counted) with place()'s default 1F1B when
+    given back without schedule=, though its micro-batches were the plan's (found by fuzzing)."""
+    model, inputs = build("mlp", batch=8)
+    _place(model, inputs, microbatches=4, mode="training", schedule="gpipe").plan.save(tmp_path / "plan.json")
+    again = _place(build("mlp", batch=8, seed=3)[0], inputs, mode="training", plan=tmp_path / "plan.json")
+    assert again.problem.pipeline.schedule == again.plan.meta["schedule"] == "gpipe"
+    other = _place(build("mlp", batch=8, seed=3)[0], inputs, mode="training", plan=tmp_path / "plan.json",
+                   schedule="1f1b")
+    assert other.problem.pipeline.schedule == other.plan.meta["schedule"] == "1f1b"  # asked for
+
+
 def test_microbatches_auto_is_remembered_by_the_plan_it_chose(tmp_path):
     model, inputs = build("mlp", batch=8)
     placed = _place(model, inputs, microbatches="auto", allow_single_device=False)

@@ -164,7 +164,8 @@ def place(
             a cross-entropy or mean-square loss needs (so does a model on the meta device, which
             has no outputs to measure on; Piper's plans do not charge the loss).
         example_target: training: the target of the example batch, for ``loss_fn``.
-        schedule: training: ``"1f1b"`` (PipeDream-flush, the default) or ``"gpipe"`` (fill-drain).
+        schedule: training: ``"1f1b"`` (PipeDream-flush, the default) or ``"gpipe"`` (fill-drain);
+            default with ``plan``: the schedule the plan was solved for.
         recompute: training: whether the solver may let a device recompute its activations in
             the backward pass where memory demands it (default ``True``).
         contiguous: whether each device must hold one contiguous piece (throughput only; with
@@ -447,7 +448,6 @@ def prepare(
                          f"placement is for inference: pass mode='training' to place it for training, or leave "
                          f"{'it' if one else 'them'} out")
     optimizer = "adamw" if optimizer is None else optimizer
-    schedule = "1f1b" if schedule is None else schedule
     recompute = True if recompute is None else recompute
     if mode == "training" and objective != "throughput":
         raise UsageError("training is placed for throughput (a pipeline of micro-batches); use objective='throughput'")
@@ -459,8 +459,6 @@ def prepare(
                          f"scalar tensor; got {brief(loss_fn)} with mode={mode!r}")
     if example_target is not None and loss_fn is None:
         raise UsageError("example_target is the target of loss_fn: give loss_fn too (or leave example_target out)")
-    if mode == "training" and schedule not in ("gpipe", "1f1b"):
-        raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective not in ("throughput", "latency"):
         raise UsageError(
             f"objective must be 'throughput' (pipelined time per sample) or 'latency' (time of one sample), "
@@ -468,8 +466,9 @@ def prepare(
         )
     solvers.check_method(solver, objective)
     parallelisms.check(parallelism, mode=mode, objective=objective, solver=solver, contiguous=contiguous, plan=plan,
-                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth, schedule=schedule,
-                       fuse=fuse, allow_single_device=allow_single_device)
+                       allreduce_bandwidth=allreduce_bandwidth, tensor_bandwidth=tensor_bandwidth,
+                       schedule="1f1b" if schedule is None else schedule, fuse=fuse,
+                       allow_single_device=allow_single_device)
     for name, flag in (("contiguous", contiguous), ("progress", progress), ("recompute", recompute),
                        ("share_cores", share_cores), ("refine", refine)):
         if not isinstance(flag, bool):
@@ -477,6 +476,10 @@ def prepare(
     if fuse is not None and not isinstance(fuse, bool):
         raise UsageError(f"fuse must be True, False or None (fuse only big graphs), got {brief(fuse)}")
     given = _load_plan(plan) if plan is not None else None
+    if schedule is None:  # a given plan runs with the schedule it was solved for, as with its micro-batches
+        schedule = given.meta.get("schedule", "1f1b") if given is not None else "1f1b"
+    if mode == "training" and schedule not in ("gpipe", "1f1b"):
+        raise UsageError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if objective == "latency" and microbatches not in (None, 1):
         raise UsageError(f"microbatches={brief(microbatches)} splits each call into a pipeline of micro-batches "
                          "(objective='throughput'); objective='latency' runs each call whole, its devices working "
