@@ -219,6 +219,13 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         got = placed.run(x)
         if placed.is_last:
             result["equal"] = bool(torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]))
+    elif scenario == "unseeded":  # each rank builds its model with weights of its own: refused on every rank
+        model, x, _ = build(seed=100 + int(os.environ["RANK"]))
+        try:
+            tpd.place(model, (x,), **{**opts, "plan": None, "contiguous": True})
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"] = f"{type(error).__name__}: {error}"
+        return
     elif scenario == "scalar-output-train":  # a reduction returned by a model trained with micro-batches
         torch.manual_seed(0)
         model, target = SumsToo().train(), torch.randn(8, 8)

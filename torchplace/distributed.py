@@ -227,6 +227,8 @@ def place(
     _CALLS += 1  # every rank places the same models in the same order: one plan and fault key per call
     faults = Faults(dist.distributed_c10d._get_default_store(), rank, world, key=f"{FAULT}/{_CALLS}")
     try:
+        if state_dict is None:  # with one, each rank loads its own stages' tensors from it
+            _check_same_weights(model, device)
         if placement is None:
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
                                     faults, plan_timeout, f"{_PLAN_KEY}/{_CALLS}")
@@ -317,6 +319,42 @@ def _materialize_lazily(model: nn.Module, state_dict: Any) -> None:
         first = getattr(held[0][0], held[0][1])[held[0][2]]
         for m, kind, name in held[1:]:
             getattr(m, kind)[name] = first
+
+
+def _check_same_weights(model: nn.Module, device: torch.device) -> None:
+    """Refuse a model whose parameters or saved buffers differ between the ranks. Each rank runs
+    its own stages with its own copy of the model, so ranks that built it apart (not seeded alike)
+    would run a pipeline of parts of different models, matching none of them. One all-reduce of a
+    checksum per tensor: its bits summed as integers, the same on any device and thread count.
+
+    Raises:
+        UsageError: naming the first tensor that differs, on every rank.
+    """
+    import torch.distributed as dist
+
+    named = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta]
+    if not named:
+        return
+    sums = torch.stack([_bit_sum(t) for _, t in named])
+    both = torch.cat([sums, -sums]).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest over the ranks
+    high, low = both[:len(named)].tolist(), both[len(named):].tolist()
+    differ = [n for (n, _), a, b in zip(named, high, low) if a != -b]
+    if differ:
+        raise UsageError(
+            f"the ranks' models differ in {len(differ)} of {len(named)} tensors, the first {differ[0]!r}: each rank "
+            "runs its stages with its own copy of the model, so the pipeline would mix parts of different models. "
+            "Build the same model on every rank (torch.manual_seed(0) before building it, or load the same weights), "
+            "or pass state_dict= (each rank then loads its own stages' tensors from it)")
+
+
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum (int64, on the CPU) of ``t``'s bits read as 32-bit integers (bytes where its size is
+    no multiple of 4): equal tensors give equal sums, in any order of summation."""
+    bits = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if bits.numel() % 4 == 0:
+        bits = bits.view(torch.int32)
+    return bits.sum(dtype=torch.int64).cpu()
 
 
 def _quick(options: Mapping[str, Any]) -> dict[str, Any]:
