@@ -184,6 +184,14 @@ def test_a_saved_training_plan_runs_with_the_schedule_it_was_made_for(tmp_path):
     assert other.problem.pipeline.schedule == other.plan.meta["schedule"] == "1f1b"  # asked for
 
 
+def test_a_saved_plan_that_does_not_fit_the_memory_given_says_what_to_do(tmp_path):
+    model, inputs = build("mlp", batch=8)
+    _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
+    with pytest.raises(InvalidPlanError, match=r"device 'cpu:0' needs \d+ bytes but has 1024: give it more memory "
+                                               r"\(max_memory\), or a plan that puts less on it"):
+        _place(model, inputs, microbatches=2, plan=tmp_path / "plan.json", max_memory={"cpu:0": "1KiB"})
+
+
 def test_microbatches_auto_is_remembered_by_the_plan_it_chose(tmp_path):
     model, inputs = build("mlp", batch=8)
     placed = _place(model, inputs, microbatches="auto", allow_single_device=False)

@@ -214,7 +214,8 @@ class Plan:
             cap = devices[dev].memory_bytes
             used = needs[dev]
             if cap is not None and used > cap:
-                raise InvalidPlanError(f"device {dev!r} needs {used} bytes but has {cap}")
+                raise InvalidPlanError(f"device {dev!r} needs {used} bytes but has {cap}: give it more memory "
+                                       "(max_memory), or a plan that puts less on it")
         _check_colocation(g, assignment)
         if any(s.recompute for s in self.stages) and not (problem.pipeline and problem.pipeline.recompute):
             raise InvalidPlanError("a stage recomputes its activations, but the problem has no training pipeline "
