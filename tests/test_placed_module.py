@@ -211,19 +211,21 @@ def test_a_saved_plan_profiled_with_other_threads_is_profiled_again(tmp_path, mo
     assert calls == ["profile", "profile"]  # times taken with other threads would not be this run's (batch, micro-batch)
 
 
-@pytest.mark.parametrize("change", ["input shape", "mode", "leaf_modules"])
+@pytest.mark.parametrize("change", ["input shape", "dtype", "mode", "leaf_modules"])
 def test_a_saved_plan_for_another_trace_is_refused(tmp_path, change):
     model, inputs = build("mlp", batch=4)
     _place(model, inputs, microbatches=2).plan.save(tmp_path / "plan.json")
     options = {"microbatches": 2, "plan": tmp_path / "plan.json"}
     if change == "input shape":
         _, inputs = build("mlp", batch=8)
+    elif change == "dtype":  # the message names it among the causes
+        model, inputs = model.double(), (inputs[0].double(),)
     elif change == "mode":
         options["mode"] = "training"
     else:
         options["leaf_modules"] = [nn.Linear]
     expected = "was solved for mode='inference', not 'training'" if change == "mode" else (
-        "was made for another graph .*leave out plan=")
+        "was made for another graph .*another model dtype.*leave out plan=")
     with pytest.raises(InvalidPlanError, match=rf"plan file .*plan\.json.* {expected}"):
         _place(model, inputs, **options)
 

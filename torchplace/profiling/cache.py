@@ -104,7 +104,8 @@ def cached_graph(meta: Mapping[str, Any], traced: Traced, mode: str, kinds: Iter
     if saved["fingerprint"] != here:
         raise InvalidPlanError(
             f"{source} was made for another graph (fingerprint {str(saved['fingerprint'])[:12]}..., this model traces "
-            f"to {here[:12]}...): another model, other example input shapes, mode, granularity, leaf_modules, "
+            f"to {here[:12]}...): another model, other example input shapes or dtypes, another model dtype, mode, "
+            "granularity, leaf_modules, "
             "dynamic_dims or trace_method. "
             "Place with the same model and arguments as when the plan was saved, or leave out plan= to solve anew"
         )
