@@ -824,6 +824,18 @@ def test_a_profile_on_disk_that_lost_the_models_structure_is_profiled_again(tmp_
         assert torch.equal(placed(x), model(x))
 
 
+def test_a_profile_cache_that_cannot_be_written_is_said_and_the_model_placed(tmp_path):
+    """A cache directory that could not be made or written (here under a file; a read-only or full
+    disk alike) failed place() with an OSError after all its profiling (found by fuzzing)."""
+    (tmp_path / "f").write_text("")
+    model, inputs = build("mlp", batch=8)
+    with pytest.warns(PlacementWarning, match=r"profile cache: .* cannot be written \(NotADirectoryError.*placing "
+                                              r"without keeping this profile"):
+        placed = _place(model, inputs, microbatches=1, profile_cache=tmp_path / "f" / "cache")
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), model(*inputs))
+
+
 def test_a_profile_cache_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "profile", _never_profile)
     (tmp_path / "f").write_text("")

@@ -215,17 +215,24 @@ def load_profile(directory: Path, key: Mapping[str, Any], traced: OpGraph | None
         return None
 
 
-def store_profile(directory: Path, key: Mapping[str, Any], graph: OpGraph) -> Path:
-    """Write ``graph`` for ``key`` into ``directory`` (made if missing), atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
+def store_profile(directory: Path, key: Mapping[str, Any], graph: OpGraph) -> Path | None:
+    """Write ``graph`` for ``key`` into ``directory`` (made if missing), atomically; its path, or
+    ``None`` where it cannot be written (a read-only directory, a full disk): the cache only saves
+    time, so a :class:`~torchplace.errors.PlacementWarning` says so and the placement goes on."""
     path = _path(directory, key)
     data = {"format": FORMAT, "key": json.loads(json.dumps(key)), "graph": graph.to_json()}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
+    tmp = None
     try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except OSError as e:
+        warn_caller(f"profile cache: {path} cannot be written ({type(e).__name__}: {e}); placing without keeping "
+                    "this profile")
+        return None
+    finally:
+        if tmp is not None:  # gone once replaced; a half-written file otherwise
+            Path(tmp).unlink(missing_ok=True)
     return path
