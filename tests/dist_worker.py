@@ -226,6 +226,14 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
         return
+    elif scenario == "plan-refused":  # rank 1 places for training, so it refuses rank 0's inference plan
+        start = time.time()
+        try:
+            tpd.place(model.train(os.environ["RANK"] == "1"), (x,), **{**opts, "plan": None, "contiguous": True},
+                      mode="training" if os.environ["RANK"] == "1" else "inference")
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            result["refused"], result["took"] = f"{type(error).__name__}: {error}", time.time() - start
+        return
     elif scenario == "scalar-output-train":  # a reduction returned by a model trained with micro-batches
         torch.manual_seed(0)
         model, target = SumsToo().train(), torch.randn(8, 8)

@@ -390,7 +390,7 @@ def two_ranks(tmp_path_factory, nc_plans):
     cluster file, an input that requires grad, a hook on a tied weight, a solve that fails on rank 0
     (then a placement that works), an optional input left None, a returned reduction with one
     micro-batch, outputs the loss ignores (by two schedules), ranks that built the model with other
-    weights, a reduction returned by a model trained with micro-batches, and last a stage that raises
+    weights, a rank that refuses rank 0's plan, a reduction returned by a model trained with micro-batches, and last a stage that raises
     (every rank then ends with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
@@ -404,11 +404,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
                  "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
                  "refused-on-one-rank,one-microbatch,raise-then-place,aux-output,aux-output@zero-bubble,"
-                 "different-calls,unseeded,scalar-output-train,raise")
+                 "different-calls,unseeded,plan-refused,scalar-output-train,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      "-", "-", str(infer), str(aux), str(aux), "-", "-", "-", str(infer)],
+                                      "-", "-", str(infer), str(aux), str(aux), "-", "-", "-", "-", str(infer)],
                   timeout_s=120)
 
 
@@ -532,12 +532,23 @@ def test_ranks_that_built_the_model_with_other_weights_are_refused(two_ranks):
                for r in results), results
 
 
+def test_a_rank_that_refuses_rank_0s_plan_ends_rank_0s_wait_naming_it(two_ranks):
+    """Rank 1 (placing for training) refused rank 0's inference plan, and rank 0 waited in the
+    creation of the process groups for the group's timeout, then raised the store's
+    'DistStoreError: wait timeout', naming no cause (found by fuzzing)."""
+    results = [r[1]["24:plan-refused"] for r in two_ranks]
+    assert results[1]["refused"].startswith("InvalidPlanError: the plan was solved for mode='inference'"), results
+    assert results[0]["refused"].startswith("DistributedError: rank 1 failed while placing: InvalidPlanError: the "
+                                            "plan was solved for mode='inference'"), results
+    assert results[0]["took"] < 20, results  # not the group's timeout of 120 s
+
+
 def test_a_reduction_the_model_returns_trains_with_micro_batches_and_a_run_is_refused(two_ranks):
     """A training step of a model returning out.sum() beside out (as a Hugging Face model given
     labels= returns its loss) failed after its backward: "zero-dimensional tensor cannot be
     concatenated", the engine joining the micro-batches' outputs that step() does not return. A
     run() of it split into micro-batches is refused, as torchplace.place's call is."""
-    results = [r[1]["24:scalar-output-train"] for r in two_ranks]
+    results = [r[1]["25:scalar-output-train"] for r in two_ranks]
     assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
     assert all(r["allclose"] for r in results), results
     assert sorted(n for r in results for n in r["params"]) == sorted(n for n, _ in dist_worker.SumsToo().named_parameters())
@@ -648,7 +659,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["25:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["26:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

@@ -232,6 +232,7 @@ def place(
         if placement is None:
             placement = _solve_once(model, devices if devices is not None else rank_devices, example_inputs, common,
                                     faults, plan_timeout, f"{_PLAN_KEY}/{_CALLS}")
+            _all_placed(faults, f"{_PLAN_KEY}/{_CALLS}/placed", timeout)
         return DistributedPlaced(placement, [_name(d) for d in rank_devices], rank, world, device, faults,
                                  schedule, state_dict, degrees=degrees, timeout=timeout)
     except Exception as error:
@@ -480,6 +481,27 @@ def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Ma
         time.sleep(_POLL_S)
     plan = plan_from_json(json.loads(store.get(key).decode()), "the plan of rank 0")
     return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
+
+
+def _all_placed(faults: Any, key: str, timeout: float) -> None:
+    """Wait until every rank has checked rank 0's plan on its own model. A rank that refused it (its
+    model traces to another graph, another mode) published why, and the others raise that at once,
+    looking every :data:`_POLL_S` seconds, instead of waiting in the creation of the process groups
+    for ``timeout`` and failing with the store's timeout, which named no cause.
+
+    Raises:
+        DistributedError: naming the rank that failed, or how many did not finish within ``timeout``.
+    """
+    store = faults.store
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while (done := store.add(key, 0)) < faults.world:
+        if faults.fault():
+            raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
+        if time.monotonic() >= deadline:
+            raise DistributedError(f"{faults.world - done} rank(s) did not check rank 0's plan within {timeout:g} s "
+                                   "(the process group's timeout); raise timeout= for models that take longer to trace")
+        time.sleep(_POLL_S)
 
 
 def _written_buffers(model: nn.Module | None, names: Sequence[str], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
