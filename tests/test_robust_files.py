@@ -271,7 +271,8 @@ def _plan_json() -> dict:
     (lambda d: d.update(meta={"single_device": {"device": "acc0", "seconds": 1.0, "plan_seconds": 0.5,
                                                 "margin": -0.1}}), "margin"),
     # found by fuzzing: place(plan=) said "place it with mode='banana'", and ran an unknown schedule as 1F1B
-    (lambda d: d["meta"].update(mode="banana"), r"meta\.mode: expected one of \['inference', 'training'\], got 'banana'"),
+    (lambda d: d["meta"].update(mode="banana"),
+     r"meta\.mode: expected one of \['inference', 'training'\], got 'banana'"),
     (lambda d: d["meta"].update(objective=7), r"meta\.objective: expected one of \['throughput', 'latency'\], got 7"),
     (lambda d: d["meta"].update(schedule=None), r"meta\.schedule: expected one of \['gpipe', '1f1b'\], got None"),
 ])

@@ -333,7 +333,8 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
     """
     import torch.distributed as dist
 
-    named = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta]
+    named = [(n, t) for n, t in model.state_dict(keep_vars=True).items()
+             if isinstance(t, torch.Tensor) and not t.is_meta]
     if not named:
         return
     sums = torch.stack([_bit_sum(t) for _, t in named])

@@ -17,9 +17,10 @@ all give another fingerprint (``mode`` is hashed with it); new weights of the sa
 :func:`store_profile`): one JSON file per profiled graph, named by a key over the fingerprint, the
 example call's shapes (the whole batch, or one micro-batch for the call prediction), the device
 kinds and profiling settings, and the machine the times were measured on (processor, core count,
-this process's intra-op threads, GPU names, torch version). A second ``place()`` of the same model on the same machine then times
-nothing. A file that cannot be read is reported (:class:`~torchplace.errors.PlacementWarning`) and
-profiled again; files are written whole or not at all.
+this process's intra-op threads, GPU names, torch version). A second ``place()`` of the same model
+on the same machine then times nothing. A file that cannot be read is reported
+(:class:`~torchplace.errors.PlacementWarning`) and profiled again; one that cannot be written is
+reported and not kept; files are written whole or not at all.
 """
 from __future__ import annotations
 
