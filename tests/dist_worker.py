@@ -226,6 +226,23 @@ def run(scenario: str, plan: str | None, result: dict) -> None:
         except Exception as error:  # noqa: BLE001 - the test reads the message
             result["refused"] = f"{type(error).__name__}: {error}"
         return
+    elif scenario == "restart":  # a plan saved from a placement runs again without profiling
+        from torchplace import api
+
+        saved = Path(sys.argv[2]) / f"restart-{os.environ['RANK']}.json"
+        expected = reference_output(model, x, m)
+        tpd.place(copy.deepcopy(model), (x,), **{**opts, "plan": None, "contiguous": True}).plan.save(saved)
+        calls: list[str] = []
+        real = api.profile
+        api.profile = lambda *a, **k: calls.append("profile") or real(*a, **k)
+        try:
+            placed = tpd.place(model, (x,), **{**opts, "plan": str(saved)})
+        finally:
+            api.profile = real
+        result["profiled"] = calls
+        got = placed.run(x)
+        if placed.is_last:
+            result["equal"] = bool(torch.equal(got, expected))
     elif scenario == "plan-refused":  # rank 1 places for training, so it refuses rank 0's inference plan
         start = time.time()
         try:

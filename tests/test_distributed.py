@@ -391,7 +391,8 @@ def two_ranks(tmp_path_factory, nc_plans):
     (then a placement that works), an optional input left None, a returned reduction with one
     micro-batch, outputs the loss ignores (by two schedules), ranks that built the model with other
     weights, a rank that refuses rank 0's plan, a reduction returned by a model trained with
-    micro-batches, and last a stage that raises (every rank then ends with an error)."""
+    micro-batches, a restart from a saved plan, and last a stage that raises (every rank then ends
+    with an error)."""
     tmp = tmp_path_factory.mktemp("two")
     infer, train = nc_plans
     torch.save(dist_worker.build(seed=1)[0].state_dict(), tmp / "seed1.pt")
@@ -404,11 +405,11 @@ def two_ranks(tmp_path_factory, nc_plans):
     scenarios = ("infer,train,infer,train,train@zero-bubble,train@looped-bfs,checkpoint,cluster,train-tied,meta,"
                  "accumulate,train-tied-one-rank,input-grad,tied-hook,solve-fails,none-input,scalar-output,"
                  "refused-on-one-rank,one-microbatch,raise-then-place,aux-output,aux-output@zero-bubble,"
-                 "different-calls,unseeded,plan-refused,scalar-output-train,raise")
+                 "different-calls,unseeded,plan-refused,scalar-output-train,restart,raise")
     return launch(scenarios, 2, tmp, ["-", "-", str(infer), str(train), str(train), str(train), str(tmp / "seed1.pt"),
                                       str(ROOT / "examples" / "clusters" / "two-hosts.json"), str(tied),
                                       str(tmp / "seed1.pt"), "-", str(tied_one_rank), "-", str(tied), "-", "-", "-",
-                                      "-", "-", str(infer), str(aux), str(aux), "-", "-", "-", "-", str(infer)],
+                                      "-", "-", str(infer), str(aux), str(aux), "-", "-", "-", "-", "-", str(infer)],
                   timeout_s=120)
 
 
@@ -556,6 +557,15 @@ def test_a_reduction_the_model_returns_trains_with_micro_batches_and_a_run_is_re
     assert all(r["refused"].startswith("MicrobatchError: model output [0] is a scalar") for r in results), results
 
 
+def test_a_plan_saved_from_a_placement_runs_again_without_profiling(two_ranks):
+    """placed.plan of torchplace.distributed.place held no profile (torchplace.place's does), so a job
+    restarted from it timed the model again on every rank (found by fuzzing)."""
+    results = [r[1]["26:restart"] for r in two_ranks]
+    assert all("error" not in r for r in results), (results, [r[2][-2000:] for r in two_ranks])
+    assert [r["profiled"] for r in results] == [[], []], results
+    assert [r.get("equal") for r in results] == [None, True], results
+
+
 def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_the_next_runs(two_ranks):
     """Rank 1's target had 4 rows: it raised UsageError before any communication, and rank 0 waited
     in the engine for the process group's timeout, then blamed a lost peer (found by fuzzing)."""
@@ -660,7 +670,7 @@ def _check_fault(ranks: list[tuple[int, dict, str]], failing: int, what: str, st
 
 def test_a_rank_that_raises_ends_every_rank_naming_it(two_ranks):
     _check_fault(two_ranks, 1, "failed", stage=3)  # the non-contiguous plan's last piece
-    assert "ValueError: bomb went off" in two_ranks[0][1]["26:raise"]["error"]
+    assert "ValueError: bomb went off" in two_ranks[0][1]["27:raise"]["error"]
 
 
 # -- data x tensor x pipeline: a (stage, copy, tensor rank) grid of ranks -----------------------------

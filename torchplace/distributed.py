@@ -39,6 +39,7 @@ from torchplace.errors import (DistributedError, InfeasibleError, InvalidPlanErr
                                UsageError, warn_caller)
 from torchplace.plan import DEFAULT_MICROBATCHES, Plan
 from torchplace.problem import Problem
+from torchplace.profiling.cache import KEY as CACHE_KEY
 from torchplace.fxutil import dtype_guards
 from torchplace.runtime.devices import check_autocast, check_eager_call
 from torchplace.runtime.structure import Structure
@@ -574,6 +575,7 @@ class DistributedPlaced:
             refused = self.pipeline.check_schedule(fallback="gpipe" if schedule is None else None)
             if refused is not None:
                 self.problem, self.plan = _priced_for_fallback(problem, plan, refused)
+        self.plan.meta[CACHE_KEY] = placement.cache  # so a restart from the saved plan skips profiling
         self.pipeline.check_call = self._check_call
         self.is_last = self.pipeline.is_last
         self.pipeline.written = _written_buffers(traced.model, traced.effects.written_state, self.pipeline.modules)
