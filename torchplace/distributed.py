@@ -467,20 +467,16 @@ def _solve_once(model: nn.Module, devices: Any, example_inputs: Any, options: Ma
         placement = api.prepare(model, devices, example_inputs, **options)
         store.set(key, json.dumps(placement.plan.to_json()))
         return placement
-    deadline = time.monotonic() + plan_timeout
-    while True:  # store.check, not store.wait with a short timeout: that logs a warning at every timeout
+
+    def published() -> bool:  # store.check, not store.wait with a short timeout: that logs a warning at every timeout
         try:
-            if store.check([key]):
-                break
+            return store.check([key])
         except Exception as error:
             raise DistributedError(f"the rendezvous store failed while rank {faults.rank} waited for rank 0's plan "
                                    f"({type(error).__name__}: {error}): rank 0 has stopped") from error
-        if faults.fault():
-            raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
-        if time.monotonic() >= deadline:
-            raise DistributedError(f"rank 0 published no plan within {plan_timeout:g} s; raise plan_timeout for long "
-                                   "solves")
-        time.sleep(_POLL_S)
+
+    _wait_for(published, faults, plan_timeout,
+              lambda: f"rank 0 published no plan within {plan_timeout:g} s; raise plan_timeout for long solves")
     plan = plan_from_json(json.loads(store.get(key).decode()), "the plan of rank 0")
     return api.prepare(model, devices, example_inputs, plan=plan, **_quick(options))
 
@@ -496,13 +492,24 @@ def _all_placed(faults: Any, key: str, timeout: float) -> None:
     """
     store = faults.store
     store.add(key, 1)
+    _wait_for(lambda: store.add(key, 0) >= faults.world, faults, timeout,
+              lambda: f"{faults.world - store.add(key, 0)} rank(s) did not check rank 0's plan within {timeout:g} s "
+                      "(the process group's timeout); raise timeout= for models that take longer to trace")
+
+
+def _wait_for(ready: Callable[[], bool], faults: Any, timeout: float, late: Callable[[], str]) -> None:
+    """Look every :data:`_POLL_S` seconds whether ``ready()``, and whether a rank published a fault
+    (then raise it at once) until ``timeout`` seconds have passed.
+
+    Raises:
+        DistributedError: the fault a rank published, or ``late()`` after ``timeout``.
+    """
     deadline = time.monotonic() + timeout
-    while (done := store.add(key, 0)) < faults.world:
+    while not ready():
         if faults.fault():
             raise DistributedError(f"{faults.fault()}; rank {faults.rank} stopped")
         if time.monotonic() >= deadline:
-            raise DistributedError(f"{faults.world - done} rank(s) did not check rank 0's plan within {timeout:g} s "
-                                   "(the process group's timeout); raise timeout= for models that take longer to trace")
+            raise DistributedError(late())
         time.sleep(_POLL_S)
 
 
