@@ -89,6 +89,16 @@ class _WritesInput(nn.Module):
         return y + self.b(x)
 
 
+class _ReturnsItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x), x
+
+
 class _Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -302,6 +312,8 @@ def cases(tmp: Path) -> list[Case]:
     add("valid", "latency objective, batch of one", lambda: _same(_mlp, lambda: (_x(1),), objective="latency"))
     add("valid", "other batch size at call time", lambda: _other_batch())
     add("valid", "empty batch at call time", lambda: _empty_batch())
+    add("valid", "the model returns its input, microbatches=3", _returns_its_input)
+    add("valid", "training step, a batch of 10 in 4 micro-batches", _uneven_training_step)
     add("valid", "leaf_modules by class name", lambda: _same(_mlp, lambda: (_x(),), granularity="module",
                                                               leaf_modules=["Linear"]))
 
@@ -332,6 +344,8 @@ def cases(tmp: Path) -> list[Case]:
     for option, value in (("--batch", "-2"), ("--microbatches", "2.5"), ("--devices", "potato")):
         add("cli", f"plan mlp {option} {value}", lambda o=option, v=value: _cli(["plan", "mlp", o, v]))
     add("cli", "unknown method", lambda: _cli(["solve", str(BERT24), "--method", "simplex"]))
+    add("cli", "solve a Piper workload, --bandwidth-gbs 1e-300",
+        lambda: _cli(["solve", str(WORKLOADS / "piper" / "bert32a100.json"), "--method", "piper", "--bandwidth-gbs", "1e-300"]))
     add("cli", "solve a latency workload --ideal-limit 5", lambda: _cli(["solve", str(MOIRAI), "--ideal-limit", "5"]))
     add("cli", "moirai MILP on bert_l-12 operators, --time-limit 5",
         lambda: _cli(["solve", str(BERT12), "--method", "moirai", "--objective", "latency", "--time-limit", "5"]))
@@ -385,6 +399,29 @@ def _empty_batch() -> None:
     with torch.no_grad():
         if placed(torch.randn(0, 8)).shape != model(torch.randn(0, 8)).shape:
             raise _Wrong("empty batch gives another shape than eager PyTorch")
+
+
+def _returns_its_input() -> None:
+    model = _ReturnsItsInput()
+    x = _x()
+    placed = _place(model, (x,), microbatches=3)
+    with torch.no_grad():
+        out, expected = placed(x), model(x)
+    if out[1] is not x or not torch.equal(out[0], expected[0]):
+        raise _Wrong("the input comes back as a copy, or the output differs from eager PyTorch")
+
+
+def _uneven_training_step() -> None:
+    """A batch of 10 in micro-batches of 3, 3, 2, 2: the gradient of the batch's mean loss."""
+    model, reference = _mlp().train(), _mlp().train()
+    x, y = torch.randn(10, 8), torch.randn(10, 4)
+    loss_fn = nn.functional.mse_loss
+    placed = _place(model, (x,), mode="training", microbatches=4, loss_fn=loss_fn, example_target=y)
+    placed.step(x, target=y)
+    loss_fn(reference(x), y).backward()
+    if not all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7) for p, q in zip(model.parameters(),
+                                                                                    reference.parameters())):
+        raise _Wrong("gradients differ from the batch's")
 
 
 def _load(assign: bool) -> None:
