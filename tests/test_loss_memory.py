@@ -85,6 +85,10 @@ def test_loss_errors_say_what_to_do():
         _place(loss_fn=lambda out, target: (_ for _ in ()).throw(ValueError("no")))
     with pytest.raises(UsageError, match="scalar tensor"):
         _place(loss_fn=lambda out, target: out)
+    model = _model()  # optimizer= names the memory model's optimizer: an optimizer object said "expected a number"
+    with pytest.raises(UsageError, match=r"not an optimizer object \(SGD: .*; pass optimizer='momentum'"):
+        torchplace.place(model, ["cpu:0"], (torch.randn(16, 8),), mode="training", progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     placed = _place()
     placed.train()
     with pytest.raises(UsageError, match="step\\(\\) needs a loss"):

@@ -51,6 +51,16 @@ def optimizer_state_factor(optimizer: str | float | int) -> float:
     Raises:
         UsageError: for an unknown optimizer name or a negative / non-finite number.
     """
+    if isinstance(optimizer, torch.optim.Optimizer) or (isinstance(optimizer, type)
+                                                         and issubclass(optimizer, torch.optim.Optimizer)):
+        kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+        name = kind.__name__.lower()
+        if name == "sgd" and not isinstance(optimizer, type):  # its momentum buffer is state too
+            name = "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+        fix = f"optimizer={name!r}" if name in OPTIMIZER_STATE else "its bytes of state per parameter byte as a number"
+        raise UsageError(f"optimizer= takes the optimizer's name or its bytes of state per parameter byte, for the "
+                         f"memory model, not an optimizer object ({kind.__name__}: build it after placing, on "
+                         f"placed.parameters()); pass {fix}")
     if isinstance(optimizer, str):
         key = optimizer.lower().replace(" ", "")
         if key not in OPTIMIZER_STATE:
