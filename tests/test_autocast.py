@@ -197,3 +197,35 @@ def test_the_refusal_under_autocast_names_a_way_that_runs() -> None:
                                leaf_modules=[FullPrecisionRegion], **OPTIONS)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(advised(x), expected)
+
+
+class MakesABias(nn.Module):
+    """``torch.full(..., dtype=h.dtype)``: under autocast ``h`` is bfloat16, and so is the bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        return h * 3 + torch.full((h.shape[-1],), 0.1, dtype=h.dtype)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_dtype_an_exported_graph_read_from_a_tensor_is_refused_under_autocast(mode: str) -> None:
+    """export records ``dtype=h.dtype`` as the float32 it saw: under autocast the placed model made a
+    float32 bias, returned float32 outputs where the model's are bfloat16, and its loss and gradients
+    differed, silently (found by probing). fx reads the dtype at run time and computes as the model does."""
+    torch.manual_seed(0)
+    model = MakesABias().train(mode == "training")
+    x, y = torch.randn(8, 16), torch.randn(8, 32)
+    extra = dict(loss_fn=nn.functional.mse_loss, example_target=y) if mode == "training" else {}
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x,), mode=mode, microbatches=1, trace_method="export",
+                              **extra, **OPTIONS)
+    call = (lambda: placed.step(x, target=y)) if mode == "training" else (lambda: placed(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match=r"dtype=h\.dtype"):
+        call()
+    fx = torchplace.place(copy.deepcopy(model), ["cpu:0", "cpu:1"], (x,), microbatches=1, trace_method="fx", **OPTIONS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = fx(x), model(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)

@@ -342,19 +342,33 @@ _RANDOM = frozenset({"dropout", "bernoulli", "rand", "randn", "randint", "randpe
 
 
 def dtype_guards(gm: fx.GraphModule) -> list[str]:
-    """The nodes of an exported graph that check a tensor's dtype (``aten._assert_tensor_metadata``):
-    where the model converted a tensor to the dtype it already had (``x.float()``,
-    ``.to(torch.float32)``, ``type_as``), which export records as a check, not as a conversion, and
-    whose later readers read the unconverted tensor. Under ``torch.autocast`` those conversions
-    would convert: such a graph does not compute what the model does there. The subgraphs of
-    higher-order operators (a ``with torch.autocast(...)`` region in the forward is a
-    ``wrap_with_autocast`` subgraph) are searched too, their nodes named ``path.node``."""
+    """The nodes of an exported graph that fix a dtype the model's code may take from autocast:
+    checks of a tensor's dtype (``aten._assert_tensor_metadata``), where the model converted a tensor
+    to the dtype it already had (``x.float()``, ``.to(torch.float32)``, ``type_as``), which export
+    records as a check, not as a conversion, and whose later readers read the unconverted tensor;
+    and operators given a floating ``dtype`` (``torch.full(..., dtype=h.dtype)``, ``.to(h.dtype)``),
+    which export records as the dtype it saw, where the model's code may read it from a tensor that
+    autocast makes bfloat16. Under ``torch.autocast`` such a graph does not compute what the model
+    does there. The subgraphs of higher-order operators (a ``with torch.autocast(...)`` region in
+    the forward is a ``wrap_with_autocast`` subgraph) are searched too, their nodes named ``path.node``."""
     target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
-    if target is None:
-        return []
+    checks = () if target is None else (target, target.default)
     return [f"{path}.{n.name}" if path else n.name
             for path, module in gm.named_modules() if isinstance(module, fx.GraphModule)
-            for n in module.graph.nodes if n.op == "call_function" and n.target in (target, target.default)]
+            for n in module.graph.nodes
+            if n.op == "call_function" and (n.target in checks or _fixes_floating_dtype(n))]
+
+
+def _fixes_floating_dtype(n: fx.Node) -> bool:
+    """Whether aten node ``n`` is given a floating-point ``dtype`` argument (by keyword or position)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dtype":
+            value = n.args[i] if i < len(n.args) and not arg.kwarg_only else n.kwargs.get("dtype")
+            return isinstance(value, torch.dtype) and value.is_floating_point
+    return False
 
 
 def draws_random_numbers(module: nn.Module, n: fx.Node) -> bool:

@@ -174,18 +174,20 @@ def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
 
 
 def check_autocast(guards: Sequence[str]) -> None:
-    """Refuse a call under ``torch.autocast`` of a graph with dtype checks in place of conversions
-    (:func:`torchplace.fxutil.dtype_guards`), before any stage runs.
+    """Refuse a call under ``torch.autocast`` of a graph with dtype checks in place of conversions, or
+    dtypes fixed as the trace saw them (:func:`torchplace.fxutil.dtype_guards`), before any stage runs.
 
     Raises:
         UnsupportedError: saying why and what runs instead.
     """
     if guards and caller_autocast():
         raise UnsupportedError(
-            f"this model was traced by torch.export, which recorded {len(guards)} of its dtype conversions "
-            "(x.float(), .to(torch.float32), type_as: RMSNorm and the like) as checks, since without autocast "
-            "they converted nothing; under torch.autocast they convert, so the placed graph would not compute what "
-            "the model does (a dtype check fails, or gradients differ). Call the placed model without autocast "
+            f"this model was traced by torch.export, which fixed the dtypes of {len(guards)} of its dtype conversions "
+            "and tensor constructors as it saw them without autocast: a conversion that converted nothing is a check "
+            "(x.float(), .to(torch.float32), type_as: RMSNorm and the like), and a dtype read from a tensor "
+            "(.to(h.dtype), torch.full(..., dtype=h.dtype)) stays float32; under torch.autocast they convert, so the "
+            "placed graph would not compute what the model does (a dtype check fails, or outputs and gradients "
+            "differ). Call the placed model without autocast "
             "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place it "
             "traced by torch.fx, whose graph autocast runs as it runs the model: trace_method='fx', with the modules "
             "fx cannot trace (one that enters torch.autocast itself, say) kept whole by leaf_modules=[...]")
