@@ -229,3 +229,31 @@ def test_a_dtype_an_exported_graph_read_from_a_tensor_is_refused_under_autocast(
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out, expected = fx(x), model(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+class MasksWithTheLimit(nn.Module):
+    """``masked_fill(mask, torch.finfo(s.dtype).min)``: under autocast ``s`` and its limit are bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ x.transpose(-1, -2)
+        s = s.masked_fill(~mask.unsqueeze(1), torch.finfo(s.dtype).min)
+        return self.o(s.softmax(-1) @ x)
+
+
+def test_a_dtype_limit_an_exported_graph_holds_as_a_number_is_refused_under_autocast() -> None:
+    """export records float32's ``finfo.min`` as a number: under autocast the placed call failed in a
+    stage with a raw 'cannot be converted to type c10::BFloat16 without overflow' (found by probing)."""
+    torch.manual_seed(0)
+    model = MasksWithTheLimit().eval()
+    x, mask = torch.randn(4, 6, 16), torch.ones(4, 6, dtype=torch.bool)
+    mask[2, 3:] = False
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x, mask), microbatches=1, **OPTIONS)
+    assert placed._traced.method == "export"  # fx cannot read the dtype's limits
+    with torch.no_grad():
+        assert torch.equal(placed(x, mask), model(x, mask))  # without autocast: exact
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedError, match=r"finfo\(h\.dtype\)"):
+            placed(x, mask)

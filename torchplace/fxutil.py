@@ -346,17 +346,28 @@ def dtype_guards(gm: fx.GraphModule) -> list[str]:
     checks of a tensor's dtype (``aten._assert_tensor_metadata``), where the model converted a tensor
     to the dtype it already had (``x.float()``, ``.to(torch.float32)``, ``type_as``), which export
     records as a check, not as a conversion, and whose later readers read the unconverted tensor;
-    and operators given a floating ``dtype`` (``torch.full(..., dtype=h.dtype)``, ``.to(h.dtype)``),
+    operators given a floating ``dtype`` (``torch.full(..., dtype=h.dtype)``, ``.to(h.dtype)``),
     which export records as the dtype it saw, where the model's code may read it from a tensor that
-    autocast makes bfloat16. Under ``torch.autocast`` such a graph does not compute what the model
-    does there. The subgraphs of higher-order operators (a ``with torch.autocast(...)`` region in
+    autocast makes bfloat16; and operators given a float32 or float16 limit as a number
+    (``masked_fill(mask, torch.finfo(h.dtype).min)``), which export records as the number it saw
+    (a bfloat16 tensor cannot hold float32's: the placed call failed). Under ``torch.autocast`` such
+    a graph does not compute what the model does there. The subgraphs of higher-order operators (a ``with torch.autocast(...)`` region in
     the forward is a ``wrap_with_autocast`` subgraph) are searched too, their nodes named ``path.node``."""
     target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
     checks = () if target is None else (target, target.default)
     return [f"{path}.{n.name}" if path else n.name
             for path, module in gm.named_modules() if isinstance(module, fx.GraphModule)
             for n in module.graph.nodes
-            if n.op == "call_function" and (n.target in checks or _fixes_floating_dtype(n))]
+            if n.op == "call_function" and (n.target in checks or _fixes_floating_dtype(n) or _dtype_limit(n))]
+
+
+_LIMITS = frozenset(getattr(torch.finfo(dtype), name) for dtype in (torch.float32, torch.float16)
+                    for name in ("min", "max", "eps", "tiny"))
+
+
+def _dtype_limit(n: fx.Node) -> bool:
+    """Whether node ``n`` is given a float32 or float16 ``torch.finfo`` limit as a Python number."""
+    return any(type(a) is float and a in _LIMITS for a in pytree.tree_leaves((n.args, n.kwargs)))
 
 
 def _fixes_floating_dtype(n: fx.Node) -> bool:

@@ -185,9 +185,9 @@ def check_autocast(guards: Sequence[str]) -> None:
             f"this model was traced by torch.export, which fixed the dtypes of {len(guards)} of its dtype conversions "
             "and tensor constructors as it saw them without autocast: a conversion that converted nothing is a check "
             "(x.float(), .to(torch.float32), type_as: RMSNorm and the like), and a dtype read from a tensor "
-            "(.to(h.dtype), torch.full(..., dtype=h.dtype)) stays float32; under torch.autocast they convert, so the "
-            "placed graph would not compute what the model does (a dtype check fails, or outputs and gradients "
-            "differ). Call the placed model without autocast "
+            "(.to(h.dtype), torch.full(..., dtype=h.dtype), torch.finfo(h.dtype).min) stays float32's; under "
+            "torch.autocast they convert, so the placed graph would not compute what the model does (a dtype check "
+            "fails, or outputs and gradients differ). Call the placed model without autocast "
             "(for bfloat16 compute, convert the model with model.to(torch.bfloat16) before placing it), or place it "
             "traced by torch.fx, whose graph autocast runs as it runs the model: trace_method='fx', with the modules "
             "fx cannot trace (one that enters torch.autocast itself, say) kept whole by leaf_modules=[...]")
