@@ -434,6 +434,51 @@ def test_measure_and_trace_of_training_steps_leave_the_model_as_they_found_it():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+class _WritesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        x.mul_(2)
+        return y
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+def test_measure_and_trace_leave_the_inputs_the_model_writes_as_they_found_them(objective):
+    """(found by fuzzing) a model that writes its input (x.mul_(2)) wrote the caller's tensor on every
+    measured call: measure() (warm-up and runs) and trace() left x at 32 times its value."""
+    torch.manual_seed(0)
+    model, x = _WritesItsInput().eval(), torch.ones(4, 8)
+    options = {"microbatches": 2} if objective == "throughput" else {}
+    placed = torchplace.place(model, ["cpu:0", "cpu:1"], (x.clone(),), objective=objective, **QUICK, **options)
+    placed.measure(x, runs=2, warmup=1)
+    placed.trace((x,))
+    assert torch.equal(x, torch.ones(4, 8))
+    with torch.no_grad():
+        placed(x)  # a call still writes it, as the model's does
+    assert torch.equal(x, torch.full((4, 8), 2.0))
+
+
+def test_a_model_with_no_operators_is_drawn_reported_and_refined(tmp_path):
+    """(found by fuzzing) place() gives a model with no operators a one-stage plan and runs it, but
+    report() and plot_graph() failed in matplotlib's legend (TypeError: 'NoneType' object is not
+    subscriptable), and refine=True with 'num_stages must be at least 1 (got 0)'."""
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    x = torch.randn(4, 8)
+    placed = torchplace.place(Identity(), ["cpu:0", "cpu:1"], (x,), **QUICK)
+    assert placed(x) is x
+    placed.measure(x, runs=1, warmup=0)
+    assert isinstance(placed.plot_graph(), Picture)
+    _self_contained(_parse(placed.report(tmp_path / "plan.html").read_text()))
+    refined = torchplace.place(Identity(), ["cpu:0", "cpu:1"], (x,), refine=True, **QUICK)
+    assert refined(x) is x and refined.refinement.kept == 0
+
+
 def test_measure_of_a_latency_plan_compares_the_makespan(latency):
     placed, inputs = latency
     m = placed.measure(inputs, runs=2)

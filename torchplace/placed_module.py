@@ -23,7 +23,7 @@ from torch import nn
 from torchplace import batchdim
 from torchplace.checks import non_negative_int, positive_int
 from torchplace.errors import StageError, UnsupportedError, UsageError
-from torchplace.fxutil import dtype_guards, left_out
+from torchplace.fxutil import bind_call, dtype_guards, left_out
 from torchplace.plan import Plan, Stage
 from torchplace.problem import Problem
 from torchplace.profiling import Traced, trace
@@ -93,17 +93,21 @@ def _check_gradient_hooks(shared: Sequence[torch.Tensor], named: Iterable[tuple[
 
 
 @contextlib.contextmanager
-def _state_kept(module: nn.Module) -> Iterator[None]:
+def _state_kept(module: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
     """Leave ``module`` as the block found it: each parameter's ``.grad`` (the same tensor, or
     ``None``), each buffer (BatchNorm's running statistics) and the random number generators (what
-    dropout draws next). A measured training step accumulates gradients and updates statistics as
-    a real one does; :meth:`PlacedModule.measure` and :meth:`PlacedModule.trace` must not, or the
-    user's next ``optimizer.step()`` takes the measured steps too.
+    dropout draws next); and the caller's ``inputs`` the model writes in place (``x.mul_(2)``). A
+    measured training step accumulates gradients and updates statistics as a real one does, and
+    each measured call writes such inputs again; :meth:`PlacedModule.measure` and
+    :meth:`PlacedModule.trace` must not, or the user's next ``optimizer.step()`` takes the measured
+    steps too, and the next call reads inputs written once per measured call.
 
-    Copies of the gradients and buffers live beside them (on their device) for the block; buffers
-    are restored by :class:`~torchplace.profiling.effects.StateSnapshot`, as after profiling."""
+    Copies of the gradients, buffers and written inputs live beside them (on their device) for the
+    block; buffers are restored by :class:`~torchplace.profiling.effects.StateSnapshot`, as after
+    profiling."""
     grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
              for p in dict.fromkeys(module.parameters())]
+    written = [(t, t.detach().clone()) for t in inputs]
     state = StateSnapshot(module)
     with random_state_kept():
         try:
@@ -115,6 +119,8 @@ def _state_kept(module: nn.Module) -> Iterator[None]:
                         p.grad = grad
                     if saved is not None:
                         grad.copy_(saved)
+                for t, saved in written:
+                    t.copy_(saved)
             state.restore()
 
 
@@ -309,6 +315,18 @@ class PlacedModule(nn.Module):
         return self._eval
 
     # -- seeing the plan and the runs (torchplace.report) ---------------------------------------------
+    def _written_inputs(self, inputs: Any, kwargs: Mapping[str, Any] | None) -> list[torch.Tensor]:
+        """The caller's tensors among ``inputs`` / ``kwargs`` (as :meth:`measure` takes them) that
+        the model writes in place; none where the call does not bind (it raises when it runs)."""
+        names = {name for names in self._traced.effects.written.values() for name in names}
+        if not names:
+            return []
+        try:
+            bound = bind_call(self._traced.gm, inputs if isinstance(inputs, tuple) else (inputs,), kwargs)
+        except UsageError:
+            return []
+        return [v for name, v in bound.items() if name in names and isinstance(v, torch.Tensor)]
+
     def _run_recorded(self, inputs: Any, kwargs: Mapping[str, Any] | None, target: Any,
                       loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[list[Any], float]:
         """One call (or, with a ``target``, one training step with ``loss_fn``, by default
@@ -342,8 +360,9 @@ class PlacedModule(nn.Module):
         Perfetto trace, one track per device (:func:`torchplace.report.trace.write_trace`).
 
         ``inputs`` is the tuple of positional arguments (or one tensor). The model is left as it was:
-        gradients, buffers (BatchNorm statistics) and random number generators are restored."""
-        with _state_kept(self):
+        gradients, buffers (BatchNorm statistics), random number generators and the inputs the model
+        writes in place are restored."""
+        with _state_kept(self, self._written_inputs(inputs, kwargs)):
             spans, _ = self._run_recorded(inputs, kwargs, target, loss_fn)
         if path is not None:
             from torchplace.report.trace import write_trace
@@ -360,7 +379,8 @@ class PlacedModule(nn.Module):
         :meth:`report` (``last_measurement``). With ``target`` it times training steps, with
         ``loss_fn`` or else the one given to ``place(..., loss_fn=)``. The model is left as it was:
         the steps' gradients and buffer updates (BatchNorm statistics) are undone, and the random
-        number generators restored, so measuring between training steps changes nothing.
+        number generators and the inputs the model writes in place restored, so measuring between
+        training steps changes nothing.
 
         Returns:
             A :class:`~torchplace.report.fidelity.Measurement` (prints as a table).
@@ -368,7 +388,7 @@ class PlacedModule(nn.Module):
         from torchplace.report.fidelity import compare
 
         runs, warmup = positive_int(runs, "runs"), non_negative_int(warmup, "warmup")
-        with _state_kept(self):
+        with _state_kept(self, self._written_inputs(inputs, kwargs)):
             for _ in range(warmup):
                 self._run_recorded(inputs, kwargs, target, loss_fn)
             recorded = [self._run_recorded(inputs, kwargs, target, loss_fn) for _ in range(runs)]

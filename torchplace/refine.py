@@ -114,6 +114,9 @@ def refine(placed: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], solve: 
     """
     problem, first = placed.problem, placed.plan
     first_measured = placed.measure(inputs, kwargs=kwargs, runs=runs)
+    if len(problem.graph) == 0:  # a model with no operators: no other plan to solve
+        placed.refinement = Refinement((RefinedPlan("profiled", first, first.objective, first_measured),), 0)
+        return placed
     remeasured = dataclasses.replace(problem, graph=measured_graph(problem, first, first_measured))
     solved = solve(remeasured)
     done = [RefinedPlan("profiled", first, costmodel.evaluate(remeasured, first), first_measured)]

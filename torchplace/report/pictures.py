@@ -205,18 +205,22 @@ def plot_graph(plan: Plan, problem: Problem, level: str = "module", max_boxes: i
     ax = fig.add_subplot()
     nx.draw_networkx_edges(h, pos, ax=ax, alpha=0.35, arrowsize=6, node_size=120, width=0.7, arrows=True,
                            connectionstyle="arc3,rad=0.25")
-    drawn = []
+    drawn, named = [], []
     for dev, color in colors.items():
         nodes = [v for v in h if h.nodes[v]["device"] == dev]
+        if not nodes:  # networkx draws nothing for no nodes (None), which a legend cannot show
+            continue
         sizes = [60 + 25 * min(h.nodes[v]["size"], 12) for v in nodes]
         drawn.append(nx.draw_networkx_nodes(h, pos, nodelist=nodes, node_color=color, node_size=sizes, ax=ax))
+        named.append(literal(dev))
     if len(h) <= 150:
         labels = {v: literal(_short(h.nodes[v]["label"])) for v in h}
         for text in nx.draw_networkx_labels(h, pos, labels, font_size=7, ax=ax, verticalalignment="bottom").values():
             text.set_rotation(20)
     ax.set_title(f"Graph by device ({level} level, {len(h)} boxes of {len(problem.graph)} nodes)")
     # labels given with their handles: matplotlib leaves out an artist whose own label starts with "_"
-    ax.legend(drawn, [literal(d) for d in colors], fontsize=8, loc="upper right", markerscale=0.6)
+    if drawn:
+        ax.legend(drawn, named, fontsize=8, loc="upper right", markerscale=0.6)
     ax.set_axis_off()
     return Picture(fig)
 
