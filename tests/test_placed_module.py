@@ -1093,6 +1093,29 @@ def test_an_argument_the_example_gave_may_be_left_out_at_its_default(trace_metho
             placed(x)
 
 
+class _SumsItsInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, *xs):
+        return self.b(torch.relu(self.a(sum(xs))))
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_model_whose_forward_takes_star_args_is_placed(count):
+    """(found by fuzzing) forward(self, *xs) was never placed: the export's dynamic shapes gave one
+    spec per positional input, where torch.export wants those of *xs nested under its name, and the
+    TraceError's hint spoke of other things."""
+    torch.manual_seed(0)
+    model, inputs = _SumsItsInputs().eval(), tuple(torch.randn(4, 8) for _ in range(count))
+    placed = _place(model, inputs, microbatches=2)
+    with torch.no_grad():
+        assert torch.equal(placed(*inputs), model(*inputs))
+        with pytest.raises(UsageError, match="too many positional arguments"):  # the example's count is traced
+            placed(*inputs, inputs[0])
+
+
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jit.trace", "jit.script"])
 def test_a_function_transform_or_tracer_of_a_placed_model_is_refused_naming_it(transform):
     """vmap failed deep in a stage ('Cannot access storage of BatchedTensorImpl'), jit.trace with

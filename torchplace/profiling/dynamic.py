@@ -49,6 +49,15 @@ def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -
         return {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
 
 
+def _takes_var_positional(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``*args``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+
+
 def check_dynamic_dims(dynamic_dims: Any, model: nn.Module, args: tuple[Any, ...],
                        kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | str | None:
     """``dynamic_dims`` checked and keyed by parameter name, dims non-negative.
@@ -126,7 +135,7 @@ def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
             return {0: torch.export.Dim.AUTO, **{d: torch.export.Dim.DYNAMIC for d in extra}}
         return leaf
 
-    if not kwargs:
+    if not kwargs and not _takes_var_positional(model):  # export wants *args' specs nested under its name
         names = list(_bound(model, args, {}))
         return tuple(pytree.tree_map(spec(names[i] if i < len(names) else None), x) for i, x in enumerate(args))
     bound = _bound(model, args, kwargs)
