@@ -897,6 +897,11 @@ def _warn_of_fast_path(model: nn.Module) -> None:
                     "torch.backends.mha.set_fastpath_enabled(False) to have the model take the ordinary path too")
 
 
+def _first_few(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names`` for a warning's parenthesis, ``", ..."`` after them if there are more."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
 def _warn_of_eval_mode(model: nn.Module) -> None:
     """Warn that placing for inference puts ``model`` in eval mode (as ``model.eval()``), where it
     holds modules in training mode that compute otherwise there (:func:`_computes_otherwise_in_eval`).
@@ -905,9 +910,8 @@ def _warn_of_eval_mode(model: nn.Module) -> None:
     changed = [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
                if m.training and _computes_otherwise_in_eval(m)]
     if changed:
-        more = ", ..." if len(changed) > 3 else ""
         warn_caller(f"the model is in training mode, and placing it for inference puts it in eval mode, as "
-                    f"model.eval() does: {len(changed)} module(s) ({', '.join(changed[:3])}{more}) now compute as in "
+                    f"model.eval() does: {len(changed)} module(s) ({_first_few(changed)}) now compute as in "
                     "eval mode (no dropout; batch norm with its running statistics), and the placed model with them. "
                     "Call model.eval() before placing to say so, or place it with mode='training' to train")
 
@@ -938,8 +942,7 @@ def _warn_of_batch_statistics(model: nn.Module, m: int) -> None:
     names = [name or type(model).__name__ for name, module in model.named_modules()
              if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
     if names:
-        more = ", ..." if len(names) > 1 else ""
-        warn_caller(f"{len(names)} batch norm module(s) in training mode ({names[0]}{more}) normalise each of the {m} "
+        warn_caller(f"{len(names)} batch norm module(s) in training mode ({_first_few(names)}) normalise each of the {m} "
                     "micro-batches by its own statistics and update their running statistics once per micro-batch, "
                     "as the model run on the same micro-batches does, not as on the whole batch at once; place with "
                     "microbatches=1 to train on whole batches, or use a norm that keeps samples apart (nn.GroupNorm, "
@@ -953,16 +956,14 @@ def _warn_of_hooks(model: nn.Module) -> None:
     hooked = [name or type(model).__name__ for name, m in model.named_modules()
               if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
-        more = ", ..." if len(hooked) > 3 else ""
-        warn_caller(f"forward hooks of {len(hooked)} module(s) ({', '.join(hooked[:3])}{more}) ran while tracing: "
+        warn_caller(f"forward hooks of {len(hooked)} module(s) ({_first_few(hooked)}) ran while tracing: "
                     "what they compute into the outputs is in the placed graph, but their other effects (storing "
                     "activations, logging) will not happen on calls of the placed model; compute such values as "
                     "outputs of the model instead")
     backward = [name or type(model).__name__ for name, m in model.named_modules()
                 if m._backward_hooks or m._backward_pre_hooks]
     if backward:
-        more = ", ..." if len(backward) > 3 else ""
-        warn_caller(f"backward hooks of {len(backward)} module(s) ({', '.join(backward[:3])}{more}) will not run on "
+        warn_caller(f"backward hooks of {len(backward)} module(s) ({_first_few(backward)}) will not run on "
                     "the placed model: its traced graph makes no module calls, so a backward through it never "
                     "reaches them; register tensor hooks on the parameters (p.register_hook) instead")
 

@@ -253,7 +253,7 @@ class PipelineExecutor:
                 self.last_trace = list(state.trace)
                 self.last_spans = list(state.spans)
             joined = None if isinstance(self.joined_outputs, Exception) else self.joined_outputs
-            return gather(outputs, joined, given_pieces(args, kwargs, chunks))
+            return gather(outputs, joined, given_pieces(args, kwargs, chunks) if len(chunks) > 1 else None)
 
     def _start_state(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> _RunState:
         """Create the run's queues and put every micro-batch into the first one."""
