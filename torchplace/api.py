@@ -624,7 +624,7 @@ def prepare(
     pipeline = Pipeline(_split_count(args, kwargs, split)) if objective == "throughput" else None
     random = training and recompute and (drew or any(draws_random_numbers(traced.gm, n)
                                                      for n in traced.gm.graph.nodes))
-    written = _written_inputs(traced) if training and recompute else []
+    written = traced.written_inputs() if training and recompute else []
     # a stage that draws random numbers would draw them again when recomputed, and one that writes
     # a model input in place would write it again: such models are planned without recomputation
     unrecomputable = ("the model draws random numbers (dropout), which a recomputed stage would draw again, "
@@ -966,12 +966,6 @@ def _warn_of_hooks(model: nn.Module) -> None:
         warn_caller(f"backward hooks of {len(backward)} module(s) ({_first_few(backward)}) will not run on "
                     "the placed model: its traced graph makes no module calls, so a backward through it never "
                     "reaches them; register tensor hooks on the parameters (p.register_hook) instead")
-
-
-def _written_inputs(traced: Traced) -> list[str]:
-    """The model inputs (placeholders) the traced graph writes in place."""
-    inputs = {n.name for n in traced.gm.graph.find_nodes(op="placeholder")}
-    return sorted({name for names in traced.effects.written.values() for name in names} & inputs)
 
 
 def _check_given_recomputation(plan: Plan, problem: Problem, unrecomputable: str | None) -> None:

@@ -318,7 +318,7 @@ class PlacedModule(nn.Module):
     def _written_inputs(self, inputs: Any, kwargs: Mapping[str, Any] | None) -> list[torch.Tensor]:
         """The caller's tensors among ``inputs`` / ``kwargs`` (as :meth:`measure` takes them) that
         the model writes in place; none where the call does not bind (it raises when it runs)."""
-        names = {name for names in self._traced.effects.written.values() for name in names}
+        names = self._traced.written_inputs()
         if not names:
             return []
         try:

@@ -98,6 +98,11 @@ class Traced:
         """Fresh copies of the values of ``gm``'s placeholders, in order (see :func:`flat_inputs`)."""
         return flat_inputs(self.gm, example_inputs, example_kwargs, copy=True)
 
+    def written_inputs(self) -> list[str]:
+        """The model inputs (placeholders of ``gm``) the graph writes in place."""
+        inputs = {n.name for n in self.gm.graph.find_nodes(op="placeholder")}
+        return sorted({name for names in self.effects.written.values() for name in names} & inputs)
+
 
 # -- capture -----------------------------------------------------------------------------------
 class _LeafTracer(fx.Tracer):
